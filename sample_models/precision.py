@@ -1,0 +1,71 @@
+"""Precision recipes for the sample models: which dtypes the dense layers use.
+
+Every dense layer of the sample models calls `Precision.matmul`, so one object decides
+the whole model's recipe: the dtype its parameters live in, and optional quantise-dequantise
+casts of the matmul inputs (forward) and of the output gradient (backward). Attention score
+and value products stay in the compute dtype, uncast, as in common FP8 recipes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+
+from scalescope.ops.cast import cast_on_backward, cast_on_forward
+
+DType = Any
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A named precision recipe.
+
+    fwd_dtype: if set, both matmul operands are rounded to it in the forward pass.
+    bwd_dtype: if set, the gradient flowing into each matmul output is rounded to it.
+    param_dtype: the dtype the parameters are initialised and stored in.
+    """
+
+    name: str
+    fwd_dtype: DType | None = None
+    bwd_dtype: DType | None = None
+    param_dtype: DType = jnp.float32
+
+    def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """Dense-layer product ``x @ w`` (``x``: [..., d_in], ``w``: [d_in, d_out]).
+
+        Operands are cast on the forward pass and the output gradient on the backward pass
+        when the recipe says so; the product accumulates and returns in ``x``'s dtype.
+        """
+        w = w.astype(x.dtype)
+        if self.fwd_dtype is not None:
+            x = cast_on_forward(x, self.fwd_dtype)
+            w = cast_on_forward(w, self.fwd_dtype)
+        out = jnp.matmul(x, w, preferred_element_type=x.dtype)
+        if self.bwd_dtype is not None:
+            out = cast_on_backward(out, self.bwd_dtype)
+        return out
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32"),
+    "fp16": Precision("fp16", param_dtype=jnp.float16),
+    "fp8": Precision(
+        "fp8",
+        fwd_dtype=ml_dtypes.float8_e4m3fn,
+        bwd_dtype=ml_dtypes.float8_e5m2,
+        param_dtype=jnp.float16,
+    ),
+}
+
+
+def get_precision(name: str) -> Precision:
+    """Look up a preset recipe by name ("fp32", "fp16", "fp8")."""
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        known = ", ".join(sorted(PRECISIONS))
+        raise ValueError(f"unknown precision {name!r}; expected one of: {known}") from None

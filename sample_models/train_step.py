@@ -1,0 +1,46 @@
+"""Optimizer and a generic, un-jitted training step for the sample models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+LossFn = Callable[[Any, Any], jax.Array]
+TrainStep = Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, jax.Array]]
+
+
+def make_optimizer(
+    learning_rate: float = 2e-3,
+    weight_decay: float = 0.01,
+    schedule_steps: int | None = None,
+    eps: float = 1e-6,
+) -> optax.GradientTransformation:
+    """AdamW, with a cosine decay of the learning rate over ``schedule_steps`` if given.
+
+    optax keeps its state and update math in the parameters' dtype. The default ``eps``
+    (1e-6, not optax's 1e-8) is one float16 can represent: 1e-8 rounds to zero there, and a
+    parameter whose gradient is exactly zero (an unused embedding row) then gets 0/0 = NaN.
+    """
+    lr: float | optax.Schedule = learning_rate
+    if schedule_steps is not None:
+        lr = optax.cosine_decay_schedule(learning_rate, decay_steps=schedule_steps)
+    return optax.adamw(lr, eps=eps, weight_decay=weight_decay)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) -> TrainStep:
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    ``loss_fn(params, batch)`` returns a scalar. The step is not jitted here, so callers can
+    jit, scalify or instrument it.
+    """
+
+    def step(params: Any, opt_state: optax.OptState, batch: Any):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    return step

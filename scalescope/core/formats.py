@@ -1,0 +1,86 @@
+"""Number formats scalescope audits against: FP8 (E4M3, E5M2), FP16, BF16 and FP32.
+
+Every constant is read from `ml_dtypes.finfo`, so the figures are those of the dtypes
+JAX actually casts to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Format:
+    """A floating-point format: its dtype and the limits that decide under/overflow."""
+
+    name: str
+    dtype: np.dtype
+    max: float
+    min_normal: float
+    min_subnormal: float
+    mantissa_bits: int
+    exponent_bits: int
+
+    @property
+    def min_exponent(self) -> int:
+        """Exponent of the smallest normal number (``min_normal == 2**min_exponent``)."""
+        return int(np.log2(self.min_normal))
+
+    @property
+    def max_exponent(self) -> int:
+        """Exponent of the largest finite number (``floor(log2(max))``)."""
+        return int(np.floor(np.log2(self.max)))
+
+
+def _from_dtype(name: str, dtype) -> Format:
+    dtype = np.dtype(dtype)
+    info = ml_dtypes.finfo(dtype)
+    return Format(
+        name=name,
+        dtype=dtype,
+        max=float(info.max),
+        min_normal=float(info.smallest_normal),
+        min_subnormal=float(info.smallest_subnormal),
+        mantissa_bits=int(info.nmant),
+        exponent_bits=int(info.nexp),
+    )
+
+
+FORMATS: dict[str, Format] = {
+    "e4m3": _from_dtype("e4m3", ml_dtypes.float8_e4m3fn),
+    "e5m2": _from_dtype("e5m2", ml_dtypes.float8_e5m2),
+    "fp16": _from_dtype("fp16", np.float16),
+    "bf16": _from_dtype("bf16", ml_dtypes.bfloat16),
+    "fp32": _from_dtype("fp32", np.float32),
+}
+
+_ALIASES = {
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(FORMATS)
+
+
+def get(name) -> Format:
+    """Look a format up by its short name (``"e4m3"``), dtype name or dtype."""
+    if isinstance(name, Format):
+        return name
+    if not isinstance(name, str):
+        try:
+            name = np.dtype(name).name
+        except TypeError as err:
+            raise KeyError(f"not a format name or dtype: {name!r}") from err
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in FORMATS:
+        raise KeyError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}")
+    return FORMATS[key]

@@ -1,0 +1,134 @@
+"""`ScaledArray`: a tensor stored as ``data * scale``.
+
+The data carries the low-precision payload (FP8, FP16, BF16 or FP32) and is kept near
+unit RMS by the scalify engine; the scale is a float32 scalar, a power of two, that holds
+the magnitude. Both are JAX arrays, so a `ScaledArray` is an ordinary pytree that passes
+through `jax.jit`, `jax.grad`, optax and flax unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCALE_DTYPE = jnp.float32
+
+
+@jax.tree_util.register_pytree_node_class
+class ScaledArray:
+    """A tensor represented as ``data * scale`` with a scalar ``scale``.
+
+    ``shape`` and ``dtype`` are those of ``data``: a `ScaledArray` stands for a tensor of
+    that shape and dtype, and the scalify engine traces user code on exactly that aval.
+    """
+
+    __slots__ = ("data", "scale")
+    __array_priority__ = 1000
+
+    def __init__(self, data: Any, scale: Any):
+        self.data = data
+        self.scale = scale
+
+    # -- pytree ------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (self.data, self.scale), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.data, obj.scale = children
+        return obj
+
+    # -- array-like metadata -----------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(np.shape(self.data))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.data.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(self.shape, self.dtype)
+
+    def to_array(self, dtype: Any = None) -> jax.Array:
+        """The represented value ``data * scale``, computed in float32 (or wider) and
+        returned as ``dtype`` (default: the data dtype)."""
+        out_dtype = self.dtype if dtype is None else np.dtype(dtype)
+        wide = jnp.promote_types(jnp.promote_types(self.dtype, SCALE_DTYPE), out_dtype)
+        value = jnp.asarray(self.data).astype(wide) * jnp.asarray(self.scale).astype(wide)
+        return value.astype(out_dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.to_array(), dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+
+
+def is_scaled_array(x: Any) -> bool:
+    return isinstance(x, ScaledArray)
+
+
+def _is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return isinstance(x, float)
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _check_scale(scale: Any) -> jax.Array:
+    scale = jnp.asarray(scale, dtype=SCALE_DTYPE)
+    if scale.ndim != 0:
+        raise ValueError(f"ScaledArray scale must be a scalar, got shape {scale.shape}")
+    if not isinstance(scale, jax.core.Tracer):
+        value = float(scale)
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"ScaledArray scale must be finite and positive, got {value}")
+    return scale
+
+
+def as_scaled_array(tree: Any, scale: Any = None) -> Any:
+    """Turn every floating-point leaf of ``tree`` into a `ScaledArray`.
+
+    With ``scale=None`` the scale is 1 and the data is the leaf itself; otherwise the data
+    is ``leaf / scale`` in the leaf's dtype (exact for a power-of-two scale). Integer, bool
+    and non-array leaves, and leaves that already are `ScaledArray`, are returned as is.
+    """
+
+    def convert(leaf):
+        if isinstance(leaf, ScaledArray) or not _is_float(leaf):
+            return leaf
+        arr = jnp.asarray(leaf)
+        if scale is None:
+            return ScaledArray(arr, jnp.ones((), SCALE_DTYPE))
+        s = _check_scale(scale)
+        wide = jnp.promote_types(arr.dtype, SCALE_DTYPE)
+        return ScaledArray((arr.astype(wide) / s).astype(arr.dtype), s)
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_array)
+
+
+def asarray(tree: Any, dtype: Any = None) -> Any:
+    """Replace every `ScaledArray` leaf of ``tree`` by the plain array it represents."""
+
+    def convert(leaf):
+        if isinstance(leaf, ScaledArray):
+            return leaf.to_array(dtype)
+        if dtype is not None and _is_float(leaf):
+            return jnp.asarray(leaf, dtype=dtype)
+        return leaf
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_array)

@@ -1,0 +1,156 @@
+"""Operations on the scale itself: dynamic rescaling, setting and dropping the scale.
+
+Each is a small JAX primitive that is the identity on plain values (so a model keeps
+working outside `scalify`) and has a scaled rule that moves magnitude between data and
+scale. ``dynamic_rescale_*`` re-centres data at unit norm when static scale propagation
+has lost track of it, which is the fix the advisor suggests.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from ..core.pow2 import pow2_round_down
+from ..core.scaled_array import SCALE_DTYPE, ScaledArray
+from ..scalify.common import make_scaled, rescale_data, unscale
+from ..scalify.registry import register_rule
+
+NORMS = ("l1", "l2", "max")
+
+
+def _identity_primitive(name: str) -> Primitive:
+    """A primitive that is the identity on its first operand for every transformation."""
+    prim = Primitive(name)
+    prim.def_impl(lambda x, *rest, **params: x)
+    prim.def_abstract_eval(lambda x, *rest, **params: x)
+    mlir.register_lowering(prim, lambda ctx, x, *rest, **params: [x])
+
+    def jvp(primals, tangents, **params):
+        return prim.bind(*primals, **params), tangents[0]
+
+    def batch(args, dims, **params):
+        if any(d is not batching.not_mapped for d in dims[1:]):
+            raise ValueError(f"{name}: the scale argument cannot be batched")
+        return prim.bind(*args, **params), dims[0]
+
+    ad.primitive_jvps[prim] = jvp
+    batching.primitive_batchers[prim] = batch
+    return prim
+
+
+dynamic_rescale_p = _identity_primitive("dynamic_rescale")
+set_scaling_p = _identity_primitive("set_scaling")
+stop_scaling_p = _identity_primitive("stop_scaling")
+
+
+def _check_float(x, where: str):
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{where}: expected a floating-point array, got {dtype}")
+
+
+def _dynamic_rescale(x, norm: str):
+    _check_float(x, f"dynamic_rescale_{norm}")
+    return dynamic_rescale_p.bind(x, norm=norm)
+
+
+def dynamic_rescale_l1(x):
+    """Move the mean absolute value of the data into the scale (identity on values)."""
+    return _dynamic_rescale(x, "l1")
+
+
+def dynamic_rescale_l2(x):
+    """Move the RMS of the data into the scale, so the data has unit RMS again."""
+    return _dynamic_rescale(x, "l2")
+
+
+def dynamic_rescale_max(x):
+    """Move the abs-max of the data into the scale, so the data fits in [-1, 1]."""
+    return _dynamic_rescale(x, "max")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _rescale_grad(x, norm):
+    return x
+
+
+def _rescale_grad_fwd(x, norm):
+    return x, None
+
+
+def _rescale_grad_bwd(norm, _, ct):
+    return (dynamic_rescale_p.bind(ct, norm=norm),)
+
+
+_rescale_grad.defvjp(_rescale_grad_fwd, _rescale_grad_bwd)
+
+
+def dynamic_rescale_l1_grad(x):
+    """Identity forward; dynamic L1 rescaling of the gradient in the backward pass."""
+    _check_float(x, "dynamic_rescale_l1_grad")
+    return _rescale_grad(x, "l1")
+
+
+def dynamic_rescale_l2_grad(x):
+    """Identity forward; dynamic RMS rescaling of the gradient in the backward pass."""
+    _check_float(x, "dynamic_rescale_l2_grad")
+    return _rescale_grad(x, "l2")
+
+
+def dynamic_rescale_max_grad(x):
+    """Identity forward; dynamic abs-max rescaling of the gradient in the backward pass."""
+    _check_float(x, "dynamic_rescale_max_grad")
+    return _rescale_grad(x, "max")
+
+
+def set_scaling(x, scale):
+    """Re-express ``x`` with the given ``scale`` (identity on values)."""
+    _check_float(x, "set_scaling")
+    return set_scaling_p.bind(x, jnp.asarray(scale, SCALE_DTYPE))
+
+
+def stop_scaling(x):
+    """Turn a scaled value back into a plain array inside `scalify` (identity outside)."""
+    _check_float(x, "stop_scaling")
+    return stop_scaling_p.bind(x)
+
+
+# -- scaled rules -----------------------------------------------------------------------
+
+
+def _norm(data, norm: str):
+    d = data.astype(jnp.promote_types(data.dtype, SCALE_DTYPE))
+    if norm == "l1":
+        return jnp.mean(jnp.abs(d))
+    if norm == "l2":
+        return jnp.sqrt(jnp.mean(d * d))
+    return jnp.max(jnp.abs(d))
+
+
+def scaled_dynamic_rescale(x, *, norm: str):
+    if not isinstance(x, ScaledArray):
+        x = make_scaled(x, jnp.ones((), SCALE_DTYPE))
+    n = _norm(x.data, norm)
+    factor = jnp.where(jnp.isfinite(n) & (n > 0), pow2_round_down(n), 1.0).astype(SCALE_DTYPE)
+    return make_scaled(rescale_data(x.data, 1.0 / factor), x.scale * factor)
+
+
+def scaled_set_scaling(x, scale):
+    scale = unscale(scale).astype(SCALE_DTYPE)
+    if isinstance(x, ScaledArray):
+        return make_scaled(rescale_data(x.data, x.scale / scale), scale)
+    return make_scaled(rescale_data(x, 1.0 / scale), scale)
+
+
+def scaled_stop_scaling(x):
+    return unscale(x)
+
+
+register_rule(dynamic_rescale_p, scaled_dynamic_rescale, on_plain=True)
+register_rule(set_scaling_p, scaled_set_scaling, on_plain=True)
+register_rule(stop_scaling_p, scaled_stop_scaling)

@@ -1,0 +1,23 @@
+"""The scalify engine: a jaxpr interpreter with one scaled rule per primitive."""
+
+from . import rules_control, rules_elementwise, rules_reduce, rules_shape  # noqa: F401
+from .interpreter import Context, Fallback, ScalifyError, eval_jaxpr, scalify, trace_to_jaxpr
+from .registry import RULES, Rule, get_rule, has_rule, register_rule, registered_primitives
+from .source import format_source, user_frame
+
+__all__ = [
+    "RULES",
+    "Context",
+    "Fallback",
+    "Rule",
+    "ScalifyError",
+    "eval_jaxpr",
+    "format_source",
+    "get_rule",
+    "has_rule",
+    "register_rule",
+    "registered_primitives",
+    "scalify",
+    "trace_to_jaxpr",
+    "user_frame",
+]

@@ -1,0 +1,152 @@
+"""Helpers shared by the scaled rules: lifting plain values, aligning scales, unscaling.
+
+Rules see two kinds of inputs: `ScaledArray` and plain values (tracers, or literals of
+the jaxpr such as ``0.0`` or ``-inf``). Plain literals are never given a scale of their
+own: a literal next to a scaled operand is expressed in that operand's scale, so ``0``
+and ``±inf`` stay exact and never poison a scale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core.pow2 import pow2_round_down
+from ..core.scaled_array import SCALE_DTYPE, ScaledArray
+
+
+def is_scaled(x: Any) -> bool:
+    return isinstance(x, ScaledArray)
+
+
+def make_scaled(data: Any, scale: Any) -> ScaledArray:
+    """A `ScaledArray` with a float32 scalar scale."""
+    return ScaledArray(data, jnp.asarray(scale, SCALE_DTYPE))
+
+
+def unit_scale() -> jax.Array:
+    return jnp.ones((), SCALE_DTYPE)
+
+
+def concrete_scalar(x: Any) -> float | None:
+    """The value of ``x`` if it is a Python/NumPy scalar known at trace time, else None."""
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, (int, float, np.number)):
+        return float(x)
+    if isinstance(x, np.ndarray) and x.ndim == 0 and np.issubdtype(x.dtype, np.number):
+        return float(x)
+    return None
+
+
+def wide_dtype(dtype: Any) -> np.dtype:
+    """The dtype rescaling is computed in: at least float32."""
+    return np.dtype(jnp.promote_types(dtype, SCALE_DTYPE))
+
+
+def rescale_data(data: Any, factor: Any) -> jax.Array:
+    """``data * factor`` computed in at least float32 and returned in data's dtype.
+
+    ``factor`` is a ratio of power-of-two scales, so this is exact unless the result
+    leaves the data format's range.
+    """
+    data = jnp.asarray(data)
+    wide = wide_dtype(data.dtype)
+    return (data.astype(wide) * jnp.asarray(factor, wide)).astype(data.dtype)
+
+
+def unscale(x: Any, dtype: Any = None) -> Any:
+    """The plain value of ``x`` (``data * scale``), in ``dtype`` or its own dtype."""
+    if is_scaled(x):
+        return x.to_array(dtype)
+    if dtype is not None:
+        return jnp.asarray(x).astype(dtype)
+    return x
+
+
+def scale_of(x: Any) -> jax.Array:
+    return x.scale if is_scaled(x) else unit_scale()
+
+
+def lift(x: Any, scale: Any, dtype: Any) -> jax.Array:
+    """Data of plain value ``x`` expressed in ``scale`` (``x / scale``) as ``dtype``."""
+    c = concrete_scalar(x)
+    if c is not None and (c == 0.0 or not math.isfinite(c)):
+        # 0 and ±inf (and NaN) are the same in every scale: never divide them.
+        return jnp.asarray(c, dtype)
+    x = jnp.asarray(x)
+    wide = wide_dtype(jnp.promote_types(x.dtype, dtype))
+    return (x.astype(wide) / jnp.asarray(scale, wide)).astype(dtype)
+
+
+def common_scale(xs: list[Any]) -> jax.Array:
+    """Largest scale among the scaled inputs (all inputs then have data <= their own)."""
+    scales = [x.scale for x in xs if is_scaled(x)]
+    if not scales:
+        return unit_scale()
+    out = scales[0]
+    for s in scales[1:]:
+        out = jnp.maximum(out, s)
+    return out
+
+
+def align(xs: list[Any], dtype: Any = None, scale: Any = None) -> tuple[list[Any], jax.Array]:
+    """Express every input in one common scale; returns the data list and the scale.
+
+    Scaled inputs are rescaled by the ratio of their scale to the common one (exact for
+    powers of two); plain inputs are lifted. ``dtype`` defaults to the first scaled
+    input's data dtype and is used for lifted plain values.
+    """
+    if scale is None:
+        scale = common_scale(xs)
+    if dtype is None:
+        dtype = next(x.dtype for x in xs if is_scaled(x))
+    datas = []
+    for x in xs:
+        if is_scaled(x):
+            if x.scale is scale:
+                datas.append(x.data)
+            else:
+                datas.append(rescale_data(x.data, x.scale / scale))
+        else:
+            datas.append(lift(x, scale, dtype))
+    return datas, scale
+
+
+def pow2_sqrt_static(n: float) -> float:
+    """Power of two (rounded down) of ``sqrt(n)``, as a Python float known at trace time."""
+    if n <= 1:
+        return 1.0
+    return math.ldexp(1.0, math.frexp(math.sqrt(n))[1] - 1)
+
+
+def pow2_norm_scale(*scales: Any) -> jax.Array:
+    """Power of two (rounded down) of ``sqrt(sum(s**2))``: the scale of a sum of
+    independent unit-RMS terms with those scales."""
+    total = scales[0] * scales[0]
+    for s in scales[1:]:
+        total = total + s * s
+    return pow2_round_down(jnp.sqrt(total)).astype(SCALE_DTYPE)
+
+
+def split_pow2(c: float) -> tuple[float, float]:
+    """Split a finite non-zero constant into (mantissa, power of two): ``c == m * p``,
+    ``1 <= |m| < 2``."""
+    f, e = math.frexp(c)
+    return 2.0 * f, math.ldexp(1.0, e - 1)
+
+
+def on_unscaled(prim):
+    """Rule evaluating ``prim`` on unscaled values (in at least float32); scale 1 out."""
+
+    def rule(*args, **params):
+        dtype = next(a.dtype for a in args if is_scaled(a))
+        wide = jnp.promote_types(dtype, SCALE_DTYPE)
+        vals = [unscale(a, wide) for a in args]
+        return make_scaled(prim.bind(*vals, **params).astype(dtype), unit_scale())
+
+    return rule

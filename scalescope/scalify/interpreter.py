@@ -1,0 +1,261 @@
+"""`scalify`: trace a function to a jaxpr and interpret it on `ScaledArray` values.
+
+The interpreter follows JAX's "custom jaxpr interpreter" pattern: walk the equations,
+bind those with no scaled input unchanged, and send those with a scaled input to the
+primitive's scaled rule. Higher-order primitives (jit, scan, cond, ...) are interpreted
+recursively through the same context.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+
+from ..core.scaled_array import SCALE_DTYPE, ScaledArray
+from .registry import get_rule
+from .source import format_source
+
+FALLBACK_POLICIES = ("raise", "unscale")
+
+
+class ScalifyError(Exception):
+    """A primitive could not be run on scaled values."""
+
+
+@dataclass
+class Fallback:
+    """A primitive that ran on unscaled values under ``fallback="unscale"``."""
+
+    primitive: str
+    source: str
+
+
+@dataclass
+class Context:
+    """State of one interpretation: the fallback policy and what fell back.
+
+    ``recurse_plain`` makes higher-order primitives be interpreted even when none of
+    their inputs is scaled (an observer such as the probe needs to see inside them).
+    ``observer``, when set, is called as ``observer(ctx, eqn, invals, outvals)`` after
+    every equation.
+    """
+
+    fallback: str = "raise"
+    fallbacks: list[Fallback] = field(default_factory=list)
+    recurse_plain: bool = False
+    observer: Callable[..., None] | None = None
+    check: bool = True
+
+    def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        return eval_jaxpr(self, jaxpr, consts, args)
+
+    def eval_closed(self, closed: Any, args: Sequence[Any]) -> list[Any]:
+        return eval_jaxpr(self, closed.jaxpr, closed.consts, args)
+
+
+def _read(env: dict, v: Any) -> Any:
+    if isinstance(v, Literal):
+        return v.val
+    return env[v]
+
+
+def bind_plain(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Bind ``eqn``'s primitive on plain values with its own parameters."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # Older JAX releases return (subfuns, params); current ones return params only.
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _unscale_all(invals: Sequence[Any]) -> list[Any]:
+    return [x.to_array() if isinstance(x, ScaledArray) else x for x in invals]
+
+
+def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    prim = eqn.primitive
+    scaled = any(isinstance(x, ScaledArray) for x in invals)
+    rule = get_rule(prim)
+    if rule is not None and rule.higher_order and (scaled or ctx.recurse_plain):
+        return list(rule.fn(ctx, eqn, invals))
+    if not scaled and not (rule is not None and rule.on_plain):
+        return bind_plain(eqn, invals)
+    if rule is None:
+        source = format_source(eqn.source_info)
+        if ctx.fallback == "unscale":
+            ctx.fallbacks.append(Fallback(prim.name, source))
+            return bind_plain(eqn, _unscale_all(invals))
+        raise ScalifyError(
+            f"scalify: no scaled rule for primitive '{prim.name}' (at {source}). "
+            "Use scalify(fn, fallback='unscale') to run it on unscaled values, or "
+            "register a rule with scalescope.scalify.register_rule."
+        )
+    out = rule.fn(*invals, **eqn.params)
+    return list(out) if prim.multiple_results else [out]
+
+
+def _check_outputs(eqn: Any, outvals: Sequence[Any]) -> None:
+    if len(outvals) != len(eqn.outvars):
+        raise ScalifyError(
+            f"scalify: rule for '{eqn.primitive.name}' returned {len(outvals)} outputs, "
+            f"expected {len(eqn.outvars)}"
+        )
+    for var, out in zip(eqn.outvars, outvals):
+        aval = var.aval
+        if not hasattr(aval, "shape"):
+            continue
+        data = out.data if isinstance(out, ScaledArray) else out
+        shape, dtype = np.shape(data), getattr(data, "dtype", None)
+        if tuple(shape) != tuple(aval.shape) or (dtype is not None and dtype != aval.dtype):
+            raise ScalifyError(
+                f"scalify: rule for '{eqn.primitive.name}' produced {dtype}{list(shape)}, "
+                f"expected {aval.dtype}{list(aval.shape)} (at {format_source(eqn.source_info)})"
+            )
+        if isinstance(out, ScaledArray) and (
+            np.shape(out.scale) != () or out.scale.dtype != SCALE_DTYPE
+        ):
+            raise ScalifyError(
+                f"scalify: rule for '{eqn.primitive.name}' produced a scale of "
+                f"{out.scale.dtype}{list(np.shape(out.scale))}; scales are float32 scalars"
+            )
+
+
+def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Interpret ``jaxpr`` on values that may be `ScaledArray`."""
+    env: dict[Any, Any] = {}
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args, strict=True):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [_read(env, v) for v in eqn.invars]
+        outvals = _apply(ctx, eqn, invals)
+        if ctx.check:
+            _check_outputs(eqn, outvals)
+        if ctx.observer is not None:
+            ctx.observer(ctx, eqn, invals, outvals)
+        for v, out in zip(eqn.outvars, outvals):
+            env[v] = out
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+# -- the transform ----------------------------------------------------------------------
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, ScaledArray)
+    )
+
+
+def _signature(leaves: Sequence[Any]) -> tuple[list[Any], list[Any], tuple[Any, ...]]:
+    """Split flat leaves into dynamic values, their abstract values, and a cache key."""
+    dyn, avals, key = [], [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, ScaledArray):
+            shape, dtype = tuple(np.shape(leaf.data)), np.dtype(leaf.data.dtype)
+            dyn.append(leaf)
+            avals.append(jax.ShapeDtypeStruct(shape, dtype))
+            key.append(("scaled", shape, dtype))
+        elif _is_array_like(leaf):
+            aval = jax.typeof(leaf)
+            dyn.append(leaf)
+            avals.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type))
+            key.append(("array", tuple(aval.shape), np.dtype(aval.dtype), aval.weak_type))
+        else:
+            try:
+                hash(leaf)
+            except TypeError as err:
+                raise TypeError(
+                    f"scalify: argument leaf {i} of type {type(leaf).__name__} is neither an "
+                    "array nor a hashable static value"
+                ) from err
+            key.append(("static", type(leaf), leaf))
+    return dyn, avals, tuple(key)
+
+
+def _has_tracer(consts: Sequence[Any]) -> bool:
+    return any(isinstance(c, jax.core.Tracer) for c in consts)
+
+
+def trace_to_jaxpr(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
+    """Trace ``fn`` on the data avals of its (possibly scaled) arguments.
+
+    Returns the closed jaxpr, the output treedef and the dynamic input values.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray)
+    )
+    dyn, avals, _ = _signature(leaves)
+    closed, out_tree = _trace(fn, leaves, treedef, avals)
+    return closed, out_tree, dyn
+
+
+def _trace(fn, leaves, treedef, avals):
+    dyn_pos = [
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, ScaledArray) or _is_array_like(leaf)
+    ]
+
+    def flat_fn(*dyn_vals):
+        full = list(leaves)
+        for pos, val in zip(dyn_pos, dyn_vals):
+            full[pos] = val
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        return fn(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+    return closed, jax.tree_util.tree_structure(out_shape)
+
+
+def scalify(fn: Callable[..., Any], *, fallback: str = "raise") -> Callable[..., Any]:
+    """Transform ``fn`` so that it runs on `ScaledArray` inputs with scale propagation.
+
+    ``fn`` is traced on the data avals (shape and dtype of each `ScaledArray`'s data) and
+    its jaxpr interpreted: every primitive with a scaled input runs its scaled rule, the
+    rest run unchanged. Scaled outputs are returned as `ScaledArray`.
+
+    ``fallback``: ``"raise"`` (default) raises `ScalifyError` naming the primitive and
+    the user's source line when a primitive with scaled inputs has no rule;
+    ``"unscale"`` runs such a primitive on the unscaled values instead and lists it in
+    the wrapped function's ``fallbacks`` attribute (reset on every call).
+
+    The traced jaxpr is cached per input signature (tree structure, shapes, dtypes,
+    which leaves are scaled, static leaves). Non-array leaves are static.
+    """
+    if fallback not in FALLBACK_POLICIES:
+        raise ValueError(f"scalify: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}")
+    cache: dict[Any, tuple[Any, Any]] = {}
+
+    @functools.wraps(fn)
+    def scalified(*args, **kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten(
+            (args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray)
+        )
+        dyn, avals, key = _signature(leaves)
+        key = (treedef, key)
+        entry = cache.get(key)
+        if entry is None:
+            entry = _trace(fn, leaves, treedef, avals)
+            if not _has_tracer(entry[0].consts):
+                cache[key] = entry
+        closed, out_tree = entry
+        ctx = Context(fallback=fallback)
+        outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
+        scalified.fallbacks = list(ctx.fallbacks)
+        for fb in ctx.fallbacks:
+            warnings.warn(
+                f"scalify: '{fb.primitive}' ran on unscaled values (at {fb.source})",
+                stacklevel=2,
+            )
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    scalified.fallbacks = []
+    scalified.cache_size = lambda: len(cache)
+    return scalified

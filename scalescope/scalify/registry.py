@@ -1,0 +1,53 @@
+"""The rule table: one scaled rule per JAX primitive, keyed by primitive name.
+
+A *plain* rule is called as ``rule(*invals, **params)`` with `ScaledArray` or plain array
+inputs and returns the outputs (a list for multiple-result primitives). A *higher-order*
+rule (jit, scan, cond, ...) is called as ``rule(ctx, eqn, invals)`` and interprets the
+sub-jaxprs it carries through ``ctx``.
+
+Keys are primitive names (``eqn.primitive.name``) rather than primitive objects, so rules
+can be registered for primitives that JAX does not export publicly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Rule:
+    fn: Callable[..., Any]
+    higher_order: bool = False
+    on_plain: bool = False  # also run when no input is scaled (e.g. set_scaling)
+
+
+RULES: dict[str, Rule] = {}
+
+
+def _name(prim: Any) -> str:
+    return prim if isinstance(prim, str) else prim.name
+
+
+def register_rule(
+    prim: Any, fn: Callable[..., Any], *, higher_order: bool = False, on_plain: bool = False
+) -> None:
+    """Register ``fn`` as the scaled rule of ``prim`` (a primitive or its name).
+
+    ``on_plain=True`` makes the interpreter use the rule even when no input is scaled,
+    for primitives whose purpose is to create scaled values.
+    """
+    RULES[_name(prim)] = Rule(fn, higher_order, on_plain)
+
+
+def get_rule(prim: Any) -> Rule | None:
+    return RULES.get(_name(prim))
+
+
+def has_rule(prim: Any) -> bool:
+    return _name(prim) in RULES
+
+
+def registered_primitives() -> tuple[str, ...]:
+    return tuple(sorted(RULES))

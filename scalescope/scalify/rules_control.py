@@ -1,0 +1,179 @@
+"""Higher-order primitives: interpreted recursively, never rejected.
+
+``jit`` and the custom-derivative calls are inlined (their primal jaxpr is interpreted in
+place, under the call's name). ``scan``, ``while`` and ``cond`` are rebuilt with
+`jax.lax` control flow whose bodies interpret the original sub-jaxprs, so scaled values
+flow through loops and branches.
+
+Loop carries keep a stable structure: a carry that is scaled on the way in is scaled on
+the way out. Which carries must be scaled is found by a fixpoint: trace the body, and if
+an unscaled carry comes back scaled, promote it and trace again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .common import is_scaled, make_scaled, rescale_data, unit_scale, unscale
+from .registry import register_rule
+
+
+class _CarryMaskChanged(Exception):
+    def __init__(self, mask: list[bool]):
+        super().__init__("carry mask changed")
+        self.mask = mask
+
+
+def _to_scaled(x):
+    if is_scaled(x):
+        return x
+    x = jnp.asarray(x)
+    return make_scaled(x, unit_scale())
+
+
+def _conform(values, mask):
+    """Make ``values`` match ``mask`` (True: scaled). Raises when a value is scaled where
+    the mask says plain, so the caller can widen the mask and retrace."""
+    grown = [m or is_scaled(v) for m, v in zip(mask, values)]
+    if grown != list(mask):
+        raise _CarryMaskChanged(grown)
+    return [_to_scaled(v) if m else v for v, m in zip(values, mask)]
+
+
+def _scope(name: str | None):
+    return jax.named_scope(name) if name else contextlib.nullcontext()
+
+
+# -- calls -----------------------------------------------------------------------------
+
+
+def scaled_jit(ctx, eqn, invals):
+    with _scope(eqn.params.get("name")):
+        return ctx.eval_closed(eqn.params["jaxpr"], invals)
+
+
+def scaled_custom_call(ctx, eqn, invals):
+    closed = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+    with _scope(eqn.params.get("name")):
+        return ctx.eval_closed(closed, invals)
+
+
+def scaled_remat(ctx, eqn, invals):
+    return ctx.eval_jaxpr(eqn.params["jaxpr"], [], invals)
+
+
+def scaled_closed_call(ctx, eqn, invals):
+    return ctx.eval_closed(eqn.params["call_jaxpr"], invals)
+
+
+# -- loops and branches ------------------------------------------------------------------
+
+
+def _merge_stacked(y):
+    """A scan output stacked from per-iteration `ScaledArray` values has one scale per
+    iteration; express it in the largest of them (exact power-of-two ratios)."""
+    if not is_scaled(y):
+        return y
+    scales = y.scale
+    if scales.shape[0] == 0:
+        return make_scaled(y.data, unit_scale())
+    top = jnp.max(scales)
+    factor = (scales / top).reshape((-1,) + (1,) * (y.data.ndim - 1))
+    return make_scaled(rescale_data(y.data, factor), top)
+
+
+def scaled_scan(ctx, eqn, invals):
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    body = p["jaxpr"]
+    consts = invals[:n_consts]
+    init = invals[n_consts : n_consts + n_carry]
+    xs = invals[n_consts + n_carry :]
+    xs_data = [x.data if is_scaled(x) else x for x in xs]
+    xs_scale = [x.scale if is_scaled(x) else None for x in xs]
+    mask = [is_scaled(c) for c in init]
+
+    while True:
+
+        def step(carry, x, mask=mask):
+            x_vals = [make_scaled(d, s) if s is not None else d for d, s in zip(x, xs_scale)]
+            outs = ctx.eval_closed(body, [*consts, *carry, *x_vals])
+            return _conform(outs[:n_carry], mask), outs[n_carry:]
+
+        carry0 = [_to_scaled(c) if m else c for c, m in zip(init, mask)]
+        try:
+            carry, ys = lax.scan(
+                step,
+                carry0,
+                xs_data,
+                length=p["length"],
+                reverse=p["reverse"],
+                unroll=p["unroll"],
+            )
+        except _CarryMaskChanged as change:
+            mask = change.mask
+            continue
+        return [*carry, *[_merge_stacked(y) for y in ys]]
+
+
+def scaled_while(ctx, eqn, invals):
+    p = eqn.params
+    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts = invals[:n_cond]
+    body_consts = invals[n_cond : n_cond + n_body]
+    init = invals[n_cond + n_body :]
+    mask = [is_scaled(c) for c in init]
+
+    def cond_fn(carry):
+        (pred,) = ctx.eval_closed(p["cond_jaxpr"], [*cond_consts, *carry])
+        return unscale(pred)
+
+    while True:
+
+        def body_fn(carry, mask=mask):
+            return _conform(ctx.eval_closed(p["body_jaxpr"], [*body_consts, *carry]), mask)
+
+        carry0 = [_to_scaled(c) if m else c for c, m in zip(init, mask)]
+        try:
+            return list(lax.while_loop(cond_fn, body_fn, carry0))
+        except _CarryMaskChanged as change:
+            mask = change.mask
+
+
+def scaled_cond(ctx, eqn, invals):
+    branches = eqn.params["branches"]
+    index, operands = unscale(invals[0]), invals[1:]
+    mask = [False] * len(branches[0].out_avals)
+
+    while True:
+
+        def make_branch(closed, mask=mask):
+            return lambda *ops: _conform(ctx.eval_closed(closed, list(ops)), mask)
+
+        try:
+            return list(lax.switch(index, [make_branch(b) for b in branches], *operands))
+        except _CarryMaskChanged as change:
+            mask = change.mask
+
+
+RULES = {
+    "jit": scaled_jit,
+    "pjit": scaled_jit,
+    "custom_jvp_call": scaled_custom_call,
+    "custom_vjp_call": scaled_custom_call,
+    "custom_vjp_call_jaxpr": scaled_custom_call,
+    "remat2": scaled_remat,
+    "checkpoint": scaled_remat,
+    "closed_call": scaled_closed_call,
+    "core_call": scaled_closed_call,
+    "scan": scaled_scan,
+    "while": scaled_while,
+    "cond": scaled_cond,
+}
+
+for _name, _rule in RULES.items():
+    register_rule(_name, _rule, higher_order=True)

@@ -1,0 +1,220 @@
+"""Scaled rules for elementwise primitives.
+
+Linear ops move scales exactly (``mul``: scales multiply; ``add``: the output scale is
+the power of two of ``sqrt(sA**2 + sB**2)``, the unit-scaling rule for a sum of
+independent terms). Non-linear ops (exp, tanh, erf, ...) run on the unscaled value and
+return data with scale 1: their outputs have a natural, bounded range.
+
+Every rule re-binds the primitive with the equation's own parameters (``**params``), so
+parameters added by later JAX releases pass through.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from ..core.scaled_array import SCALE_DTYPE
+from .common import (
+    align,
+    concrete_scalar,
+    is_scaled,
+    make_scaled,
+    on_unscaled,
+    pow2_norm_scale,
+    rescale_data,
+    split_pow2,
+    unit_scale,
+    unscale,
+)
+from .registry import register_rule
+
+
+def _first_dtype(*xs):
+    return next(x.dtype for x in xs if is_scaled(x))
+
+
+def _pow2_constant(x) -> tuple[float, float] | None:
+    """(mantissa, power of two) of a finite non-zero constant known at trace time."""
+    value = concrete_scalar(x)
+    if value is None or value == 0.0 or not math.isfinite(value):
+        return None
+    return split_pow2(value)
+
+
+# -- binary linear ----------------------------------------------------------------------
+
+
+def _additive(prim):
+    def rule(a, b, **params):
+        scale = pow2_norm_scale(a.scale, b.scale) if is_scaled(a) and is_scaled(b) else None
+        (da, db), s = align([a, b], scale=scale)
+        return make_scaled(prim.bind(da, db, **params), s)
+
+    return rule
+
+
+scaled_add = _additive(lax.add_p)
+scaled_sub = _additive(lax.sub_p)
+
+
+def scaled_add_any(a, b, **params):
+    return scaled_add(a, b)
+
+
+def scaled_mul(a, b, **params):
+    if is_scaled(a) and is_scaled(b):
+        return make_scaled(lax.mul_p.bind(a.data, b.data, **params), a.scale * b.scale)
+    x, c = (a, b) if is_scaled(a) else (b, a)
+    split = _pow2_constant(c)
+    if split is not None:
+        # A constant's power of two goes into the scale; only its mantissa touches data.
+        mant, p2 = split
+        data = x.data
+        if mant != 1.0:
+            data = lax.mul_p.bind(data, jnp.asarray(mant, x.dtype), **params)
+        return make_scaled(data, x.scale * p2)
+    return make_scaled(lax.mul_p.bind(x.data, jnp.asarray(c, x.dtype), **params), x.scale)
+
+
+def scaled_div(a, b, **params):
+    if is_scaled(a) and is_scaled(b):
+        return make_scaled(lax.div_p.bind(a.data, b.data, **params), a.scale / b.scale)
+    if is_scaled(a):
+        split = _pow2_constant(b)
+        if split is not None:
+            mant, p2 = split
+            data = a.data
+            if mant != 1.0:
+                data = lax.div_p.bind(data, jnp.asarray(mant, a.dtype), **params)
+            return make_scaled(data, a.scale / p2)
+        return make_scaled(lax.div_p.bind(a.data, jnp.asarray(b, a.dtype), **params), a.scale)
+    return make_scaled(lax.div_p.bind(jnp.asarray(a, b.dtype), b.data, **params), 1.0 / b.scale)
+
+
+def _aligned(prim, *, scaled_out: bool = True):
+    """Rule for ops that commute with a common positive scale (max, min, comparisons)."""
+
+    def rule(*args, **params):
+        datas, s = align(list(args), dtype=_first_dtype(*args))
+        out = prim.bind(*datas, **params)
+        return make_scaled(out, s) if scaled_out else out
+
+    return rule
+
+
+scaled_max = _aligned(lax.max_p)
+scaled_min = _aligned(lax.min_p)
+scaled_clamp = _aligned(lax.clamp_p)
+scaled_eq = _aligned(lax.eq_p, scaled_out=False)
+scaled_ne = _aligned(lax.ne_p, scaled_out=False)
+scaled_lt = _aligned(lax.lt_p, scaled_out=False)
+scaled_le = _aligned(lax.le_p, scaled_out=False)
+scaled_gt = _aligned(lax.gt_p, scaled_out=False)
+scaled_ge = _aligned(lax.ge_p, scaled_out=False)
+
+
+def scaled_atan2(a, b, **params):
+    (da, db), _ = align([a, b], dtype=_first_dtype(a, b))
+    return make_scaled(lax.atan2_p.bind(da, db, **params), unit_scale())
+
+
+def scaled_select_n(which, *cases, **params):
+    datas, s = align(list(cases), dtype=_first_dtype(*cases))
+    return make_scaled(lax.select_n_p.bind(unscale(which), *datas, **params), s)
+
+
+# -- unary, exact on the data ------------------------------------------------------------
+
+
+def _scale_preserving(prim):
+    def rule(x, **params):
+        return make_scaled(prim.bind(x.data, **params), x.scale)
+
+    return rule
+
+
+scaled_neg = _scale_preserving(lax.neg_p)
+scaled_abs = _scale_preserving(lax.abs_p)
+
+
+def scaled_sign(x, **params):
+    return make_scaled(lax.sign_p.bind(x.data, **params), unit_scale())
+
+
+def scaled_is_finite(x, **params):
+    return lax.is_finite_p.bind(x.data, **params)
+
+
+def scaled_square(x, **params):
+    return make_scaled(lax.square_p.bind(x.data, **params), x.scale * x.scale)
+
+
+def scaled_integer_pow(x, *, y, **params):
+    out_scale = jnp.ones((), SCALE_DTYPE)
+    for _ in range(abs(y)):
+        out_scale = out_scale * x.scale
+    if y < 0:
+        out_scale = 1.0 / out_scale
+    return make_scaled(lax.integer_pow_p.bind(x.data, y=y, **params), out_scale)
+
+
+def _even_pow2_split(scale):
+    """``scale == rest * s2`` with ``s2`` an even power of two and ``rest`` in [1, 4), so
+    ``sqrt(s2)`` is an exact power of two."""
+    _, exp = jnp.frexp(scale)  # scale == m * 2**exp, m in [0.5, 1)
+    e = exp - 1
+    s2 = jnp.ldexp(jnp.ones((), SCALE_DTYPE), e - (e % 2))
+    return scale / s2, s2
+
+
+def scaled_sqrt(x, **params):
+    rest, s2 = _even_pow2_split(x.scale)
+    return make_scaled(lax.sqrt_p.bind(rescale_data(x.data, rest), **params), jnp.sqrt(s2))
+
+
+def scaled_rsqrt(x, **params):
+    rest, s2 = _even_pow2_split(x.scale)
+    return make_scaled(lax.rsqrt_p.bind(rescale_data(x.data, rest), **params), lax.rsqrt(s2))
+
+
+# -- non-linear: computed on the unscaled value --------------------------------------------
+
+
+_NON_LINEAR = (
+    "exp exp2 log log1p expm1 tanh logistic sin cos tan asin acos atan sinh cosh asinh "
+    "acosh atanh erf erfc erf_inv lgamma digamma floor ceil round cbrt pow rem nextafter"
+).split()
+
+RULES = {
+    "add": scaled_add,
+    "add_any": scaled_add_any,
+    "sub": scaled_sub,
+    "mul": scaled_mul,
+    "div": scaled_div,
+    "max": scaled_max,
+    "min": scaled_min,
+    "clamp": scaled_clamp,
+    "eq": scaled_eq,
+    "ne": scaled_ne,
+    "lt": scaled_lt,
+    "le": scaled_le,
+    "gt": scaled_gt,
+    "ge": scaled_ge,
+    "atan2": scaled_atan2,
+    "select_n": scaled_select_n,
+    "neg": scaled_neg,
+    "abs": scaled_abs,
+    "sign": scaled_sign,
+    "is_finite": scaled_is_finite,
+    "square": scaled_square,
+    "integer_pow": scaled_integer_pow,
+    "sqrt": scaled_sqrt,
+    "rsqrt": scaled_rsqrt,
+}
+RULES.update({name: on_unscaled(getattr(lax, f"{name}_p")) for name in _NON_LINEAR})
+
+for _name, _rule in RULES.items():
+    register_rule(_name, _rule)
