@@ -67,7 +67,7 @@ class ScaledArray:
         """The represented value ``data * scale``, computed in float32 (or wider) and
         returned as ``dtype`` (default: the data dtype)."""
         out_dtype = self.dtype if dtype is None else np.dtype(dtype)
-        wide = jnp.promote_types(jnp.promote_types(self.dtype, SCALE_DTYPE), out_dtype)
+        wide = max(wide_float(self.dtype), wide_float(out_dtype), key=lambda d: d.itemsize)
         value = jnp.asarray(self.data).astype(wide) * jnp.asarray(self.scale).astype(wide)
         return value.astype(out_dtype)
 
@@ -76,6 +76,17 @@ class ScaledArray:
 
     def __repr__(self) -> str:
         return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+
+
+def wide_float(dtype: Any) -> np.dtype:
+    """The dtype scaled arithmetic is computed in: float32, or the dtype itself if wider.
+
+    (8-bit floats have no implicit promotion in JAX, so this is spelled out.)
+    """
+    dtype = np.dtype(dtype)
+    if dtype.itemsize >= 4 and jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    return np.dtype(SCALE_DTYPE)
 
 
 def is_scaled_array(x: Any) -> bool:
@@ -115,7 +126,7 @@ def as_scaled_array(tree: Any, scale: Any = None) -> Any:
         if scale is None:
             return ScaledArray(arr, jnp.ones((), SCALE_DTYPE))
         s = _check_scale(scale)
-        wide = jnp.promote_types(arr.dtype, SCALE_DTYPE)
+        wide = wide_float(arr.dtype)
         return ScaledArray((arr.astype(wide) / s).astype(arr.dtype), s)
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_array)

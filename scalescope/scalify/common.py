@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.pow2 import pow2_round_down
-from ..core.scaled_array import SCALE_DTYPE, ScaledArray
+from ..core.scaled_array import SCALE_DTYPE, ScaledArray, wide_float
 
 
 def is_scaled(x: Any) -> bool:
@@ -43,9 +43,9 @@ def concrete_scalar(x: Any) -> float | None:
     return None
 
 
-def wide_dtype(dtype: Any) -> np.dtype:
-    """The dtype rescaling is computed in: at least float32."""
-    return np.dtype(jnp.promote_types(dtype, SCALE_DTYPE))
+def wide_dtype(*dtypes: Any) -> np.dtype:
+    """The dtype rescaling is computed in: float32, or the widest float input."""
+    return max((wide_float(d) for d in dtypes), key=lambda d: d.itemsize)
 
 
 def rescale_data(data: Any, factor: Any) -> jax.Array:
@@ -79,7 +79,7 @@ def lift(x: Any, scale: Any, dtype: Any) -> jax.Array:
         # 0 and ±inf (and NaN) are the same in every scale: never divide them.
         return jnp.asarray(c, dtype)
     x = jnp.asarray(x)
-    wide = wide_dtype(jnp.promote_types(x.dtype, dtype))
+    wide = wide_dtype(x.dtype, dtype)
     return (x.astype(wide) / jnp.asarray(scale, wide)).astype(dtype)
 
 
@@ -145,7 +145,7 @@ def on_unscaled(prim):
 
     def rule(*args, **params):
         dtype = next(a.dtype for a in args if is_scaled(a))
-        wide = jnp.promote_types(dtype, SCALE_DTYPE)
+        wide = wide_dtype(dtype)
         vals = [unscale(a, wide) for a in args]
         return make_scaled(prim.bind(*vals, **params).astype(dtype), unit_scale())
 

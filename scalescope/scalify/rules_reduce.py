@@ -54,9 +54,7 @@ def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
     lhs_data = lhs.data if is_scaled(lhs) else lhs
     rhs_data = rhs.data if is_scaled(rhs) else rhs
     k = math.prod(lhs_data.shape[d] for d in lhs_contract)
-    out = lax.dot_general_p.bind(
-        lhs_data, rhs_data, dimension_numbers=dimension_numbers, **params
-    )
+    out = lax.dot_general_p.bind(lhs_data, rhs_data, dimension_numbers=dimension_numbers, **params)
     scale = (lhs.scale if is_scaled(lhs) else unit_scale()) * (
         rhs.scale if is_scaled(rhs) else unit_scale()
     )

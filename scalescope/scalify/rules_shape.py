@@ -55,6 +55,14 @@ def _scatter(prim):
     return rule
 
 
+def scaled_scatter_mul(operand, indices, updates, **params):
+    # Multiplying by (unscaled) factors keeps the operand's scale.
+    if not is_scaled(operand):
+        operand = make_scaled(operand, 1.0)
+    out = lax.scatter_mul_p.bind(operand.data, unscale(indices), unscale(updates), **params)
+    return make_scaled(out, operand.scale)
+
+
 def scaled_convert_element_type(x, *, new_dtype, **params):
     if jnp.issubdtype(new_dtype, jnp.floating):
         # FP8/FP16 casts are real casts of the data: that is what scaling is for.
@@ -109,11 +117,11 @@ RULES = {
     "pad": scaled_pad,
     "dynamic_update_slice": scaled_dynamic_update_slice,
     "scatter-add": _scatter(lax.scatter_add_p),
-    "scatter_add": _scatter(lax.scatter_add_p),
     "scatter-sub": _scatter(lax.scatter_sub_p),
     "scatter": _scatter(lax.scatter_p),
     "scatter-max": _scatter(lax.scatter_max_p),
     "scatter-min": _scatter(lax.scatter_min_p),
+    "scatter-mul": scaled_scatter_mul,
     "convert_element_type": scaled_convert_element_type,
     "bitcast_convert_type": scaled_bitcast_convert_type,
     "stop_gradient": scaled_stop_gradient,

@@ -1,0 +1,397 @@
+"""Every scaled rule preserves values: ``asarray(scalify(f)(scaled x)) == f(x)``.
+
+Property tests over shapes and power-of-two scales from 2**-30 to 2**30. A coverage test
+checks that the cases below exercise every registered rule, so a new rule without a
+value test fails the suite.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import scalescope as ss
+from scalescope.scalify import registered_primitives
+
+SHAPES = [(8,), (3, 5), (2, 3, 4)]
+IDX = np.array([0, 2, 1])
+
+
+def _domain(kind: str, rng: np.random.Generator, shape) -> np.ndarray:
+    if kind == "pos":
+        return rng.uniform(0.1, 4.0, shape).astype(np.float32)
+    if kind == "unit":
+        return rng.uniform(-0.9, 0.9, shape).astype(np.float32)
+    if kind == "ge1":
+        return rng.uniform(1.1, 4.0, shape).astype(np.float32)
+    return rng.normal(0.0, 2.0, shape).astype(np.float32)
+
+
+def _lgamma_pos(x):
+    return lax.lgamma(x)
+
+
+@jax.custom_jvp
+def _custom_jvp_fn(x):
+    return jnp.sin(x) * 2.0
+
+
+_custom_jvp_fn.defjvp(lambda p, t: (_custom_jvp_fn(p[0]), 2.0 * jnp.cos(p[0]) * t[0]))
+
+
+@jax.custom_vjp
+def _custom_vjp_fn(x):
+    return x * 3.0
+
+
+_custom_vjp_fn.defvjp(lambda x: (x * 3.0, None), lambda r, g: (g * 3.0,))
+
+
+def _scan_fn(x):
+    def body(c, a):
+        return c * 0.5 + a, c * a
+
+    return lax.scan(body, jnp.zeros_like(x[0]), x)
+
+
+def _while_fn(x):
+    return lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2.0 + 1.0, c[1] + 1), (x, 0))
+
+
+def _cond_fn(x):
+    return lax.cond(jnp.sum(x) > 0, lambda a: a * 2.0, lambda a: jnp.sin(a), x)
+
+
+def _conv(x):
+    lhs = x.reshape(1, 1, -1)
+    rhs = jnp.ones((2, 1, 3), jnp.float32) * 0.5
+    return lax.conv_general_dilated(lhs, rhs, (1,), "SAME")
+
+
+def _grad(f):
+    return jax.grad(lambda x: jnp.sum(f(x)))
+
+
+# name -> (function of one scaled float input, input domain, shapes)
+UNARY = {
+    "neg": (lambda x: -x, "any"),
+    "abs": (jnp.abs, "any"),
+    "sign": (jnp.sign, "any"),
+    "square": (lax.square, "any"),
+    "integer_pow": (lambda x: x**3, "any"),
+    "integer_pow_neg": (lambda x: lax.integer_pow(x, -2), "pos"),
+    "sqrt": (jnp.sqrt, "pos"),
+    "rsqrt": (lax.rsqrt, "pos"),
+    "cbrt": (jnp.cbrt, "any"),
+    "exp": (jnp.exp, "any"),
+    "exp2": (jnp.exp2, "any"),
+    "log": (jnp.log, "pos"),
+    "log1p": (jnp.log1p, "pos"),
+    "expm1": (jnp.expm1, "any"),
+    "tanh": (jnp.tanh, "any"),
+    "logistic": (jax.nn.sigmoid, "any"),
+    "sin": (jnp.sin, "any"),
+    "cos": (jnp.cos, "any"),
+    "tan": (jnp.tan, "unit"),
+    "asin": (jnp.arcsin, "unit"),
+    "acos": (jnp.arccos, "unit"),
+    "atan": (jnp.arctan, "any"),
+    "sinh": (jnp.sinh, "any"),
+    "cosh": (jnp.cosh, "any"),
+    "asinh": (jnp.arcsinh, "any"),
+    "acosh": (jnp.arccosh, "ge1"),
+    "atanh": (jnp.arctanh, "unit"),
+    "erf": (lax.erf, "any"),
+    "erfc": (lax.erfc, "any"),
+    "erf_inv": (lax.erf_inv, "unit"),
+    "lgamma": (_lgamma_pos, "pos"),
+    "digamma": (lax.digamma, "pos"),
+    "floor": (jnp.floor, "any"),
+    "ceil": (jnp.ceil, "any"),
+    "round": (jnp.round, "any"),
+    "pow": (lambda x: x**2.5, "pos"),
+    "rem": (lambda x: lax.rem(x, 1.5), "any"),
+    "nextafter": (lambda x: jnp.nextafter(x, 10.0), "any"),
+    "is_finite": (jnp.isfinite, "any"),
+    "mul_const": (lambda x: x * 0.375, "any"),
+    "div_const": (lambda x: x / 3.0, "any"),
+    "rdiv_const": (lambda x: 3.0 / x, "pos"),
+    "add_const": (lambda x: x + 1.0, "any"),
+    "sub_const": (lambda x: 2.0 - x, "any"),
+    "max_zero": (jax.nn.relu, "any"),
+    "min_inf": (lambda x: jnp.minimum(x, jnp.inf), "any"),
+    "log_softmax": (lambda x: jax.nn.log_softmax(x, axis=-1), "any"),
+    "softmax": (lambda x: jax.nn.softmax(x, axis=-1), "any"),
+    "gelu": (jax.nn.gelu, "any"),
+    "gelu_erf": (lambda x: jax.nn.gelu(x, approximate=False), "any"),
+    "clamp": (lambda x: lax.clamp(-1.0, x, 1.0), "any"),
+    "clip": (lambda x: jnp.clip(x, -1.0, 1.0), "any"),
+    "compare": (
+        lambda x: jnp.stack([x == 1.0, x != 0.5, x < 0.0, x <= 1.0, x > 0.0, x >= 2.0]),
+        "any",
+    ),
+    "where": (lambda x: jnp.where(x > 0, x, 0.0), "any"),
+    "atan2": (lambda x: jnp.arctan2(x, 2.0), "any"),
+    "reshape": (lambda x: x.reshape(-1), "any"),
+    "broadcast": (lambda x: jnp.broadcast_to(x, (2,) + x.shape), "any"),
+    "transpose": (lambda x: x.T, "any"),
+    "squeeze": (lambda x: jnp.squeeze(x[None]), "any"),
+    "expand_dims": (lambda x: jnp.expand_dims(x, 0), "any"),
+    "slice": (lambda x: x[1:], "any"),
+    "rev": (lambda x: x[::-1], "any"),
+    "copy": (jnp.copy, "any"),
+    "dynamic_slice": (lambda x: lax.dynamic_slice_in_dim(x, jnp.int32(1), 1), "any"),
+    "gather": (lambda x: jnp.take(x, IDX, axis=0), "any"),
+    "split": (lambda x: jnp.split(x[:2], 2), "any"),
+    "tile": (lambda x: jnp.tile(x, 2), "any"),
+    "unstack": (lambda x: jnp.unstack(x[:2]), "any"),
+    "stack": (lambda x: jnp.stack([x, x * 2.0]), "any"),
+    "concatenate": (lambda x: jnp.concatenate([x, x * 4.0, jnp.zeros_like(x)]), "any"),
+    "pad": (lambda x: jnp.pad(x, 1, constant_values=0.5), "any"),
+    "dynamic_update_slice": (lambda x: lax.dynamic_update_slice_in_dim(x, x[:1] * 3, 1, 0), "any"),
+    "scatter_add": (lambda x: x.at[IDX].add(x[:3] * 2.0), "any"),
+    "scatter_add_zeros": (lambda x: jnp.zeros_like(x).at[IDX].add(x[:3]), "any"),
+    "scatter": (lambda x: x.at[IDX].set(x[:3] * 0.5), "any"),
+    "scatter_sub": (lambda x: x.at[IDX].subtract(1.0), "any"),
+    "scatter_mul": (lambda x: x.at[IDX].multiply(2.0), "any"),
+    "scatter_max": (lambda x: x.at[IDX].max(0.0), "any"),
+    "scatter_min": (lambda x: x.at[IDX].min(0.0), "any"),
+    "convert_int": (lambda x: x.astype(jnp.int32), "any"),
+    "bitcast": (lambda x: lax.bitcast_convert_type(x, jnp.int32), "any"),
+    "stop_gradient": (lax.stop_gradient, "any"),
+    "sort": (lambda x: jnp.sort(x, axis=0), "any"),
+    "top_k": (lambda x: lax.top_k(x.reshape(-1), 3), "any"),
+    "optimization_barrier": (lambda x: lax.optimization_barrier((x, x * 2.0)), "any"),
+    "reduce_sum": (lambda x: jnp.sum(x, axis=0), "any"),
+    "reduce_sum_all": (jnp.sum, "any"),
+    "mean_var": (lambda x: (jnp.mean(x), jnp.var(x)), "any"),
+    "reduce_max": (lambda x: jnp.max(x, axis=-1), "any"),
+    "reduce_min": (jnp.min, "any"),
+    "reduce_prod": (lambda x: jnp.prod(x, axis=0), "unit"),
+    "argmax": (lambda x: jnp.argmax(x, axis=0), "any"),
+    "argmin": (jnp.argmin, "any"),
+    "cumsum": (lambda x: jnp.cumsum(x, axis=0), "any"),
+    "cumprod": (lambda x: jnp.cumprod(x, axis=0), "unit"),
+    "cummax": (lambda x: lax.cummax(x, axis=0), "any"),
+    "cummin": (lambda x: lax.cummin(x, axis=0), "any"),
+    "cumlogsumexp": (lambda x: lax.cumlogsumexp(x, axis=0), "any"),
+    "logsumexp": (lambda x: jax.nn.logsumexp(x), "any"),
+    "dot_self": (lambda x: x.reshape(x.shape[0], -1) @ x.reshape(x.shape[0], -1).T, "any"),
+    "dot_const": (lambda x: x.reshape(-1) @ jnp.arange(x.size, dtype=jnp.float32), "any"),
+    "conv": (_conv, "any"),
+    "jit": (jax.jit(lambda x: jnp.sin(x) * x), "any"),
+    "custom_jvp": (_custom_jvp_fn, "any"),
+    "custom_vjp": (_custom_vjp_fn, "any"),
+    "remat": (jax.checkpoint(lambda x: jnp.sin(x) * x), "any"),
+    "scan": (_scan_fn, "any"),
+    "while": (_while_fn, "any"),
+    "cond": (_cond_fn, "any"),
+    "grad_add_any": (_grad(lambda x: x * x + jnp.sin(x)), "any"),
+    "grad_softmax": (_grad(lambda x: jax.nn.softmax(x) ** 2), "any"),
+    "grad_scan": (_grad(lambda x: _scan_fn(x)[1]), "any"),
+    "grad_custom_vjp": (_grad(_custom_vjp_fn), "any"),
+    "grad_gather": (_grad(lambda x: jnp.take(x, IDX, axis=0) ** 2), "any"),
+    "dynamic_rescale": (
+        lambda x: (
+            ss.ops.dynamic_rescale_l2(x) * ss.ops.dynamic_rescale_l1(x)
+            + ss.ops.dynamic_rescale_max(x)
+        ),
+        "any",
+    ),
+    "dynamic_rescale_grad": (
+        _grad(
+            lambda x: (
+                ss.ops.dynamic_rescale_l2_grad(x) ** 2
+                + ss.ops.dynamic_rescale_max_grad(jnp.sin(x))
+                + ss.ops.dynamic_rescale_l1_grad(x)
+            )
+        ),
+        "any",
+    ),
+    "set_scaling": (
+        lambda x: ss.ops.set_scaling(x, 4.0) + ss.ops.set_scaling(jnp.sin(x), 0.25),
+        "any",
+    ),
+    "stop_scaling": (lambda x: ss.ops.stop_scaling(x * 2.0), "any"),
+}
+
+# name -> (function of two inputs; second one plain or scaled as the test decides)
+BINARY = {
+    "add": (jnp.add, "any"),
+    "sub": (jnp.subtract, "any"),
+    "mul": (jnp.multiply, "any"),
+    "div": (jnp.divide, "pos"),
+    "max": (jnp.maximum, "any"),
+    "min": (jnp.minimum, "any"),
+    "pow2": (jnp.power, "pos"),
+    "atan2": (jnp.arctan2, "any"),
+    "eq_lt": (lambda a, b: (a == b, a < b, a >= b), "any"),
+    "where": (lambda a, b: jnp.where(a > b, a, b), "any"),
+    "clamp": (lambda a, b: lax.clamp(-jnp.abs(b), a, jnp.abs(b)), "any"),
+    "dot": (lambda a, b: jnp.einsum("...i,...i->...", a, b), "any"),
+    "dot_batched": (lambda a, b: jnp.einsum("...ij,...kj->...ik", a[None], b[None]), "any"),
+    "dot_multi_contract": (lambda a, b: jnp.tensordot(a, b, axes=a.ndim), "any"),
+    "concat": (lambda a, b: jnp.concatenate([a, b]), "any"),
+    "select": (lambda a, b: lax.select(a > 0, a, b), "any"),
+    "dus": (lambda a, b: lax.dynamic_update_slice_in_dim(a, b[:1], 0, 0), "any"),
+    "scatter_add": (lambda a, b: a.at[IDX].add(b[:3]), "any"),
+}
+
+
+def _reference(f, *args):
+    return jax.tree.map(np.asarray, f(*[jnp.asarray(a) for a in args]))
+
+
+def _assert_close(actual, expected, where):
+    actual, expected = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    assert len(actual) == len(expected), where
+    for a, e in zip(actual, expected):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype, (where, a.dtype, e.dtype)
+        a, e = a.astype(np.float64) if a.dtype.kind == "f" else a, e
+        if np.issubdtype(e.dtype, np.floating):
+            np.testing.assert_allclose(
+                a.astype(np.float64), e.astype(np.float64), rtol=2e-6, atol=1e-30, err_msg=where
+            )
+        else:
+            np.testing.assert_array_equal(a, e, err_msg=where)
+
+
+scale_exps = st.integers(min_value=-30, max_value=30)
+shape_idx = st.integers(min_value=0, max_value=len(SHAPES) - 1)
+seeds = st.integers(min_value=0, max_value=2**31 - 1)
+SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+@SETTINGS
+@given(exp=scale_exps, si=shape_idx, seed=seeds)
+def test_unary_rule_preserves_values(name, exp, si, seed):
+    fn, kind = UNARY[name]
+    shape = (
+        SHAPES[si]
+        if name
+        not in {
+            "gather",
+            "scatter_add",
+            "scatter_add_zeros",
+            "scatter",
+            "scatter_sub",
+            "scatter_mul",
+            "scatter_max",
+            "scatter_min",
+            "grad_gather",
+        }
+        else (4,) + SHAPES[si][1:]
+    )
+    if name in {"split", "unstack", "dynamic_update_slice"}:
+        shape = (4,) + SHAPES[si][1:]
+    x = _domain(kind, np.random.default_rng(seed), shape)
+    expected = _reference(fn, x)
+    scaled = ss.as_scaled_array(jnp.asarray(x), scale=2.0**exp)
+    out = ss.scalify(fn)(scaled)
+    _assert_close(ss.asarray(out), expected, f"{name} scale=2**{exp} shape={shape}")
+
+
+def _np_cast(dtype):
+    return lambda d: d.astype(dtype).astype(np.float64)
+
+
+def _lax_reduce_precision(e, m):
+    return lambda d: np.asarray(lax.reduce_precision(d, e, m), np.float64)
+
+
+# name -> (function under test, what it does to the data: an independent reference)
+CASTS = {
+    "f16": (lambda x: x.astype(jnp.float16), _np_cast(np.float16)),
+    "bf16": (lambda x: x.astype(jnp.bfloat16), _np_cast(ml_dtypes.bfloat16)),
+    "e4m3": (lambda x: x.astype(jnp.float8_e4m3fn), _np_cast(ml_dtypes.float8_e4m3fn)),
+    "e5m2": (lambda x: x.astype(jnp.float8_e5m2), _np_cast(ml_dtypes.float8_e5m2)),
+    "cast_on_forward_e4m3": (
+        lambda x: ss.ops.cast_on_forward(x, jnp.float8_e4m3fn),
+        _np_cast(ml_dtypes.float8_e4m3fn),
+    ),
+    "reduce_precision_f16": (
+        lambda x: lax.reduce_precision(x, 5, 10),
+        _lax_reduce_precision(5, 10),
+    ),
+    "reduce_precision_e4m3": (lambda x: lax.reduce_precision(x, 4, 3), _lax_reduce_precision(4, 3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASTS))
+@SETTINGS
+@given(exp=st.integers(min_value=-4, max_value=30), seed=seeds)
+def test_casts_round_the_scaled_data(name, exp, seed):
+    """A cast under scalify is a real cast of the data: the value is data rounded to the
+    format, times the scale (checked with ml_dtypes, not with JAX)."""
+    fn, on_data = CASTS[name]
+    x = _domain("any", np.random.default_rng(seed), (64,))
+    s = 2.0**exp
+    expected = on_data((x / s).astype(np.float32)) * s
+    out = ss.scalify(fn)(ss.as_scaled_array(jnp.asarray(x), scale=s))
+    assert isinstance(out, ss.ScaledArray)
+    np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32), np.float64), expected)
+
+
+@pytest.mark.parametrize("name", sorted(BINARY))
+@pytest.mark.parametrize("second", ["scaled", "plain"])
+@SETTINGS
+@given(exp_a=scale_exps, exp_b=scale_exps, si=shape_idx, seed=seeds)
+def test_binary_rule_preserves_values(name, second, exp_a, exp_b, si, seed):
+    fn, kind = BINARY[name]
+    shape = (4,) + SHAPES[si][1:]
+    rng = np.random.default_rng(seed)
+    a, b = _domain(kind, rng, shape), _domain(kind, rng, shape)
+    expected = _reference(fn, a, b)
+    sa = ss.as_scaled_array(jnp.asarray(a), scale=2.0**exp_a)
+    sb = ss.as_scaled_array(jnp.asarray(b), scale=2.0**exp_b) if second == "scaled" else b
+    out = ss.scalify(fn)(sa, sb)
+    _assert_close(ss.asarray(out), expected, f"{name} 2**{exp_a} 2**{exp_b} {second}")
+
+
+# Names registered only as aliases for older/newer JAX spellings of the same primitive.
+_ALIASES = {
+    "pjit",
+    "checkpoint",
+    "custom_vjp_call_jaxpr",
+    "closed_call",
+    "core_call",
+    "sharding_constraint",
+    "real",
+    "expand_dims",
+}
+
+
+@functools.cache
+def _primitives_in(fn, nargs):
+    x = jnp.ones((4, 3), jnp.float32)
+    closed = jax.make_jaxpr(fn)(*([x] * nargs))
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    return names
+
+
+def test_cases_cover_every_registered_rule():
+    covered = set()
+    for fn, _ in UNARY.values():
+        covered |= _primitives_in(fn, 1)
+    for fn, _ in BINARY.values():
+        covered |= _primitives_in(fn, 2)
+    missing = set(registered_primitives()) - covered - _ALIASES
+    assert not missing, f"rules without a value test: {sorted(missing)}"

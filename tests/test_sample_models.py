@@ -1,0 +1,310 @@
+"""Tests of the sample models: shapes, layouts, training, precision recipes, jaxpr structure."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sample_models import (
+    PRECISIONS,
+    GPTConfig,
+    MLPConfig,
+    Precision,
+    get_precision,
+    gpt_forward,
+    gpt_loss,
+    init_gpt,
+    init_mlp,
+    make_optimizer,
+    make_train_step,
+    mlp_accuracy,
+    mlp_forward,
+    mlp_loss,
+    stack_blocks,
+    unstack_blocks,
+)
+
+CFG = GPTConfig(vocab_size=65, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+SCAN_CFG = dataclasses.replace(CFG, scan_layers=True)
+MLP_CFG = MLPConfig(in_dim=20, hidden=(16, 16), n_classes=5)
+
+# Configs and precisions are frozen dataclasses, hence hashable static arguments.
+forward = jax.jit(gpt_forward, static_argnums=(2, 3))
+loss_and_grad = jax.jit(jax.value_and_grad(gpt_loss), static_argnums=(2, 3))
+
+
+@pytest.fixture(scope="module")
+def gpt_batch() -> dict[str, jax.Array]:
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, CFG.seq_len + 1), 0, CFG.vocab_size)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+@pytest.fixture(scope="module")
+def mlp_batch() -> dict[str, jax.Array]:
+    kx, ky = jax.random.split(jax.random.PRNGKey(2))
+    return {
+        "x": jax.random.normal(kx, (8, MLP_CFG.in_dim)),
+        "y": jax.random.randint(ky, (8,), 0, MLP_CFG.n_classes),
+    }
+
+
+def _all_finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(tree))
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, recursing into sub-jaxprs (jit, scan, custom_vjp...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, list | tuple) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def _train(step, params, opt_state, batch, n_steps: int) -> list[float]:
+    step = jax.jit(step)
+    losses = []
+    for _ in range(n_steps):
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    return losses
+
+
+# --- precision ------------------------------------------------------------------------
+
+
+def test_get_precision_presets_and_unknown_name():
+    assert get_precision("fp32") is PRECISIONS["fp32"]
+    fp8 = get_precision("fp8")
+    assert np.dtype(fp8.fwd_dtype) == np.dtype(ml_dtypes.float8_e4m3fn)
+    assert np.dtype(fp8.bwd_dtype) == np.dtype(ml_dtypes.float8_e5m2)
+    assert np.dtype(get_precision("fp16").param_dtype) == np.float16
+    with pytest.raises(ValueError, match="unknown precision 'fp4'.*fp16"):
+        get_precision("fp4")
+
+
+def test_matmul_casts_operands_forward_and_gradient_backward():
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (4, 8))
+    w = jax.random.normal(kw, (8, 3))
+    ct = jax.random.normal(kg, (4, 3)) * 0.3
+    fp8 = PRECISIONS["fp8"]
+
+    def q(a, dtype):
+        return np.asarray(a).astype(dtype).astype(np.float32)
+
+    out, vjp = jax.vjp(fp8.matmul, x, w)
+    assert out.dtype == x.dtype
+    np.testing.assert_allclose(out, q(x, fp8.fwd_dtype) @ q(w, fp8.fwd_dtype), rtol=1e-5)
+    assert not np.allclose(out, np.asarray(x) @ np.asarray(w), rtol=1e-3)
+    dx, dw = vjp(ct)
+    ct_q = q(ct, fp8.bwd_dtype)
+    np.testing.assert_allclose(dx, ct_q @ q(w, fp8.fwd_dtype).T, rtol=1e-5)
+    np.testing.assert_allclose(dw, q(x, fp8.fwd_dtype).T @ ct_q, rtol=1e-5)
+    # fp32 is exact matmul.
+    np.testing.assert_allclose(PRECISIONS["fp32"].matmul(x, w), x @ w, rtol=1e-6)
+
+
+def test_matmul_accumulates_in_the_input_dtype():
+    x = jnp.ones((2, 4), jnp.float16)
+    w = jnp.ones((4, 3), jnp.float32)
+    assert Precision("mixed").matmul(x, w).dtype == jnp.float16
+
+
+# --- GPT ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [CFG, SCAN_CFG, dataclasses.replace(CFG, tie_embeddings=True)])
+def test_gpt_logits_shape_and_dtype(cfg, gpt_batch):
+    params = init_gpt(jax.random.PRNGKey(0), cfg)
+    logits = forward(params, gpt_batch["inputs"], cfg)
+    assert logits.shape == (2, cfg.seq_len, cfg.vocab_size)
+    assert logits.dtype == jnp.float32
+    assert ("head" in params) != cfg.tie_embeddings
+    # A freshly initialised model is close to uniform over the vocabulary.
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    assert float(jnp.max(jnp.abs(logp + np.log(cfg.vocab_size)))) < 0.5
+
+
+def test_gpt_param_layouts():
+    unrolled = init_gpt(jax.random.PRNGKey(0), CFG)
+    scanned = init_gpt(jax.random.PRNGKey(0), SCAN_CFG)
+    assert isinstance(unrolled["blocks"], list) and len(unrolled["blocks"]) == CFG.n_layers
+    assert scanned["blocks"]["attn"]["qkv"]["w"].shape == (CFG.n_layers, 32, 96)
+    assert scanned["blocks"]["mlp"]["fc"]["w"].shape == (CFG.n_layers, 32, 128)
+    # Same key, same weights, whichever layout.
+    chex_equal = jax.tree.map(np.array_equal, stack_blocks(unrolled), scanned)
+    assert all(jax.tree.leaves(chex_equal))
+    round_trip = jax.tree.map(np.array_equal, unstack_blocks(scanned), unrolled)
+    assert all(jax.tree.leaves(round_trip))
+    with pytest.raises(ValueError, match="stack_blocks"):
+        forward(unrolled, jnp.zeros((1, 4), jnp.int32), SCAN_CFG)
+    with pytest.raises(ValueError, match="unstack_blocks"):
+        forward(scanned, jnp.zeros((1, 4), jnp.int32), CFG)
+
+
+def test_gpt_is_causal(gpt_batch):
+    params = init_gpt(jax.random.PRNGKey(0), CFG)
+    tokens = gpt_batch["inputs"]
+    changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % CFG.vocab_size)
+    a = forward(params, tokens, CFG)
+    b = forward(params, changed, CFG)
+    np.testing.assert_allclose(a[:, :-1], b[:, :-1], atol=1e-6)
+    assert not np.allclose(a[:, -1], b[:, -1])
+
+
+def test_scanned_and_unrolled_agree(gpt_batch):
+    # Perturb biases and LN params so that every parameter matters to the comparison.
+    params = init_gpt(jax.random.PRNGKey(0), CFG)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(3), len(leaves))
+    leaves = [p + 0.05 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys, strict=True)]
+    params = jax.tree.unflatten(treedef, leaves)
+    stacked = stack_blocks(params)
+
+    logits_u = forward(params, gpt_batch["inputs"], CFG)
+    logits_s = forward(stacked, gpt_batch["inputs"], SCAN_CFG)
+    np.testing.assert_allclose(logits_s, logits_u, atol=1e-5, rtol=1e-5)
+
+    loss_u, grads_u = loss_and_grad(params, gpt_batch, CFG, PRECISIONS["fp32"])
+    loss_s, grads_s = loss_and_grad(stacked, gpt_batch, SCAN_CFG, PRECISIONS["fp32"])
+    np.testing.assert_allclose(loss_s, loss_u, atol=1e-5, rtol=1e-5)
+    for g_s, g_u in zip(
+        jax.tree.leaves(unstack_blocks(grads_s)), jax.tree.leaves(grads_u), strict=True
+    ):
+        np.testing.assert_allclose(g_s, g_u, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [CFG, SCAN_CFG])
+def test_gpt_training_decreases_loss(cfg, gpt_batch):
+    params = init_gpt(jax.random.PRNGKey(0), cfg)
+    optimizer = make_optimizer(learning_rate=3e-3)
+    step = make_train_step(lambda p, b: gpt_loss(p, b, cfg), optimizer)
+    losses = _train(step, params, optimizer.init(params), gpt_batch, 8)
+    assert all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.3
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False))
+
+
+@pytest.mark.parametrize("name", ["fp16", "fp8"])
+def test_low_precision_gpt_step_is_finite(name, gpt_batch):
+    precision = get_precision(name)
+    params = init_gpt(jax.random.PRNGKey(0), SCAN_CFG, dtype=precision.param_dtype)
+    assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(params))
+    optimizer = make_optimizer()
+    step = jax.jit(make_train_step(lambda p, b: gpt_loss(p, b, SCAN_CFG, precision), optimizer))
+    new_params, _, loss = step(params, optimizer.init(params), gpt_batch)
+    assert np.isfinite(float(loss))
+    assert _all_finite(new_params)
+    assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(new_params))
+    moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, new_params)
+    assert all(jax.tree.leaves(moved))
+
+
+def test_fp8_forward_differs_from_fp32_but_stays_close(gpt_batch):
+    params = init_gpt(jax.random.PRNGKey(0), CFG)
+    ref = forward(params, gpt_batch["inputs"], CFG)
+    fp8 = Precision("fp8-f32", fwd_dtype=ml_dtypes.float8_e4m3fn)
+    out = forward(params, gpt_batch["inputs"], CFG, fp8)
+    assert not np.allclose(out, ref, atol=1e-6)
+    np.testing.assert_allclose(out, ref, atol=0.05)
+
+
+def test_grad_jaxpr_of_scanned_gpt_has_scan(gpt_batch):
+    params = init_gpt(jax.random.PRNGKey(0), SCAN_CFG)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: gpt_loss(p, gpt_batch, SCAN_CFG)))(params).jaxpr
+    scans = [e for e in _eqns(jaxpr) if e.primitive.name == "scan"]
+    assert len(scans) >= 2  # forward (jvp) and backward (transpose)
+    assert all(e.params["length"] == SCAN_CFG.n_layers for e in scans)
+    names = {str(e.source_info.name_stack) for e in scans}
+    assert any("blocks" in n for n in names)
+
+
+def test_grad_jaxpr_of_unrolled_gpt_has_batched_dot_general(gpt_batch):
+    params = init_gpt(jax.random.PRNGKey(0), CFG)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: gpt_loss(p, gpt_batch, CFG)))(params).jaxpr
+    eqns = list(_eqns(jaxpr))
+    prims = {e.primitive.name for e in eqns}
+    assert "scan" not in prims
+    assert {"gather", "scatter-add", "rsqrt", "tanh"} <= prims
+    batched = [
+        e for e in eqns if e.primitive.name == "dot_general" and e.params["dimension_numbers"][1][0]
+    ]
+    # Scores and values, forward and both operand gradients, in each of the two blocks.
+    assert len(batched) >= 2 * 2 * CFG.n_layers
+    names = {str(e.source_info.name_stack) for e in batched}
+    assert any("block_0" in n and "attn" in n for n in names)
+    assert any("block_1" in n and "attn" in n for n in names)
+
+
+def test_named_scopes_in_unrolled_forward(gpt_batch):
+    params = init_gpt(jax.random.PRNGKey(0), CFG)
+    jaxpr = jax.make_jaxpr(lambda p: gpt_forward(p, gpt_batch["inputs"], CFG))(params).jaxpr
+    names = {str(e.source_info.name_stack) for e in _eqns(jaxpr)}
+    for scope in ("embed", "block_0/ln_1", "block_0/attn", "block_1/ln_2", "block_1/mlp"):
+        assert any(n.startswith(scope) for n in names), scope
+    assert any(n.startswith("ln_f") for n in names) and any(n.startswith("head") for n in names)
+
+
+# --- MLP ------------------------------------------------------------------------------
+
+
+def test_mlp_shapes_and_scopes(mlp_batch):
+    params = init_mlp(jax.random.PRNGKey(0), MLP_CFG)
+    assert [layer["w"].shape for layer in params["layers"]] == [(20, 16), (16, 16), (16, 5)]
+    logits = mlp_forward(params, mlp_batch["x"], MLP_CFG)
+    assert logits.shape == (8, MLP_CFG.n_classes)
+    jaxpr = jax.make_jaxpr(lambda p: mlp_loss(p, mlp_batch, MLP_CFG))(params).jaxpr
+    names = {str(e.source_info.name_stack) for e in _eqns(jaxpr)}
+    assert {"dense_0", "dense_1", "dense_2"} <= {n.split("/")[0] for n in names}
+    acc = float(mlp_accuracy(params, mlp_batch, MLP_CFG))
+    expected = np.mean(np.argmax(np.asarray(logits), -1) == np.asarray(mlp_batch["y"]))
+    assert acc == pytest.approx(expected)
+
+
+def test_mlp_training_decreases_loss_and_fits(mlp_batch):
+    params = init_mlp(jax.random.PRNGKey(0), MLP_CFG)
+    optimizer = make_optimizer(learning_rate=1e-2, schedule_steps=50)
+    step = jax.jit(make_train_step(lambda p, b: mlp_loss(p, b, MLP_CFG), optimizer))
+    opt_state = optimizer.init(params)
+    losses = []
+    for _ in range(50):
+        params, opt_state, loss = step(params, opt_state, mlp_batch)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert float(mlp_accuracy(params, mlp_batch, MLP_CFG)) == 1.0
+
+
+def test_mlp_fp8_step_is_finite(mlp_batch):
+    precision = PRECISIONS["fp8"]
+    params = init_mlp(jax.random.PRNGKey(0), MLP_CFG, dtype=precision.param_dtype)
+    optimizer = make_optimizer()
+    step = jax.jit(make_train_step(lambda p, b: mlp_loss(p, b, MLP_CFG, precision), optimizer))
+    new_params, _, loss = step(params, optimizer.init(params), mlp_batch)
+    assert np.isfinite(float(loss)) and _all_finite(new_params)
+    assert new_params["layers"][0]["w"].dtype == jnp.float16
+
+
+def test_train_step_is_not_jitted_inside():
+    calls = []
+
+    def loss_fn(params, batch):
+        calls.append(1)  # a Python side effect: runs on every call only if nothing caches a trace
+        return jnp.sum((params["w"] * batch) ** 2)
+
+    optimizer = make_optimizer(learning_rate=0.1, weight_decay=0.0)
+    step = make_train_step(loss_fn, optimizer)
+    params = {"w": jnp.ones(3)}
+    opt_state = optimizer.init(params)
+    new_params, opt_state, loss = step(params, opt_state, jnp.ones(3))
+    assert float(loss) == 3.0
+    assert bool(jnp.all(new_params["w"] < 1.0))
+    step(new_params, opt_state, jnp.ones(3))
+    assert len(calls) == 2

@@ -1,0 +1,221 @@
+"""The scalify transform: composition, caching, scale propagation and errors."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import scalescope as ss
+
+
+def _rng(shape, seed=0, std=1.0):
+    return jnp.asarray(np.random.default_rng(seed).normal(0.0, std, shape).astype(np.float32))
+
+
+def test_kwargs_pytrees_and_static_leaves():
+    def f(params, x, *, train, extra=None):
+        y = x @ params["w"] + params["b"]
+        if train:
+            y = y * 2.0
+        return {"y": y, "extra": extra}
+
+    params = {"w": _rng((4, 3)), "b": _rng((3,), 1)}
+    x = _rng((2, 4), 2)
+    out = ss.scalify(f)(ss.as_scaled_array(params), ss.as_scaled_array(x), train=True, extra=None)
+    assert isinstance(out["y"], ss.ScaledArray)
+    np.testing.assert_allclose(ss.asarray(out["y"]), f(params, x, train=True)["y"], rtol=1e-6)
+    off = ss.scalify(f)(ss.as_scaled_array(params), x, train=False)
+    np.testing.assert_allclose(ss.asarray(off["y"]), f(params, x, train=False)["y"], rtol=1e-6)
+
+
+def test_trace_is_cached_per_signature():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return jnp.tanh(x) * 3.0
+
+    g = ss.scalify(f)
+    x = ss.as_scaled_array(_rng((5,)), scale=4.0)
+    g(x)
+    g(ss.as_scaled_array(_rng((5,), 1), scale=0.5))
+    assert len(calls) == 1 and g.cache_size() == 1
+    g(ss.as_scaled_array(_rng((6,))))
+    assert len(calls) == 2 and g.cache_size() == 2
+
+
+def test_composes_with_jit_outside_and_grad_inside():
+    def loss(w, x):
+        return jnp.mean(jax.nn.gelu(x @ w) ** 2)
+
+    w, x = _rng((8, 4)), _rng((16, 8), 1)
+    step = jax.jit(ss.scalify(jax.value_and_grad(loss)))
+    val, grad = step(ss.as_scaled_array(w, 2.0**-6), ss.as_scaled_array(x, 2.0**5))
+    ref_val, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(ss.asarray(val), ref_val, rtol=1e-6)
+    np.testing.assert_allclose(ss.asarray(grad), ref_grad, rtol=1e-5, atol=1e-9)
+
+
+def test_closing_over_outer_tracers_is_not_cached_stale():
+    @jax.jit
+    def f(p, x):
+        return ss.scalify(lambda v: v @ p)(x)
+
+    x = ss.as_scaled_array(_rng((3, 4)))
+    for seed in range(2):
+        p = _rng((4, 2), seed)
+        np.testing.assert_allclose(ss.asarray(f(p, x)), ss.asarray(x) @ p, rtol=1e-6)
+
+
+def test_dot_general_keeps_data_at_unit_scale():
+    a, b = _rng((64, 256)), _rng((256, 32), 1)
+    out = ss.scalify(jnp.matmul)(ss.as_scaled_array(a), ss.as_scaled_array(b))
+    # K=256: output RMS ~ sqrt(256) = 16 is moved into the scale.
+    assert float(out.scale) == 16.0
+    rms = float(jnp.sqrt(jnp.mean(out.data.astype(jnp.float32) ** 2)))
+    assert 0.5 < rms < 2.0
+
+
+def test_add_and_reduce_scales_follow_unit_scaling():
+    x = ss.as_scaled_array(_rng((1024,)), scale=8.0)
+    y = ss.as_scaled_array(_rng((1024,), 1), scale=8.0)
+    assert float(ss.scalify(jnp.add)(x, y).scale) == 8.0  # pow2_down(sqrt(2) * 8)
+    z = ss.as_scaled_array(_rng((1024,), 1), scale=2.0**-3)
+    assert float(ss.scalify(jnp.add)(x, z).scale) == 8.0
+    s = ss.scalify(jnp.sum)(x)
+    assert float(s.scale) == 8.0 * 32.0  # sqrt(1024) = 32
+    assert float(ss.scalify(lambda v: v * 0.25)(x).scale) == 2.0
+
+
+@pytest.mark.parametrize("exp", [-40, 0, 40])
+def test_log_softmax_and_relu_survive_extreme_scales(exp):
+    v = _rng((4, 10)) * 2.0**exp  # values far from 1, data at unit scale
+    f = lambda a: jax.nn.log_softmax(jax.nn.relu(a) - 1.0)
+    out = ss.scalify(f)(ss.as_scaled_array(v, scale=2.0**exp))
+    assert np.isfinite(float(out.scale)) and float(out.scale) > 0
+    assert np.all(np.isfinite(np.asarray(out.data)))
+    expected = f(v)
+    np.testing.assert_allclose(ss.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+
+def _reduce_window(x):
+    return lax.reduce_window(x, 0.0, lax.add, (2,), (1,), "VALID")
+
+
+def test_missing_rule_error_names_primitive_and_source_line():
+    x = ss.as_scaled_array(_rng((6,)))
+    with pytest.raises(ss.ScalifyError) as info:
+        ss.scalify(_reduce_window)(x)
+    msg = str(info.value)
+    assert "reduce_window_sum" in msg
+    m = re.search(r"test_scalify\.py:(\d+)", msg)
+    assert m, msg
+    import inspect
+
+    src, start = inspect.getsourcelines(_reduce_window)
+    assert start <= int(m.group(1)) < start + len(src)
+
+
+def test_fallback_policy_runs_on_unscaled_values_and_records_it():
+    x = _rng((6,))
+    g = ss.scalify(lambda v: _reduce_window(v) * 2.0, fallback="unscale")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = g(ss.as_scaled_array(x, scale=2.0**12))
+    np.testing.assert_allclose(np.asarray(ss.asarray(out)), _reduce_window(x) * 2.0, rtol=1e-6)
+    assert [fb.primitive for fb in g.fallbacks] == ["reduce_window_sum"]
+    assert "test_scalify.py" in g.fallbacks[0].source
+    assert any("reduce_window_sum" in str(w.message) for w in caught)
+
+
+def test_bad_fallback_policy_is_rejected():
+    with pytest.raises(ValueError, match="fallback"):
+        ss.scalify(jnp.sin, fallback="ignore")
+
+
+def test_unscaled_inputs_run_unchanged():
+    x = _rng((5,))
+    out = ss.scalify(lambda v: jnp.tanh(v) @ v)(x)
+    assert not isinstance(out, ss.ScaledArray)
+    np.testing.assert_allclose(out, jnp.tanh(x) @ x, rtol=1e-6)
+
+
+def test_scan_carry_structure_is_stable_when_it_becomes_scaled():
+    # The carry starts unscaled (zeros) and becomes scaled through the scaled xs.
+    def f(xs):
+        return lax.scan(lambda c, x: (c + x, c * 2.0), jnp.zeros(3), xs)
+
+    xs = _rng((5, 3))
+    carry, ys = ss.scalify(f)(ss.as_scaled_array(xs, 2.0**-9))
+    assert isinstance(carry, ss.ScaledArray) and isinstance(ys, ss.ScaledArray)
+    ref_c, ref_y = f(xs)
+    np.testing.assert_allclose(ss.asarray(carry), ref_c, rtol=1e-6)
+    np.testing.assert_allclose(ss.asarray(ys), ref_y, rtol=1e-6)
+
+
+def test_dynamic_rescale_restores_unit_rms():
+    x = ss.as_scaled_array(_rng((4096,), std=2.0**-12))  # data far from unit scale
+    out = ss.scalify(ss.ops.dynamic_rescale_l2)(x)
+    rms = float(jnp.sqrt(jnp.mean(out.data**2)))
+    assert 1.0 <= rms < 2.0
+    np.testing.assert_array_equal(np.asarray(ss.asarray(out)), np.asarray(ss.asarray(x)))
+    # outside scalify the ops are identities
+    v = _rng((3,))
+    for op in (ss.ops.dynamic_rescale_l1, ss.ops.dynamic_rescale_l2, ss.ops.dynamic_rescale_max):
+        np.testing.assert_array_equal(op(v), v)
+        np.testing.assert_array_equal(jax.jit(op)(v), v)
+    np.testing.assert_array_equal(ss.ops.stop_scaling(v), v)
+    np.testing.assert_array_equal(ss.ops.set_scaling(v, 4.0), v)
+
+
+def test_dynamic_rescale_grad_rescales_only_the_gradient():
+    def loss(x):
+        return jnp.sum(ss.ops.dynamic_rescale_l2_grad(x) * 2.0**-20)
+
+    x = ss.as_scaled_array(_rng((256,)))
+    g = ss.scalify(jax.grad(loss))(x)
+    # the raw gradient is 2**-20 everywhere; after rescaling its data is unit
+    np.testing.assert_array_equal(np.asarray(g.data), np.ones(256, np.float32))
+    assert float(g.scale) == 2.0**-20
+    assert jax.grad(loss)(jnp.ones(3)).tolist() == [2.0**-20] * 3
+
+
+def test_ops_reject_bad_dtypes():
+    with pytest.raises(TypeError, match="dynamic_rescale_l2"):
+        ss.ops.dynamic_rescale_l2(jnp.arange(3))
+    with pytest.raises(TypeError, match="cast_on_forward"):
+        ss.ops.cast_on_forward(jnp.ones(3), jnp.int8)
+
+
+def test_cast_on_forward_and_backward_act_on_one_pass():
+    f8, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    x = jnp.array([1.0, 1.06, 3.3], jnp.float32)
+    y = ss.ops.cast_on_forward(x, f8)
+    np.testing.assert_array_equal(y, x.astype(f8).astype(jnp.float32))
+    g = jax.grad(lambda v: jnp.sum(ss.ops.cast_on_forward(v, f8) * 1.03))(x)
+    np.testing.assert_allclose(g, 1.03, rtol=1e-7)  # gradient not rounded
+    gb = jax.grad(lambda v: jnp.sum(ss.ops.cast_on_backward(v, e5) * 1.03))(x)
+    assert float(gb[0]) == float(jnp.float32(1.03).astype(e5).astype(jnp.float32))
+
+
+def test_flax_module_under_scalify():
+    flax_nn = pytest.importorskip("flax.linen")
+
+    class MLP(flax_nn.Module):
+        @flax_nn.compact
+        def __call__(self, x):
+            x = flax_nn.relu(flax_nn.Dense(16)(x))
+            x = flax_nn.LayerNorm()(x)
+            return flax_nn.Dense(4)(x)
+
+    model = MLP()
+    x = _rng((8, 5))
+    params = model.init(jax.random.PRNGKey(0), x)
+    out = jax.jit(ss.scalify(model.apply))(ss.as_scaled_array(params), ss.as_scaled_array(x, 4.0))
+    np.testing.assert_allclose(ss.asarray(out), model.apply(params, x), rtol=1e-5, atol=1e-6)
