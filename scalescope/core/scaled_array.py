@@ -111,12 +111,32 @@ def _check_scale(scale: Any) -> jax.Array:
     return scale
 
 
+def _norm_scale(arr: jax.Array, norm: str) -> jax.Array:
+    from .pow2 import pow2_round_down
+
+    wide = arr.astype(wide_float(arr.dtype))
+    if norm == "rms":
+        n = jnp.sqrt(jnp.mean(wide * wide))
+    elif norm == "max":
+        n = jnp.max(jnp.abs(wide))
+    else:
+        raise ValueError(f"as_scaled_array: scale must be a number, 'rms' or 'max'; got {norm!r}")
+    n = pow2_round_down(n).astype(SCALE_DTYPE)
+    # An all-zero leaf gets scale 0: "exactly zero, magnitude unknown". The first tensor
+    # added to it then sets the scale (Adam moments start at zero).
+    return jnp.where(jnp.isfinite(n), n, jnp.ones((), SCALE_DTYPE))
+
+
 def as_scaled_array(tree: Any, scale: Any = None) -> Any:
     """Turn every floating-point leaf of ``tree`` into a `ScaledArray`.
 
-    With ``scale=None`` the scale is 1 and the data is the leaf itself; otherwise the data
-    is ``leaf / scale`` in the leaf's dtype (exact for a power-of-two scale). Integer, bool
-    and non-array leaves, and leaves that already are `ScaledArray`, are returned as is.
+    ``scale=None``: scale 1, the data is the leaf itself. A number: that scale for every
+    leaf, data ``leaf / scale`` in the leaf's dtype (exact for a power of two).
+    ``"rms"`` or ``"max"``: per leaf, the power of two (rounded down) of its RMS or
+    abs-max, so the data starts at unit scale -- the natural way to bring initialised
+    parameters and optimizer state into scalify. An all-zero leaf gets scale 0, which
+    rules treat as "exactly zero": the first value added to it sets the scale.
+    Integer, bool and non-array leaves, and `ScaledArray` leaves, are returned as is.
     """
 
     def convert(leaf):
@@ -125,9 +145,10 @@ def as_scaled_array(tree: Any, scale: Any = None) -> Any:
         arr = jnp.asarray(leaf)
         if scale is None:
             return ScaledArray(arr, jnp.ones((), SCALE_DTYPE))
-        s = _check_scale(scale)
+        s = _norm_scale(arr, scale) if isinstance(scale, str) else _check_scale(scale)
         wide = wide_float(arr.dtype)
-        return ScaledArray((arr.astype(wide) / s).astype(arr.dtype), s)
+        divisor = jnp.where(s > 0, s, 1.0).astype(wide)
+        return ScaledArray((arr.astype(wide) / divisor).astype(arr.dtype), s)
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_array)
 

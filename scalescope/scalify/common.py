@@ -103,15 +103,14 @@ def align(xs: list[Any], dtype: Any = None, scale: Any = None) -> tuple[list[Any
     """
     if scale is None:
         scale = common_scale(xs)
+    # Scale 0 marks an exactly-zero tensor; if every input is one, express in scale 1.
+    scale = jnp.where(scale > 0, scale, jnp.ones((), SCALE_DTYPE))
     if dtype is None:
         dtype = next(x.dtype for x in xs if is_scaled(x))
     datas = []
     for x in xs:
         if is_scaled(x):
-            if x.scale is scale:
-                datas.append(x.data)
-            else:
-                datas.append(rescale_data(x.data, x.scale / scale))
+            datas.append(rescale_data(x.data, x.scale / scale))
         else:
             datas.append(lift(x, scale, dtype))
     return datas, scale
@@ -126,11 +125,17 @@ def pow2_sqrt_static(n: float) -> float:
 
 def pow2_norm_scale(*scales: Any) -> jax.Array:
     """Power of two (rounded down) of ``sqrt(sum(s**2))``: the scale of a sum of
-    independent unit-RMS terms with those scales."""
-    total = scales[0] * scales[0]
+    independent unit-RMS terms with those scales.
+
+    Computed relative to the largest scale, so squaring never overflows float32 even
+    when scales have drifted far from 1.
+    """
+    top = scales[0]
     for s in scales[1:]:
-        total = total + s * s
-    return pow2_round_down(jnp.sqrt(total)).astype(SCALE_DTYPE)
+        top = jnp.maximum(top, s)
+    safe = jnp.where(top > 0, top, 1.0)
+    total = sum((s / safe) * (s / safe) for s in scales)
+    return (pow2_round_down(jnp.sqrt(total)) * top).astype(SCALE_DTYPE)
 
 
 def split_pow2(c: float) -> tuple[float, float]:

@@ -82,6 +82,7 @@ def _merge_stacked(y):
     if scales.shape[0] == 0:
         return make_scaled(y.data, unit_scale())
     top = jnp.max(scales)
+    top = jnp.where(top > 0, top, 1.0)
     factor = (scales / top).reshape((-1,) + (1,) * (y.data.ndim - 1))
     return make_scaled(rescale_data(y.data, factor), top)
 
