@@ -368,6 +368,7 @@ _ALIASES = {
     "sharding_constraint",
     "real",
     "expand_dims",
+    "iota",
 }
 
 
@@ -393,5 +394,7 @@ def test_cases_cover_every_registered_rule():
         covered |= _primitives_in(fn, 1)
     for fn, _ in BINARY.values():
         covered |= _primitives_in(fn, 2)
+    for fn, _ in CASTS.values():
+        covered |= _primitives_in(fn, 1)
     missing = set(registered_primitives()) - covered - _ALIASES
     assert not missing, f"rules without a value test: {sorted(missing)}"
