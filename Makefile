@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 venv: $(VENV)/.installed
 
 demo: venv
-	$(BIN)/python -m scalescope.examples.engine_demo
+	$(BIN)/scalescope demo
 
 test: venv
 	$(BIN)/python -m pytest -q

@@ -26,27 +26,38 @@ def _as_float(x) -> jax.Array:
     return x
 
 
+_EXPONENT_MASK = {4: 0x7F800000, 8: 0x7FF0000000000000}
+_INT_OF = {4: jnp.int32, 8: jnp.int64}
+
+
 def pow2_round_down(x) -> jax.Array:
-    """Largest power of two ``<= |x|`` (0, inf and NaN are returned as they are)."""
-    x = _as_float(jnp.abs(_as_float(x)))
-    mant, exp = jnp.frexp(x)  # x = mant * 2**exp, mant in [0.5, 1)
-    out = jnp.ldexp(jnp.ones_like(x), exp - 1)
-    return jnp.where(jnp.isfinite(x) & (x > 0), out, x)
+    """Largest power of two ``<= |x|``, by clearing the sign and mantissa bits.
+
+    Three cheap ops (bitcast, and, bitcast), so the rule table can call it on every
+    scale without bloating the compiled graph. 0 and subnormals give 0, inf gives inf.
+    """
+    x = _as_float(x)
+    if x.dtype.itemsize not in _EXPONENT_MASK:
+        x = x.astype(jnp.float32)
+    size = x.dtype.itemsize
+    bits = jax.lax.bitcast_convert_type(x, _INT_OF[size])
+    mask = jnp.asarray(_EXPONENT_MASK[size], _INT_OF[size])
+    return jax.lax.bitcast_convert_type(bits & mask, x.dtype)
 
 
 def pow2_round_up(x) -> jax.Array:
     """Smallest power of two ``>= |x|``."""
-    x = _as_float(jnp.abs(_as_float(x)))
+    x = jnp.abs(_as_float(x))
     down = pow2_round_down(x)
-    return jnp.where(down < x, down * 2, down)
+    return jax.lax.select(down < x, down * 2, down)
 
 
 def pow2_round_nearest(x) -> jax.Array:
     """Power of two nearest to ``|x|`` in log scale (ties round up)."""
-    x = _as_float(jnp.abs(_as_float(x)))
+    x = jnp.abs(_as_float(x))
     down = pow2_round_down(x)
     # log-nearest: choose 2*down when x >= down * sqrt(2)
-    return jnp.where(x >= down * jnp.sqrt(jnp.asarray(2.0, x.dtype)), down * 2, down)
+    return jax.lax.select(x >= down * math.sqrt(2.0), down * 2, down)
 
 
 def pow2_round(x, mode: Pow2Round | str = Pow2Round.DOWN) -> jax.Array:

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ..core.pow2 import pow2_round_down
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray, wide_float
@@ -30,6 +31,12 @@ def make_scaled(data: Any, scale: Any) -> ScaledArray:
 
 def unit_scale() -> jax.Array:
     return jnp.ones((), SCALE_DTYPE)
+
+
+def positive_or_one(scale: jax.Array) -> jax.Array:
+    """``scale`` where positive, else 1 (scale 0 marks an exactly-zero tensor)."""
+    one = lax.full_like(scale, 1.0)
+    return lax.select(lax.gt(scale, lax.full_like(scale, 0.0)), scale, one)
 
 
 def concrete_scalar(x: Any) -> float | None:
@@ -90,7 +97,7 @@ def common_scale(xs: list[Any]) -> jax.Array:
         return unit_scale()
     out = scales[0]
     for s in scales[1:]:
-        out = jnp.maximum(out, s)
+        out = lax.max(out, s)
     return out
 
 
@@ -104,7 +111,7 @@ def align(xs: list[Any], dtype: Any = None, scale: Any = None) -> tuple[list[Any
     if scale is None:
         scale = common_scale(xs)
     # Scale 0 marks an exactly-zero tensor; if every input is one, express in scale 1.
-    scale = jnp.where(scale > 0, scale, jnp.ones((), SCALE_DTYPE))
+    scale = positive_or_one(scale)
     if dtype is None:
         dtype = next(x.dtype for x in xs if is_scaled(x))
     datas = []
@@ -124,18 +131,22 @@ def pow2_sqrt_static(n: float) -> float:
 
 
 def pow2_norm_scale(*scales: Any) -> jax.Array:
-    """Power of two (rounded down) of ``sqrt(sum(s**2))``: the scale of a sum of
-    independent unit-RMS terms with those scales.
+    """Scale of a sum of independent unit-RMS terms with these scales: the power of two
+    (rounded down) of ``sqrt(sum(s**2))``.
 
-    Computed relative to the largest scale, so squaring never overflows float32 even
-    when scales have drifted far from 1.
+    For power-of-two scales that is exactly the largest scale (``sqrt(sum) < 2 * max``
+    for two terms), so it is computed as ``pow2_round_down(max)``: a couple of ops, and
+    no squaring that could overflow float32 when scales have drifted.
     """
     top = scales[0]
     for s in scales[1:]:
-        top = jnp.maximum(top, s)
-    safe = jnp.where(top > 0, top, 1.0)
-    total = sum((s / safe) * (s / safe) for s in scales)
-    return (pow2_round_down(jnp.sqrt(total)) * top).astype(SCALE_DTYPE)
+        top = lax.max(top, s)
+    if len(scales) > 2:
+        # with n terms the sum can reach n * max**2: keep the unit-scaling rule exact
+        safe = positive_or_one(top)
+        total = sum((s / safe) * (s / safe) for s in scales)
+        return (pow2_round_down(jnp.sqrt(total)) * top).astype(SCALE_DTYPE)
+    return pow2_round_down(top).astype(SCALE_DTYPE)
 
 
 def split_pow2(c: float) -> tuple[float, float]:

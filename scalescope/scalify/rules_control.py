@@ -18,7 +18,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .common import is_scaled, make_scaled, rescale_data, unit_scale, unscale
+from .common import (
+    is_scaled,
+    make_scaled,
+    positive_or_one,
+    rescale_data,
+    unit_scale,
+    unscale,
+)
 from .registry import register_rule
 
 
@@ -81,8 +88,7 @@ def _merge_stacked(y):
     scales = y.scale
     if scales.shape[0] == 0:
         return make_scaled(y.data, unit_scale())
-    top = jnp.max(scales)
-    top = jnp.where(top > 0, top, 1.0)
+    top = positive_or_one(jnp.max(scales))
     factor = (scales / top).reshape((-1,) + (1,) * (y.data.ndim - 1))
     return make_scaled(rescale_data(y.data, factor), top)
 

@@ -16,6 +16,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from ..core.pow2 import pow2_round_down
 from ..core.scaled_array import SCALE_DTYPE
 from .common import (
     align,
@@ -23,6 +24,7 @@ from .common import (
     is_scaled,
     make_scaled,
     on_unscaled,
+    positive_or_one,
     pow2_norm_scale,
     rescale_data,
     split_pow2,
@@ -163,11 +165,12 @@ def scaled_integer_pow(x, *, y, **params):
 
 def _even_pow2_split(scale):
     """``scale == rest * s2`` with ``s2`` an even power of two and ``rest`` in [1, 4), so
-    ``sqrt(s2)`` is an exact power of two."""
-    _, exp = jnp.frexp(scale)  # scale == m * 2**exp, m in [0.5, 1)
-    e = exp - 1
-    s2 = jnp.ldexp(jnp.ones((), SCALE_DTYPE), e - (e % 2))
-    return scale / s2, s2
+    ``sqrt(s2)`` is an exact power of two. Reads the exponent bits of the float32 scale."""
+    down = pow2_round_down(scale)
+    biased = lax.shift_right_logical(lax.bitcast_convert_type(down, jnp.int32), jnp.int32(23))
+    odd = lax.ne(lax.bitwise_and(biased - jnp.int32(127), jnp.int32(1)), jnp.int32(0))
+    s2 = lax.select(odd, down * 0.5, down)
+    return scale / positive_or_one(s2), s2
 
 
 def scaled_sqrt(x, **params):
