@@ -15,7 +15,7 @@ from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
 from sample_models.mlp import MLPConfig, init_mlp, mlp_loss
 from sample_models.precision import PRECISIONS
 from sample_models.train_step import make_optimizer, make_train_step
-from scalescope.scalify import has_rule
+from scalescope.scalify import has_rule, primitives_in
 
 VOCAB, SEQ, BATCH = 65, 16, 2
 
@@ -52,25 +52,12 @@ def _mlp(precision="fp32", dtype=jnp.float32, lr=1e-3):
     return step, params, opt.init(params), batch
 
 
-def _primitives(closed) -> set[str]:
-    names: set[str] = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            names.add(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(closed.jaxpr)
-    return names
-
-
 @pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 def test_every_primitive_of_the_gpt_step_has_a_rule(scan, precision):
     step, params, opt_state, batch = _gpt(scan, precision)
     closed = jax.make_jaxpr(step)(params, opt_state, batch)
-    prims = _primitives(closed)
+    prims = primitives_in(closed)
     # the step really contains the hard cases
     expected = {
         "dot_general",

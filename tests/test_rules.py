@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import scalescope as ss
-from scalescope.scalify import registered_primitives
+from scalescope.scalify import primitives_in, registered_primitives
 
 SHAPES = [(8,), (3, 5), (2, 3, 4)]
 IDX = np.array([0, 2, 1])
@@ -375,17 +375,7 @@ _ALIASES = {
 @functools.cache
 def _primitives_in(fn, nargs):
     x = jnp.ones((4, 3), jnp.float32)
-    closed = jax.make_jaxpr(fn)(*([x] * nargs))
-    names = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            names.add(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(closed.jaxpr)
-    return names
+    return primitives_in(jax.make_jaxpr(fn)(*([x] * nargs)))
 
 
 def test_cases_cover_every_registered_rule():

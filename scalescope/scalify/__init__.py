@@ -2,7 +2,15 @@
 
 from . import rules_control, rules_elementwise, rules_reduce, rules_shape  # noqa: F401
 from .interpreter import Context, Fallback, ScalifyError, eval_jaxpr, scalify, trace_to_jaxpr
-from .registry import RULES, Rule, get_rule, has_rule, register_rule, registered_primitives
+from .registry import (
+    RULES,
+    Rule,
+    get_rule,
+    has_rule,
+    primitives_in,
+    register_rule,
+    registered_primitives,
+)
 from .source import format_source, user_frame
 
 __all__ = [
@@ -15,6 +23,7 @@ __all__ = [
     "format_source",
     "get_rule",
     "has_rule",
+    "primitives_in",
     "register_rule",
     "registered_primitives",
     "scalify",

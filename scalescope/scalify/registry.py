@@ -51,3 +51,17 @@ def has_rule(prim: Any) -> bool:
 
 def registered_primitives() -> tuple[str, ...]:
     return tuple(sorted(RULES))
+
+
+def primitives_in(jaxpr: Any) -> set[str]:
+    """Names of every primitive in ``jaxpr`` (a Jaxpr or ClosedJaxpr), sub-jaxprs of
+    jit/scan/cond/custom_* included: what `scalify` must have rules for."""
+    from jax.extend.core import jaxprs_in_params
+
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    names: set[str] = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jaxprs_in_params(eqn.params):
+            names |= primitives_in(sub)
+    return names
