@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core.pow2 import pow2_round_down
+from ..core.pow2 import pow2_round_down, static_pow2_round_down
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray, wide_float
 
 
@@ -125,9 +125,7 @@ def align(xs: list[Any], dtype: Any = None, scale: Any = None) -> tuple[list[Any
 
 def pow2_sqrt_static(n: float) -> float:
     """Power of two (rounded down) of ``sqrt(n)``, as a Python float known at trace time."""
-    if n <= 1:
-        return 1.0
-    return math.ldexp(1.0, math.frexp(math.sqrt(n))[1] - 1)
+    return 1.0 if n <= 1 else static_pow2_round_down(math.sqrt(n))
 
 
 def pow2_norm_scale(*scales: Any) -> jax.Array:

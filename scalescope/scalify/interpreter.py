@@ -190,12 +190,18 @@ def trace_to_jaxpr(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[A
 
     Returns the closed jaxpr, the output treedef and the dynamic input values.
     """
+    leaves, treedef, dyn, avals, _ = _flatten(args, kwargs)
+    closed, out_tree = _trace(fn, leaves, treedef, avals)
+    return closed, out_tree, dyn
+
+
+def _flatten(args: tuple, kwargs: dict):
+    """Flat leaves (`ScaledArray` kept whole), treedef, dynamic values, avals, cache key."""
     leaves, treedef = jax.tree_util.tree_flatten(
         (args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray)
     )
-    dyn, avals, _ = _signature(leaves)
-    closed, out_tree = _trace(fn, leaves, treedef, avals)
-    return closed, out_tree, dyn
+    dyn, avals, key = _signature(leaves)
+    return leaves, treedef, dyn, avals, (treedef, key)
 
 
 def _trace(fn, leaves, treedef, avals):
@@ -235,11 +241,7 @@ def scalify(fn: Callable[..., Any], *, fallback: str = "raise") -> Callable[...,
 
     @functools.wraps(fn)
     def scalified(*args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten(
-            (args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray)
-        )
-        dyn, avals, key = _signature(leaves)
-        key = (treedef, key)
+        leaves, treedef, dyn, avals, key = _flatten(args, kwargs)
         entry = cache.get(key)
         if entry is None:
             entry = _trace(fn, leaves, treedef, avals)

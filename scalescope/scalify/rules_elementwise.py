@@ -34,10 +34,6 @@ from .common import (
 from .registry import register_rule
 
 
-def _first_dtype(*xs):
-    return next(x.dtype for x in xs if is_scaled(x))
-
-
 def _pow2_constant(x) -> tuple[float, float] | None:
     """(mantissa, power of two) of a finite non-zero constant known at trace time."""
     value = concrete_scalar(x)
@@ -100,7 +96,7 @@ def _aligned(prim, *, scaled_out: bool = True):
     """Rule for ops that commute with a common positive scale (max, min, comparisons)."""
 
     def rule(*args, **params):
-        datas, s = align(list(args), dtype=_first_dtype(*args))
+        datas, s = align(list(args))
         out = prim.bind(*datas, **params)
         return make_scaled(out, s) if scaled_out else out
 
@@ -119,12 +115,12 @@ scaled_ge = _aligned(lax.ge_p, scaled_out=False)
 
 
 def scaled_atan2(a, b, **params):
-    (da, db), _ = align([a, b], dtype=_first_dtype(a, b))
+    (da, db), _ = align([a, b])
     return make_scaled(lax.atan2_p.bind(da, db, **params), unit_scale())
 
 
 def scaled_select_n(which, *cases, **params):
-    datas, s = align(list(cases), dtype=_first_dtype(*cases))
+    datas, s = align(list(cases))
     return make_scaled(lax.select_n_p.bind(unscale(which), *datas, **params), s)
 
 
