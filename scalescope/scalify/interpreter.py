@@ -8,6 +8,7 @@ recursively through the same context.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,20 +38,46 @@ class Fallback:
     source: str
 
 
+class Observer:
+    """Watches an interpretation; the probe subclasses it. Defaults do nothing.
+
+    ``on_eqn`` runs after every equation, at every nesting level. A higher-order rule
+    interprets each body (of a call, scan, while or cond) with a child observer from
+    ``nested``. Loop and branch bodies may hand extra values out of the body
+    (``body_outputs``, traced inside it): a scan stacks them per iteration, a while loop
+    folds them with ``accumulate``, a cond returns the taken branch's (zeros of the same
+    structure for the others). The rule then gives them back to the parent with ``adopt``.
+    """
+
+    def on_eqn(self, ctx: Context, eqn: Any, invals: Sequence[Any], outvals: Sequence[Any]):
+        pass
+
+    def nested(self, eqn: Any, kind: str) -> Observer:
+        return self
+
+    def body_outputs(self) -> Any:
+        return ()
+
+    def accumulate(self, acc: Any, new: Any) -> Any:
+        return new
+
+    def adopt(self, child: Observer, outputs: Any, kind: str) -> None:
+        pass
+
+
 @dataclass
 class Context:
     """State of one interpretation: the fallback policy and what fell back.
 
     ``recurse_plain`` makes higher-order primitives be interpreted even when none of
     their inputs is scaled (an observer such as the probe needs to see inside them).
-    ``observer``, when set, is called as ``observer(ctx, eqn, invals, outvals)`` after
-    every equation.
+    ``observer``, when set, sees every equation (see `Observer`).
     """
 
     fallback: str = "raise"
     fallbacks: list[Fallback] = field(default_factory=list)
     recurse_plain: bool = False
-    observer: Callable[..., None] | None = None
+    observer: Observer | None = None
     check: bool = True
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
@@ -58,6 +85,25 @@ class Context:
 
     def eval_closed(self, closed: Any, args: Sequence[Any]) -> list[Any]:
         return eval_jaxpr(self, closed.jaxpr, closed.consts, args)
+
+    def nested(self, eqn: Any, kind: str) -> Context:
+        """The context for a body of the higher-order ``eqn`` (kind: call, scan, while,
+        cond, or silent for a while loop's predicate, which records nothing)."""
+        if self.observer is None:
+            return self
+        if kind == "silent":
+            return dataclasses.replace(self, observer=None)
+        return dataclasses.replace(self, observer=self.observer.nested(eqn, kind))
+
+    def body_outputs(self) -> Any:
+        return () if self.observer is None else self.observer.body_outputs()
+
+    def accumulate(self, acc: Any, new: Any) -> Any:
+        return new if self.observer is None else self.observer.accumulate(acc, new)
+
+    def adopt(self, child: Context, outputs: Any, kind: str) -> None:
+        if self.observer is not None and child.observer is not None:
+            self.observer.adopt(child.observer, outputs, kind)
 
 
 def _read(env: dict, v: Any) -> Any:
@@ -140,7 +186,7 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
         if ctx.check:
             _check_outputs(eqn, outvals)
         if ctx.observer is not None:
-            ctx.observer(ctx, eqn, invals, outvals)
+            ctx.observer.on_eqn(ctx, eqn, invals, outvals)
         for v, out in zip(eqn.outvars, outvals):
             env[v] = out
     return [_read(env, v) for v in jaxpr.outvars]
@@ -149,7 +195,7 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
 # -- the transform ----------------------------------------------------------------------
 
 
-def _is_array_like(x: Any) -> bool:
+def is_array_like(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or (
         hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, ScaledArray)
     )
@@ -164,7 +210,7 @@ def _signature(leaves: Sequence[Any]) -> tuple[list[Any], list[Any], tuple[Any, 
             dyn.append(leaf)
             avals.append(jax.ShapeDtypeStruct(shape, dtype))
             key.append(("scaled", shape, dtype))
-        elif _is_array_like(leaf):
+        elif is_array_like(leaf):
             aval = jax.typeof(leaf)
             dyn.append(leaf)
             avals.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type))
@@ -181,7 +227,7 @@ def _signature(leaves: Sequence[Any]) -> tuple[list[Any], list[Any], tuple[Any, 
     return dyn, avals, tuple(key)
 
 
-def _has_tracer(consts: Sequence[Any]) -> bool:
+def has_tracer(consts: Sequence[Any]) -> bool:
     return any(isinstance(c, jax.core.Tracer) for c in consts)
 
 
@@ -190,12 +236,12 @@ def trace_to_jaxpr(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[A
 
     Returns the closed jaxpr, the output treedef and the dynamic input values.
     """
-    leaves, treedef, dyn, avals, _ = _flatten(args, kwargs)
-    closed, out_tree = _trace(fn, leaves, treedef, avals)
+    leaves, treedef, dyn, avals, _ = flatten_args(args, kwargs)
+    closed, out_tree = trace_flat(fn, leaves, treedef, avals)
     return closed, out_tree, dyn
 
 
-def _flatten(args: tuple, kwargs: dict):
+def flatten_args(args: tuple, kwargs: dict):
     """Flat leaves (`ScaledArray` kept whole), treedef, dynamic values, avals, cache key."""
     leaves, treedef = jax.tree_util.tree_flatten(
         (args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray)
@@ -204,9 +250,9 @@ def _flatten(args: tuple, kwargs: dict):
     return leaves, treedef, dyn, avals, (treedef, key)
 
 
-def _trace(fn, leaves, treedef, avals):
+def trace_flat(fn, leaves, treedef, avals):
     dyn_pos = [
-        i for i, leaf in enumerate(leaves) if isinstance(leaf, ScaledArray) or _is_array_like(leaf)
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, ScaledArray) or is_array_like(leaf)
     ]
 
     def flat_fn(*dyn_vals):
@@ -241,11 +287,11 @@ def scalify(fn: Callable[..., Any], *, fallback: str = "raise") -> Callable[...,
 
     @functools.wraps(fn)
     def scalified(*args, **kwargs):
-        leaves, treedef, dyn, avals, key = _flatten(args, kwargs)
+        leaves, treedef, dyn, avals, key = flatten_args(args, kwargs)
         entry = cache.get(key)
         if entry is None:
-            entry = _trace(fn, leaves, treedef, avals)
-            if not _has_tracer(entry[0].consts):
+            entry = trace_flat(fn, leaves, treedef, avals)
+            if not has_tracer(entry[0].consts):
                 cache[key] = entry
         closed, out_tree = entry
         ctx = Context(fallback=fallback)

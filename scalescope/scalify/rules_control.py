@@ -60,21 +60,21 @@ def _scope(name: str | None):
 
 def scaled_jit(ctx, eqn, invals):
     with _scope(eqn.params.get("name")):
-        return ctx.eval_closed(eqn.params["jaxpr"], invals)
+        return ctx.nested(eqn, "call").eval_closed(eqn.params["jaxpr"], invals)
 
 
 def scaled_custom_call(ctx, eqn, invals):
     closed = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
     with _scope(eqn.params.get("name")):
-        return ctx.eval_closed(closed, invals)
+        return ctx.nested(eqn, "call").eval_closed(closed, invals)
 
 
 def scaled_remat(ctx, eqn, invals):
-    return ctx.eval_jaxpr(eqn.params["jaxpr"], [], invals)
+    return ctx.nested(eqn, "call").eval_jaxpr(eqn.params["jaxpr"], [], invals)
 
 
 def scaled_closed_call(ctx, eqn, invals):
-    return ctx.eval_closed(eqn.params["call_jaxpr"], invals)
+    return ctx.nested(eqn, "call").eval_closed(eqn.params["call_jaxpr"], invals)
 
 
 # -- loops and branches ------------------------------------------------------------------
@@ -103,17 +103,20 @@ def scaled_scan(ctx, eqn, invals):
     xs_data = [x.data if is_scaled(x) else x for x in xs]
     xs_scale = [x.scale if is_scaled(x) else None for x in xs]
     mask = [is_scaled(c) for c in init]
+    bodies = []  # the context of the latest body trace, whose observer outputs are kept
 
     while True:
 
         def step(carry, x, mask=mask):
             x_vals = [make_scaled(d, s) if s is not None else d for d, s in zip(x, xs_scale)]
-            outs = ctx.eval_closed(body, [*consts, *carry, *x_vals])
-            return _conform(outs[:n_carry], mask), outs[n_carry:]
+            sub = ctx.nested(eqn, "scan")
+            bodies.append(sub)
+            outs = sub.eval_closed(body, [*consts, *carry, *x_vals])
+            return _conform(outs[:n_carry], mask), (outs[n_carry:], sub.body_outputs())
 
         carry0 = [_to_scaled(c) if m else c for c, m in zip(init, mask)]
         try:
-            carry, ys = lax.scan(
+            carry, (ys, extra) = lax.scan(
                 step,
                 carry0,
                 xs_data,
@@ -124,7 +127,24 @@ def scaled_scan(ctx, eqn, invals):
         except _CarryMaskChanged as change:
             mask = change.mask
             continue
+        ctx.adopt(bodies[-1], extra, "scan")
         return [*carry, *[_merge_stacked(y) for y in ys]]
+
+
+def _zeros_like(shapes):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _extra_shapes(ctx, eqn, kind, body, args):
+    """Trace a body once, unconformed, to learn the structure of its observer outputs
+    (a while carry and the branches of a cond need it before the real trace)."""
+
+    def probe(*args):
+        sub = ctx.nested(eqn, kind)
+        body(sub, list(args))
+        return sub.body_outputs()
+
+    return jax.eval_shape(probe, *args)
 
 
 def scaled_while(ctx, eqn, invals):
@@ -134,37 +154,73 @@ def scaled_while(ctx, eqn, invals):
     body_consts = invals[n_cond : n_cond + n_body]
     init = invals[n_cond + n_body :]
     mask = [is_scaled(c) for c in init]
+    silent = ctx.nested(eqn, "silent")
+    run_body = lambda sub, carry: sub.eval_closed(p["body_jaxpr"], [*body_consts, *carry])
+    acc0 = ()
+    if ctx.observer is not None:
+        acc0 = _zeros_like(_extra_shapes(ctx, eqn, "while", run_body, init))
+    bodies = []
 
-    def cond_fn(carry):
-        (pred,) = ctx.eval_closed(p["cond_jaxpr"], [*cond_consts, *carry])
+    def cond_fn(state):
+        (pred,) = silent.eval_closed(p["cond_jaxpr"], [*cond_consts, *state[0]])
         return unscale(pred)
 
     while True:
 
-        def body_fn(carry, mask=mask):
-            return _conform(ctx.eval_closed(p["body_jaxpr"], [*body_consts, *carry]), mask)
+        def body_fn(state, mask=mask):
+            carry, acc = state
+            sub = ctx.nested(eqn, "while")
+            bodies.append(sub)
+            new = _conform(run_body(sub, carry), mask)
+            return new, sub.accumulate(acc, sub.body_outputs())
 
         carry0 = [_to_scaled(c) if m else c for c, m in zip(init, mask)]
         try:
-            return list(lax.while_loop(cond_fn, body_fn, carry0))
+            carry, acc = lax.while_loop(cond_fn, body_fn, (carry0, acc0))
         except _CarryMaskChanged as change:
             mask = change.mask
+            continue
+        if bodies:
+            ctx.adopt(bodies[-1], acc, "while")
+        return list(carry)
 
 
 def scaled_cond(ctx, eqn, invals):
     branches = eqn.params["branches"]
     index, operands = unscale(invals[0]), invals[1:]
     mask = [False] * len(branches[0].out_avals)
+    shapes = []
+    if ctx.observer is not None:
+        shapes = [
+            _extra_shapes(ctx, eqn, "cond", lambda sub, ops, b=b: sub.eval_closed(b, ops), operands)
+            for b in branches
+        ]
+    bodies = [None] * len(branches)
 
     while True:
 
-        def make_branch(closed, mask=mask):
-            return lambda *ops: _conform(ctx.eval_closed(closed, list(ops)), mask)
+        def make_branch(i, closed, mask=mask):
+            def branch(*ops):
+                sub = ctx.nested(eqn, "cond")
+                bodies[i] = sub
+                outs = _conform(sub.eval_closed(closed, list(ops)), mask)
+                extras = [
+                    sub.body_outputs() if j == i else _zeros_like(s) for j, s in enumerate(shapes)
+                ]
+                return outs, extras
+
+            return branch
 
         try:
-            return list(lax.switch(index, [make_branch(b) for b in branches], *operands))
+            outs, extras = lax.switch(
+                index, [make_branch(i, b) for i, b in enumerate(branches)], *operands
+            )
         except _CarryMaskChanged as change:
             mask = change.mask
+            continue
+        for sub, extra in zip(bodies, extras):
+            ctx.adopt(sub, extra, "cond")
+        return list(outs)
 
 
 RULES = {

@@ -1,0 +1,35 @@
+"""The probe: statistics of every value of a traced function, computed on the device.
+
+`instrument(fn)` interprets ``fn`` (scalified or plain) and returns ``(out, stats)``;
+``stats`` is a flat dict of arrays, one row per recorded (op, iteration), described by
+the static `OpTable` from ``instrumented.op_table(*args)``.
+"""
+
+from .instrument import instrument
+from .kernel import (
+    BASIC_STATS,
+    FORMAT_STATS,
+    HIST_COLUMNS,
+    HIST_EXPONENTS,
+    HIST_HI,
+    HIST_LO,
+    StatSpec,
+)
+from .names import PASS_SCOPES
+from .optable import NOTES, OpRecord, OpTable, stats_frame
+
+__all__ = [
+    "BASIC_STATS",
+    "FORMAT_STATS",
+    "HIST_COLUMNS",
+    "HIST_EXPONENTS",
+    "HIST_HI",
+    "HIST_LO",
+    "NOTES",
+    "PASS_SCOPES",
+    "OpRecord",
+    "OpTable",
+    "StatSpec",
+    "instrument",
+    "stats_frame",
+]

@@ -1,0 +1,197 @@
+"""`instrument`: a function that also returns statistics of every value it computes."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from ..core import formats as _formats
+from ..core.scaled_array import ScaledArray
+from ..scalify.interpreter import (
+    FALLBACK_POLICIES,
+    Context,
+    eval_jaxpr,
+    flatten_args,
+    has_tracer,
+    is_array_like,
+    trace_flat,
+)
+from .kernel import DEFAULT_BLOCK, StatSpec
+from .names import PASS_SCOPES
+from .optable import OpRecord, OpTable
+from .recorder import Recorder
+
+Select = str | Callable[[OpRecord], bool] | None
+
+
+def _path_name(path: Sequence[Any]) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+    paths, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, ScaledArray)
+    )
+    return [_path_name(p) for p, _ in paths]
+
+
+def _input_paths(fn: Callable[..., Any], treedef: Any, leaves: list[Any]) -> list[str]:
+    """Paths of the argument leaves, the first component named after ``fn``'s parameter
+    (``params/layers/0/w``) where the signature tells it."""
+    try:
+        names = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        names = []
+    out = []
+    for path in _leaf_paths(jax.tree_util.tree_unflatten(treedef, leaves)):
+        head, _, rest = path.partition("/")
+        first, _, tail = rest.partition("/")
+        if head == "0":
+            i = int(first)
+            first = names[i] if i < len(names) else f"arg{i}"
+        out.append("/".join(p for p in (first, tail) if p))
+    return out
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, ScaledArray) or is_array_like(leaf)
+
+
+def _predicate(select: Select) -> Callable[[OpRecord], bool] | None:
+    if select is None or callable(select):
+        return select
+    if isinstance(select, str):
+        try:
+            rx = re.compile(select)
+        except re.error as err:
+            raise ValueError(f"instrument: select is not a valid regex ({select!r}): {err}") from err
+        return lambda rec: rx.search(rec.label) is not None
+    raise TypeError(
+        "instrument: select must be a regex string, a predicate on OpRecord, or None; "
+        f"got {type(select).__name__}"
+    )
+
+
+def _spec(formats: Sequence[str], histograms: bool, block: int) -> StatSpec:
+    if isinstance(formats, str):
+        formats = (formats,)
+    fmts = tuple(_formats.get(f) for f in formats)
+    names = [f.name for f in fmts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"instrument: formats lists a format twice: {list(formats)}")
+    if block < 1:
+        raise ValueError(f"instrument: block must be positive, got {block}")
+    return StatSpec(fmts, bool(histograms), int(block))
+
+
+def instrument(
+    fn: Callable[..., Any],
+    *,
+    scalify: bool = True,
+    formats: Sequence[str] = ("e4m3", "e5m2", "fp16", "bf16"),
+    histograms: bool = True,
+    select: Select = None,
+    fallback: str = "raise",
+    passes: Sequence[str] = PASS_SCOPES,
+    block: int = DEFAULT_BLOCK,
+) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
+    """Wrap ``fn`` so that it returns ``(out, stats)``.
+
+    ``out`` is what ``scalify(fn)`` (or ``fn`` itself with ``scalify=False``) returns, bit
+    for bit. ``stats`` maps each statistic name to an array with one row per recorded
+    (op, iteration); ``fn'.op_table(*args)`` gives the static op table describing the
+    rows (see `OpTable`), computed by tracing alone. Statistics are computed inside the
+    traced function, so wrap the result in `jax.jit` to run it at full speed.
+
+    ``formats``: formats to audit (names of `scalescope.formats`). ``histograms``: build
+    the exponent histogram (``stats["hist"]``). ``select``: a regex matched against
+    ``pass/name`` of each op (``"^bwd/"``, ``"attn/dot_general"``) or a predicate on
+    `OpRecord`; other ops get no statistics. ``passes``: top-level `jax.named_scope`
+    names that mark a pass of their own (default ``("opt",)``). ``fallback``: scalify's
+    policy for primitives without a scaled rule.
+    """
+    if fallback not in FALLBACK_POLICIES:
+        raise ValueError(f"instrument: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}")
+    spec = _spec(formats, histograms, block)
+    pred = _predicate(select)
+    traces: dict[Any, tuple[Any, Any]] = {}
+    tables: dict[Any, OpTable] = {}
+
+    def run(leaves, treedef, dyn, avals, key):
+        if not scalify and any(isinstance(x, ScaledArray) for x in dyn):
+            raise TypeError(
+                "instrument(scalify=False) records a plain function, but an argument is a "
+                "ScaledArray; pass plain arrays or use scalify=True"
+            )
+        entry = traces.get(key)
+        if entry is None:
+            entry = trace_flat(fn, leaves, treedef, avals)
+            if not has_tracer(entry[0].consts):
+                traces[key] = entry
+        closed, out_tree = entry
+        recorder = Recorder.root(spec, pred, passes)
+        paths = _input_paths(fn, treedef, leaves)
+        dyn_paths = [p for p, leaf in zip(paths, leaves) if _is_dynamic(leaf)]
+        for path, value in zip(dyn_paths, dyn, strict=True):
+            recorder.record_input(path, value)
+        for c in closed.consts:
+            recorder.mark_const(c)
+        ctx = Context(fallback=fallback, recurse_plain=True, observer=recorder)
+        outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
+        out_paths = _leaf_paths(jax.tree_util.tree_unflatten(out_tree, list(range(len(outs)))))
+        for path, value in zip(out_paths, outs):
+            recorder.record_output(path, value)
+        table, stats = recorder.finish()
+        tables[key] = table
+        instrumented.fallbacks = list(ctx.fallbacks)
+        for fb in ctx.fallbacks:
+            warnings.warn(
+                f"scalify: '{fb.primitive}' ran on unscaled values (at {fb.source})", stacklevel=3
+            )
+        return jax.tree_util.tree_unflatten(out_tree, outs), stats, table
+
+    @functools.wraps(fn)
+    def instrumented(*args, **kwargs):
+        out, stats, _ = run(*flatten_args(args, kwargs))
+        return out, stats
+
+    def op_table(*args, **kwargs) -> OpTable:
+        """The op table for these arguments (shapes and dtypes matter, not values),
+        computed by tracing without running anything."""
+        leaves, treedef, dyn, avals, key = flatten_args(args, kwargs)
+        if key not in tables:
+            positions = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+
+            def abstract(*dyn_vals):
+                full = list(leaves)
+                for pos, val in zip(positions, dyn_vals):
+                    full[pos] = val
+                out, stats, _ = run(*flatten_args(*jax.tree_util.tree_unflatten(treedef, full)))
+                return out, stats
+
+            jax.eval_shape(abstract, *dyn)
+        return tables[key]
+
+    instrumented.op_table = op_table
+    instrumented.fallbacks = []
+    instrumented.formats = tuple(f.name for f in spec.formats)
+    instrumented.histograms = spec.histograms
+    return instrumented

@@ -1,0 +1,151 @@
+"""The op table: one record per value the probe saw, computed at trace time."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Why an op has no statistics of its own (``OpRecord.note``); "" when it has rows.
+NOTES = {
+    "": "recorded: statistics in rows row_start .. row_start + n_rows",
+    "alias": "same elements as op stats_op (data movement or an exact widening cast)",
+    "const": "computed from constants only",
+    "not float": "integer or boolean value",
+    "empty": "zero elements",
+    "unselected": "left out by `select`",
+    "output": "a function output: statistics of op stats_op",
+}
+
+
+@dataclass(eq=False)
+class OpRecord:
+    """One value of the instrumented function.
+
+    ``name`` is the scope path from JAX's name stack plus the primitive
+    (``block_0/attn/dot_general``); ``pass_`` is ``fwd``, ``bwd``, ``opt`` (or another
+    pass scope), ``input`` names are ``input/<argument path>``. ``loop`` lists the lengths
+    of the enclosing scans (outermost first): the op has ``prod(loop)`` rows, one per
+    iteration. Inside a while loop (``in_while``) a row aggregates every iteration; inside
+    a cond branch (``in_cond``) a row is NaN with count 0 when the branch did not run.
+    """
+
+    name: str
+    pass_: str
+    primitive: str
+    shape: tuple[int, ...]
+    dtype: str
+    scaled: bool
+    source: str
+    note: str = ""
+    id: int = -1
+    stats_op: int = -1
+    row_start: int = -1
+    n_rows: int = 0
+    loop: tuple[int, ...] = ()
+    in_while: bool = False
+    in_cond: bool = False
+    alias_of: OpRecord | None = field(default=None, repr=False)
+
+    @property
+    def recorded(self) -> bool:
+        return self.note == ""
+
+    @property
+    def label(self) -> str:
+        """``pass/name``: what `select` regexes are matched against."""
+        return f"{self.pass_}/{self.name}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.id,
+            "name": self.name,
+            "pass": self.pass_,
+            "primitive": self.primitive,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "scaled": self.scaled,
+            "source": self.source,
+            "note": self.note,
+            "stats_op": self.stats_op,
+            "row_start": self.row_start,
+            "n_rows": self.n_rows,
+            "loop": list(self.loop),
+            "in_while": self.in_while,
+            "in_cond": self.in_cond,
+        }
+
+
+@dataclass
+class OpTable:
+    """Every op of an instrumented function and the layout of its ``stats``.
+
+    ``stats[name][r]`` is statistic ``name`` of row ``r``; ``row_op[r]`` is the op id and
+    ``row_iter[r]`` the flat iteration index (row-major over ``OpRecord.loop``) of that
+    row. Rows are sorted by op id, then iteration.
+    """
+
+    ops: list[OpRecord]
+    row_op: np.ndarray
+    row_iter: np.ndarray
+    stat_names: tuple[str, ...]
+    formats: tuple[str, ...]
+    hist_columns: tuple[str, ...] | None
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __iter__(self) -> Iterator[OpRecord]:
+        return iter(self.ops)
+
+    def __getitem__(self, op: int) -> OpRecord:
+        return self.ops[op]
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.row_op.shape[0])
+
+    def find(self, pattern: str) -> list[OpRecord]:
+        """Ops whose ``pass/name`` matches the regex ``pattern`` (`re.search`)."""
+        rx = re.compile(pattern)
+        return [op for op in self.ops if rx.search(op.label)]
+
+    def rows(self, op: int | OpRecord) -> slice:
+        """Rows holding the statistics of ``op`` (its own, or its source's for an alias
+        or output); an empty slice when it has none."""
+        rec = op if isinstance(op, OpRecord) else self.ops[op]
+        if rec.stats_op < 0:
+            return slice(0, 0)
+        src = self.ops[rec.stats_op]
+        return slice(src.row_start, src.row_start + src.n_rows)
+
+    def to_records(self) -> list[dict[str, Any]]:
+        return [op.as_dict() for op in self.ops]
+
+    def to_frame(self):
+        """The op table as a pandas DataFrame indexed by op id."""
+        import pandas as pd
+
+        return pd.DataFrame(self.to_records()).set_index("op")
+
+
+def stats_frame(table: OpTable, stats: dict[str, Any], names: Sequence[str] | None = None):
+    """Scalar statistics as a long-by-row pandas DataFrame: op, iteration, name, pass,
+    primitive and one column per statistic."""
+    import pandas as pd
+
+    names = list(names or table.stat_names)
+    frame = pd.DataFrame({name: np.asarray(stats[name]) for name in names})
+    frame.insert(0, "iteration", table.row_iter)
+    frame.insert(0, "op", table.row_op)
+    meta = pd.DataFrame(
+        {
+            "name": [op.name for op in table.ops],
+            "pass": [op.pass_ for op in table.ops],
+            "primitive": [op.primitive for op in table.ops],
+        }
+    )
+    return frame.join(meta, on="op")

@@ -1,0 +1,293 @@
+"""The probe's observer: decides what to record while scalify interprets a function.
+
+Each loop or branch body is a *scope* with its own list of values, reduced in one fused
+pass at the end of the body and handed out as extra body outputs (stacked by scan,
+folded by while, per branch by cond). Calls (jit, custom derivatives, remat) share their
+caller's scope. Op ids and rows are assigned once the whole function is interpreted, by
+walking scopes in order of appearance, so a body traced twice (scalify retraces loop
+bodies when a carry becomes scaled) never leaves a trace in the table.
+
+Values whose statistics are known without a reduction are not recorded: data movement
+and exact widening casts point at their source (``alias``), values computed from
+constants only are skipped (XLA would constant-fold their statistics at great compile
+cost), as are integer and boolean values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+
+from ..core.scaled_array import ScaledArray
+from ..scalify.interpreter import Observer
+from ..scalify.registry import get_rule
+from ..scalify.source import format_source
+from . import kernel
+from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
+from .optable import OpRecord, OpTable
+
+#: Primitives whose output holds exactly the input's elements (each repeated equally
+#: often), so every statistic equals the input's.
+ALIAS_PRIMITIVES = frozenset(
+    {
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "copy",
+        "copy_p",
+        "optimization_barrier",
+        "rev",
+    }
+)
+
+
+def _is_float(dtype: Any) -> bool:
+    return dtype is not None and jax.dtypes.issubdtype(dtype, np.floating)
+
+
+def _exact_widening(src: Any, dst: Any) -> bool:
+    """A float-to-float cast that changes no value."""
+    if not (_is_float(src) and _is_float(dst)):
+        return False
+    s, d = jax.dtypes.finfo(src), jax.dtypes.finfo(dst)
+    return d.nmant >= s.nmant and d.maxexp >= s.maxexp and d.minexp <= s.minexp
+
+
+@dataclass(eq=False)
+class _Info:
+    """What the recorder knows about a value flowing through the interpretation."""
+
+    record: OpRecord | None  # the op whose statistics apply (after alias resolution)
+    const: bool = False
+    grad: bool = False  # computed from gradients (backward pass or later)
+
+
+@dataclass(eq=False)
+class _Block:
+    """A loop or branch body adopted into its parent scope."""
+
+    scope: _Scope
+    kind: str
+    raw: dict[str, Any]
+
+
+@dataclass(eq=False)
+class _Scope:
+    """The values of one body: entries (records and adopted blocks) in order."""
+
+    entries: list[OpRecord | _Block] = field(default_factory=list)
+    values: list[tuple[Any, Any]] = field(default_factory=list)
+    recorded: list[OpRecord] = field(default_factory=list)
+
+    def records(self) -> list[OpRecord]:
+        out = []
+        for e in self.entries:
+            out.extend(e.scope.records() if isinstance(e, _Block) else [e])
+        return out
+
+    def rows(self) -> list[tuple[OpRecord, tuple[int, ...]]]:
+        """(op, loop indices) of each raw row, in the order `raw` produces them."""
+        rows = [(rec, ()) for rec in self.recorded]
+        for e in self.entries:
+            if not isinstance(e, _Block):
+                continue
+            inner = e.scope.rows()
+            if e.kind == "scan":
+                n = int(e.raw["sum"].shape[0])
+                rows += [(rec, (i, *it)) for rec, it in inner for i in range(n)]
+            else:
+                rows += inner
+        return rows
+
+    def raw(self, spec: kernel.StatSpec) -> dict[str, Any]:
+        parts = [kernel.scope_raw(self.values, spec)]
+        for e in self.entries:
+            if isinstance(e, _Block):
+                parts.append(kernel.unstack_scan(e.raw) if e.kind == "scan" else e.raw)
+        return kernel.concat_raw(parts, spec)
+
+
+@dataclass(eq=False)
+class _Shared:
+    """Configuration and value knowledge shared by every recorder of one interpretation."""
+
+    spec: kernel.StatSpec
+    select: Callable[[OpRecord], bool] | None
+    pass_scopes: tuple[str, ...] = PASS_SCOPES
+    info: dict[int, _Info] = field(default_factory=dict)
+    keep: list[Any] = field(default_factory=list)  # keeps ids in `info` from being reused
+
+    def lookup(self, value: Any) -> _Info | None:
+        return self.info.get(id(value))
+
+    def remember(self, value: Any, info: _Info) -> None:
+        self.info[id(value)] = info
+        self.keep.append(value)
+
+
+class Recorder(Observer):
+    """Records values of one scope; `nested` gives the recorder of a body."""
+
+    def __init__(self, shared: _Shared, scope: _Scope, prefix: Scope):
+        self.shared = shared
+        self.scope = scope
+        self.prefix = prefix
+
+    @classmethod
+    def root(
+        cls,
+        spec: kernel.StatSpec,
+        select: Callable[[OpRecord], bool] | None = None,
+        pass_scopes: Sequence[str] = PASS_SCOPES,
+    ) -> Recorder:
+        return cls(_Shared(spec, select, tuple(pass_scopes)), _Scope(), Scope())
+
+    # -- Observer ------------------------------------------------------------------------
+
+    def nested(self, eqn: Any, kind: str) -> Recorder:
+        prefix = self.prefix.join(parse(eqn.source_info.name_stack))
+        scope = self.scope if kind == "call" else _Scope()
+        return Recorder(self.shared, scope, prefix)
+
+    def body_outputs(self) -> dict[str, Any]:
+        return self.scope.raw(self.shared.spec)
+
+    def accumulate(self, acc: Any, new: Any) -> Any:
+        return kernel.accumulate(acc, new)
+
+    def adopt(self, child: Observer, outputs: Any, kind: str) -> None:
+        block = _Block(child.scope, kind, outputs)
+        for rec in child.scope.records():
+            if kind == "scan":
+                rec.loop = (int(outputs["sum"].shape[0]), *rec.loop)
+            rec.in_while |= kind == "while"
+            rec.in_cond |= kind == "cond"
+        self.scope.entries.append(block)
+
+    def on_eqn(self, ctx: Any, eqn: Any, invals: Sequence[Any], outvals: Sequence[Any]):
+        rule = get_rule(eqn.primitive)
+        ins = [
+            None if isinstance(var, Literal) else self.shared.lookup(val)
+            for var, val in zip(eqn.invars, invals)
+        ]
+        grad_in = any(i is not None and i.grad for i in ins)
+        if rule is not None and rule.higher_order:
+            # Outputs of calls are the body's own values; loop/branch outputs were recorded
+            # inside the body. Remember only what downstream passes need to know.
+            for out in outvals:
+                if self.shared.lookup(out) is None:
+                    self.shared.remember(out, _Info(None, grad=grad_in))
+            return
+        const = all(isinstance(var, Literal) or (i is not None and i.const) for var, i in zip(eqn.invars, ins))
+        scope = self.prefix.join(parse(eqn.source_info.name_stack))
+        pass_ = pass_of(scope, grad_in, self.shared.pass_scopes)
+        name = op_name(scope, eqn.primitive.name)
+        source = format_source(eqn.source_info)
+        for k, (var, out) in enumerate(zip(eqn.outvars, outvals)):
+            src = ins[k] if eqn.primitive.name == "optimization_barrier" else (ins[0] if ins else None)
+            self._record(eqn.primitive.name, name, pass_, source, var.aval, out, const, src)
+
+    # -- recording -----------------------------------------------------------------------
+
+    def _record(self, prim, name, pass_, source, aval, value, const, src: _Info | None):
+        scaled = isinstance(value, ScaledArray)
+        data = value.data if scaled else value
+        dtype = getattr(aval, "dtype", None)
+        shape = tuple(getattr(aval, "shape", ()))
+        rec = OpRecord(name, pass_, prim, shape, str(dtype), scaled, source)
+        grad = pass_ != "fwd" and pass_ != "input"
+        info = _Info(rec, const=const, grad=grad)
+        src_dtype = None if src is None or src.record is None else src.record.dtype
+        if not _is_float(dtype):
+            rec.note = "not float"
+        elif const:
+            rec.note = "const"
+        elif int(np.prod(shape)) == 0:
+            rec.note = "empty"
+        elif src is not None and src.const and prim in ALIAS_PRIMITIVES:
+            rec.note, info.const = "const", True
+        elif src is not None and src.record is not None and self._aliases(prim, src_dtype, dtype):
+            rec.note, rec.alias_of = "alias", src.record
+            info.record = src.record
+        elif self.shared.select is not None and not self.shared.select(rec):
+            rec.note = "unselected"
+        else:
+            self.scope.values.append((data, value.scale if scaled else None))
+            self.scope.recorded.append(rec)
+        if rec.note not in ("", "alias"):
+            info.record = None
+        self.scope.entries.append(rec)
+        self.shared.remember(value, info)
+        return rec
+
+    @staticmethod
+    def _aliases(prim: str, src_dtype: Any, dtype: Any) -> bool:
+        if prim in ALIAS_PRIMITIVES:
+            return True
+        return prim == "convert_element_type" and _exact_widening(np.dtype(src_dtype), dtype)
+
+    def record_input(self, path: str, value: Any) -> None:
+        aval = jax.typeof(value.data if isinstance(value, ScaledArray) else value)
+        self._record("input", f"input/{path}", "input", "<input>", aval, value, False, None)
+
+    def mark_const(self, value: Any) -> None:
+        self.shared.remember(value, _Info(None, const=True))
+
+    def record_output(self, path: str, value: Any) -> None:
+        info = self.shared.lookup(value)
+        scaled = isinstance(value, ScaledArray)
+        data = value.data if scaled else value
+        dtype, shape = np.result_type(data), tuple(np.shape(data))
+        pass_ = "fwd" if info is None or info.record is None else info.record.pass_
+        rec = OpRecord(f"output/{path}" if path else "output", pass_, "output", shape, str(dtype), scaled, "<output>")
+        rec.note = "output"
+        rec.alias_of = None if info is None else info.record
+        self.scope.entries.append(rec)
+
+    # -- the end -------------------------------------------------------------------------
+
+    def finish(self) -> tuple[OpTable, dict[str, Any]]:
+        """Assign op ids and rows; return the op table and the published statistics."""
+        spec = self.shared.spec
+        records = self.scope.records()
+        for i, rec in enumerate(records):
+            rec.id = i
+        rows = self.scope.rows()
+        raw = self.scope.raw(spec)
+        order = sorted(range(len(rows)), key=lambda r: (rows[r][0].id, rows[r][1]))
+        row_op = np.array([rows[r][0].id for r in order], np.int32)
+        row_iter = np.array(
+            [
+                int(np.ravel_multi_index(rows[r][1], rows[r][0].loop)) if rows[r][1] else 0
+                for r in order
+            ],
+            np.int32,
+        )
+        for rec in records:
+            rec.stats_op = rec.id if rec.recorded else -1
+            if rec.alias_of is not None and rec.alias_of.recorded:
+                rec.stats_op = rec.alias_of.id
+        starts = np.searchsorted(row_op, np.arange(len(records)))
+        counts = np.bincount(row_op, minlength=len(records)) if len(row_op) else np.zeros(len(records), int)
+        for rec in records:
+            if rec.recorded:
+                rec.row_start, rec.n_rows = int(starts[rec.id]), int(counts[rec.id])
+        if order != list(range(len(rows))):
+            raw = kernel.take_rows(raw, np.asarray(order, np.int32))
+        stats = kernel.finalize(raw, spec)
+        table = OpTable(
+            ops=records,
+            row_op=row_op,
+            row_iter=row_iter,
+            stat_names=spec.stat_names(),
+            formats=tuple(f.name for f in spec.formats),
+            hist_columns=kernel.HIST_COLUMNS if spec.histograms else None,
+        )
+        return table, stats
