@@ -90,7 +90,7 @@ def _predicate(select: Select) -> Callable[[OpRecord], bool] | None:
     )
 
 
-def _spec(formats: Sequence[str], histograms: bool, block: int) -> StatSpec:
+def _spec(formats: Sequence[str], histograms: bool, block: int, sample: int | None) -> StatSpec:
     if isinstance(formats, str):
         formats = (formats,)
     fmts = tuple(_formats.get(f) for f in formats)
@@ -99,7 +99,9 @@ def _spec(formats: Sequence[str], histograms: bool, block: int) -> StatSpec:
         raise ValueError(f"instrument: formats lists a format twice: {list(formats)}")
     if block < 1:
         raise ValueError(f"instrument: block must be positive, got {block}")
-    return StatSpec(fmts, bool(histograms), int(block))
+    if sample is not None and (not isinstance(sample, int) or sample < 1):
+        raise ValueError(f"instrument: sample must be a positive int or None, got {sample!r}")
+    return StatSpec(fmts, bool(histograms), int(block), sample)
 
 
 def instrument(
@@ -112,6 +114,7 @@ def instrument(
     fallback: str = "raise",
     passes: Sequence[str] = PASS_SCOPES,
     block: int = DEFAULT_BLOCK,
+    sample: int | None = None,
 ) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
     """Wrap ``fn`` so that it returns ``(out, stats)``.
 
@@ -126,11 +129,13 @@ def instrument(
     ``pass/name`` of each op (``"^bwd/"``, ``"attn/dot_general"``) or a predicate on
     `OpRecord`; other ops get no statistics. ``passes``: top-level `jax.named_scope`
     names that mark a pass of their own (default ``("opt",)``). ``fallback``: scalify's
-    policy for primitives without a scaled rule.
+    policy for primitives without a scaled rule. ``sample``: cheap mode; a value with
+    more elements is measured on an evenly strided subset of at most ``sample`` elements
+    (statistics become estimates, and ``count`` is the subset's size).
     """
     if fallback not in FALLBACK_POLICIES:
         raise ValueError(f"instrument: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}")
-    spec = _spec(formats, histograms, block)
+    spec = _spec(formats, histograms, block, sample)
     pred = _predicate(select)
     traces: dict[Any, tuple[Any, Any]] = {}
     tables: dict[Any, OpTable] = {}

@@ -3,10 +3,11 @@
 Compiling separate reductions for each of a thousand values of a training step costs
 minutes of XLA time (see the field notes), so the values of one scope (the step, or one
 loop body) are flattened, padded to whole blocks of ``block`` elements and concatenated
-into one ``[blocks, block]`` buffer. One variadic reduction computes every per-element
-feature (moments, zeros, non-finite, the rounding error and range flags of each format,
-the exponent histogram) per block; segment sums then fold blocks into values. The
-compiled code is the same whatever the number of values.
+into one ``[blocks, block]`` buffer. A few small variadic reductions compute the
+per-element features per block (moments, zeros and non-finite in one; the rounding error
+and range flags of each format in one each); segment sums fold blocks into values, and
+the exponent histogram is one scatter-add into ``[values, bins]``. The compiled code is
+the same whatever the number of values.
 
 The result of a scope is *raw*: sums, counts, maxima and last values per row, which
 can be summed over while-loop iterations and stacked over scan iterations.
@@ -44,11 +45,13 @@ _F32 = jnp.float32
 
 @dataclass(frozen=True)
 class StatSpec:
-    """What to compute: the audited formats, whether to build histograms, block size."""
+    """What to compute: the audited formats, whether to build histograms, block size and
+    the optional per-value element cap (``sample``)."""
 
     formats: tuple[Format, ...]
     histograms: bool = True
     block: int = DEFAULT_BLOCK
+    sample: int | None = None
 
     def stat_names(self) -> tuple[str, ...]:
         """Names of the per-row scalar statistics, in output order."""
@@ -64,32 +67,43 @@ class StatSpec:
         cols = ["n", "zero", "nonfinite"]
         for f in self.formats:
             cols += [f"under_{f.name}", f"sub_{f.name}", f"over_{f.name}"]
-        if self.histograms:
-            cols += ["below", *(f"e{e}" for e in HIST_EXPONENTS), "above"]
         return tuple(cols)
 
+    @property
+    def raw_keys(self) -> tuple[str, ...]:
+        return ("sum", "cnt", "max", "last", "hist") if self.histograms else RAW_KEYS
 
+
+#: Raw statistics: float sums, integer counts, maxima, last values (the scale) and, with
+#: histograms, integer bin counts; each ``[rows, columns]``.
 RAW_KEYS = ("sum", "cnt", "max", "last")
+_AGGREGATE = {"sum": "add", "cnt": "add", "max": "max", "last": "last", "hist": "add"}
 
 
 def empty_raw(spec: StatSpec) -> dict[str, jax.Array]:
     """Raw statistics with zero rows."""
-    return {
+    raw = {
         "sum": jnp.zeros((0, len(spec.sum_columns)), _F32),
         "cnt": jnp.zeros((0, len(spec.count_columns)), jnp.int32),
         "max": jnp.zeros((0, 1), _F32),
         "last": jnp.zeros((0, 1), _F32),
     }
+    if spec.histograms:
+        raw["hist"] = jnp.zeros((0, len(HIST_COLUMNS)), jnp.int32)
+    return raw
 
 
 def accumulate(acc: dict[str, jax.Array], new: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Fold one more while-loop iteration into raw statistics."""
-    return {
-        "sum": acc["sum"] + new["sum"],
-        "cnt": acc["cnt"] + new["cnt"],
-        "max": jnp.maximum(acc["max"], new["max"]),
-        "last": new["last"],
-    }
+    """Fold one more while-loop iteration into raw statistics (sums are re-expressed in
+    the units of the larger abs-max first)."""
+    out = {}
+    for k, v in new.items():
+        how = _AGGREGATE[k]
+        out[k] = acc[k] + v if how == "add" else jnp.maximum(acc[k], v) if how == "max" else v
+    k_acc, k_new = _row_exponent(acc["max"][:, 0]), _row_exponent(new["max"][:, 0])
+    k_out = _row_exponent(out["max"][:, 0])
+    out["sum"] = _rescale_sums(acc["sum"], k_acc, k_out) + _rescale_sums(new["sum"], k_new, k_out)
+    return out
 
 
 def concat_raw(parts: Sequence[dict[str, jax.Array]], spec: StatSpec) -> dict[str, jax.Array]:
@@ -98,7 +112,7 @@ def concat_raw(parts: Sequence[dict[str, jax.Array]], spec: StatSpec) -> dict[st
         return empty_raw(spec)
     if len(parts) == 1:
         return parts[0]
-    return {k: jnp.concatenate([p[k] for p in parts]) for k in RAW_KEYS}
+    return {k: jnp.concatenate([p[k] for p in parts]) for k in spec.raw_keys}
 
 
 def take_rows(raw: dict[str, jax.Array], index: np.ndarray) -> dict[str, jax.Array]:
@@ -129,58 +143,106 @@ def _exponent(x: jax.Array) -> jax.Array:
     return ((bits >> 23) & 0xFF) - 127
 
 
-def _block_features(x: jax.Array, spec: StatSpec) -> tuple[list, list, list]:
-    """Per-element features of ``x`` (float32): summed, counted and maximised ones."""
-    a = jnp.abs(x)
-    finite = a < np.float32(np.inf)
-    xf = jnp.where(finite, x, 0.0)
-    nonzero = finite & (x != 0)
-    as_f = lambda m: m.astype(_F32)
-    sums = [xf, xf * xf]
-    counts = [as_f(x == 0), as_f(~finite)]
-    for fmt in spec.formats:
-        q = _round_to(xf, fmt)
-        err = xf - q
-        aq = jnp.abs(q)
-        sums.append(err * err)
-        counts += [
-            as_f(nonzero & (q == 0)),
-            as_f((aq > 0) & (aq < np.float32(fmt.min_normal))),
-            as_f(a > np.float32(fmt.max)),
-        ]
-    if spec.histograms:
-        k = jnp.clip(_exponent(xf) - (HIST_LO - 1), 0, len(HIST_EXPONENTS) + 1)
-        counts += [as_f(nonzero & (k == i)) for i in range(len(HIST_EXPONENTS) + 2)]
-    maxes = [jnp.where(finite, a, 0.0)]
-    return sums, counts, maxes
-
-
-def _reduce_blocks(x: jax.Array, spec: StatSpec) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One variadic reduction over axis 1 of ``x [blocks, block]``."""
-    sums, counts, maxes = _block_features(x, spec)
-    n_add = len(sums) + len(counts)
-    operands = [*sums, *counts, *maxes]
+def _reduce(operands: list[jax.Array], n_max: int = 0) -> list[jax.Array]:
+    """One variadic reduction over axis 1: sums, then ``n_max`` maxima. A few operands
+    per reduction keep XLA's CPU loop in registers; one huge one is many times slower."""
+    n_add = len(operands) - n_max
 
     def combine(a, b):
         return tuple(lax.add(a[i], b[i]) if i < n_add else lax.max(a[i], b[i]) for i in range(len(a)))
 
-    inits = [np.float32(0)] * len(operands)
-    out = lax.reduce(operands, inits, combine, (1,))
-    s = jnp.stack(out[: len(sums)], axis=1)
-    c = jnp.stack(out[len(sums) : n_add], axis=1)
-    m = jnp.stack(out[n_add:], axis=1)
-    return s, c, m
+    return list(lax.reduce(operands, [np.float32(0)] * len(operands), combine, (1,)))
+
+
+def _pow2(k: jax.Array) -> jax.Array:
+    """``2.0**k`` in float32 for integer ``k <= 127``, exactly; 0 below the normal range."""
+    k = jnp.asarray(k, jnp.int32)
+    bits = (jnp.clip(k, -126, 127) + 127) << 23
+    return jnp.where(k >= -126, lax.bitcast_convert_type(bits, _F32), 0.0)
+
+
+def _row_exponent(absmax: jax.Array) -> jax.Array:
+    """Exponent of each row's (or block's) abs-max: sums are kept in units of 2**it so
+    squares of values up to float32's max neither overflow nor underflow."""
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    return jnp.where(absmax >= tiny, jnp.clip(_exponent(absmax), -126, 126), 0)
+
+
+def _block_stats(x: jax.Array, spec: StatSpec):
+    """Per-block statistics of ``x`` (``[blocks, block]`` float32).
+
+    Pass one: zeros, non-finite and abs-max. Pass two: sums of ``x`` and ``x**2`` in
+    units of ``2**k`` (k the block abs-max exponent). Then one pass per format: its
+    rounding error (same units) and range flags. A few operands per reduction keep XLA's
+    CPU loop fast; one reduction of every feature is several times slower.
+    """
+    a = jnp.abs(x)
+    finite = a < np.float32(np.inf)
+    xf = jnp.where(finite, x, 0.0)
+    as_f = lambda m: m.astype(_F32)
+    zero, nonfinite, amax = _reduce([as_f(x == 0), as_f(~finite), jnp.where(finite, a, 0.0)], 1)
+    k = _row_exponent(amax)
+    unit = _pow2(-k)[:, None]
+    xs = xf * unit
+    sums = _reduce([xs, xs * xs])
+    counts = [zero, nonfinite]
+    for fmt in spec.formats:
+        q = _round_to(xf, fmt)
+        err = (xf - q) * unit
+        aq = jnp.abs(q)
+        e2, under, sub, over = _reduce(
+            [
+                err * err,
+                as_f((xf != 0) & (q == 0)),
+                as_f((aq > 0) & (aq < np.float32(fmt.min_normal))),
+                as_f(a > np.float32(fmt.max)),
+            ]
+        )
+        sums.append(e2)
+        counts += [under, sub, over]
+    return jnp.stack(sums, axis=1), jnp.stack(counts, axis=1), amax[:, None], k
+
+
+def _rescale_sums(sums: jax.Array, k_from: jax.Array, k_to: jax.Array) -> jax.Array:
+    """Sums in units of ``2**k_from`` (column 0 linear, the rest squares) -> ``2**k_to``."""
+    f = _pow2(k_from - k_to)[:, None]
+    return jnp.concatenate([sums[:, :1] * f, sums[:, 1:] * (f * f)], axis=1)
+
+
+def _hist_bins(x: jax.Array) -> jax.Array:
+    """Column of `HIST_COLUMNS` for each element of ``x``."""
+    last = len(HIST_COLUMNS) - 1
+    k = jnp.clip(_exponent(x) - (HIST_LO - 2), 1, last - 1)
+    k = jnp.where(x == 0, 0, k)
+    return jnp.where(jnp.abs(x) < np.float32(np.inf), k, last)
+
+
+def _sample(flat: jax.Array, cap: int | None) -> jax.Array:
+    """At most ``cap`` elements of ``flat``, evenly strided by a prime stride (a prime
+    does not alias with row lengths of the tensor)."""
+    n = int(flat.shape[0])
+    if cap is None or n <= cap:
+        return flat
+    stride = _next_prime(-(-n // cap))
+    return lax.slice(flat, (0,), (n,), (stride,))
+
+
+def _next_prime(k: int) -> int:
+    k = max(k, 2)
+    while any(k % d == 0 for d in range(2, int(k**0.5) + 1)):
+        k += 1
+    return k
 
 
 def scope_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
     """Raw statistics of ``values`` (pairs of data and scale, the scale ``None`` for a
-    plain value), one row each, computed in one fused pass."""
+    plain value), one row each, computed in a few fused passes over one buffer."""
     if not values:
         return empty_raw(spec)
     b = spec.block
     pieces, blocks_per_value, sizes, pads = [], [], [], []
     for data, _ in values:
-        flat = jnp.ravel(data).astype(_F32)
+        flat = _sample(jnp.ravel(data), spec.sample).astype(_F32)
         n = int(flat.shape[0])
         nb = -(-n // b)
         pad = nb * b - n
@@ -190,26 +252,36 @@ def scope_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
         blocks_per_value.append(nb)
         sizes.append(n)
         pads.append(pad)
-    x = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-    s, c, m = _reduce_blocks(x.reshape(-1, b), spec)
+    x = (jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]).reshape(-1, b)
     rows = len(values)
     seg = np.repeat(np.arange(rows, dtype=np.int32), blocks_per_value)
+    s, c, m, k = _block_stats(x, spec)
     seg_sum = lambda v: jax.ops.segment_sum(v, seg, rows, indices_are_sorted=True)
-    sums = seg_sum(s)
+    absmax = jax.ops.segment_max(m, seg, rows, indices_are_sorted=True)
+    row_k = _row_exponent(absmax[:, 0])
+    s = _rescale_sums(s, k, row_k[seg])
     counts = seg_sum(c.astype(jnp.int32))
-    maxes = jax.ops.segment_max(m, seg, rows, indices_are_sorted=True)
     # Padding adds zeros only: correct the zero count; the element count is static.
+    pads = np.asarray(pads, np.int32)
     fix = np.zeros((rows, counts.shape[1] + 1), np.int32)
     fix[:, 0] = sizes
-    fix[:, 1] = -np.asarray(pads, np.int32)
-    counts = jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), counts], axis=1) + fix
-    scales = jnp.stack(
-        [
-            jnp.asarray(1.0 if scale is None else scale, _F32).reshape(())
-            for _, scale in values
-        ]
-    )[:, None]
-    return {"sum": sums, "cnt": counts, "max": maxes, "last": scales}
+    fix[:, 1] = -pads
+    raw = {
+        "sum": seg_sum(s),
+        "cnt": jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), counts], axis=1) + fix,
+        "max": absmax,
+        "last": jnp.stack(
+            [jnp.asarray(1.0 if sc is None else sc, _F32).reshape(()) for _, sc in values]
+        )[:, None],
+    }
+    if spec.histograms:
+        h = len(HIST_COLUMNS)
+        index = (jnp.asarray(seg)[:, None] * h + _hist_bins(x)).reshape(-1)
+        hist = jnp.zeros((rows * h,), jnp.int32).at[index].add(1, mode="promise_in_bounds")
+        fix = np.zeros((rows, h), np.int32)
+        fix[:, 0] = -pads
+        raw["hist"] = hist.reshape(rows, h) + fix
+    return raw
 
 
 def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
@@ -227,16 +299,16 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
     nan = np.float32(np.nan)
     frac = lambda c: jnp.where(ran, c.astype(_F32) / jnp.maximum(nf, 1.0), nan)
     finite_n = (n - counts[:, col["nonfinite"]]).astype(_F32)
-    with np.errstate(all="ignore"):
-        mean = sums[:, 0] / finite_n
-        meansq = sums[:, 1] / finite_n
+    unit = _pow2(_row_exponent(raw["max"][:, 0]))
+    mean_u = sums[:, 0] / finite_n
+    meansq_u = sums[:, 1] / finite_n
     out = {
         "count": n,
         "scale": jnp.where(ran, raw["last"][:, 0], nan),
-        "rms": jnp.sqrt(meansq),
+        "rms": jnp.sqrt(meansq_u) * unit,
         "absmax": jnp.where(ran & (finite_n > 0), raw["max"][:, 0], nan),
-        "mean": mean,
-        "std": jnp.sqrt(jnp.maximum(meansq - mean * mean, 0.0)),
+        "mean": mean_u * unit,
+        "std": jnp.sqrt(jnp.maximum(meansq_u - mean_u * mean_u, 0.0)) * unit,
         "frac_zero": frac(counts[:, col["zero"]]),
         "frac_nonfinite": frac(counts[:, col["nonfinite"]]),
     }
@@ -249,13 +321,5 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
         out[f"overflow_{name}"] = frac(counts[:, col[f"over_{name}"]])
         out[f"snr_{name}"] = jnp.where(ran & (finite_n > 0), snr, nan)
     if spec.histograms:
-        lo = col["below"]
-        out["hist"] = jnp.concatenate(
-            [
-                counts[:, col["zero"], None],
-                counts[:, lo : lo + len(HIST_EXPONENTS) + 2],
-                counts[:, col["nonfinite"], None],
-            ],
-            axis=1,
-        )
+        out["hist"] = raw["hist"]
     return out

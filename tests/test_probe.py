@@ -1,0 +1,398 @@
+"""The probe: statistics against a NumPy + ml_dtypes reference, the op table, loops."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from probe_reference import FORMATS, reference
+
+import scalescope as ss
+from scalescope.probe import HIST_COLUMNS
+
+
+def _near(x: float, direction: float) -> float:
+    return float(np.nextafter(np.float32(x), np.float32(direction)))
+
+
+def _format_edges() -> list[float]:
+    """Values at and next to every format's subnormal, normal and max boundaries."""
+    vals = []
+    tiny32 = float(np.finfo(np.float32).tiny)
+    for dtype, fmax in FORMATS.values():
+        info = ml_dtypes.finfo(dtype)
+        sub, normal = float(info.smallest_subnormal), float(info.smallest_normal)
+        for v in (
+            sub,
+            sub / 2,
+            _near(sub / 2, 1),
+            _near(sub / 2, 0),
+            1.5 * sub,
+            3 * sub,
+            normal,
+            _near(normal, 0),
+            _near(normal, 1),
+            normal - sub / 2,
+            fmax,
+            _near(fmax, 0),
+            _near(fmax, np.inf),
+            fmax * 1.01,
+            fmax * 0.99,
+        ):
+            if tiny32 <= v <= float(np.finfo(np.float32).max):
+                vals += [v, -v]
+    return vals
+
+
+def _crafted() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    edges = np.array(_format_edges(), np.float32)
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1.0, -3.0], np.float32)
+    return {
+        "edges": edges,
+        "edges_special": np.concatenate([edges, special, rng.normal(size=50).astype(np.float32)]),
+        "normal": rng.normal(size=(33, 17)).astype(np.float32),
+        "all_zero": np.zeros((5, 7), np.float32),
+        "neg_zero": np.full((9,), -0.0, np.float32),
+        "all_nan": np.full((4,), np.nan, np.float32),
+        "inf_and_values": np.array([np.inf, 2.0, -4.0, np.nan, 0.5], np.float32),
+        "tiny": (rng.normal(size=300) * 1e-6).astype(np.float32),
+        "big": (rng.normal(size=300) * 3e4).astype(np.float32),
+        "mean_offset": (1000.0 + rng.normal(size=2000)).astype(np.float32),
+        "scalar": np.array(2.5, np.float32),
+        "long": rng.normal(size=5000).astype(np.float32),
+    }
+
+
+CRAFTED = _crafted()
+
+
+def _input_stats(arrays: dict, **kw):
+    """Statistics of the function inputs (the identity records every input)."""
+    inst = ss.instrument(lambda xs: xs, scalify=False, **kw)
+    _, stats = jax.jit(inst)(arrays)
+    table = inst.op_table(arrays)
+    rows = {op.name.removeprefix("input/xs/"): table.rows(op) for op in table if op.primitive == "input"}
+    return {k: {s: np.asarray(v)[r] for s, v in stats.items()} for k, r in rows.items()}
+
+
+def _check(got: dict, ref: dict, label: str, formats=tuple(FORMATS)) -> None:
+    def close(name, rtol=1e-5, atol=0.0):
+        g, r = float(np.squeeze(got[name])), float(ref[name])
+        if np.isnan(r):
+            assert np.isnan(g), f"{label}: {name} {g} != NaN"
+        else:
+            assert np.isclose(g, r, rtol=rtol, atol=atol), f"{label}: {name} {g} != {r}"
+
+    assert int(np.squeeze(got["count"])) == ref["count"], label
+    for name in ("rms", "absmax"):
+        close(name, atol=1e-30)
+    # float32 sums: the mean is exact to a few ulps of the abs-max, not of itself.
+    close("mean", atol=2e-6 * float(np.nan_to_num(ref["absmax"])))
+    if not np.isnan(ref["std"]):
+        ms = float(ref["rms"]) ** 2
+        var = float(np.squeeze(got["std"])) ** 2
+        assert abs(var - ref["std"] ** 2) <= 2e-6 * ms + 1e-30, f"{label}: std"
+    for name in ("frac_zero", "frac_nonfinite"):
+        close(name, atol=1e-7)
+    for f in formats:
+        for s in ("underflow", "subnormal", "overflow"):
+            close(f"{s}_{f}", atol=1e-7)
+        g, r = float(np.squeeze(got[f"snr_{f}"])), float(ref[f"snr_{f}"])
+        if np.isinf(r) or r > 250:
+            assert g > 250, f"{label}: snr_{f} {g} vs {r}"
+        elif np.isnan(r):
+            assert np.isnan(g), f"{label}: snr_{f}"
+        else:
+            assert abs(g - r) < 1e-3, f"{label}: snr_{f} {g} vs {r}"
+    np.testing.assert_array_equal(np.squeeze(got["hist"]), ref["hist"], err_msg=label)
+
+
+def test_statistics_match_reference_on_crafted_tensors():
+    got = _input_stats(CRAFTED)
+    assert set(got) == set(CRAFTED)
+    for name, data in CRAFTED.items():
+        _check(got[name], reference(data), name)
+
+
+def test_edge_values_hit_every_format_statistic():
+    """The crafted edges really exercise under/sub/overflow of every format."""
+    ref = reference(CRAFTED["edges_special"])
+    for f in FORMATS:
+        for s in ("underflow", "subnormal", "overflow"):
+            if f == "bf16" and s != "overflow":
+                continue  # bf16 subnormals are float32 subnormals, flushed on CPU
+            assert ref[f"{s}_{f}"] > 0, (s, f)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_statistics_of_narrow_dtypes(dtype):
+    rng = np.random.default_rng(1)
+    data = (rng.normal(size=(64, 9)) * 4).astype(np.float32)
+    x = jnp.asarray(np.clip(data, -400, 400)).astype(dtype)
+    got = _input_stats({"x": x})["x"]
+    _check(got, reference(np.asarray(x).astype(np.float32)), str(dtype))
+
+
+@pytest.mark.parametrize("scale", [2.0**-100, 2.0**-30, 1.0, 2.0**30, 2.0**100])
+def test_scaled_values_measure_their_data_and_report_the_scale(scale):
+    rng = np.random.default_rng(2)
+    data = rng.normal(size=(40, 3)).astype(np.float32)
+    x = ss.ScaledArray(jnp.asarray(data), jnp.float32(scale))
+    inst = ss.instrument(lambda x: x * 2.0)
+    (out, stats) = jax.jit(inst)(x)
+    table = inst.op_table(x)
+    (mul,) = [op for op in table if op.primitive == "mul"]
+    assert mul.scaled
+    got = {k: np.asarray(v)[table.rows(mul)] for k, v in stats.items()}
+    ref_data = np.asarray(out.data)
+    _check(got, reference(ref_data), f"scale {scale}")
+    assert float(got["scale"][0]) == float(out.scale)
+
+
+def test_padding_and_many_values_in_one_scope():
+    """Values of many sizes share one buffer: zero counts must not see the padding."""
+    rng = np.random.default_rng(3)
+    arrays = {f"v{n}": rng.normal(size=n).astype(np.float32) for n in (1, 3, 511, 512, 513, 1500)}
+    got = _input_stats(arrays, block=512)
+    for k, data in arrays.items():
+        _check(got[k], reference(data), k)
+
+
+def test_sampling_caps_the_elements_measured():
+    data = np.random.default_rng(4).normal(size=10_000).astype(np.float32)
+    got = _input_stats({"x": data, "small": data[:50]}, sample=1000)
+    assert int(got["x"]["count"][0]) <= 1000
+    assert int(got["small"]["count"][0]) == 50
+    assert abs(float(got["x"]["rms"][0]) - 1.0) < 0.1
+
+
+# -- the op table ---------------------------------------------------------------------
+
+
+def _mlp_step():
+    def loss(w, x):
+        h = jnp.tanh(x @ w["a"])
+        return jnp.mean((h @ w["b"]) ** 2)
+
+    def step(w, x):
+        value, g = jax.value_and_grad(loss)(w, x)
+        with jax.named_scope("opt"):
+            w = jax.tree.map(lambda p, d: p - 0.1 * d, w, g)
+        return w, value
+
+    rng = np.random.default_rng(5)
+    w = {
+        "a": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32),
+    }
+    x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    return step, w, x
+
+
+def test_op_table_passes_inputs_outputs_and_sources():
+    step, w, x = _mlp_step()
+    inst = ss.instrument(step, scalify=False)
+    table = inst.op_table(w, x)
+    passes = {op.pass_ for op in table}
+    assert {"input", "fwd", "bwd", "opt"} <= passes
+    names = {op.name for op in table}
+    assert {"input/w/a", "input/w/b", "input/x"} <= names
+    assert {"output/0/a", "output/0/b", "output/1"} <= names
+    dots = [op for op in table if op.primitive == "dot_general"]
+    assert {op.pass_ for op in dots} == {"fwd", "bwd"}
+    assert all(op.source.endswith(".py:" + op.source.rsplit(":", 1)[1]) for op in dots)
+    assert all("test_probe.py" in op.source for op in dots)
+    # Outputs point at the op that computed them; the updated weights come from `opt`.
+    out_a = next(op for op in table if op.name == "output/0/a")
+    assert table[out_a.stats_op].pass_ == "opt"
+    # Ids are 0..n-1 in order and rows are sorted by op.
+    assert [op.id for op in table] == list(range(len(table)))
+    assert np.all(np.diff(table.row_op) >= 0)
+    frame = table.to_frame()
+    assert len(frame) == len(table) and "pass" in frame.columns
+
+
+def test_data_movement_aliases_and_constants_are_not_recorded():
+    def f(x):
+        y = x.reshape(4, 6).T  # data movement: alias of x
+        c = jnp.ones((6, 4)) * 3.0  # constants only
+        return jnp.sin(y) + c
+
+    x = jnp.arange(24.0)
+    inst = ss.instrument(f, scalify=False)
+    table = inst.op_table(x)
+    by_prim = {op.primitive: op for op in table}
+    assert by_prim["reshape"].note == "alias" and by_prim["transpose"].note == "alias"
+    assert table[by_prim["transpose"].stats_op].name == "input/x"
+    assert by_prim["sin"].recorded and by_prim["add"].recorded
+    consts = [op for op in table if op.note == "const"]
+    assert consts, "the constant broadcast/mul should be skipped"
+    _, stats = jax.jit(inst)(x)
+    rows = table.rows(by_prim["transpose"])
+    np.testing.assert_allclose(
+        np.asarray(stats["rms"])[rows], np.sqrt(np.mean(np.arange(24.0) ** 2)), rtol=1e-6
+    )
+
+
+def test_select_and_cost_controls():
+    step, w, x = _mlp_step()
+    only_bwd = ss.instrument(step, scalify=False, select="^bwd/")
+    table = only_bwd.op_table(w, x)
+    recorded = [op for op in table if op.recorded]
+    assert recorded and all(op.pass_ == "bwd" for op in recorded)
+    assert any(op.note == "unselected" for op in table)
+
+    dots = ss.instrument(step, scalify=False, select=lambda op: op.primitive == "dot_general")
+    assert {op.primitive for op in dots.op_table(w, x) if op.recorded} == {"dot_general"}
+
+    lean = ss.instrument(step, scalify=False, formats=("e4m3",), histograms=False)
+    _, stats = jax.jit(lean)(w, x)
+    assert "hist" not in stats and "snr_e4m3" in stats and "snr_fp16" not in stats
+    assert lean.op_table(w, x).hist_columns is None
+
+
+def test_bad_arguments_raise_clear_errors():
+    f = lambda x: x
+    with pytest.raises(ValueError, match="select"):
+        ss.instrument(f, select="(")
+    with pytest.raises(TypeError, match="select"):
+        ss.instrument(f, select=3)
+    with pytest.raises(KeyError, match="e9m9"):
+        ss.instrument(f, formats=("e9m9",))
+    with pytest.raises(ValueError, match="twice"):
+        ss.instrument(f, formats=("e4m3", "float8_e4m3fn"))
+    with pytest.raises(ValueError, match="sample"):
+        ss.instrument(f, sample=0)
+    with pytest.raises(TypeError, match="scalify=False"):
+        ss.instrument(f, scalify=False)(ss.as_scaled_array(jnp.ones(3)))
+
+
+def test_outputs_bit_identical_to_uninstrumented():
+    step, w, x = _mlp_step()
+    plain = jax.jit(step)(w, x)
+    out, _ = jax.jit(ss.instrument(step, scalify=False))(w, x)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(out)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    sw, sx = ss.as_scaled_array(w, "rms"), ss.as_scaled_array(x, "rms")
+    scal = jax.jit(ss.scalify(step))(sw, sx)
+    out, _ = jax.jit(ss.instrument(step))(sw, sx)
+    for a, b in zip(jax.tree.leaves(scal), jax.tree.leaves(out)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- loops and branches -----------------------------------------------------------------
+
+
+def test_scan_records_one_row_per_iteration():
+    def f(x):
+        def body(c, k):
+            with jax.named_scope("layer"):
+                y = jnp.sin(c) * k
+            return y, y
+
+        return jax.lax.scan(body, x, jnp.asarray([1.0, 2.0, 4.0, 8.0]))
+
+    x = jnp.linspace(-1.0, 1.0, 50)
+    inst = ss.instrument(f, scalify=False)
+    (carry, ys), stats = jax.jit(inst)(x)
+    table = inst.op_table(x)
+    (mul,) = [op for op in table if op.primitive == "mul"]
+    assert mul.name == "layer/mul" and mul.loop == (4,) and mul.n_rows == 4
+    rows = table.rows(mul)
+    np.testing.assert_array_equal(table.row_iter[rows], np.arange(4))
+    ref = [reference(np.asarray(ys[i]))["rms"] for i in range(4)]
+    np.testing.assert_allclose(np.asarray(stats["rms"])[rows], ref, rtol=1e-5)
+
+
+def test_nested_and_reversed_scans_order_rows_by_iteration():
+    def f(x):
+        def inner(c, k):
+            y = c * k
+            return y, y
+
+        def outer(c, k):
+            c, ys = jax.lax.scan(inner, c, jnp.asarray([1.0, 2.0, 3.0]) * k)
+            return c, ys
+
+        return jax.lax.scan(outer, x, jnp.asarray([1.0, 10.0]), reverse=True)
+
+    x = jnp.ones((5,))
+    inst = ss.instrument(f, scalify=False)
+    (_, ys), stats = jax.jit(inst)(x)
+    table = inst.op_table(x)
+    (mul,) = [op for op in table if op.primitive == "mul" and len(op.loop) == 2]
+    assert mul.loop == (2, 3)
+    got = np.asarray(stats["absmax"])[table.rows(mul)]
+    ref = np.abs(np.asarray(ys)).reshape(2, 3, -1).max(-1).ravel()
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
+def test_while_aggregates_iterations():
+    def f(x):
+        return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2.0, c[1] + 1), (x, 0))
+
+    x = jnp.asarray([1.0, -0.5, 0.0])
+    inst = ss.instrument(f, scalify=False)
+    _, stats = jax.jit(inst)(x)
+    table = inst.op_table(x)
+    (mul,) = [op for op in table if op.primitive == "mul"]
+    assert mul.in_while and mul.n_rows == 1
+    row = table.rows(mul).start
+    all_iters = np.concatenate([np.asarray(x) * 2.0**k for k in (1, 2, 3)])
+    assert int(stats["count"][row]) == all_iters.size
+    np.testing.assert_allclose(float(stats["absmax"][row]), 8.0)
+    np.testing.assert_allclose(float(stats["frac_zero"][row]), 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(float(stats["rms"][row]), reference(all_iters)["rms"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_cond_records_the_branch_taken(which):
+    def f(i, x):
+        return jax.lax.switch(i, [lambda x: jnp.sin(x), lambda x: jnp.exp(x)], x)
+
+    x = jnp.linspace(0.0, 1.0, 7)
+    inst = ss.instrument(f, scalify=False)
+    out, stats = jax.jit(inst)(jnp.int32(which), x)
+    table = inst.op_table(jnp.int32(which), x)
+    sin = next(op for op in table if op.primitive == "sin")
+    exp = next(op for op in table if op.primitive == "exp")
+    taken, other = (sin, exp) if which == 0 else (exp, sin)
+    assert taken.in_cond and other.in_cond
+    r_taken, r_other = table.rows(taken).start, table.rows(other).start
+    assert int(stats["count"][r_taken]) == 7 and int(stats["count"][r_other]) == 0
+    assert np.isnan(float(stats["rms"][r_other]))
+    np.testing.assert_allclose(float(stats["rms"][r_taken]), reference(out)["rms"], rtol=1e-6)
+
+
+def test_scalified_scan_with_scaled_carry():
+    """A scaled carry makes scalify retrace the body; the table keeps one copy."""
+
+    def f(x):
+        def body(c, _):
+            return c * 3.0 + 1.0, None
+
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    x = ss.as_scaled_array(jnp.linspace(1.0, 2.0, 10), "rms")
+    inst = ss.instrument(f)
+    out, stats = jax.jit(inst)(x)
+    table = inst.op_table(x)
+    assert sum(op.primitive == "mul" for op in table) == 1
+    mul = next(op for op in table if op.primitive == "mul")
+    assert mul.n_rows == 3 and mul.scaled
+    np.testing.assert_allclose(
+        np.asarray(out.to_array()), np.asarray(ss.scalify(f)(x).to_array()), rtol=0
+    )
+
+
+def test_nonfinite_values_do_not_hide_other_statistics():
+    x = jnp.asarray([np.nan, np.inf, 1.0, -2.0, 0.0])
+    got = _input_stats({"x": x})["x"]
+    assert float(got["frac_nonfinite"][0]) == pytest.approx(0.4)
+    assert float(got["absmax"][0]) == 2.0
+    assert float(got["rms"][0]) == pytest.approx(np.sqrt(5 / 3), rel=1e-6)
+    assert got["hist"][0][0] == 1 and got["hist"][0][-1] == 2
+    assert len(got["hist"][0]) == len(HIST_COLUMNS)
