@@ -115,6 +115,7 @@ def instrument(
     passes: Sequence[str] = PASS_SCOPES,
     block: int = DEFAULT_BLOCK,
     sample: int | None = None,
+    isolate: bool = True,
 ) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
     """Wrap ``fn`` so that it returns ``(out, stats)``.
 
@@ -132,6 +133,13 @@ def instrument(
     policy for primitives without a scaled rule. ``sample``: cheap mode; a value with
     more elements is measured on an evenly strided subset of at most ``sample`` elements
     (statistics become estimates, and ``count`` is the subset's size).
+
+    ``isolate`` (default): the statistics come from a shadow copy of the computation
+    behind an optimization barrier, so ``out`` is computed by exactly the program the
+    uninstrumented function compiles to and is bit-identical to it. It costs one more
+    evaluation of ``fn``. With ``isolate=False`` the statistics read the values
+    themselves; XLA then fuses the step differently, and outputs may differ in the last
+    bits (transcendentals evaluated in different fusions).
     """
     if fallback not in FALLBACK_POLICIES:
         raise ValueError(f"instrument: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}")
@@ -160,9 +168,15 @@ def instrument(
         for c in closed.consts:
             recorder.mark_const(c)
         ctx = Context(fallback=fallback, recurse_plain=True, observer=recorder)
-        outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
+        if isolate:
+            plain = Context(fallback=fallback, check=False)
+            outs = eval_jaxpr(plain, closed.jaxpr, closed.consts, dyn)
+            shadow = jax.lax.optimization_barrier(list(dyn))
+            shadow_outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, shadow)
+        else:
+            outs = shadow_outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
         out_paths = _leaf_paths(jax.tree_util.tree_unflatten(out_tree, list(range(len(outs)))))
-        for path, value in zip(out_paths, outs):
+        for path, value in zip(out_paths, shadow_outs):
             recorder.record_output(path, value)
         table, stats = recorder.finish()
         tables[key] = table
