@@ -26,6 +26,7 @@ lint: venv
 
 bench: venv
 	$(BIN)/python benchmarks/bench_scalify.py
+	$(BIN)/python benchmarks/bench_probe.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

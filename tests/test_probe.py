@@ -74,7 +74,9 @@ def _input_stats(arrays: dict, **kw):
     inst = ss.instrument(lambda xs: xs, scalify=False, **kw)
     _, stats = jax.jit(inst)(arrays)
     table = inst.op_table(arrays)
-    rows = {op.name.removeprefix("input/xs/"): table.rows(op) for op in table if op.primitive == "input"}
+    rows = {
+        op.name.removeprefix("input/xs/"): table.rows(op) for op in table if op.primitive == "input"
+    }
     return {k: {s: np.asarray(v)[r] for s, v in stats.items()} for k, r in rows.items()}
 
 

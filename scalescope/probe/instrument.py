@@ -82,7 +82,9 @@ def _predicate(select: Select) -> Callable[[OpRecord], bool] | None:
         try:
             rx = re.compile(select)
         except re.error as err:
-            raise ValueError(f"instrument: select is not a valid regex ({select!r}): {err}") from err
+            raise ValueError(
+                f"instrument: select is not a valid regex ({select!r}): {err}"
+            ) from err
         return lambda rec: rx.search(rec.label) is not None
     raise TypeError(
         "instrument: select must be a regex string, a predicate on OpRecord, or None; "
@@ -142,7 +144,9 @@ def instrument(
     bits (transcendentals evaluated in different fusions).
     """
     if fallback not in FALLBACK_POLICIES:
-        raise ValueError(f"instrument: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}")
+        raise ValueError(
+            f"instrument: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}"
+        )
     spec = _spec(formats, histograms, block, sample)
     pred = _predicate(select)
     traces: dict[Any, tuple[Any, Any]] = {}
@@ -160,21 +164,23 @@ def instrument(
             if not has_tracer(entry[0].consts):
                 traces[key] = entry
         closed, out_tree = entry
+        outs = None
+        observed = list(dyn)
+        if isolate:
+            plain = Context(fallback=fallback, check=False)
+            outs = eval_jaxpr(plain, closed.jaxpr, closed.consts, dyn)
+            observed = jax.lax.optimization_barrier(observed)
         recorder = Recorder.root(spec, pred, passes)
         paths = _input_paths(fn, treedef, leaves)
         dyn_paths = [p for p, leaf in zip(paths, leaves) if _is_dynamic(leaf)]
-        for path, value in zip(dyn_paths, dyn, strict=True):
+        for path, value in zip(dyn_paths, observed, strict=True):
             recorder.record_input(path, value)
         for c in closed.consts:
             recorder.mark_const(c)
         ctx = Context(fallback=fallback, recurse_plain=True, observer=recorder)
-        if isolate:
-            plain = Context(fallback=fallback, check=False)
-            outs = eval_jaxpr(plain, closed.jaxpr, closed.consts, dyn)
-            shadow = jax.lax.optimization_barrier(list(dyn))
-            shadow_outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, shadow)
-        else:
-            outs = shadow_outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
+        shadow_outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, observed)
+        if outs is None:
+            outs = shadow_outs
         out_paths = _leaf_paths(jax.tree_util.tree_unflatten(out_tree, list(range(len(outs)))))
         for path, value in zip(out_paths, shadow_outs):
             recorder.record_output(path, value)

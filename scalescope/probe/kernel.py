@@ -149,7 +149,9 @@ def _reduce(operands: list[jax.Array], n_max: int = 0) -> list[jax.Array]:
     n_add = len(operands) - n_max
 
     def combine(a, b):
-        return tuple(lax.add(a[i], b[i]) if i < n_add else lax.max(a[i], b[i]) for i in range(len(a)))
+        return tuple(
+            lax.add(a[i], b[i]) if i < n_add else lax.max(a[i], b[i]) for i in range(len(a))
+        )
 
     return list(lax.reduce(operands, [np.float32(0)] * len(operands), combine, (1,)))
 

@@ -185,13 +185,20 @@ class Recorder(Observer):
                 if self.shared.lookup(out) is None:
                     self.shared.remember(out, _Info(None, grad=grad_in))
             return
-        const = all(isinstance(var, Literal) or (i is not None and i.const) for var, i in zip(eqn.invars, ins))
+        const = all(
+            isinstance(var, Literal) or (i is not None and i.const)
+            for var, i in zip(eqn.invars, ins)
+        )
         scope = self.prefix.join(parse(eqn.source_info.name_stack))
         pass_ = pass_of(scope, grad_in, self.shared.pass_scopes)
         name = op_name(scope, eqn.primitive.name)
         source = format_source(eqn.source_info)
         for k, (var, out) in enumerate(zip(eqn.outvars, outvals)):
-            src = ins[k] if eqn.primitive.name == "optimization_barrier" else (ins[0] if ins else None)
+            src = (
+                ins[k]
+                if eqn.primitive.name == "optimization_barrier"
+                else (ins[0] if ins else None)
+            )
             self._record(eqn.primitive.name, name, pass_, source, var.aval, out, const, src)
 
     # -- recording -----------------------------------------------------------------------
@@ -246,7 +253,15 @@ class Recorder(Observer):
         data = value.data if scaled else value
         dtype, shape = np.result_type(data), tuple(np.shape(data))
         pass_ = "fwd" if info is None or info.record is None else info.record.pass_
-        rec = OpRecord(f"output/{path}" if path else "output", pass_, "output", shape, str(dtype), scaled, "<output>")
+        rec = OpRecord(
+            f"output/{path}" if path else "output",
+            pass_,
+            "output",
+            shape,
+            str(dtype),
+            scaled,
+            "<output>",
+        )
         rec.note = "output"
         rec.alias_of = None if info is None else info.record
         self.scope.entries.append(rec)
@@ -275,7 +290,11 @@ class Recorder(Observer):
             if rec.alias_of is not None and rec.alias_of.recorded:
                 rec.stats_op = rec.alias_of.id
         starts = np.searchsorted(row_op, np.arange(len(records)))
-        counts = np.bincount(row_op, minlength=len(records)) if len(row_op) else np.zeros(len(records), int)
+        counts = (
+            np.bincount(row_op, minlength=len(records))
+            if len(row_op)
+            else np.zeros(len(records), int)
+        )
         for rec in records:
             if rec.recorded:
                 rec.row_start, rec.n_rows = int(starts[rec.id]), int(counts[rec.id])
