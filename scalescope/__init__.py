@@ -6,13 +6,29 @@ from .core.formats import Format
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
 from .probe import OpRecord, OpTable, instrument, stats_frame
 from .scalify import ScalifyError, register_rule, scalify
+from .store import (
+    NotARunError,
+    Run,
+    RunError,
+    RunMismatchError,
+    RunReader,
+    RunWarning,
+    list_runs,
+    open_run,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Format",
+    "NotARunError",
     "OpRecord",
     "OpTable",
+    "Run",
+    "RunError",
+    "RunMismatchError",
+    "RunReader",
+    "RunWarning",
     "ScaledArray",
     "ScalifyError",
     "as_scaled_array",
@@ -20,6 +36,8 @@ __all__ = [
     "formats",
     "instrument",
     "is_scaled_array",
+    "list_runs",
+    "open_run",
     "ops",
     "register_rule",
     "scalify",

@@ -1,0 +1,237 @@
+"""The run directory: file names, metadata, atomic writes and the op-table schema.
+
+A run is a directory::
+
+    run.json                 metadata (format, versions, device, config, formats, bins, graph)
+    ops.parquet              the op table, one row per op
+    stats/part-NNNNNN.parquet    statistics, one row per (step, op row); process k > 0
+                                 writes part-NNNNNN-pK.parquet
+    scalars/part-NNNNNN.parquet  logged scalars: step, name, value
+
+Every file is written under a hidden temporary name in its final directory and renamed
+into place, so a reader never sees half a file and a killed writer leaves at most a
+stray temporary file (ignored by readers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+FORMAT_NAME = "scalescope-run"
+FORMAT_VERSION = 1
+RUN_FILE = "run.json"
+OPS_FILE = "ops.parquet"
+STATS_DIR = "stats"
+SCALARS_DIR = "scalars"
+PART_RE = re.compile(r"^part-(\d{6,})(?:-p(\d+))?\.parquet$")
+
+#: Leading columns of a stats part; then one column per statistic, then hist_00 ...
+KEY_COLUMNS = ("step", "op", "iteration", "process")
+SCALAR_COLUMNS = ("step", "name", "value", "process")
+
+
+class RunError(Exception):
+    """A run directory cannot be read or written as asked."""
+
+
+class NotARunError(RunError):
+    """The path exists but is not a scalescope run."""
+
+
+class RunMismatchError(RunError):
+    """Recording into an existing run whose graph or statistics differ."""
+
+
+def part_name(seq: int, process: int) -> str:
+    """File name of part ``seq`` written by JAX process ``process``."""
+    return f"part-{seq:06d}.parquet" if process == 0 else f"part-{seq:06d}-p{process}.parquet"
+
+
+def parse_part_name(name: str) -> tuple[int, int] | None:
+    """``(seq, process)`` of a part file name, or None for anything else."""
+    m = PART_RE.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
+def list_parts(directory: Path) -> list[Path]:
+    """Part files of a stats/ or scalars/ directory, in (seq, process) order."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in os.scandir(directory):
+        key = parse_part_name(entry.name)
+        if key is not None:
+            found.append((key, Path(entry.path)))
+    return [p for _, p in sorted(found)]
+
+
+def hist_column_names(n: int) -> list[str]:
+    return [f"hist_{i:02d}" for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------
+# Atomic writes
+
+
+def _atomic(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    data = (json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n").encode()
+    _atomic(path, lambda f: f.write(data))
+
+
+def write_parquet_atomic(path: Path, table: pa.Table) -> None:
+    _atomic(path, lambda f: pq.write_table(table, f, compression="zstd"))
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    return repr(obj)
+
+
+# ---------------------------------------------------------------------------------------
+# Metadata
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The parsed ``run.json`` of run ``path``, with clear errors for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no run at {path}: the path does not exist")
+    if not path.is_dir():
+        raise NotARunError(f"{path} is a file, not a run directory")
+    meta_path = path / RUN_FILE
+    if not meta_path.is_file():
+        children = [p.name for p in path.iterdir() if (p / RUN_FILE).is_file()][:5]
+        hint = (
+            f"; it holds runs ({', '.join(sorted(children))}...): open one of them, or use "
+            "scalescope.list_runs()"
+            if children
+            else ""
+        )
+        raise NotARunError(f"{path} is not a scalescope run (no {RUN_FILE}){hint}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise RunError(f"{meta_path}: unreadable run metadata ({err})") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise NotARunError(f"{meta_path} is not scalescope run metadata (no format marker)")
+    if int(meta.get("version", 0)) > FORMAT_VERSION:
+        raise RunError(
+            f"{meta_path}: run format version {meta['version']} is newer than this "
+            f"scalescope reads ({FORMAT_VERSION}); upgrade scalescope"
+        )
+    return meta
+
+
+def is_run(path: Path) -> bool:
+    try:
+        read_metadata(path)
+    except (RunError, OSError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# Op table <-> Parquet
+
+
+_OP_FIELDS = (
+    "name",
+    "pass",
+    "primitive",
+    "shape",
+    "dtype",
+    "scaled",
+    "note",
+    "stats_op",
+    "row_start",
+    "n_rows",
+    "loop",
+    "in_while",
+    "in_cond",
+)
+
+
+def ops_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    """The op table as a DataFrame indexed by op id (shape and loop as lists)."""
+    frame = pd.DataFrame.from_records(records)
+    if frame.empty:
+        frame = pd.DataFrame(columns=["op", *_OP_FIELDS, "source"])
+    return frame.set_index("op")
+
+
+def ops_table(frame: pd.DataFrame) -> pa.Table:
+    flat = frame.reset_index()
+    return pa.Table.from_pandas(flat, preserve_index=False)
+
+
+def graph_fingerprint(records: list[dict[str, Any]], stat_names, hist_columns) -> str:
+    """Identity of what a run records: ops (without source lines) and statistic columns.
+
+    Two tracked functions with equal fingerprints produce stats parts that mean the same
+    thing row for row, so one may append to the other's run.
+    """
+    body = [[rec[k] for k in _OP_FIELDS] for rec in records]
+    blob = json.dumps([body, list(stat_names), list(hist_columns or [])], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def first_difference(old: pd.DataFrame, new: pd.DataFrame) -> str:
+    """A one-line description of the first op where two op tables differ."""
+    if len(old) != len(new):
+        head = f"{len(old)} ops recorded before, {len(new)} now"
+    else:
+        head = "same number of ops"
+    for op in range(min(len(old), len(new))):
+        a = [_norm(old.iloc[op][k]) for k in _OP_FIELDS]
+        b = [_norm(new.iloc[op][k]) for k in _OP_FIELDS]
+        if a != b:
+            return f"{head}; op {op} was {_describe(old.iloc[op])}, now {_describe(new.iloc[op])}"
+    return head
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _describe(row: pd.Series) -> str:
+    shape = "x".join(str(int(s)) for s in _norm(row["shape"])) or "scalar"
+    return f"{row['pass']}/{row['name']} [{shape} {row['dtype']}]"

@@ -1,0 +1,345 @@
+"""`open_run`: read a run directory, while it is being written or after.
+
+The reader keeps the scalar statistics of every part it has read in memory (histograms
+stay on disk and are read per request), and `RunReader.refresh` reads only the parts
+that appeared since the last call. A part that cannot be read is skipped with a warning
+naming the file; the rest of the run stays readable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from . import layout as L
+
+OpsArg = int | str | Sequence[int] | None
+StepsArg = int | slice | Sequence[int] | None
+
+
+class RunWarning(UserWarning):
+    """Something in a run directory was skipped (a corrupt or foreign part)."""
+
+
+class RunReader:
+    """A run directory opened for reading (see `open_run`)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.meta: dict[str, Any] = L.read_metadata(self.path)
+        self._seen: set[str] = set()
+        self._stats_parts: list[tuple[Path, pd.DataFrame]] = []
+        self._scalar_parts: list[pd.DataFrame] = []
+        self._stats_cache: pd.DataFrame | None = None
+        self._scalars_cache: pd.DataFrame | None = None
+        self._ops: pd.DataFrame | None = None
+        self.refresh()
+
+    # -- metadata ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return str(self.meta.get("name", self.path.name))
+
+    @property
+    def status(self) -> str:
+        """``recording`` while a writer has it open (or was killed), ``closed`` after."""
+        return str(self.meta.get("status", "unknown"))
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self.meta.get("config", {}))
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(self.meta.get("formats", ()))
+
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        return tuple(self.meta.get("stat_names", ()))
+
+    @property
+    def hist_columns(self) -> tuple[str, ...]:
+        """Labels of the histogram bins (``zero``, ``below``, ``2^-40`` ... ``nonfinite``)."""
+        return tuple(self.meta.get("hist_columns", ()))
+
+    @property
+    def ops(self) -> pd.DataFrame:
+        """The op table, indexed by op id (empty until the first recorded step)."""
+        if self._ops is None:
+            return L.ops_frame([])
+        return self._ops
+
+    @property
+    def steps(self) -> np.ndarray:
+        """Recorded steps, ascending."""
+        frame = self._frame()
+        return np.unique(frame["step"].to_numpy()) if len(frame) else np.zeros(0, np.int64)
+
+    # -- incremental reading -----------------------------------------------------------
+
+    def refresh(self) -> int:
+        """Read the parts written since the last call; returns how many were new."""
+        try:
+            self.meta = L.read_metadata(self.path)
+        except L.RunError as err:  # keep the last good metadata while it is replaced
+            warnings.warn(f"{err}; keeping the previous metadata", RunWarning, stacklevel=2)
+        if self._ops is None and (self.path / L.OPS_FILE).is_file():
+            self._ops = self._read_ops()
+        new = 0
+        for part in L.list_parts(self.path / L.STATS_DIR):
+            if str(part) in self._seen:
+                continue
+            self._seen.add(str(part))
+            frame = self._read_part(part, [*L.KEY_COLUMNS, *self.stat_names])
+            if frame is not None:
+                self._stats_parts.append((part, frame))
+                self._stats_cache = None
+                new += 1
+        for part in L.list_parts(self.path / L.SCALARS_DIR):
+            if str(part) in self._seen:
+                continue
+            self._seen.add(str(part))
+            frame = self._read_part(part, list(L.SCALAR_COLUMNS))
+            if frame is not None:
+                self._scalar_parts.append(frame)
+                self._scalars_cache = None
+                new += 1
+        return new
+
+    def _read_ops(self) -> pd.DataFrame | None:
+        try:
+            frame = pd.read_parquet(self.path / L.OPS_FILE)
+        except Exception as err:  # noqa: BLE001 - any reader failure means a bad file
+            warnings.warn(
+                f"skipping unreadable op table {self.path / L.OPS_FILE}: {err}",
+                RunWarning,
+                stacklevel=3,
+            )
+            return None
+        frame = frame.set_index("op")
+        for col in ("shape", "loop"):
+            frame[col] = [tuple(int(v) for v in x) for x in frame[col]]
+        return frame
+
+    def _read_part(self, part: Path, columns: list[str]) -> pd.DataFrame | None:
+        try:
+            schema = pq.read_schema(part)
+            missing = [c for c in columns if c not in schema.names]
+            if missing:
+                raise ValueError(f"missing columns {missing}")
+            return pq.read_table(part, columns=columns).to_pandas()
+        except Exception as err:  # noqa: BLE001 - corrupt, truncated or foreign file
+            warnings.warn(f"skipping unreadable part {part}: {err}", RunWarning, stacklevel=3)
+            return None
+
+    def _frame(self) -> pd.DataFrame:
+        if self._stats_cache is None:
+            frames = [f for _, f in self._stats_parts]
+            if frames:
+                frame = pd.concat(frames, ignore_index=True)
+                frame = frame.sort_values(["step", "process", "op", "iteration"], kind="stable")
+                self._stats_cache = frame.reset_index(drop=True)
+            else:
+                self._stats_cache = pd.DataFrame(
+                    {c: pd.Series(dtype="int64") for c in L.KEY_COLUMNS}
+                    | {c: pd.Series(dtype="float32") for c in self.stat_names}
+                )
+        return self._stats_cache
+
+    # -- queries ------------------------------------------------------------------------
+
+    def resolve_ops(self, ops: OpsArg) -> np.ndarray:
+        """Op ids holding the statistics of ``ops``: an id, a list of ids, or a regex
+        matched against ``pass/name``. Aliases resolve to the op they alias."""
+        table = self.ops
+        if ops is None:
+            return np.asarray(table.index[table["note"] == ""], np.int64)
+        if isinstance(ops, str):
+            try:
+                rx = re.compile(ops)
+            except re.error as err:
+                raise ValueError(f"ops: not a valid regex ({ops!r}): {err}") from err
+            labels = table["pass"] + "/" + table["name"]
+            ids = table.index[labels.str.contains(rx)]
+        else:
+            ids = [ops] if isinstance(ops, int | np.integer) else list(ops)
+            unknown = [i for i in ids if i not in table.index]
+            if unknown:
+                raise KeyError(f"ops: no op with id {unknown[0]} in {self.path} ({len(table)} ops)")
+        src = table.loc[list(ids), "stats_op"].to_numpy()
+        return np.unique(src[src >= 0]).astype(np.int64)
+
+    def stats(
+        self,
+        metric: str | Sequence[str] | None = None,
+        ops: OpsArg = None,
+        steps: StepsArg = None,
+        *,
+        process: int | None = 0,
+        wide: bool = False,
+    ) -> pd.DataFrame:
+        """Statistics as a long DataFrame: step, op, iteration, name, pass, primitive,
+        metric, value (float64). ``wide=True``: one column per metric instead.
+
+        ``metric``: names from ``stat_names`` (default all). ``ops``: see `resolve_ops`.
+        ``steps``: a step, a list of steps, or a slice of step numbers (``slice(100,
+        None)``). ``process``: rows written by that JAX process (None: all).
+        """
+        names = self._metrics(metric)
+        frame = self._frame()
+        mask = np.ones(len(frame), bool)
+        if process is not None:
+            mask &= frame["process"].to_numpy() == process
+        if ops is not None:
+            mask &= np.isin(frame["op"].to_numpy(), self.resolve_ops(ops))
+        if steps is not None:
+            mask &= _step_mask(frame["step"].to_numpy(), steps)
+        keys = ["step", "op", "iteration"] + ([] if process is not None else ["process"])
+        sub = frame.loc[mask, keys + names].reset_index(drop=True)
+        table = self.ops
+        info = table[["name", "pass", "primitive"]] if len(table) else None
+        if info is not None:
+            sub = sub.join(info, on="op")
+        else:
+            sub = sub.assign(name=pd.Series(dtype=str), **{"pass": ""}, primitive="")
+        ident = keys + ["name", "pass", "primitive"]
+        if wide:
+            return sub[ident + names]
+        long = sub.melt(id_vars=ident, value_vars=names, var_name="metric", value_name="value")
+        long["value"] = long["value"].astype(np.float64)
+        return long
+
+    def _metrics(self, metric: str | Sequence[str] | None) -> list[str]:
+        known = list(self.stat_names)
+        names = known if metric is None else [metric] if isinstance(metric, str) else list(metric)
+        bad = [m for m in names if m not in known]
+        if bad:
+            raise KeyError(f"unknown metric {bad[0]!r}; this run records: {', '.join(known)}")
+        return names
+
+    @property
+    def scalars(self) -> pd.DataFrame:
+        """Logged scalars: one row per step (index ``step``), one column per name."""
+        if self._scalars_cache is None:
+            if self._scalar_parts:
+                long = pd.concat(self._scalar_parts, ignore_index=True)
+                long = long[long["process"] == 0] if (long["process"] == 0).any() else long
+                wide = long.pivot_table(
+                    index="step", columns="name", values="value", aggfunc="last"
+                )
+                wide.columns.name = None
+                self._scalars_cache = wide.sort_index()
+            else:
+                self._scalars_cache = pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
+        return self._scalars_cache
+
+    def op_id(self, op: int | str) -> int:
+        """The id of ``op``: an id, or an exact ``pass/name`` or ``name`` (unique)."""
+        table = self.ops
+        if isinstance(op, int | np.integer):
+            if op not in table.index:
+                raise KeyError(f"no op with id {op} in {self.path} ({len(table)} ops)")
+            return int(op)
+        labels = table["pass"] + "/" + table["name"]
+        hits = table.index[(labels == op) | (table["name"] == op)]
+        if len(hits) != 1:
+            what = "no op" if len(hits) == 0 else f"{len(hits)} ops"
+            raise KeyError(f"{what} named {op!r} in {self.path}; use an id or pass/name")
+        return int(hits[0])
+
+    def hist(self, op: int | str, step: int = -1, iteration: int | None = None) -> pd.Series:
+        """Exponent histogram (counts per bin, indexed by bin label) of ``op`` at ``step``
+        (negative: counted from the last recorded step). Rows of all loop iterations are
+        summed unless ``iteration`` picks one."""
+        if not self.hist_columns:
+            raise ValueError(f"{self.path} was recorded with histograms=False")
+        rec = self.ops.loc[self.op_id(op)]
+        src = int(rec["stats_op"])
+        if src < 0:
+            raise ValueError(f"op {op!r} has no statistics ({rec['note']})")
+        recorded = self.steps
+        if len(recorded) == 0:
+            raise KeyError(f"{self.path} has no recorded steps yet")
+        if step < 0:
+            if -step > len(recorded):
+                raise KeyError(f"step {step}: only {len(recorded)} steps are recorded")
+            step = int(recorded[step])
+        if step not in recorded:
+            near = recorded[np.argsort(np.abs(recorded - step))[:3]]
+            raise KeyError(f"step {step} is not recorded; nearest: {sorted(near.tolist())}")
+        cols = L.hist_column_names(len(self.hist_columns))
+        rows = []
+        for part, frame in self._stats_parts:
+            sel = (frame["step"] == step) & (frame["op"] == src) & (frame["process"] == 0)
+            if iteration is not None:
+                sel &= frame["iteration"] == iteration
+            if sel.any():
+                table = pq.read_table(part, columns=cols).to_pandas()
+                rows.append(table.loc[sel.to_numpy()].to_numpy())
+        if not rows:
+            raise KeyError(f"op {op!r} has no row for iteration {iteration} at step {step}")
+        counts = np.concatenate(rows).sum(axis=0)
+        label = f"{rec['pass']}/{rec['name']}"
+        series = pd.Series(counts, index=pd.Index(self.hist_columns, name="bin"), name=label)
+        series.attrs.update(step=step, op=int(self.op_id(op)), iteration=iteration)
+        return series
+
+    def __repr__(self) -> str:
+        return (
+            f"RunReader({str(self.path)!r}: {len(self.ops)} ops, {len(self.steps)} recorded "
+            f"steps, {self.status})"
+        )
+
+
+def _step_mask(values: np.ndarray, steps: StepsArg) -> np.ndarray:
+    if isinstance(steps, slice):
+        if steps.step not in (None, 1):
+            raise ValueError("steps: a slice of step numbers cannot have a stride")
+        lo = -np.inf if steps.start is None else steps.start
+        hi = np.inf if steps.stop is None else steps.stop
+        return (values >= lo) & (values < hi)
+    if isinstance(steps, int | np.integer):
+        return values == steps
+    return np.isin(values, np.asarray(list(steps), np.int64))
+
+
+def open_run(path: str | os.PathLike) -> RunReader:
+    """Open a run directory for reading; clear errors for a missing path, a file, or a
+    directory that is not a run (pointing at `list_runs` when it holds runs)."""
+    return RunReader(path)
+
+
+def list_runs(directory: str | os.PathLike, max_depth: int = 3) -> list[Path]:
+    """Run directories under ``directory`` (itself included when it is a run), sorted.
+    Does not descend into runs."""
+    root = Path(directory)
+    if not root.exists():
+        raise FileNotFoundError(f"list_runs: {root} does not exist")
+    if not root.is_dir():
+        raise NotADirectoryError(f"list_runs: {root} is not a directory")
+    found: list[Path] = []
+
+    def walk(path: Path, depth: int) -> None:
+        if (path / L.RUN_FILE).is_file() and L.is_run(path):
+            found.append(path)
+            return
+        if depth >= max_depth:
+            return
+        try:
+            children = sorted(p for p in path.iterdir() if p.is_dir() and p.name[0] != ".")
+        except OSError:
+            return
+        for child in children:
+            walk(child, depth + 1)
+
+    walk(root, 0)
+    return sorted(found)

@@ -1,0 +1,641 @@
+"""`Run`: record a training run into a run directory without blocking the training loop.
+
+``run.track(step)`` compiles two variants of the step: the plain one, and an instrumented
+one that also returns the probe's statistics. Every ``every``-th call runs the
+instrumented variant; its statistics start an asynchronous device-to-host copy and go on
+a queue. A background thread turns them into NumPy, buffers them and writes Parquet parts
+(see `layout`), so the loop waits neither for the copy nor for the disk.
+
+Crash bound: parts are flushed when ``flush_steps`` recorded steps are buffered or the
+oldest buffered item is ``flush_seconds`` old. A process killed with SIGKILL loses only
+what is not yet in a part: at most ``2 * flush_steps + 1`` recorded steps (the buffer,
+the hand-off queue of ``flush_steps`` items, and the part being written), and nothing
+older than ``flush_seconds`` plus the time to write one part. Every step in a part on
+disk reads back whole.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import functools
+import logging
+import os
+import platform
+import queue
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from ..core import formats as _formats
+from ..core.scaled_array import ScaledArray, asarray
+from ..probe import instrument
+from ..probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
+from ..probe.optable import OpTable
+from ..scalify import scalify as _scalify
+from . import layout as L
+
+try:  # advisory lock so two writers never share a process slot; absent on Windows
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+log = logging.getLogger("scalescope")
+
+DEFAULT_FORMATS = ("e4m3", "e5m2", "fp16", "bf16")
+_SCALAR_FLUSH_ROWS = 4096
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def _versions() -> dict[str, str]:
+    import ml_dtypes
+
+    from .. import __version__
+
+    out = {
+        "scalescope": __version__,
+        "jax": jax.__version__,
+        "numpy": np.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+        "pyarrow": pa.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import jaxlib
+
+        out["jaxlib"] = jaxlib.__version__
+    except (ImportError, AttributeError):
+        pass
+    return out
+
+
+def _device_info() -> dict[str, Any]:
+    devices = jax.devices()
+    return {
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "process_count": jax.process_count(),
+        "host": socket.gethostname(),
+    }
+
+
+def _format_info(names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in names:
+        f = _formats.get(name)
+        out[f.name] = {
+            "dtype": str(np.dtype(f.dtype)),
+            "max": float(f.max),
+            "min_normal": float(f.min_normal),
+            "min_subnormal": float(f.min_subnormal),
+            "mantissa_bits": int(f.mantissa_bits),
+            "exponent_bits": int(f.exponent_bits),
+        }
+    return out
+
+
+def _to_host(x: Any) -> np.ndarray:
+    """A device array as NumPy; for a multi-process array, this process's replica."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
+def _start_copy(tree: Any) -> None:
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            try:
+                leaf.copy_to_host_async()
+            except Exception:  # noqa: BLE001 - a hint only; np.asarray copies anyway
+                pass
+
+
+# ---------------------------------------------------------------------------------------
+# The background writer
+
+
+class _Writer:
+    """Owns the buffers and the part files of one process; runs in its own thread."""
+
+    def __init__(self, path: Path, process: int, seq: int, flush_steps: int, flush_s: float):
+        self.path, self.process, self.seq = path, process, seq
+        self.flush_steps, self.flush_s = flush_steps, flush_s
+        self.queue: queue.Queue = queue.Queue(maxsize=flush_steps)
+        self.error: BaseException | None = None
+        self.layout: tuple[np.ndarray, np.ndarray, tuple[str, ...], bool] | None = None
+        self.stats_buf: list[tuple[int, dict[str, np.ndarray]]] = []
+        self.scalar_buf: list[tuple[int, str, float]] = []
+        self.oldest: float | None = None
+        self.parts = 0
+        self.last_flushed_step = -1
+        self.thread = threading.Thread(target=self._loop, name="scalescope-writer", daemon=True)
+        self.thread.start()
+
+    # -- called from the training thread --------------------------------------------
+
+    def put(self, item: tuple) -> None:
+        while True:
+            self.raise_error()
+            try:
+                self.queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if not self.thread.is_alive():
+                    self.raise_error()
+                    raise L.RunError("the scalescope writer thread stopped") from None
+
+    def sync(self, kind: str) -> None:
+        done = threading.Event()
+        self.put((kind, done))
+        while not done.wait(0.5):
+            if not self.thread.is_alive():
+                break
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise L.RunError(f"writing the run at {self.path} failed: {self.error}") from (
+                self.error
+            )
+
+    # -- the thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            timeout = None
+            if self.oldest is not None:
+                timeout = max(0.0, self.oldest + self.flush_s - time.monotonic())
+            try:
+                item = self.queue.get(timeout=timeout)
+            except queue.Empty:
+                self._guarded(self._flush)
+                continue
+            kind = item[0]
+            if kind in ("flush", "close"):
+                self._guarded(self._flush)
+                item[1].set()
+                if kind == "close":
+                    return
+                continue
+            self._guarded(self._take, item)
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        if self.error is not None:
+            return  # drain the queue so the training loop never blocks
+        try:
+            fn(*args)
+        except BaseException as err:  # noqa: BLE001 - reported to the training thread
+            self.error = err
+            log.error("scalescope: writing %s failed: %s", self.path, err)
+
+    def _take(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "layout":
+            self.layout = item[1]
+            return
+        if self.oldest is None:
+            self.oldest = time.monotonic()
+        if kind == "stats":
+            _, step, stats = item
+            self.stats_buf.append((step, {k: _to_host(v) for k, v in stats.items()}))
+            if len(self.stats_buf) >= self.flush_steps:
+                self._flush()
+        elif kind == "scalars":
+            _, step, values = item
+            for name, value in values.items():
+                self.scalar_buf.append((step, name, float(_to_host(value))))
+            if len(self.scalar_buf) >= _SCALAR_FLUSH_ROWS:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self.stats_buf:
+            table = self._stats_table()
+            L.write_parquet_atomic(self._part_path(L.STATS_DIR), table)
+            self.last_flushed_step = max(self.last_flushed_step, self.stats_buf[-1][0])
+        if self.scalar_buf:
+            steps, names, values = zip(*self.scalar_buf, strict=True)
+            table = pa.table(
+                {
+                    "step": pa.array(steps, pa.int64()),
+                    "name": pa.array(names, pa.string()),
+                    "value": pa.array(values, pa.float64()),
+                    "process": pa.array([self.process] * len(steps), pa.int32()),
+                }
+            )
+            L.write_parquet_atomic(self._part_path(L.SCALARS_DIR), table)
+        if self.stats_buf or self.scalar_buf:
+            self.seq += 1
+            self.parts += 1
+        self.stats_buf, self.scalar_buf, self.oldest = [], [], None
+
+    def _part_path(self, directory: str) -> Path:
+        return self.path / directory / L.part_name(self.seq, self.process)
+
+    def _stats_table(self) -> pa.Table:
+        if self.layout is None:
+            raise L.RunError("statistics arrived before the op table")
+        row_op, row_iter, stat_names, hist = self.layout
+        n, k = len(row_op), len(self.stats_buf)
+        steps = np.array([s for s, _ in self.stats_buf], np.int64)
+        cols: dict[str, Any] = {
+            "step": np.repeat(steps, n),
+            "op": np.tile(row_op.astype(np.int32), k),
+            "iteration": np.tile(row_iter.astype(np.int32), k),
+            "process": np.full(n * k, self.process, np.int32),
+        }
+        for name in stat_names:
+            cols[name] = np.concatenate([b[name].reshape(-1) for _, b in self.stats_buf])
+        if hist:
+            h = np.concatenate([b["hist"] for _, b in self.stats_buf]).astype(np.int32)
+            for i, col in enumerate(L.hist_column_names(h.shape[1])):
+                cols[col] = h[:, i]
+        return pa.table(cols)
+
+
+# ---------------------------------------------------------------------------------------
+# Run
+
+
+class Run:
+    """A run directory being recorded (see DESIGN.md, "The run store").
+
+    ``every``: tracked functions record every ``every``-th call (steps 0, every, 2·every…).
+    ``formats``, ``histograms``, ``select``, ``sample``, ``isolate``, ``fallback``: passed
+    to `instrument`. ``config``: any JSON-able dict kept in the metadata (model sizes,
+    precision, seed). ``flush_steps`` / ``flush_seconds``: when the writer writes a part
+    (see the module docstring for the crash bound). ``start_step``: the first step number
+    of tracked functions; by default 0, or one past the last step already in the run when
+    appending. ``process_index``: this writer's JAX process (default
+    `jax.process_index()`); only process 0 writes the metadata and the op table.
+
+    Opening an existing run appends to it when it records the same formats and, at the
+    first recorded step, the same op table; otherwise it refuses with `RunMismatchError`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        every: int = 1,
+        formats: Sequence[str] = DEFAULT_FORMATS,
+        histograms: bool = True,
+        select: Any = None,
+        sample: int | None = None,
+        isolate: bool = True,
+        fallback: str = "raise",
+        config: Mapping[str, Any] | None = None,
+        flush_steps: int = 10,
+        flush_seconds: float = 2.0,
+        start_step: int | None = None,
+        process_index: int | None = None,
+    ) -> None:
+        _check_int("every", every, 1)
+        _check_int("flush_steps", flush_steps, 1)
+        if not flush_seconds > 0:
+            raise ValueError(f"Run: flush_seconds must be positive, got {flush_seconds!r}")
+        if start_step is not None:
+            _check_int("start_step", start_step, 0)
+        if isinstance(formats, str):
+            formats = (formats,)
+        self.path = Path(path)
+        self.every = every
+        self.formats = tuple(_formats.get(f).name for f in formats)
+        self.histograms = bool(histograms)
+        self.select, self.sample, self.isolate, self.fallback = select, sample, isolate, fallback
+        spec = StatSpec(tuple(_formats.get(f) for f in self.formats), self.histograms)
+        self.stat_names = spec.stat_names()
+        self.hist_columns = tuple(HIST_COLUMNS) if self.histograms else ()
+        self.process = jax.process_index() if process_index is None else int(process_index)
+        self.config = dict(config or {})
+        self._closed = False
+        self._lock_file = None
+        self._graph: dict[str, Any] | None = None
+        self._ops: pd.DataFrame | None = None
+        self._meta = self._open_dir()
+        last = self._last_step()
+        self.start_step = start_step if start_step is not None else last + 1
+        seq = self._next_seq()
+        self._writer = _Writer(self.path, self.process, seq, flush_steps, float(flush_seconds))
+        self.flush_steps, self.flush_seconds = flush_steps, float(flush_seconds)
+        _OPEN_RUNS.add(self)
+
+    # -- directory ------------------------------------------------------------------
+
+    def _open_dir(self) -> dict[str, Any]:
+        path = self.path
+        if path.exists() and not path.is_dir():
+            raise L.NotARunError(f"Run: {path} is a file, not a directory")
+        if (path / L.RUN_FILE).exists():
+            meta = L.read_metadata(path)
+            self._check_compatible(meta)
+            if meta.get("graph"):
+                self._graph = meta["graph"]
+            appending = True
+        else:
+            if path.is_dir():
+                allowed = {L.STATS_DIR, L.SCALARS_DIR}  # another process may be first
+                foreign = sorted(
+                    p.name for p in path.iterdir() if p.name[0] != "." and p.name not in allowed
+                )
+                if foreign:
+                    listing = ", ".join(foreign[:5])
+                    raise L.NotARunError(
+                        f"Run: {path} exists and is not a scalescope run (it holds {listing}); "
+                        "record into a new or empty directory"
+                    )
+            meta = self._new_metadata()
+            appending = False
+        (path / L.STATS_DIR).mkdir(parents=True, exist_ok=True)
+        (path / L.SCALARS_DIR).mkdir(parents=True, exist_ok=True)
+        self._lock()
+        if self.process == 0:
+            meta["status"] = "recording"
+            meta.setdefault("sessions", []).append(
+                {"started": _now(), "pid": os.getpid(), "host": socket.gethostname()}
+            )
+            if appending:
+                meta["config"] = {**meta.get("config", {}), **self.config}
+            L.write_json_atomic(path / L.RUN_FILE, meta)
+        if appending and (path / L.OPS_FILE).is_file():
+            self._ops = pd.read_parquet(path / L.OPS_FILE).set_index("op")
+        return meta
+
+    def _new_metadata(self) -> dict[str, Any]:
+        return {
+            "format": L.FORMAT_NAME,
+            "version": L.FORMAT_VERSION,
+            "name": self.path.resolve().name,
+            "created": _now(),
+            "versions": _versions(),
+            "device": _device_info(),
+            "config": self.config,
+            "every": self.every,
+            "formats": list(self.formats),
+            "format_info": _format_info(self.formats),
+            "histograms": self.histograms,
+            "hist_columns": list(self.hist_columns),
+            "hist_exponents": [HIST_LO, HIST_HI],
+            "stat_names": list(self.stat_names),
+            "select": None if self.select is None else repr(self.select),
+            "sample": self.sample,
+            "isolate": self.isolate,
+            "graph": None,
+        }
+
+    def _check_compatible(self, meta: dict[str, Any]) -> None:
+        mine = {
+            "formats": list(self.formats),
+            "histograms": self.histograms,
+            "stat_names": list(self.stat_names),
+        }
+        for key, value in mine.items():
+            if meta.get(key) != value:
+                raise L.RunMismatchError(
+                    f"Run: {self.path} was recorded with {key}={meta.get(key)!r}, this Run "
+                    f"asks for {value!r}; the statistics would not line up. Record into a "
+                    "new directory, or open it with the same settings to append."
+                )
+
+    def _lock(self) -> None:
+        if fcntl is None:  # pragma: no cover
+            return
+        lock_path = self.path / f".writer-p{self.process}.lock"
+        f = open(lock_path, "a+")  # noqa: SIM115 - held open for the life of the Run
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise L.RunError(
+                f"Run: {self.path} is being recorded by {holder} (as process "
+                f"{self.process}); close that Run first"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self._lock_file = f
+
+    def _last_step(self) -> int:
+        last = -1
+        for directory in (L.STATS_DIR, L.SCALARS_DIR):
+            for part in L.list_parts(self.path / directory):
+                try:
+                    import pyarrow.parquet as pq
+
+                    steps = pq.read_table(part, columns=["step"]).column("step")
+                    if len(steps):
+                        last = max(last, int(pa.compute.max(steps).as_py()))
+                except Exception:  # noqa: BLE001 - a corrupt part is the reader's warning
+                    continue
+        return last
+
+    def _next_seq(self) -> int:
+        seqs = [
+            key[0]
+            for directory in (L.STATS_DIR, L.SCALARS_DIR)
+            for p in L.list_parts(self.path / directory)
+            if (key := L.parse_part_name(p.name)) is not None and key[1] == self.process
+        ]
+        return max(seqs, default=-1) + 1
+
+    # -- graph ----------------------------------------------------------------------
+
+    def _register(self, table: OpTable, scalified: bool) -> None:
+        """Check the op table against the run's (append) or store it (new run)."""
+        records = table.to_records()
+        fingerprint = L.graph_fingerprint(records, table.stat_names, table.hist_columns)
+        frame = L.ops_frame(records)
+        if self._graph is not None and self._graph["fingerprint"] != fingerprint:
+            old = self._ops if self._ops is not None else pd.DataFrame()
+            raise L.RunMismatchError(
+                f"Run: {self.path} holds a run of a different graph "
+                f"({L.first_difference(old, frame) if len(old) else 'op tables differ'}); "
+                "record into a new directory. Appending needs the same function, shapes "
+                "and dtypes."
+            )
+        if self._graph is None:
+            self._graph = {
+                "fingerprint": fingerprint,
+                "n_ops": len(table),
+                "n_rows": table.n_rows,
+                "scalify": scalified,
+            }
+            if self.process == 0:
+                L.write_parquet_atomic(self.path / L.OPS_FILE, L.ops_table(frame))
+                self._meta["graph"] = self._graph
+                L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
+            self._ops = frame
+        self._writer.put(
+            ("layout", (table.row_op, table.row_iter, tuple(table.stat_names), self.histograms))
+        )
+
+    # -- public ---------------------------------------------------------------------
+
+    def track(
+        self, fn: Callable[..., Any], *, scalify: bool = True, every: int | None = None
+    ) -> Tracked:
+        """A jitted version of ``fn`` (same signature, same outputs) that records the
+        statistics of every op every ``every`` calls (default: the Run's ``every``).
+
+        ``scalify=False`` records ``fn`` as it is (an FP32 or naive low-precision
+        baseline). The plain and the recording variants are compiled separately, the
+        recording one at the first recorded call.
+        """
+        self._check_open()
+        if every is not None:
+            _check_int("every", every, 1)
+        return Tracked(self, fn, scalify=scalify, every=every or self.every)
+
+    def log(self, step: int, **scalars: Any) -> None:
+        """Record scalars (loss, learning rate, grad norm...) at ``step``. Device arrays are
+        copied asynchronously; nothing here waits for the device."""
+        self._check_open()
+        _check_int("step", step, 0)
+        values = {}
+        for name, value in scalars.items():
+            if isinstance(value, ScaledArray):
+                value = asarray(value)
+            if np.ndim(value) != 0:
+                raise ValueError(
+                    f"Run.log: {name!r} at step {step} must be a scalar, got shape "
+                    f"{np.shape(value)}"
+                )
+            if not isinstance(value, jax.Array | np.ndarray | np.generic | int | float):
+                raise TypeError(
+                    f"Run.log: {name!r} at step {step} must be a number, got {type(value).__name__}"
+                )
+            values[name] = value
+        if values:
+            _start_copy(values)
+            self._writer.put(("scalars", int(step), values))
+
+    def _submit(self, step: int, stats: dict[str, jax.Array]) -> None:
+        _start_copy(stats)
+        self._writer.put(("stats", step, stats))
+
+    def flush(self) -> None:
+        """Block until everything recorded so far is written to parts on disk."""
+        self._check_open()
+        self._writer.sync("flush")
+
+    @property
+    def parts_written(self) -> int:
+        return self._writer.parts
+
+    def close(self) -> None:
+        """Write what is buffered, mark the run closed and release the directory."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN_RUNS.discard(self)
+        try:
+            self._writer.sync("close")
+        finally:
+            if self.process == 0:
+                self._meta["status"] = "closed"
+                self._meta["closed"] = _now()
+                L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
+            if self._lock_file is not None:
+                self._lock_file.close()
+                self._lock_file = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise L.RunError(f"Run {self.path} is closed")
+        self._writer.raise_error()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "recording"
+        return f"Run({str(self.path)!r}, every={self.every}, {state})"
+
+
+class Tracked:
+    """What `Run.track` returns: call it like the step function it wraps.
+
+    ``step`` is the number the next call gets; calls whose number is a multiple of
+    ``every`` run the recording variant.
+    """
+
+    def __init__(self, run: Run, fn: Callable[..., Any], *, scalify: bool, every: int) -> None:
+        self.run, self.every, self.scalify = run, every, scalify
+        self.step = run.start_step
+        self.instrumented = instrument(
+            fn,
+            scalify=scalify,
+            formats=run.formats,
+            histograms=run.histograms,
+            select=run.select,
+            sample=run.sample,
+            isolate=run.isolate,
+            fallback=run.fallback,
+        )
+        self._recording = jax.jit(self.instrumented)
+        self._plain = jax.jit(_scalify(fn, fallback=run.fallback) if scalify else fn)
+        self._registered = False
+        functools.update_wrapper(self, fn)
+
+    def records(self, step: int) -> bool:
+        """Whether call number ``step`` records statistics."""
+        return step % self.every == 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.run._check_open()
+        step, self.step = self.step, self.step + 1
+        if not self.records(step):
+            return self._plain(*args, **kwargs)
+        if not self._registered:
+            log.info("scalescope: compiling the recording step (first recorded call)")
+            t0 = time.perf_counter()
+        out, stats = self._recording(*args, **kwargs)
+        if not self._registered:
+            table = self.instrumented.op_table(*args, **kwargs)
+            self.run._register(table, self.scalify)
+            self._registered = True
+            log.info(
+                "scalescope: recording %d ops (%d rows) into %s; compiled in %.1f s",
+                len(table),
+                table.n_rows,
+                self.run.path,
+                time.perf_counter() - t0,
+            )
+        self.run._submit(step, stats)
+        return out
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"Run: {name} must be an integer >= {low}, got {value!r}")
+
+
+_OPEN_RUNS: weakref.WeakSet[Run] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_runs() -> None:
+    """Flush runs the program forgot to close, so a normal exit loses nothing."""
+    for run in list(_OPEN_RUNS):
+        try:
+            run.close()
+        except Exception as err:  # noqa: BLE001
+            log.error("scalescope: closing %s at exit failed: %s", run.path, err)

@@ -1,0 +1,397 @@
+"""The run store: Run writes, RunReader reads back exactly what the probe computed;
+crash safety, incremental refresh, corrupt parts, append-or-refuse, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pandas as pd
+import pytest
+
+import scalescope as ss
+from scalescope.store import layout as L
+
+HERE = Path(__file__).parent
+L_DIRS = (L.STATS_DIR, L.SCALARS_DIR)
+
+
+def mlp_step(w, x):
+    def loss_fn(w):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    with jax.named_scope("opt"):
+        w = w - 0.1 * g
+    return w, loss
+
+
+def wide_step(w, x):
+    """Same signature, a different graph (one more op)."""
+    w, loss = mlp_step(w, x)
+    return w * 1.0, loss + 0.0
+
+
+def scan_step(ws, x):
+    def body(h, w):
+        return jnp.tanh(h @ w), jnp.sum(h)
+
+    h, sums = jax.lax.scan(body, x, ws)
+    return ws * 0.99, jnp.mean(h**2) + jnp.sum(sums) * 0.0
+
+
+@pytest.fixture
+def data():
+    w = jax.random.normal(jax.random.key(0), (16, 16)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    return w, x
+
+
+def _probe_rows(fn, args, every, n_steps, scalify=False):
+    """Statistics of each recorded step computed by `instrument` directly."""
+    probe = jax.jit(ss.instrument(fn, scalify=scalify))
+    plain = jax.jit(fn)
+    expected, state = {}, args[0]
+    for i in range(n_steps):
+        if i % every == 0:
+            _, stats = probe(state, *args[1:])
+            expected[i] = {k: np.asarray(v) for k, v in stats.items()}
+        state, _ = plain(state, *args[1:])
+    return expected
+
+
+def _record(path, fn, args, n_steps, every=2, **kw):
+    state = args[0]
+    with ss.Run(path, every=every, **kw) as run:
+        tracked = run.track(fn, scalify=False)
+        for i in range(n_steps):
+            state, loss = tracked(state, *args[1:])
+            run.log(i, loss=loss, lr=0.1 * (i + 1))
+    return state
+
+
+# ---------------------------------------------------------------------------------------
+# round trip
+
+
+@pytest.mark.parametrize("fn", [mlp_step, scan_step], ids=["mlp", "scan"])
+def test_recorded_run_reads_back_exactly_what_the_probe_returned(tmp_path, data, fn):
+    w, x = data
+    if fn is scan_step:
+        w = jnp.stack([w, w * 0.5, w * 2.0])
+    args, n_steps, every = (w, x), 7, 3
+    expected = _probe_rows(fn, args, every, n_steps)
+    final = _record(tmp_path / "r", fn, args, n_steps, every=every)
+    np.testing.assert_array_equal(final, _plain_steps(fn, args, n_steps))
+
+    reader = ss.open_run(tmp_path / "r")
+    table = ss.instrument(fn, scalify=False).op_table(*args)
+    assert reader.status == "closed"
+    assert list(reader.steps) == [0, 3, 6]
+    assert len(reader.ops) == len(table)
+    assert list(reader.ops["name"]) == [op.name for op in table]
+    assert [tuple(s) for s in reader.ops["shape"]] == [op.shape for op in table]
+    wide = reader.stats(wide=True)
+    assert len(wide) == 3 * table.n_rows
+    for step, stats in expected.items():
+        rows = wide[wide["step"] == step]
+        np.testing.assert_array_equal(rows["op"], table.row_op)
+        np.testing.assert_array_equal(rows["iteration"], table.row_iter)
+        for name in table.stat_names:
+            np.testing.assert_array_equal(rows[name].to_numpy(), stats[name], err_msg=name)
+        for r in range(table.n_rows):  # histograms, row by row
+            op, it = int(table.row_op[r]), int(table.row_iter[r])
+            got = reader.hist(op, step, iteration=it)
+            np.testing.assert_array_equal(got.to_numpy(), stats["hist"][r])
+    if fn is scan_step:
+        assert {tuple(v) for v in reader.ops["loop"]} >= {(3,)}
+    # scalars: one row per logged step, in the order logged
+    sc = reader.scalars
+    assert list(sc.index) == list(range(n_steps))
+    np.testing.assert_allclose(sc["lr"], 0.1 * (np.arange(n_steps) + 1))
+    assert np.isfinite(sc["loss"]).all()
+
+
+def _plain_steps(fn, args, n):
+    state = args[0]
+    for _ in range(n):
+        state, _ = jax.jit(fn)(state, *args[1:])
+    return state
+
+
+def test_long_stats_filters_metric_ops_steps(tmp_path, data):
+    _record(tmp_path / "r", mlp_step, data, 5, every=1)
+    reader = ss.open_run(tmp_path / "r")
+    long = reader.stats("rms")
+    assert set(long["metric"]) == {"rms"}
+    assert list(long.columns) == [
+        "step", "op", "iteration", "name", "pass", "primitive", "metric", "value",
+    ]  # fmt: skip
+    dots = reader.stats(["rms", "snr_e4m3"], ops=r"^fwd/.*dot_general", steps=slice(1, 3))
+    assert set(dots["step"]) == {1, 2}
+    assert set(dots["primitive"]) == {"dot_general"} and set(dots["pass"]) == {"fwd"}
+    assert set(dots["metric"]) == {"rms", "snr_e4m3"}
+    one = reader.stats("absmax", ops=[2], steps=[0, 4])
+    assert list(one["op"]) == [2, 2] and list(one["step"]) == [0, 4]
+    with pytest.raises(KeyError, match="unknown metric 'rsm'"):
+        reader.stats("rsm")
+    with pytest.raises(ValueError, match="not a valid regex"):
+        reader.stats("rms", ops="(")
+    with pytest.raises(KeyError, match="no op with id 999"):
+        reader.stats("rms", ops=[999])
+    # hist by name, last step; an absent step names the nearest ones
+    name = reader.ops.loc[2, "name"]
+    h = reader.hist(f"fwd/{name}")
+    assert h.attrs["step"] == 4 and h.sum() == 4 * 16
+    with pytest.raises(KeyError, match="nearest"):
+        reader.hist(2, step=17)
+
+
+def test_metadata_records_versions_device_formats_and_bins(tmp_path, data):
+    _record(tmp_path / "r", mlp_step, data, 2, formats=("e4m3", "fp16"), config={"lr": 0.1})
+    meta = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert meta["format"] == "scalescope-run" and meta["status"] == "closed"
+    assert meta["versions"]["jax"] == jax.__version__
+    assert meta["device"]["platform"] == jax.devices()[0].platform
+    assert meta["formats"] == ["e4m3", "fp16"] and meta["config"] == {"lr": 0.1}
+    assert meta["format_info"]["e4m3"]["max"] == 448.0
+    assert len(meta["hist_columns"]) == 68 and meta["hist_exponents"] == [-40, 23]
+    assert meta["graph"]["n_ops"] == len(ss.open_run(tmp_path / "r").ops)
+    parts = sorted(p.name for p in (tmp_path / "r" / "stats").iterdir())
+    assert parts and all(L.parse_part_name(p) for p in parts), parts
+
+
+# ---------------------------------------------------------------------------------------
+# append or refuse
+
+
+def test_reopening_with_the_same_graph_appends(tmp_path, data):
+    w = _record(tmp_path / "r", mlp_step, data, 4, every=2)
+    _record(tmp_path / "r", mlp_step, (w, data[1]), 4, every=2)
+    reader = ss.open_run(tmp_path / "r")
+    # the second session numbers its steps after the last one logged (3)
+    assert list(reader.steps) == [0, 2, 4, 6]
+    assert len(reader.meta["sessions"]) == 2
+
+
+def test_reopening_with_a_different_graph_refuses_and_leaves_the_run_intact(tmp_path, data):
+    _record(tmp_path / "r", mlp_step, data, 2, every=1)
+    before = sorted(os.listdir(tmp_path / "r" / "stats"))
+    with pytest.raises(ss.RunMismatchError, match="different graph.*op"):
+        _record(tmp_path / "r", wide_step, data, 2, every=1)
+    assert sorted(os.listdir(tmp_path / "r" / "stats")) == before
+    with pytest.raises(ss.RunMismatchError, match="formats"):
+        ss.Run(tmp_path / "r", formats=("e5m2",))
+    reader = ss.open_run(tmp_path / "r")
+    assert list(reader.steps) == [0, 1]
+
+
+def test_a_second_writer_on_the_same_run_is_refused(tmp_path):
+    with ss.Run(tmp_path / "r"):
+        with pytest.raises(ss.RunError, match="being recorded by pid"):
+            ss.Run(tmp_path / "r")
+    ss.Run(tmp_path / "r").close()  # released on close
+
+
+# ---------------------------------------------------------------------------------------
+# errors
+
+
+def test_missing_foreign_and_file_paths_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ss.open_run(tmp_path / "nope")
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(ss.NotARunError, match="is a file"):
+        ss.open_run(tmp_path / "f.txt")
+    with pytest.raises(ss.NotARunError, match="is a file"):
+        ss.Run(tmp_path / "f.txt")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.md").write_text("mine")
+    with pytest.raises(ss.NotARunError, match="not a scalescope run"):
+        ss.open_run(foreign)
+    with pytest.raises(ss.NotARunError, match=r"not a scalescope run \(it holds notes.md\)"):
+        ss.Run(foreign)
+    (foreign / "run.json").write_text("{broken")
+    with pytest.raises(ss.RunError, match="unreadable run metadata"):
+        ss.open_run(foreign)
+    (foreign / "run.json").write_text('{"format": "other"}')
+    with pytest.raises(ss.NotARunError, match="no format marker"):
+        ss.open_run(foreign)
+    with pytest.raises(ValueError, match="every must be an integer >= 1"):
+        ss.Run(tmp_path / "x", every=0)
+
+
+def test_open_run_on_a_directory_of_runs_points_to_list_runs(tmp_path):
+    for name in ("b", "a", "nested/c"):
+        ss.Run(tmp_path / "runs" / name).close()
+    (tmp_path / "runs" / "junk").mkdir()
+    with pytest.raises(ss.NotARunError, match="list_runs"):
+        ss.open_run(tmp_path / "runs")
+    runs = ss.list_runs(tmp_path / "runs")
+    assert [p.relative_to(tmp_path / "runs").as_posix() for p in runs] == ["a", "b", "nested/c"]
+    assert ss.list_runs(tmp_path / "runs" / "a") == [tmp_path / "runs" / "a"]
+    with pytest.raises(FileNotFoundError):
+        ss.list_runs(tmp_path / "nope")
+
+
+def test_log_rejects_bad_values(tmp_path):
+    with ss.Run(tmp_path / "r") as run:
+        with pytest.raises(ValueError, match="'loss' at step 3 must be a scalar"):
+            run.log(3, loss=jnp.ones(2))
+        with pytest.raises(TypeError, match="'tag' at step 3 must be a number"):
+            run.log(3, tag="x")
+        with pytest.raises(ValueError, match="step must be an integer >= 0"):
+            run.log(-1, loss=1.0)
+        run.log(1, loss=ss.ScaledArray(jnp.float16(0.5), jnp.float32(4.0)))
+    assert ss.open_run(tmp_path / "r").scalars.loc[1, "loss"] == 2.0
+    with pytest.raises(ss.RunError, match="closed"):
+        run.log(2, loss=1.0)
+
+
+def test_writer_failure_surfaces_in_the_training_thread(tmp_path, monkeypatch):
+    def fail(path, table):
+        raise OSError("disk full")
+
+    run = ss.Run(tmp_path / "r", flush_steps=1)
+    monkeypatch.setattr(L, "write_parquet_atomic", fail)
+    run.log(0, loss=1.0)
+    with pytest.raises(ss.RunError, match="disk full"):
+        run.flush()
+    with pytest.raises(ss.RunError, match="disk full"):
+        run.log(1, loss=1.0)
+    monkeypatch.undo()
+    with pytest.raises(ss.RunError):
+        run.close()
+
+
+# ---------------------------------------------------------------------------------------
+# corrupt parts, multi-process, live refresh
+
+
+def test_corrupt_part_is_skipped_with_a_warning_naming_it(tmp_path, data):
+    run = ss.Run(tmp_path / "r", every=1, flush_steps=1)
+    tracked = run.track(mlp_step, scalify=False)
+    w = data[0]
+    for _ in range(4):
+        w, _ = tracked(w, data[1])
+        run.flush()
+    run.close()
+    parts = L.list_parts(tmp_path / "r" / "stats")
+    assert len(parts) == 4
+    raw = parts[1].read_bytes()
+    parts[1].write_bytes(raw[: len(raw) // 2])  # truncated
+    parts[2].write_bytes(b"garbage" * 10)  # not Parquet at all
+    with pytest.warns(ss.RunWarning) as caught:
+        reader = ss.open_run(tmp_path / "r")
+    msgs = " ".join(str(w.message) for w in caught)
+    assert parts[1].name in msgs and parts[2].name in msgs
+    assert list(reader.steps) == [0, 3]
+    assert len(reader.stats("rms", steps=3)) == len(reader.stats("rms", steps=0)) > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reader.refresh() == 0  # warned once, not on every refresh
+
+
+def test_processes_write_their_own_parts(tmp_path, data):
+    path = tmp_path / "r"
+    runs = [ss.Run(path, every=1, process_index=p, flush_steps=1) for p in (0, 1)]
+    tracked = [r.track(mlp_step, scalify=False) for r in runs]
+    for i in range(3):
+        for r, t in zip(runs, tracked):
+            t(*data)
+            r.log(i, loss=float(i))
+    for r in runs:
+        r.close()
+    keys = {d: [L.parse_part_name(p.name) for p in (path / d).iterdir()] for d in L_DIRS}
+    for proc in (0, 1):  # each process numbers its own parts 0, 1, 2... (shared by both dirs)
+        seqs = sorted({seq for d in L_DIRS for seq, p in keys[d] if p == proc})
+        assert seqs == list(range(len(seqs))), keys
+        assert len([k for k in keys["stats"] if k[1] == proc]) == 3, keys
+    assert (path / "stats" / "part-000000-p1.parquet").is_file()
+    reader = ss.open_run(path)
+    both = reader.stats("rms", process=None)
+    assert set(both["process"]) == {0, 1}
+    assert len(both) == 2 * len(reader.stats("rms"))
+
+
+def test_reader_following_a_live_run_sees_new_steps(tmp_path, data):
+    run = ss.Run(tmp_path / "r", every=1, flush_steps=100, flush_seconds=0.2)
+    tracked = run.track(mlp_step, scalify=False)
+    w, x = data
+    w, _ = tracked(w, x)
+    run.flush()
+    reader = ss.open_run(tmp_path / "r")
+    assert list(reader.steps) == [0] and reader.status == "recording"
+    for _ in range(3):
+        w, _ = tracked(w, x)
+    deadline = time.monotonic() + 10
+    while len(reader.steps) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        reader.refresh()  # the timed flush (0.2 s) writes without any call from the loop
+    assert list(reader.steps) == [0, 1, 2, 3]
+    run.close()
+    reader.refresh()
+    assert reader.status == "closed"
+
+
+def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
+    flush_steps, path = 3, tmp_path / "r"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "store_writer_script.py"), str(path), str(flush_steps),
+         "100000", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    printed = -1
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            printed = int(line.split()[1])
+            if printed >= 40:
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert printed >= 40, proc.stderr.read()[-3000:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every part on disk is whole
+        reader = ss.open_run(path)
+    steps = list(reader.steps)
+    assert steps == list(range(len(steps)))  # every flushed step, in order, no holes
+    assert printed - steps[-1] <= 2 * flush_steps + 1
+    n_rows = reader.meta["graph"]["n_rows"]
+    counts = reader.stats("rms").groupby("step").size()
+    assert (counts == n_rows).all()  # no step half written
+    assert reader.status == "recording"  # killed, never closed
+    # what the killed writer left behind is appendable
+    with ss.Run(path, every=1) as run:
+        assert run.start_step == max(steps[-1], int(reader.scalars.index.max())) + 1
+
+
+def test_stats_frame_matches_reader_wide_rows(tmp_path, data):
+    """The reader's wide frame and the probe's own stats_frame agree column for column."""
+    _record(tmp_path / "r", mlp_step, data, 1, every=1)
+    probe = ss.instrument(mlp_step, scalify=False)
+    _, stats = jax.jit(probe)(*data)
+    expected = ss.stats_frame(probe.op_table(*data), stats)
+    got = ss.open_run(tmp_path / "r").stats(wide=True)
+    for col in ("op", "name", "pass", "primitive", "rms", "snr_e5m2"):
+        pd.testing.assert_series_equal(
+            got[col].reset_index(drop=True), expected[col].reset_index(drop=True),
+            check_dtype=False, check_names=False,
+        )  # fmt: skip
