@@ -59,11 +59,21 @@ PRECISIONS: dict[str, Precision] = {
         bwd_dtype=ml_dtypes.float8_e5m2,
         param_dtype=jnp.float16,
     ),
+    # The same FP8 casts with no scale propagation: values beyond E4M3's 448 become NaN
+    # and small ones flush to zero. FP32 weights and optimizer, so only the casts differ.
+    "fp8-naive": Precision(
+        "fp8-naive",
+        fwd_dtype=ml_dtypes.float8_e4m3fn,
+        bwd_dtype=ml_dtypes.float8_e5m2,
+    ),
 }
+
+#: Recipes run under `scalescope.scalify` by `scalescope train`; the others run as written.
+SCALIFIED = frozenset({"fp16", "fp8"})
 
 
 def get_precision(name: str) -> Precision:
-    """Look up a preset recipe by name ("fp32", "fp16", "fp8")."""
+    """Look up a preset recipe by name ("fp32", "fp16", "fp8", "fp8-naive")."""
     try:
         return PRECISIONS[name]
     except KeyError:

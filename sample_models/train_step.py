@@ -6,7 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
+
+from scalescope.ops.scaling import dynamic_rescale_l2
 
 LossFn = Callable[[Any, Any], jax.Array]
 TrainStep = Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, jax.Array]]
@@ -30,18 +33,33 @@ def make_optimizer(
     return optax.adamw(lr, eps=eps, weight_decay=weight_decay)
 
 
+def _recentre(leaf: Any) -> Any:
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.floating) and jnp.ndim(leaf) > 0:
+        return dynamic_rescale_l2(leaf)
+    return leaf
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) -> TrainStep:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
     ``loss_fn(params, batch)`` returns a scalar. The step is not jitted here, so callers can
     jit, scalify or instrument it.
+
+    Under scalify, the gradients' data are re-centred to unit RMS before the optimizer
+    (`dynamic_rescale_l2`): static scale propagation through the backward pass leaves them
+    far from unit scale, and AdamW's ``(1 - b2) * g**2`` then underflows FP16 data,
+    zeroing the second moment. The optimizer state is re-centred after the update too:
+    an EMA's static scale cannot follow its value over thousands of steps. Outside
+    scalify both are the identity.
     """
 
     def step(params: Any, opt_state: optax.OptState, batch: Any):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         with jax.named_scope("opt"):  # the probe reports these ops as the `opt` pass
+            grads = jax.tree.map(dynamic_rescale_l2, grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
+            opt_state = jax.tree.map(_recentre, opt_state)
         return params, opt_state, loss
 
     return step

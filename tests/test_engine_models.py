@@ -203,3 +203,31 @@ def test_fp16_master_weights_and_optimizer_state_track_fp32():
     )
     # the same recipe without scalify: Adam's second moment underflows in FP16
     assert not (abs(float(naive_loss) - float(l32)) < 0.02 * float(l32))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_scalified_gpt_with_a_warmup_cosine_schedule_tracks_fp32(precision):
+    """The learning rate is a traced scalar computed from the step count, 0 at step 0;
+    FP16 weights and AdamW state under scalify stay finite and close to FP32."""
+    import optax
+
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, n_layers=1)
+    sched = optax.warmup_cosine_decay_schedule(0.0, 2e-3, 3, 30)
+    opt = optax.adamw(sched, eps=1e-6, weight_decay=0.01)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, (6, BATCH * 2, SEQ + 1)).astype(np.int32)
+    losses = {}
+    for name in ("fp32", precision):
+        prec = PRECISIONS[name]
+        params = init_gpt(jax.random.PRNGKey(0), cfg, prec.param_dtype)
+        state = opt.init(params)
+        step = make_train_step(functools.partial(gpt_loss, cfg=cfg, precision=prec), opt)
+        if name != "fp32":
+            step = ss.scalify(step)
+            params, state = ss.as_scaled_array(params, "rms"), ss.as_scaled_array(state, "rms")
+        step = jax.jit(step)
+        losses[name] = []
+        for t in tokens:
+            params, state, loss = step(params, state, {"inputs": t[:, :-1], "targets": t[:, 1:]})
+            losses[name].append(float(ss.asarray(loss, jnp.float32)))
+    np.testing.assert_allclose(losses[precision], losses["fp32"], rtol=0.01)

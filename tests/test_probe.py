@@ -398,3 +398,17 @@ def test_nonfinite_values_do_not_hide_other_statistics():
     assert float(got["rms"][0]) == pytest.approx(np.sqrt(5 / 3), rel=1e-6)
     assert got["hist"][0][0] == 1 and got["hist"][0][-1] == 2
     assert len(got["hist"][0]) == len(HIST_COLUMNS)
+
+
+def test_unscalified_instrument_keeps_scale_ops_as_identities():
+    """scalify=False records the plain function: `dynamic_rescale` and friends stay
+    identities and nothing comes out as a ScaledArray."""
+
+    def f(x):
+        return ss.ops.dynamic_rescale_l2(x * 3.0) + 1.0
+
+    x = jnp.linspace(-1.0, 1.0, 16)
+    out, stats = jax.jit(ss.instrument(f, scalify=False))(x)
+    assert not isinstance(out, ss.ScaledArray)
+    np.testing.assert_array_equal(out, jax.jit(f)(x))
+    assert np.all(np.asarray(stats["scale"])[np.asarray(stats["count"]) > 0] == 1.0)

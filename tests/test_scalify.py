@@ -219,3 +219,36 @@ def test_flax_module_under_scalify():
     params = model.init(jax.random.PRNGKey(0), x)
     out = jax.jit(ss.scalify(model.apply))(ss.as_scaled_array(params), ss.as_scaled_array(x, 4.0))
     np.testing.assert_allclose(ss.asarray(out), model.apply(params, x), rtol=1e-5, atol=1e-6)
+
+
+def test_mul_and_div_by_a_traced_scalar_move_its_power_of_two_into_the_scale():
+    # Adam's bias correction 1 - 0.999**t is a traced scalar: dividing FP16 data by 0.002
+    # directly would overflow (260 / 0.002 > 65504).
+    data = jnp.array([260.0, -3.0, 0.5], jnp.float16)
+    x = ss.ScaledArray(data, jnp.float32(2.0**-24))
+
+    def f(x, t):
+        c = 1.0 - 0.999 ** t.astype(jnp.float16)
+        return x / c, x * c, c / x
+
+    t = jnp.int32(2)
+    q, m, r = jax.jit(ss.scalify(f))(x, t)
+    c = 1.0 - 0.999 ** np.float16(2.0)
+    ref = np.asarray(data, np.float64) * 2.0**-24
+    for out, expected in [(q, ref / c), (m, ref * c), (r, c / ref)]:
+        assert isinstance(out, ss.ScaledArray) and out.dtype == jnp.float16
+        assert 1.0 <= float(np.max(np.abs(np.asarray(out.data, np.float64)))) < 2 * 65504
+        value = np.asarray(out.data, np.float64) * float(out.scale)  # beyond FP16's range
+        np.testing.assert_allclose(value, expected, rtol=2e-3)
+
+
+def test_dynamic_rescale_of_all_zero_data_gives_scale_zero():
+    x = ss.ScaledArray(jnp.zeros(4, jnp.float16), jnp.float32(2.0**21))
+    out = ss.scalify(ss.ops.dynamic_rescale_l2)(x)
+    assert float(out.scale) == 0.0 and not np.any(np.asarray(out.data))
+
+    def adam_like(g):  # 0 / (sqrt(0) + eps) is 0, not 0 / 0
+        g = ss.ops.dynamic_rescale_l2(g)
+        return g / (jnp.sqrt(g * g) + 1e-6)
+
+    np.testing.assert_array_equal(np.asarray(ss.asarray(ss.scalify(adam_like)(x))), np.zeros(4))

@@ -136,8 +136,12 @@ def scaled_dynamic_rescale(x, *, norm: str):
     if not isinstance(x, ScaledArray):
         x = make_scaled(x, jnp.ones((), SCALE_DTYPE))
     n = _norm(x.data, norm)
-    factor = jnp.where(jnp.isfinite(n) & (n > 0), pow2_round_down(n), 1.0).astype(SCALE_DTYPE)
-    return make_scaled(rescale_data(x.data, 1.0 / factor), x.scale * factor)
+    # All-zero data gets scale 0 (exactly zero), so a stale huge or tiny scale does not
+    # reach later sums: adding eps to it would underflow eps and turn 0/(0+eps) into 0/0.
+    ok = jnp.isfinite(n) & (n > 0)
+    factor = jnp.where(ok, pow2_round_down(n), 1.0).astype(SCALE_DTYPE)
+    scale = jnp.where(n == 0, jnp.zeros_like(x.scale), x.scale * factor)
+    return make_scaled(rescale_data(x.data, 1.0 / factor), scale)
 
 
 def scaled_set_scaling(x, scale):

@@ -167,7 +167,7 @@ def instrument(
         outs = None
         observed = list(dyn)
         if isolate:
-            plain = Context(fallback=fallback, check=False)
+            plain = Context(fallback=fallback, check=False, scaling=scalify)
             outs = eval_jaxpr(plain, closed.jaxpr, closed.consts, dyn)
             observed = jax.lax.optimization_barrier(observed)
         recorder = Recorder.root(spec, pred, passes)
@@ -177,7 +177,7 @@ def instrument(
             recorder.record_input(path, value)
         for c in closed.consts:
             recorder.mark_const(c)
-        ctx = Context(fallback=fallback, recurse_plain=True, observer=recorder)
+        ctx = Context(fallback=fallback, recurse_plain=True, observer=recorder, scaling=scalify)
         shadow_outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, observed)
         if outs is None:
             outs = shadow_outs

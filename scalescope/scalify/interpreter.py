@@ -79,6 +79,7 @@ class Context:
     recurse_plain: bool = False
     observer: Observer | None = None
     check: bool = True
+    scaling: bool = True  # False: a plain interpretation (no rule turns plain into scaled)
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         return eval_jaxpr(self, jaxpr, consts, args)
@@ -131,7 +132,7 @@ def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     rule = get_rule(prim)
     if rule is not None and rule.higher_order and (scaled or ctx.recurse_plain):
         return list(rule.fn(ctx, eqn, invals))
-    if not scaled and not (rule is not None and rule.on_plain):
+    if not scaled and not (rule is not None and rule.on_plain and ctx.scaling):
         return bind_plain(eqn, invals)
     if rule is None:
         source = format_source(eqn.source_info)

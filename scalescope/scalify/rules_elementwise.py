@@ -12,6 +12,7 @@ parameters added by later JAX releases pass through.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
@@ -62,34 +63,52 @@ def scaled_add_any(a, b, **params):
     return scaled_add(a, b)
 
 
+def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any]:
+    """A plain operand of mul/div as (mantissa data or None for 1, power-of-two scale).
+
+    Constants known at trace time split exactly; a traced scalar (a bias correction
+    computed from the step count) splits on the device, so dividing by 0.002 moves 2^-9
+    into the scale instead of multiplying FP16 data by 500. Other arrays keep scale 1.
+    ``at_most_one``: the mantissa is in (0.5, 1] (multiplying never grows the data: an
+    EMA's ``0.9 * mu`` would otherwise grow it 1.8x per step); else in [1, 2) (dividing
+    never grows it).
+    """
+    split = _pow2_constant(c)
+    if split is not None:
+        mant, p2 = split
+        if at_most_one and abs(mant) > 1.0:
+            mant, p2 = mant / 2.0, p2 * 2.0
+        return (None if mant == 1.0 else jnp.asarray(mant, dtype)), p2
+    arr = jnp.asarray(c)
+    if arr.size == 1 and jnp.issubdtype(arr.dtype, jnp.floating):
+        c32 = arr.astype(SCALE_DTYPE)
+        p2 = pow2_round_down(c32)
+        p2 = jnp.where(jnp.isfinite(p2) & (p2 > 0), p2, jnp.ones_like(p2))
+        if at_most_one:
+            p2 = jnp.where(jnp.abs(c32) > p2, p2 * 2.0, p2)
+        return (c32 / p2).astype(dtype), p2.reshape(())
+    return arr.astype(dtype), 1.0
+
+
 def scaled_mul(a, b, **params):
     if is_scaled(a) and is_scaled(b):
         return make_scaled(lax.mul_p.bind(a.data, b.data, **params), a.scale * b.scale)
     x, c = (a, b) if is_scaled(a) else (b, a)
-    split = _pow2_constant(c)
-    if split is not None:
-        # A constant's power of two goes into the scale; only its mantissa touches data.
-        mant, p2 = split
-        data = x.data
-        if mant != 1.0:
-            data = lax.mul_p.bind(data, jnp.asarray(mant, x.dtype), **params)
-        return make_scaled(data, x.scale * p2)
-    return make_scaled(lax.mul_p.bind(x.data, jnp.asarray(c, x.dtype), **params), x.scale)
+    mant, p2 = _split_plain(c, x.dtype, at_most_one=True)
+    data = x.data if mant is None else lax.mul_p.bind(x.data, mant, **params)
+    return make_scaled(data, x.scale * p2)
 
 
 def scaled_div(a, b, **params):
     if is_scaled(a) and is_scaled(b):
         return make_scaled(lax.div_p.bind(a.data, b.data, **params), a.scale / b.scale)
     if is_scaled(a):
-        split = _pow2_constant(b)
-        if split is not None:
-            mant, p2 = split
-            data = a.data
-            if mant != 1.0:
-                data = lax.div_p.bind(data, jnp.asarray(mant, a.dtype), **params)
-            return make_scaled(data, a.scale / p2)
-        return make_scaled(lax.div_p.bind(a.data, jnp.asarray(b, a.dtype), **params), a.scale)
-    return make_scaled(lax.div_p.bind(jnp.asarray(a, b.dtype), b.data, **params), 1.0 / b.scale)
+        mant, p2 = _split_plain(b, a.dtype, at_most_one=False)
+        data = a.data if mant is None else lax.div_p.bind(a.data, mant, **params)
+        return make_scaled(data, a.scale / p2)
+    mant, p2 = _split_plain(a, b.dtype, at_most_one=True)
+    num = jnp.ones((), b.dtype) if mant is None else mant
+    return make_scaled(lax.div_p.bind(num, b.data, **params), p2 / b.scale)
 
 
 def _aligned(prim, *, scaled_out: bool = True):

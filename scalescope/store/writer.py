@@ -363,11 +363,10 @@ class Run:
         self._lock()
         if self.process == 0:
             meta["status"] = "recording"
-            meta.setdefault("sessions", []).append(
-                {"started": _now(), "pid": os.getpid(), "host": socket.gethostname()}
-            )
-            if appending:
-                meta["config"] = {**meta.get("config", {}), **self.config}
+            session = {"started": _now(), "pid": os.getpid(), "host": socket.gethostname()}
+            if appending:  # the run keeps its first config; later sessions list their own
+                session["config"] = self.config
+            meta.setdefault("sessions", []).append(session)
             L.write_json_atomic(path / L.RUN_FILE, meta)
         if appending and (path / L.OPS_FILE).is_file():
             self._ops = pd.read_parquet(path / L.OPS_FILE).set_index("op")
@@ -601,24 +600,26 @@ class Tracked:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.run._check_open()
-        step, self.step = self.step, self.step + 1
-        if not self.records(step):
-            return self._plain(*args, **kwargs)
         if not self._registered:
-            log.info("scalescope: compiling the recording step (first recorded call)")
+            # Trace (no compile) and check the graph against the run before anything of
+            # this call reaches the directory, recorded step or not.
             t0 = time.perf_counter()
-        out, stats = self._recording(*args, **kwargs)
-        if not self._registered:
             table = self.instrumented.op_table(*args, **kwargs)
             self.run._register(table, self.scalify)
             self._registered = True
             log.info(
-                "scalescope: recording %d ops (%d rows) into %s; compiled in %.1f s",
+                "scalescope: recording %d ops (%d rows) every %d steps into %s (traced in "
+                "%.1f s; the recording step compiles at its first use)",
                 len(table),
                 table.n_rows,
+                self.every,
                 self.run.path,
                 time.perf_counter() - t0,
             )
+        step, self.step = self.step, self.step + 1
+        if not self.records(step):
+            return self._plain(*args, **kwargs)
+        out, stats = self._recording(*args, **kwargs)
         self.run._submit(step, stats)
         return out
 

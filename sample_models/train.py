@@ -1,0 +1,266 @@
+"""The training loop behind ``scalescope train``: a sample model, real data, one precision
+recipe, recorded into a run directory.
+
+Recipes (`sample_models.precision`): ``fp32``; ``fp16`` (FP16 weights and AdamW state)
+and ``fp8`` (E4M3 matmul inputs forward, E5M2 gradients backward, FP16 weights and
+state), both under `scalescope.scalify`; ``fp8-naive``, the same FP8 casts on plain
+values (FP32 weights), which is what goes wrong without scale propagation.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import scalescope as ss
+from sample_models import data as D
+from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
+from sample_models.mlp import MLPConfig, init_mlp, mlp_accuracy, mlp_loss
+from sample_models.precision import SCALIFIED, get_precision
+from sample_models.train_step import make_train_step
+
+MODELS = ("gpt", "mlp")
+PRECISION_NAMES = ("fp32", "fp16", "fp8", "fp8-naive")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides a training run (kept in the run's metadata)."""
+
+    model: str = "gpt"
+    precision: str = "fp32"
+    steps: int = 1000
+    seed: int = 0
+    batch: int = 32
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.01
+    eval_every: int = 0  # 0: about ten evaluations per run
+    eval_batches: int = 8
+    data: str = "auto"  # gpt: full | vendored | auto
+    data_dir: str | None = None  # mlp: Fashion-MNIST IDX directory
+    gpt: dict[str, Any] = field(
+        default_factory=lambda: {"seq_len": 64, "d_model": 128, "n_heads": 4, "n_layers": 2}
+    )
+    mlp_hidden: tuple[int, ...] = (256, 256)
+
+    def check(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; expected one of {MODELS}")
+        if self.precision not in PRECISION_NAMES:
+            raise ValueError(
+                f"unknown precision {self.precision!r}; expected one of {PRECISION_NAMES}"
+            )
+        for name in ("steps", "batch", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+
+
+@dataclass
+class Task:
+    """A model ready to train: loss, initial state, batches, evaluation."""
+
+    loss_fn: Callable[[Any, Any], jax.Array]
+    params: Any
+    train_batches: Iterator[dict[str, np.ndarray]]
+    eval_batches: list[dict[str, np.ndarray]]
+    info: dict[str, Any]
+    metric_fn: Callable[[Any, Any], jax.Array] | None = None  # e.g. accuracy
+
+
+def _gpt_task(cfg: TrainConfig) -> Task:
+    text = D.load_shakespeare(cfg.data)
+    vocab = D.CharVocab.from_text(text)
+    train_tok, val_tok = D.split_tokens(vocab.encode(text), 0.1)
+    gcfg = GPTConfig(vocab_size=vocab.size, **cfg.gpt)
+    precision = get_precision(cfg.precision)
+    params = init_gpt(jax.random.key(cfg.seed), gcfg, precision.param_dtype)
+    return Task(
+        loss_fn=functools.partial(gpt_loss, cfg=gcfg, precision=precision),
+        params=params,
+        train_batches=D.char_lm_batches(train_tok, cfg.batch, gcfg.seq_len, cfg.seed),
+        eval_batches=D.char_lm_eval_batches(val_tok, cfg.batch, gcfg.seq_len, cfg.eval_batches),
+        info={
+            "dataset": f"shakespeare ({cfg.data})",
+            "train_chars": int(train_tok.size),
+            "val_chars": int(val_tok.size),
+            "vocab_size": vocab.size,
+            **asdict(gcfg),
+        },
+    )
+
+
+def _mlp_task(cfg: TrainConfig) -> Task:
+    x, y = D.load_fashion_mnist("train", cfg.data_dir)
+    xv, yv = D.load_fashion_mnist("test", cfg.data_dir)
+    mcfg = MLPConfig(in_dim=x.shape[1], hidden=tuple(cfg.mlp_hidden), n_classes=10)
+    precision = get_precision(cfg.precision)
+    params = init_mlp(jax.random.key(cfg.seed), mcfg, precision.param_dtype)
+    n_eval = min(len(xv), cfg.batch * cfg.eval_batches)
+    evals = [
+        {"x": xv[i : i + cfg.batch], "y": yv[i : i + cfg.batch]}
+        for i in range(0, n_eval - cfg.batch + 1, cfg.batch)
+    ]
+    return Task(
+        loss_fn=functools.partial(mlp_loss, cfg=mcfg, precision=precision),
+        params=params,
+        train_batches=D.classification_batches(x, y, cfg.batch, cfg.seed),
+        eval_batches=evals,
+        info={"dataset": "fashion-mnist", "train_examples": len(x), **asdict(mcfg)},
+        metric_fn=functools.partial(mlp_accuracy, cfg=mcfg, precision=precision),
+    )
+
+
+def make_task(cfg: TrainConfig) -> Task:
+    cfg.check()
+    return _gpt_task(cfg) if cfg.model == "gpt" else _mlp_task(cfg)
+
+
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Cosine decay from ``learning_rate`` to zero over the run, after a short warm-up."""
+    warmup = max(1, min(100, cfg.steps // 10))
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1)
+    )
+
+
+class Progress:
+    """A one-line progress bar (steps/s, loss) on a terminal; periodic lines otherwise."""
+
+    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
+        self.total, self.label = total, label
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+        self.last_print = 0.0
+        self.last_line_step = -1
+
+    def due(self) -> bool:
+        return time.perf_counter() - self.last_print >= (0.25 if self.tty else 5.0)
+
+    def update(self, done: int, **values: float) -> None:
+        self.last_print = time.perf_counter()
+        elapsed = self.last_print - self.t0
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items() if v is not None)
+        width = 24
+        filled = int(width * done / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        line = (
+            f"{self.label} [{bar}] {done}/{self.total}  {rate:5.1f} steps/s  {shown}"
+            f"  eta {eta:4.0f}s"
+        )
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _to_float(x: Any) -> float:
+    return float(np.asarray(ss.asarray(x), np.float64))
+
+
+def train(
+    cfg: TrainConfig,
+    run_dir: str,
+    *,
+    every: int = 10,
+    sample: int | None = None,
+    histograms: bool = True,
+    stop_on_nan: bool = True,
+    progress: bool = True,
+    stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """Train ``cfg.model`` in ``cfg.precision`` for ``cfg.steps`` steps, recording every
+    ``every`` steps into ``run_dir``. Returns a summary: final train and validation loss,
+    steps done, speed, and the first step whose loss was not finite (or None)."""
+    task = make_task(cfg)
+    scalified = cfg.precision in SCALIFIED
+    schedule = learning_rate_schedule(cfg)
+    opt = optax.adamw(schedule, eps=1e-6, weight_decay=cfg.weight_decay)
+    step_fn = make_train_step(task.loss_fn, opt)
+    params, opt_state = task.params, opt.init(task.params)
+    eval_loss = jax.jit(ss.scalify(task.loss_fn) if scalified else task.loss_fn)
+    eval_metric = None
+    if task.metric_fn is not None:
+        eval_metric = jax.jit(ss.scalify(task.metric_fn) if scalified else task.metric_fn)
+    if scalified:
+        params = ss.as_scaled_array(params, "rms")
+        opt_state = ss.as_scaled_array(opt_state, "rms")
+    eval_every = cfg.eval_every or max(1, cfg.steps // 10)
+    config = {**asdict(cfg), "every": every, "sample": sample, "scalify": scalified, **task.info}
+    bar = Progress(cfg.steps, f"{cfg.model} {cfg.precision}", stream) if progress else None
+
+    def evaluate() -> dict[str, float]:
+        losses = [_to_float(eval_loss(params, b)) for b in task.eval_batches]
+        out = {"val_loss": float(np.mean(losses))}
+        if eval_metric is not None:
+            out["val_accuracy"] = float(
+                np.mean([_to_float(eval_metric(params, b)) for b in task.eval_batches])
+            )
+        return out
+
+    losses: list[Any] = []
+    last_val: dict[str, float] = {}
+    nan_step = None
+    done = 0
+    t0 = time.perf_counter()
+    with ss.Run(run_dir, every=every, sample=sample, histograms=histograms, config=config) as run:
+        tracked = run.track(step_fn, scalify=scalified)
+        first = tracked.step
+        try:
+            for i in range(first, first + cfg.steps):
+                batch = {k: jnp.asarray(v) for k, v in next(task.train_batches).items()}
+                params, opt_state, loss = tracked(params, opt_state, batch)
+                run.log(i, loss=loss, lr=float(schedule(i - first)))
+                losses.append(loss)
+                done += 1
+                last = done == cfg.steps
+                if done % eval_every == 0 or last:
+                    last_val = evaluate()
+                    run.log(i, **last_val)
+                if bar is not None and (bar.due() or last):
+                    bar.update(done, loss=_to_float(loss), **last_val)
+                if stop_on_nan and (done % 25 == 0 or last) and nan_step is None:
+                    values = [_to_float(x) for x in losses[-25:]]
+                    bad = [k for k, v in enumerate(values) if not math.isfinite(v)]
+                    if bad:
+                        nan_step = i - len(values) + 1 + bad[0]
+                        break
+        finally:
+            if bar is not None:
+                bar.close()
+    elapsed = time.perf_counter() - t0
+    values = np.array([_to_float(x) for x in losses])
+    if nan_step is None:
+        bad = np.flatnonzero(~np.isfinite(values))
+        nan_step = int(first + bad[0]) if bad.size else None
+    tail = values[-max(1, len(values) // 20) :]
+    return {
+        "model": cfg.model,
+        "precision": cfg.precision,
+        "steps": done,
+        "train_loss": float(np.mean(tail)),
+        **last_val,
+        "nan_step": nan_step,
+        "steps_per_s": done / elapsed if elapsed > 0 else float("nan"),
+        "run": str(run_dir),
+    }

@@ -1,0 +1,100 @@
+"""`scalescope train`: a few steps of each precision on real data write a readable run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import scalescope as ss
+from scalescope.cli import main
+
+TINY_GPT = ["--layers", "1", "--d-model", "16", "--seq-len", "8", "--batch", "2"]
+TINY_MLP = ["--hidden", "32", "--batch", "16"]
+
+
+def _train(tmp_path, model, precision, extra, steps=3, every=2):
+    run = tmp_path / f"{model}-{precision}"
+    argv = ["train", model, "--precision", precision, "--steps", str(steps)]
+    argv += ["--every", str(every), "--run", str(run), "--quiet", *extra]
+    assert main(argv) == 0
+    return run
+
+
+def _check_run(run, precision, steps, every):
+    reader = ss.open_run(run)
+    assert reader.status == "closed"
+    assert list(reader.steps) == list(range(0, steps, every))
+    assert reader.config["precision"] == precision
+    assert reader.config["scalify"] == (precision in ("fp16", "fp8"))
+    sc = reader.scalars
+    assert list(sc.index) == list(range(steps))
+    assert {"loss", "lr", "val_loss"} <= set(sc.columns)
+    passes = set(reader.ops["pass"])
+    assert {"fwd", "bwd", "opt"} <= passes
+    dots = reader.stats("rms", ops=r"^fwd/.*dot_general", steps=0)
+    assert len(dots) > 0 and np.isfinite(dots["value"]).all()
+    return reader
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "fp8", "fp8-naive"])
+def test_train_mlp_on_fashion_mnist_writes_a_readable_run(tmp_path, precision, capsys):
+    run = _train(tmp_path, "mlp", precision, TINY_MLP, steps=2, every=1)
+    out = capsys.readouterr().out
+    assert f"mlp {precision}: 2 steps" in out and "validation accuracy" in out
+    reader = _check_run(run, precision, 2, 1)
+    assert reader.config["dataset"] == "fashion-mnist"
+    if precision in ("fp8", "fp8-naive"):
+        # the matmul inputs are cast: FP8 values appear in the forward pass
+        casts = reader.ops[reader.ops["dtype"].str.startswith("float8")]
+        assert len(casts) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp8"])
+def test_train_gpt_on_shakespeare_writes_a_readable_run(tmp_path, precision):
+    run = _train(tmp_path, "gpt", precision, [*TINY_GPT, "--data", "vendored"], steps=2, every=1)
+    reader = _check_run(run, precision, 2, 1)
+    assert reader.config["vocab_size"] > 60 and reader.config["dataset"] == "shakespeare (vendored)"
+    assert any("attn" in name for name in reader.ops["name"])
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["every"] == 1 and meta["graph"]["n_ops"] == len(reader.ops)
+
+
+def test_train_appends_to_its_own_run_and_refuses_another_model(tmp_path, capsys):
+    run = _train(tmp_path, "mlp", "fp32", TINY_MLP, steps=2, every=1)
+    again = ["train", "mlp", "--precision", "fp32", "--steps", "2", "--every", "1"]
+    assert main([*again, "--run", str(run), "--quiet", *TINY_MLP]) == 0
+    assert list(ss.open_run(run).steps) == [0, 1, 2, 3]
+    # another model, at a step that would not even record: refused before writing
+    other = ["train", "mlp", "--precision", "fp32", "--steps", "1", "--run", str(run)]
+    assert main([*other, "--every", "10", "--quiet", "--hidden", "48", "--batch", "16"]) == 2
+    assert "different graph" in capsys.readouterr().err
+    reader = ss.open_run(run)
+    assert list(reader.steps) == [0, 1, 2, 3] and list(reader.scalars.index) == [0, 1, 2, 3]
+
+
+def test_train_reports_missing_fashion_mnist_with_the_install_command(tmp_path, capsys):
+    argv = ["train", "mlp", "--steps", "1", "--run", str(tmp_path / "r")]
+    assert main([*argv, "--data-dir", str(tmp_path / "nowhere"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "apt-get install dataset-fashion-mnist" in err and "nowhere" in err
+    assert not (tmp_path / "r").exists()  # nothing half-created
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "mlp", "--steps", "0", "--run", "x"], "steps must be positive"),
+        (["train", "mlp", "--every", "0", "--run", "x"], "--every must be >= 1"),
+        (["train", "cnn", "--run", "x"], "invalid choice: 'cnn'"),
+        (["train", "mlp", "--precision", "fp4", "--run", "x"], "invalid choice: 'fp4'"),
+    ],
+)
+def test_train_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
