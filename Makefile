@@ -27,6 +27,7 @@ lint: venv
 bench: venv
 	$(BIN)/python benchmarks/bench_scalify.py
 	$(BIN)/python benchmarks/bench_probe.py
+	$(BIN)/python benchmarks/bench_run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

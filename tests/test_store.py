@@ -352,7 +352,7 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
          "100000", "0.01"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
-    printed = -1
+    printed, follower, seen_early = -1, None, 0
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -360,10 +360,15 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
             if not line:
                 break
             printed = int(line.split()[1])
+            if printed == 20:  # a reader follows the run while another process writes it
+                follower = ss.open_run(path)
+                seen_early = len(follower.steps)
             if printed >= 40:
                 break
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+        for line in proc.stdout.read().splitlines():  # what it printed before it died
+            printed = max(printed, int(line.split()[1]))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -378,6 +383,9 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
     counts = reader.stats("rms").groupby("step").size()
     assert (counts == n_rows).all()  # no step half written
     assert reader.status == "recording"  # killed, never closed
+    assert 0 < seen_early < len(steps)
+    follower.refresh()
+    assert list(follower.steps) == steps
     # what the killed writer left behind is appendable
     with ss.Run(path, every=1) as run:
         assert run.start_step == max(steps[-1], int(reader.scalars.index.max())) + 1

@@ -98,3 +98,20 @@ def test_train_rejects_bad_arguments(argv, message, capsys):
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_progress_prints_rate_loss_and_eta():
+    import io
+
+    from sample_models.train import Progress
+
+    out = io.StringIO()
+    bar = Progress(200, "gpt fp8", out)
+    bar.update(50, loss=2.5, val_loss=None)
+    bar.update(200, loss=1.75, val_loss=1.9)
+    bar.close()
+    lines = out.getvalue().splitlines()  # not a terminal: one line per update
+    assert len(lines) == 2
+    assert lines[0].startswith("gpt fp8 [######") and "50/200" in lines[0]
+    assert "steps/s" in lines[0] and "loss 2.5000" in lines[0] and "val_loss" not in lines[0]
+    assert "200/200" in lines[1] and "val_loss 1.9000" in lines[1] and "eta" in lines[1]
