@@ -412,3 +412,21 @@ def test_unscalified_instrument_keeps_scale_ops_as_identities():
     assert not isinstance(out, ss.ScaledArray)
     np.testing.assert_array_equal(out, jax.jit(f)(x))
     assert np.all(np.asarray(stats["scale"])[np.asarray(stats["count"]) > 0] == 1.0)
+
+
+def test_op_table_names_the_format_a_value_is_cast_to():
+    def loss(w, x):
+        y = ss.ops.cast_on_forward(x, jnp.float8_e4m3fn) @ ss.ops.cast_on_forward(
+            w, jnp.float8_e4m3fn
+        )
+        y = ss.ops.cast_on_backward(jnp.tanh(y), jnp.float8_e5m2)
+        return jnp.sum(y.astype(jnp.float16) ** 2)
+
+    x, w = jnp.linspace(-1, 1, 32).reshape(4, 8), jnp.linspace(-1, 1, 24).reshape(8, 3)
+    table = ss.instrument(jax.grad(loss), scalify=False).op_table(w, x)
+    cast = {(op.pass_, op.name): op.cast_to for op in table if op.cast_to}
+    assert cast[("input", "input/w")] == "e4m3" and cast[("input", "input/x")] == "e4m3"
+    assert ("fwd", "tanh") in cast and cast[("fwd", "tanh")] == "fp16"
+    assert "e5m2" in {c for (p, _), c in cast.items() if p == "bwd"}
+    widened = [op for op in table if op.primitive == "convert_element_type" and op.note == "alias"]
+    assert widened and all(op.cast_to == "" for op in widened)

@@ -31,6 +31,8 @@ class OpRecord:
     of the enclosing scans (outermost first): the op has ``prod(loop)`` rows, one per
     iteration. Inside a while loop (``in_while``) a row aggregates every iteration; inside
     a cond branch (``in_cond``) a row is NaN with count 0 when the branch did not run.
+    ``cast_to`` names the format (``e4m3``, ``e5m2``, ``fp16``, ``bf16``) a later op
+    rounds this value to (a ``convert_element_type`` that loses precision), or "".
     """
 
     name: str
@@ -48,6 +50,7 @@ class OpRecord:
     loop: tuple[int, ...] = ()
     in_while: bool = False
     in_cond: bool = False
+    cast_to: str = ""
     alias_of: OpRecord | None = field(default=None, repr=False)
 
     @property
@@ -76,6 +79,7 @@ class OpRecord:
             "loop": list(self.loop),
             "in_while": self.in_while,
             "in_cond": self.in_cond,
+            "cast_to": self.cast_to,
         }
 
 

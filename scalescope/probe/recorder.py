@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
+from ..core import formats as _formats
 from ..core.scaled_array import ScaledArray
 from ..scalify.interpreter import Observer
 from ..scalify.registry import get_rule
@@ -58,6 +59,13 @@ def _exact_widening(src: Any, dst: Any) -> bool:
         return False
     s, d = jax.dtypes.finfo(src), jax.dtypes.finfo(dst)
     return d.nmant >= s.nmant and d.maxexp >= s.maxexp and d.minexp <= s.minexp
+
+
+#: Narrow float dtypes -> format name, for ``OpRecord.cast_to``.
+_CAST_FORMATS = {
+    np.dtype(_formats.get(name).dtype): _formats.get(name).name
+    for name in ("e4m3", "e5m2", "fp16", "bf16")
+}
 
 
 @dataclass(eq=False)
@@ -193,6 +201,8 @@ class Recorder(Observer):
         pass_ = pass_of(scope, grad_in, self.shared.pass_scopes)
         name = op_name(scope, eqn.primitive.name)
         source = format_source(eqn.source_info)
+        if eqn.primitive.name == "convert_element_type" and ins and ins[0] is not None:
+            self._mark_cast(ins[0], eqn.params.get("new_dtype"))
         for k, (var, out) in enumerate(zip(eqn.outvars, outvals)):
             src = (
                 ins[k]
@@ -233,6 +243,16 @@ class Recorder(Observer):
         self.scope.entries.append(rec)
         self.shared.remember(value, info)
         return rec
+
+    @staticmethod
+    def _mark_cast(src: _Info, new_dtype: Any) -> None:
+        """Note on the source op the narrow format a cast rounds it to."""
+        rec = src.record
+        if rec is None or new_dtype is None or not _is_float(rec.dtype):
+            return
+        fmt = _CAST_FORMATS.get(np.dtype(new_dtype))
+        if fmt is not None and not _exact_widening(np.dtype(rec.dtype), new_dtype):
+            rec.cast_to = fmt
 
     @staticmethod
     def _aliases(prim: str, src_dtype: Any, dtype: Any) -> bool:
