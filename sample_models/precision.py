@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 
 from scalescope.ops.cast import cast_on_backward, cast_on_forward
+from scalescope.ops.scaling import dynamic_rescale_l2, dynamic_rescale_l2_grad
 
 DType = Any
 
@@ -27,12 +28,16 @@ class Precision:
     fwd_dtype: if set, both matmul operands are rounded to it in the forward pass.
     bwd_dtype: if set, the gradient flowing into each matmul output is rounded to it.
     param_dtype: the dtype the parameters are initialised and stored in.
+    rescale: under scalify, re-centre each value to unit RMS right before its FP8 cast
+        (`dynamic_rescale_l2` forward, `dynamic_rescale_l2_grad` backward), as per-tensor
+        FP8 scaling recipes do. Identities outside scalify.
     """
 
     name: str
     fwd_dtype: DType | None = None
     bwd_dtype: DType | None = None
     param_dtype: DType = jnp.float32
+    rescale: bool = False
 
     def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """Dense-layer product ``x @ w`` (``x``: [..., d_in], ``w``: [d_in, d_out]).
@@ -42,11 +47,15 @@ class Precision:
         """
         w = w.astype(x.dtype)
         if self.fwd_dtype is not None:
+            if self.rescale:
+                x, w = dynamic_rescale_l2(x), dynamic_rescale_l2(w)
             x = cast_on_forward(x, self.fwd_dtype)
             w = cast_on_forward(w, self.fwd_dtype)
         out = jnp.matmul(x, w, preferred_element_type=x.dtype)
         if self.bwd_dtype is not None:
             out = cast_on_backward(out, self.bwd_dtype)
+            if self.rescale:  # runs first in the backward pass: rescale, then cast
+                out = dynamic_rescale_l2_grad(out)
         return out
 
 
@@ -55,6 +64,15 @@ PRECISIONS: dict[str, Precision] = {
     "fp16": Precision("fp16", param_dtype=jnp.float16),
     "fp8": Precision(
         "fp8",
+        fwd_dtype=ml_dtypes.float8_e4m3fn,
+        bwd_dtype=ml_dtypes.float8_e5m2,
+        param_dtype=jnp.float16,
+        rescale=True,
+    ),
+    # The same casts with static scale propagation only: backward values drift to 2^-14
+    # and underflow E5M2 (what the advisor flags, and `rescale` fixes).
+    "fp8-static": Precision(
+        "fp8-static",
         fwd_dtype=ml_dtypes.float8_e4m3fn,
         bwd_dtype=ml_dtypes.float8_e5m2,
         param_dtype=jnp.float16,
@@ -69,11 +87,11 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 #: Recipes run under `scalescope.scalify` by `scalescope train`; the others run as written.
-SCALIFIED = frozenset({"fp16", "fp8"})
+SCALIFIED = frozenset({"fp16", "fp8", "fp8-static"})
 
 
 def get_precision(name: str) -> Precision:
-    """Look up a preset recipe by name ("fp32", "fp16", "fp8", "fp8-naive")."""
+    """Look up a preset recipe by name ("fp32", "fp16", "fp8", "fp8-static", "fp8-naive")."""
     try:
         return PRECISIONS[name]
     except KeyError:

@@ -3,8 +3,10 @@ recipe, recorded into a run directory.
 
 Recipes (`sample_models.precision`): ``fp32``; ``fp16`` (FP16 weights and AdamW state)
 and ``fp8`` (E4M3 matmul inputs forward, E5M2 gradients backward, FP16 weights and
-state), both under `scalescope.scalify`; ``fp8-naive``, the same FP8 casts on plain
-values (FP32 weights), which is what goes wrong without scale propagation.
+state, each cast input re-centred first), both under `scalescope.scalify`;
+``fp8-static``, the FP8 casts with static scale propagation only; ``fp8-naive``, the same
+FP8 casts on plain values (FP32 weights), which is what goes wrong without scale
+propagation.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from sample_models.precision import SCALIFIED, get_precision
 from sample_models.train_step import make_train_step
 
 MODELS = ("gpt", "mlp")
-PRECISION_NAMES = ("fp32", "fp16", "fp8", "fp8-naive")
+PRECISION_NAMES = ("fp32", "fp16", "fp8", "fp8-static", "fp8-naive")
 
 
 @dataclass

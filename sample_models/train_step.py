@@ -48,9 +48,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
     Under scalify, the gradients' data are re-centred to unit RMS before the optimizer
     (`dynamic_rescale_l2`): static scale propagation through the backward pass leaves them
     far from unit scale, and AdamW's ``(1 - b2) * g**2`` then underflows FP16 data,
-    zeroing the second moment. The optimizer state is re-centred after the update too:
-    an EMA's static scale cannot follow its value over thousands of steps. Outside
-    scalify both are the identity.
+    zeroing the second moment. The optimizer state and the parameters are re-centred
+    after the update too: the static scale of an EMA, or of weights that weight decay
+    shrinks, cannot follow the value over thousands of steps. Outside scalify all of these
+    are identities.
     """
 
     def step(params: Any, opt_state: optax.OptState, batch: Any):
@@ -60,6 +61,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             opt_state = jax.tree.map(_recentre, opt_state)
+            params = jax.tree.map(_recentre, params)
         return params, opt_state, loss
 
     return step
