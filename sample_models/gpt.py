@@ -149,10 +149,13 @@ def causal_attention(p: Params, x: jax.Array, cfg: GPTConfig, precision: Precisi
     qkv = _dense_apply(p["qkv"], x, precision)
     q, k, v = (t.reshape(batch, seq, cfg.n_heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
     q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
-    scores = jnp.einsum("bthd,bshd->bhts", q, k)
+    # Scores and softmax in at least float32, as mixed-precision recipes do: the softmax
+    # gradient is spiky, and its FP16 products overflow even at unit RMS.
+    stat_dtype = jnp.promote_types(jnp.float32, x.dtype)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=stat_dtype)
     mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(batch, seq, d)
     return _dense_apply(p["proj"], out, precision)
 
@@ -160,7 +163,10 @@ def causal_attention(p: Params, x: jax.Array, cfg: GPTConfig, precision: Precisi
 def mlp_block(p: Params, x: jax.Array, cfg: GPTConfig, precision: Precision) -> jax.Array:
     """Position-wise MLP: dense -> GELU -> dense."""
     h = _dense_apply(p["fc"], x, precision)
-    h = jax.nn.gelu(h, approximate=cfg.gelu_approximate)
+    # GELU in at least float32: its tanh form cubes its input, and 41**3 already
+    # overflows FP16 data.
+    stat_dtype = jnp.promote_types(jnp.float32, h.dtype)
+    h = jax.nn.gelu(h.astype(stat_dtype), approximate=cfg.gelu_approximate).astype(h.dtype)
     return _dense_apply(p["proj"], h, precision)
 
 

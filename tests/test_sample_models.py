@@ -312,9 +312,9 @@ def test_train_step_is_not_jitted_inside():
 
 
 def test_fp8_recipe_recentres_cast_inputs_that_static_propagation_lets_drift():
-    """Probe the FP8 casts of an MLP step at init: under static scale propagation the
-    backward values cast to E5M2 drift to ~2^-6; the `fp8` recipe re-centres each cast
-    input to unit RMS."""
+    """Probe the FP8 casts of an MLP step fed inputs of RMS 2^8 (unnormalised features):
+    static scale propagation carries that magnitude into the E4M3 cast of the first
+    matmul's input; the `fp8` recipe re-centres each cast input to unit RMS."""
     import functools
 
     import scalescope as ss
@@ -322,7 +322,7 @@ def test_fp8_recipe_recentres_cast_inputs_that_static_propagation_lets_drift():
     cfg = MLPConfig(in_dim=64, hidden=(128, 128), n_classes=10)
     rng = np.random.default_rng(0)
     batch = {
-        "x": jnp.asarray(rng.normal(size=(64, 64)), jnp.float16),
+        "x": jnp.asarray(rng.normal(size=(64, 64)) * 2.0**8, jnp.float16),
         "y": jnp.asarray(rng.integers(0, 10, 64), jnp.int32),
     }
     drift = {}
@@ -339,5 +339,7 @@ def test_fp8_recipe_recentres_cast_inputs_that_static_propagation_lets_drift():
         assert {op.cast_to for op in cast} == {"e4m3", "e5m2"}
         rms = np.concatenate([np.asarray(stats["rms"][table.rows(op)]) for op in cast])
         drift[name] = np.abs(np.log2(rms))
-    assert drift["fp8"].max() < 1.5
-    assert drift["fp8-static"].max() > 4
+    assert np.all(drift["fp8"] < 1.5), drift["fp8"]
+    # Static propagation: the input cast sits 2^8 off unit scale (and past E4M3's 448
+    # its values turn NaN, poisoning what follows).
+    assert not np.all(drift["fp8-static"] < 4), drift["fp8-static"]

@@ -403,3 +403,17 @@ def test_stats_frame_matches_reader_wide_rows(tmp_path, data):
             got[col].reset_index(drop=True), expected[col].reset_index(drop=True),
             check_dtype=False, check_names=False,
         )  # fmt: skip
+
+
+def test_scalars_keep_nan_and_inf_values(tmp_path):
+    """A loss that turns NaN is the value a user looks for: it must read back as NaN,
+    and a scalar logged only as NaN must still be a column."""
+    with ss.Run(tmp_path / "r") as run:
+        run.log(0, loss=1.5, gnorm=float("nan"))
+        run.log(1, loss=float("nan"), gnorm=float("nan"))
+        run.log(2, loss=float("inf"), gnorm=float("nan"))
+    sc = ss.open_run(tmp_path / "r").scalars
+    assert list(sc.index) == [0, 1, 2]
+    assert sc.loc[0, "loss"] == 1.5
+    assert np.isnan(sc.loc[1, "loss"]) and np.isinf(sc.loc[2, "loss"])
+    assert "gnorm" in sc.columns and sc["gnorm"].isna().all()

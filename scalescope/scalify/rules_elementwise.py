@@ -68,7 +68,8 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any]:
 
     Constants known at trace time split exactly; a traced scalar (a bias correction
     computed from the step count) splits on the device, so dividing by 0.002 moves 2^-9
-    into the scale instead of multiplying FP16 data by 500. Other arrays keep scale 1.
+    into the scale instead of multiplying FP16 data by 500. Other float arrays split off
+    the power of two of their abs-max (one small reduction).
     ``at_most_one``: the mantissa is in (0.5, 1] (multiplying never grows the data: an
     EMA's ``0.9 * mu`` would otherwise grow it 1.8x per step); else in [1, 2) (dividing
     never grows it).
@@ -80,14 +81,18 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any]:
             mant, p2 = mant / 2.0, p2 * 2.0
         return (None if mant == 1.0 else jnp.asarray(mant, dtype)), p2
     arr = jnp.asarray(c)
-    if arr.size == 1 and jnp.issubdtype(arr.dtype, jnp.floating):
-        c32 = arr.astype(SCALE_DTYPE)
-        p2 = pow2_round_down(c32)
-        p2 = jnp.where(jnp.isfinite(p2) & (p2 > 0), p2, jnp.ones_like(p2))
-        if at_most_one:
-            p2 = jnp.where(jnp.abs(c32) > p2, p2 * 2.0, p2)
-        return (c32 / p2).astype(dtype), p2.reshape(())
-    return arr.astype(dtype), 1.0
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        return arr.astype(dtype), 1.0
+    # A plain float array (a broadcast 1/N cotangent seed, a mask): split off the power
+    # of two of its abs-max, so a backward pass seeded by mean()'s 1/N keeps unit data.
+    c32 = arr.astype(SCALE_DTYPE)
+    a = jnp.abs(c32) if arr.size == 1 else jnp.max(jnp.where(jnp.isfinite(c32), jnp.abs(c32), 0))
+    a = a.reshape(())
+    p2 = pow2_round_down(a)
+    p2 = jnp.where(jnp.isfinite(p2) & (p2 > 0), p2, jnp.ones_like(p2))
+    if at_most_one:
+        p2 = jnp.where(a > p2, p2 * 2.0, p2)
+    return (c32 / p2).astype(dtype), p2
 
 
 def scaled_mul(a, b, **params):

@@ -233,9 +233,10 @@ class RunReader:
             if self._scalar_parts:
                 long = pd.concat(self._scalar_parts, ignore_index=True)
                 long = long[long["process"] == 0] if (long["process"] == 0).any() else long
-                wide = long.pivot_table(
-                    index="step", columns="name", values="value", aggfunc="last"
-                )
+                # Keep NaN and Inf values (a loss turning NaN is what a user looks for):
+                # the last logged value per (step, name) wins, no aggregation skips NaN.
+                last = long.drop_duplicates(subset=["step", "name"], keep="last")
+                wide = last.pivot(index="step", columns="name", values="value")
                 wide.columns.name = None
                 self._scalars_cache = wide.sort_index()
             else:

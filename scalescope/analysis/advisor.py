@@ -1,0 +1,599 @@
+"""The advisor: where is dynamic rescaling needed, and why.
+
+`advise` turns a run's statistics into findings, one row per (op, rule, format):
+
+- ``nonfinite`` (critical): any op with ``frac_nonfinite > thresholds.nonfinite``;
+- ``overflow`` (high), ``underflow`` and ``snr`` (medium): an op against each format it
+  is checked against, i.e. its ``cast_to`` format (the format a later op rounds it to)
+  plus every format in ``audit``;
+- ``drift`` (medium): an op that is scaled (a ScaledArray under scalify) or cast to a low
+  precision format, whose data RMS leaves unit scale: ``|log2 rms| > drift_log2`` (the
+  static scale propagation lost track of it);
+- ``trend`` (low): such an op, in bound at its last recorded step, whose least-squares
+  fit of log2 rms over the recorded steps crosses ``±drift_log2`` before the horizon.
+
+Each finding carries one readable sentence of evidence and a one-line fix:
+``ss.ops.dynamic_rescale_l2`` after a forward (or optimizer) value,
+``ss.ops.dynamic_rescale_l2_grad`` before the forward value whose gradient is a backward
+value, or, for a run not under scalify (naive low-precision casts), running the step
+under scalify.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .frames import (
+    check_stats,
+    format_list,
+    op_labels,
+    op_table,
+    recorded_formats,
+    require_columns,
+)
+
+# SNR (dB) of each format on N(0, 1) data, measured once with numpy + ml_dtypes
+# (4M samples, round-to-nearest-even cast, SNR = 10 log10(sum x^2 / sum (x - q(x))^2)):
+#   e4m3 31.5, e5m2 25.5, fp16 73.7, bf16 55.6
+# which is 6.02 * mantissa_bits + 13.5 dB to 0.1 dB (fp32: 151.9 by that rule).
+# The default threshold is 6 dB (one bit of mantissa) under that: a value which loses
+# more than a bit to its format, compared with well-scaled Gaussian data, is flagged.
+SNR_GAUSSIAN_DB: dict[str, float] = {"e4m3": 31.5, "e5m2": 25.5, "fp16": 73.7, "bf16": 55.6}
+SNR_MARGIN_DB = 6.0
+DEFAULT_SNR_DB: dict[str, float] = {
+    "e4m3": 25.5,
+    "e5m2": 19.5,
+    "fp16": 67.5,
+    "bf16": 49.5,
+    "fp32": 145.5,
+}
+
+RULES = ("nonfinite", "overflow", "underflow", "snr", "drift", "trend")
+SEVERITY = {
+    "nonfinite": "critical",
+    "overflow": "high",
+    "underflow": "medium",
+    "snr": "medium",
+    "drift": "medium",
+    "trend": "low",
+}
+SEVERITY_ORDER = ("critical", "high", "medium", "low")
+FINDING_COLUMNS = [
+    "op",
+    "label",
+    "name",
+    "pass",
+    "primitive",
+    "source",
+    "rule",
+    "format",
+    "first_step",
+    "steps",
+    "value",
+    "threshold",
+    "evidence",
+    "severity",
+    "fix",
+]
+
+
+def snr_from_mantissa(mantissa_bits: int) -> float:
+    """Default SNR threshold (dB) for a format with ``mantissa_bits`` explicit mantissa
+    bits: its SNR on N(0, 1) data (6.02 m + 13.5 dB) minus `SNR_MARGIN_DB`."""
+    return round(6.02 * mantissa_bits + 13.5 - SNR_MARGIN_DB, 1)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits of the advisor's rules (and of the format what-if).
+
+    ``drift_log2``: bound on ``|log2 rms|`` of the data of scaled or cast ops.
+    ``underflow``: largest tolerated fraction of non-zero values flushed to zero.
+    ``overflow``: largest tolerated fraction of values above the format's max (0: any
+    overflow is flagged). ``snr_db``: lowest tolerated SNR per format (see
+    `DEFAULT_SNR_DB`; formats not listed use `snr_from_mantissa`).
+    ``nonfinite``: largest tolerated fraction of NaN/inf (0: any).
+    ``trend_min_points``: fewest recorded steps a trend fit uses;
+    ``trend_min_r2``: the fit must explain at least this share of the variance, so a
+    flat but noisy op near the bound is not projected out of it.
+    """
+
+    drift_log2: float = 4.0
+    underflow: float = 0.01
+    overflow: float = 0.0
+    snr_db: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_SNR_DB))
+    nonfinite: float = 0.0
+    trend_min_points: int = 4
+    trend_min_r2: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("drift_log2", "underflow", "overflow", "nonfinite", "trend_min_r2"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"Thresholds.{name}: expected a number >= 0, got {value!r}")
+        for name in ("underflow", "overflow", "nonfinite"):
+            if getattr(self, name) > 1:
+                raise ValueError(
+                    f"Thresholds.{name}: a fraction in [0, 1], got {getattr(self, name)}"
+                )
+        if not isinstance(self.trend_min_points, int) or self.trend_min_points < 2:
+            raise ValueError(
+                f"Thresholds.trend_min_points: expected an int >= 2, got {self.trend_min_points!r}"
+            )
+        if not isinstance(self.snr_db, Mapping):
+            raise TypeError(f"Thresholds.snr_db: expected a mapping, got {self.snr_db!r}")
+        # A partial mapping overrides the defaults for the formats it names.
+        object.__setattr__(self, "snr_db", {**DEFAULT_SNR_DB, **dict(self.snr_db)})
+
+    def snr_for(self, fmt: str, meta: Mapping[str, Any] | None = None) -> float:
+        """SNR threshold of format ``fmt``: `snr_db`, else derived from its mantissa bits
+        (from ``meta["format_info"]`` or scalescope's format table)."""
+        if fmt in self.snr_db:
+            return float(self.snr_db[fmt])
+        bits = _format_info(fmt, meta).get("mantissa_bits")
+        if bits is None:
+            raise KeyError(
+                f"Thresholds.snr_db: no threshold for format {fmt!r} and its mantissa "
+                "bits are unknown; add it to snr_db"
+            )
+        return snr_from_mantissa(int(bits))
+
+
+def _format_info(fmt: str, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Limits of a format: the run's ``format_info`` or scalescope's own table."""
+    info = ((meta or {}).get("format_info") or {}).get(fmt)
+    if info:
+        return dict(info)
+    from ..core import formats  # local: the advisor works on frames alone
+
+    try:
+        f = formats.get(fmt)
+    except (KeyError, ValueError, TypeError):
+        return {}
+    return {"max": f.max, "min_subnormal": f.min_subnormal, "mantissa_bits": f.mantissa_bits}
+
+
+# -- formatting --------------------------------------------------------------------------
+
+
+def pct(fraction: float) -> str:
+    """A fraction as a short percentage: ``0.003 -> '0.3%'``, ``2e-6 -> '0.0002%'``."""
+    value = 100.0 * float(fraction)
+    if value == 0 or value >= 0.1:
+        return f"{value:.1f}%"
+    return f"{value:.2g}%"
+
+
+def _num(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def _signed(value: float) -> str:
+    return f"{value:+.1f}"
+
+
+def _steps_text(k: int, n: int, first: int) -> str:
+    if n == 1:
+        return f"at step {first}, the only recorded step"
+    return f"at {k} of {n} recorded steps (first at step {first})"
+
+
+# -- per-step view -----------------------------------------------------------------------
+
+
+def _per_step(stats: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    """Rows aggregated over loop iterations per (op, step): ``columns`` maps a column to
+    ``max``/``min`` (NaN skipped) or ``abs`` (the value of larger magnitude)."""
+    keys = [stats["op"].to_numpy(np.int64), stats["step"].to_numpy(np.int64)]
+    out = {}
+    for col, how in columns.items():
+        values = stats[col].astype(np.float64)
+        grouped = values.groupby(keys, sort=True)
+        if how == "max":
+            out[col] = grouped.max()
+        elif how == "min":
+            out[col] = grouped.min()
+        else:
+            hi, lo = grouped.max(), grouped.min()
+            out[col] = hi.where(~(hi.abs() < lo.abs()), lo)
+    frame = pd.DataFrame(out)
+    frame.index.names = ["op", "step"]
+    return frame
+
+
+def _hits(values: pd.Series, mask: pd.Series, worst: str) -> pd.DataFrame:
+    """Per op, over the (op, step) rows where ``mask`` holds: first step, number of
+    steps, worst value (``max``/``min``/``abs``) and the step it was reached."""
+    held = values[mask.fillna(False).astype(bool)]
+    if held.empty:
+        return pd.DataFrame(columns=["first_step", "steps", "value", "worst_step"])
+    steps = held.index.get_level_values("step").to_numpy()
+    ops = held.index.get_level_values("op").to_numpy()
+    key = held.to_numpy(np.float64)
+    key = {"max": key, "min": -key, "abs": np.abs(key)}[worst]
+    frame = pd.DataFrame({"op": ops, "step": steps, "value": held.to_numpy(), "key": key})
+    frame = frame.sort_values(["op", "key", "step"], ascending=[True, False, True])
+    best = frame.drop_duplicates("op").set_index("op")
+    grouped = frame.groupby("op")["step"]
+    return pd.DataFrame(
+        {
+            "first_step": grouped.min(),
+            "steps": grouped.size(),
+            "value": best["value"],
+            "worst_step": best["step"],
+        }
+    )
+
+
+# -- fixes -------------------------------------------------------------------------------
+
+# dtype of an op -> the low-precision format it is stored in (named in a fix without one)
+_LOW_PRECISION = {
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+}
+
+
+def _where(op: pd.Series) -> str:
+    source = str(op["source"])
+    return source if source and not source.startswith("<") else str(op["label"])
+
+
+def fix_line(op: pd.Series, fmt: str, scalified: bool) -> str:
+    """The one-line fix for a finding on ``op`` (a row of the op table with a ``label``).
+
+    Under scalify: ``dynamic_rescale_l2`` after a forward/optimizer value; for a backward
+    value, ``dynamic_rescale_l2_grad`` on the forward value whose gradient it is (so
+    *before* the source line that produced it). Without scalify (naive casts): run the
+    step under scalify."""
+    where = _where(op)
+    if not scalified:
+        what = f"naive {fmt} casts" if fmt else "naive low-precision casts"
+        return (
+            f"run.track(step, scalify=True)  # scale-propagated casts instead of {what} at {where}"
+        )
+    if op["pass"] == "bwd":
+        return f"x = ss.ops.dynamic_rescale_l2_grad(x)  # before {where}"
+    return f"x = ss.ops.dynamic_rescale_l2(x)  # after {where}"
+
+
+# -- the rules ---------------------------------------------------------------------------
+
+
+def _format_findings(
+    per_step: pd.DataFrame,
+    checked: dict[str, np.ndarray],
+    thresholds: Thresholds,
+    meta: Mapping[str, Any] | None,
+    n_steps: pd.Series,
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    ops_level = per_step.index.get_level_values("op")
+    for fmt, ids in checked.items():
+        sel = per_step[np.isin(ops_level, ids)]
+        info = _format_info(fmt, meta)
+        limit = info.get("max")
+        tiny = info.get("min_subnormal")
+        snr_thr = thresholds.snr_for(fmt, meta)
+        rules = (
+            ("overflow", f"overflow_{fmt}", "max", thresholds.overflow, lambda v, t: v > t),
+            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow, lambda v, t: v > t),
+            ("snr", f"snr_{fmt}", "min", snr_thr, lambda v, t: v < t),
+        )
+        for rule, col, worst, thr, test in rules:
+            values = sel[col]
+            hits = _hits(values, test(values, thr), worst)
+            for op, h in hits.iterrows():
+                k, n, first = int(h["steps"]), int(n_steps[op]), int(h["first_step"])
+                v, at = float(h["value"]), int(h["worst_step"])
+                if rule == "overflow":
+                    bound = f" (|x| > {_num(limit)})" if limit else ""
+                    text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
+                elif rule == "underflow":
+                    bound = f" (|x| < {_num(tiny)})" if tiny else ""
+                    text = f"{pct(v)} of non-zero values flush to zero in {fmt}{bound} at step {at}"
+                else:
+                    text = f"SNR in {fmt} falls to {v:.1f} dB (threshold {thr:g} dB) at step {at}"
+                rows.append(
+                    dict(
+                        op=op,
+                        rule=rule,
+                        format=fmt,
+                        first_step=first,
+                        steps=k,
+                        value=v,
+                        threshold=float(thr),
+                        evidence=f"{text}; {_steps_text(k, n, first)}.",
+                    )
+                )
+    return rows
+
+
+def _nonfinite_findings(
+    per_step: pd.DataFrame, thresholds: Thresholds, n_steps: pd.Series, labels: pd.Series
+) -> list[dict[str, Any]]:
+    values = per_step["frac_nonfinite"]
+    hits = _hits(values, values > thresholds.nonfinite, "max")
+    if hits.empty:
+        return []
+    origin = hits.sort_values(["first_step"], kind="stable").index[0]
+    origin_step = int(hits.loc[origin, "first_step"])
+    rows = []
+    for op, h in hits.iterrows():
+        k, n, first = int(h["steps"]), int(n_steps[op]), int(h["first_step"])
+        v = float(h["value"])
+        text = f"{pct(v)} of values are NaN/inf at step {int(h['worst_step'])}"
+        if op == origin:
+            tail = "the earliest op with non-finite values"
+        else:
+            tail = (
+                f"the earliest op with non-finite values is {labels[origin]} (step {origin_step})"
+            )
+        rows.append(
+            dict(
+                op=op,
+                rule="nonfinite",
+                format="",
+                first_step=first,
+                steps=k,
+                value=v,
+                threshold=float(thresholds.nonfinite),
+                evidence=f"{text}; {_steps_text(k, n, first)}; {tail}.",
+            )
+        )
+    return rows
+
+
+def _drift_findings(
+    log2_rms: pd.Series, thresholds: Thresholds, n_steps: pd.Series
+) -> list[dict[str, Any]]:
+    bound = thresholds.drift_log2
+    hits = _hits(log2_rms, log2_rms.abs() > bound, "abs")
+    rows = []
+    for op, h in hits.iterrows():
+        k, n, first = int(h["steps"]), int(n_steps[op]), int(h["first_step"])
+        v = float(h["value"])
+        text = (
+            f"log2 rms of the data reaches {_signed(v)} (rms {_num(2.0**v)}) at step "
+            f"{int(h['worst_step'])}, beyond ±{bound:g}"
+        )
+        rows.append(
+            dict(
+                op=op,
+                rule="drift",
+                format="",
+                first_step=first,
+                steps=k,
+                value=v,
+                threshold=float(bound),
+                evidence=f"{text}; {_steps_text(k, n, first)}.",
+            )
+        )
+    return rows
+
+
+def _trend_findings(
+    log2_rms: pd.Series, thresholds: Thresholds, horizon: float
+) -> list[dict[str, Any]]:
+    """Least-squares line of log2 rms against step, per op (finite points only)."""
+    bound = thresholds.drift_log2
+    finite = log2_rms[np.isfinite(log2_rms.to_numpy())]
+    if finite.empty:
+        return []
+    ops = finite.index.get_level_values("op").to_numpy()
+    x = finite.index.get_level_values("step").to_numpy(np.float64)
+    y = finite.to_numpy(np.float64)
+    # last value of each op over *all* its steps (an op drifting now is not "in bound")
+    last = log2_rms.groupby(level="op").tail(1).droplevel("step")
+    rows = []
+    for op in np.unique(ops):
+        sel = ops == op
+        xs, ys = x[sel], y[sel]
+        if len(xs) < thresholds.trend_min_points or not horizon > xs[-1]:
+            continue
+        if not abs(last[op]) <= bound:
+            continue
+        xm, ym = xs.mean(), ys.mean()
+        sxx, syy = ((xs - xm) ** 2).sum(), ((ys - ym) ** 2).sum()
+        if sxx == 0 or syy == 0:
+            continue
+        slope = ((xs - xm) * (ys - ym)).sum() / sxx
+        r2 = slope**2 * sxx / syy
+        projected = ym + slope * (horizon - xm)
+        if abs(projected) <= bound or r2 < thresholds.trend_min_r2:
+            continue
+        target = math.copysign(bound, projected)
+        cross = xm + (target - ym) / slope
+        text = (
+            f"log2 rms of the data moves {slope:+.3g}/step (from {_signed(ys[0])} at step "
+            f"{int(xs[0])} to {_signed(ys[-1])} at step {int(xs[-1])}, R² {r2:.2f}); the fit "
+            f"crosses {target:+g} at step ~{int(round(cross))} and reaches "
+            f"{_signed(projected)} at the horizon (step {int(horizon)})"
+        )
+        rows.append(
+            dict(
+                op=int(op),
+                rule="trend",
+                format="",
+                first_step=int(xs[0]),
+                steps=int(len(xs)),
+                value=float(projected),
+                threshold=float(target),
+                evidence=text + ".",
+            )
+        )
+    return rows
+
+
+# -- entry points ------------------------------------------------------------------------
+
+
+def _empty_findings() -> pd.DataFrame:
+    frame = pd.DataFrame({c: pd.Series(dtype=object) for c in FINDING_COLUMNS})
+    return frame.astype({"op": np.int64, "first_step": np.int64, "steps": np.int64}).astype(
+        {"value": np.float64, "threshold": np.float64}
+    )
+
+
+def _default_horizon(meta: Mapping[str, Any] | None, last_step: int) -> float:
+    steps = ((meta or {}).get("config") or {}).get("steps")
+    if isinstance(steps, int | float) and not isinstance(steps, bool) and steps > 0:
+        return float(steps)
+    return float(last_step * 2)
+
+
+def advise(
+    stats: pd.DataFrame,
+    ops: pd.DataFrame,
+    *,
+    meta: Mapping[str, Any] | None = None,
+    audit: str | Sequence[str] = (),
+    thresholds: Thresholds | None = None,
+    horizon: int | float | None = None,
+) -> pd.DataFrame:
+    """Findings of the advisor (see the module docstring for the rules), one row per
+    (op, rule, format), sorted by severity, then first step, then op.
+
+    ``stats``: wide statistics frame; ``ops``: the op table; ``meta``: the run's metadata
+    (``graph.scalify`` picks the fix, ``config.steps`` the default horizon, ``format_info``
+    the limits quoted in the evidence); ``audit``: formats every op is also checked
+    against; ``horizon``: the step trends are projected to (default ``config.steps``,
+    else twice the last recorded step).
+
+    Columns: op, label, name, pass, primitive, source, rule, format ("" for nonfinite,
+    drift and trend), first_step (first recorded step where the rule holds; for trend the
+    first fitted step), steps (recorded steps where it holds; for trend the fitted
+    points), value (worst: max fraction, min SNR dB, log2 rms of larger magnitude; for
+    trend the projected log2 rms at the horizon), threshold (for trend the signed bound
+    crossed), evidence, severity, fix.
+
+    Values NaN in a statistic (no finite element) never trigger overflow, underflow,
+    snr or drift: the nonfinite rule reports them. An all-zero value (rms 0) has no scale
+    to drift from and is skipped by drift and trend.
+    """
+    thresholds = Thresholds() if thresholds is None else thresholds
+    if not isinstance(thresholds, Thresholds):
+        raise TypeError(f"thresholds: expected a Thresholds, got {type(thresholds).__name__}")
+    stats = check_stats(stats)
+    require = ["frac_nonfinite", "rms"]
+    missing = [c for c in require if c not in stats.columns]
+    if missing:
+        raise KeyError(f"stats: missing column(s) {missing} the advisor needs")
+    table = op_table(ops)
+    unknown = np.setdiff1d(stats["op"].unique(), table.index.to_numpy())
+    if len(unknown):
+        raise KeyError(f"ops: op id {int(unknown[0])} appears in stats but not in ops")
+    audit_formats = format_list(list([audit] if isinstance(audit, str) else audit), stats, "audit")
+    if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int | float)):
+        raise TypeError(f"horizon: expected a step number, got {horizon!r}")
+    if stats.empty:
+        return _empty_findings()
+
+    known = recorded_formats(stats)
+    in_stats = np.unique(stats["op"].to_numpy(np.int64))
+    info = table.loc[in_stats]
+    checked: dict[str, np.ndarray] = {}
+    for fmt in known:
+        mask = (info["cast_to"] == fmt).to_numpy() | (fmt in audit_formats)
+        if mask.any():
+            checked[fmt] = info.index.to_numpy()[mask]
+
+    columns = {"frac_nonfinite": "max"}
+    for fmt in checked:
+        columns |= {f"overflow_{fmt}": "max", f"underflow_{fmt}": "max", f"snr_{fmt}": "min"}
+    rms = stats["rms"].astype(np.float64).to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        l2 = np.log2(np.where(rms > 0, rms, np.nan))
+    per_step = _per_step(stats.assign(log2_rms=l2), columns | {"log2_rms": "abs"})
+    n_steps = per_step.groupby(level="op").size()
+    labels = op_labels(table)
+
+    drift_ops = info.index[(info["scaled"] | (info["cast_to"] != "")).to_numpy()]
+    log2_rms = per_step["log2_rms"]
+    log2_rms = log2_rms[log2_rms.index.get_level_values("op").isin(drift_ops)]
+    last_step = int(stats["step"].max())
+    horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
+
+    rows = _nonfinite_findings(per_step, thresholds, n_steps, labels)
+    rows += _format_findings(per_step, checked, thresholds, meta, n_steps)
+    rows += _drift_findings(log2_rms, thresholds, n_steps)
+    rows += _trend_findings(log2_rms, thresholds, horizon)
+    if not rows:
+        return _empty_findings()
+    return _finish(pd.DataFrame(rows), table, labels, meta)
+
+
+def _finish(
+    found: pd.DataFrame,
+    table: pd.DataFrame,
+    labels: pd.Series,
+    meta: Mapping[str, Any] | None,
+) -> pd.DataFrame:
+    """Add op details, severity and fix; sort."""
+    run_scalified = bool(((meta or {}).get("graph") or {}).get("scalify", False))
+    found["op"] = found["op"].astype(np.int64)
+    rec = table.loc[found["op"]].assign(label=labels.reindex(found["op"]).to_numpy())
+    rec.index = found.index
+    for col in ("label", "name", "pass", "primitive", "source"):
+        found[col] = rec[col].to_numpy()
+    found["severity"] = found["rule"].map(SEVERITY)
+    fixes = []
+    for (_, f), (_, op) in zip(found.iterrows(), rec.iterrows()):
+        fmt = f["format"] or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
+        fixes.append(fix_line(op, fmt, run_scalified or bool(op["scaled"])))
+    found["fix"] = fixes
+    found["_sev"] = found["severity"].map({s: i for i, s in enumerate(SEVERITY_ORDER)})
+    found["_rule"] = found["rule"].map({r: i for i, r in enumerate(RULES)})
+    found = found.sort_values(["_sev", "first_step", "op", "_rule", "format"], kind="stable")
+    found = found[FINDING_COLUMNS].reset_index(drop=True)
+    return found.astype({"op": np.int64, "first_step": np.int64, "steps": np.int64})
+
+
+def advise_run(reader: Any, **kwargs: Any) -> pd.DataFrame:
+    """`advise` over a recorded run (its statistics, op table and metadata)."""
+    kwargs.setdefault("meta", reader.meta)
+    return advise(reader.stats(wide=True), reader.ops, **kwargs)
+
+
+def summary_by_rule(findings: pd.DataFrame) -> pd.DataFrame:
+    """Findings counted per (rule, format): severity, findings, distinct ops, passes
+    involved, first step, and the worst value (max fraction, min SNR, log2 rms of larger
+    magnitude). Ordered by severity, then rule."""
+    require_columns(findings, ("op", "rule", "format", "first_step", "value", "pass"), "findings")
+    cols = ["rule", "format", "severity", "findings", "ops", "passes", "first_step", "worst"]
+    if findings.empty:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    for (rule, fmt), g in findings.groupby(["rule", "format"], sort=False):
+        values = g["value"].astype(np.float64)
+        if rule == "snr":
+            worst = values.min()
+        elif rule in ("drift", "trend"):
+            worst = values.iloc[int(np.argmax(values.abs().to_numpy()))]
+        else:
+            worst = values.max()
+        rows.append(
+            dict(
+                rule=rule,
+                format=fmt,
+                severity=SEVERITY.get(rule, ""),
+                findings=len(g),
+                ops=g["op"].nunique(),
+                passes=", ".join(dict.fromkeys(g["pass"])),
+                first_step=int(g["first_step"].min()),
+                worst=float(worst),
+            )
+        )
+    out = pd.DataFrame(rows, columns=cols)
+    sev = out["severity"].map({s: i for i, s in enumerate(SEVERITY_ORDER)}).fillna(len(SEVERITY))
+    rule = out["rule"].map({r: i for i, r in enumerate(RULES)}).fillna(len(RULES))
+    order = np.lexsort((out["format"].to_numpy(), rule.to_numpy(), sev.to_numpy()))
+    return out.iloc[order].reset_index(drop=True)

@@ -1,0 +1,355 @@
+"""Building blocks over a run's frames: derived metrics, readable op labels and the
+op x step matrix behind every heatmap.
+
+Every function takes plain DataFrames (a *wide* statistics frame as returned by
+``reader.stats(wide=True)`` and the op table ``reader.ops``), so the views and the tests
+can feed them synthetic frames as well as recorded runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+
+Direction = Literal["max", "min", "abs", "mean"]
+IterationsArg = Literal["max", "min", "mean", "worst", "all"]
+
+#: Derived metrics: name -> (source columns, description).
+DERIVED_METRICS: dict[str, tuple[tuple[str, ...], str]] = {
+    "log2_rms": (("rms",), "log2 of the RMS of the data component"),
+    "log2_absmax": (("absmax",), "log2 of the abs-max of the data component"),
+    "log2_scale": (("scale",), "log2 of the scale (0 for plain values)"),
+    "value_rms": (("rms", "scale"), "RMS of the value data * scale"),
+    "value_absmax": (("absmax", "scale"), "abs-max of the value data * scale"),
+}
+
+#: Metrics that cannot be negative (a log2 ratio between two runs is meaningful).
+POSITIVE_METRICS = frozenset(
+    {"count", "scale", "rms", "absmax", "std", "value_rms", "value_absmax"}
+)
+
+_MAX_PREFIXES = ("overflow_", "underflow_", "subnormal_")
+_MAX_NAMES = frozenset({"frac_nonfinite", "frac_zero", "absmax", "value_absmax"})
+
+#: Order in which passes are listed (others follow alphabetically).
+PASS_ORDER = ("input", "fwd", "bwd", "opt", "output")
+
+# Optional op-table columns and the value an op takes when a (older) table lacks them.
+_OP_DEFAULTS: dict[str, Any] = {
+    "shape": (),
+    "dtype": "",
+    "scaled": False,
+    "source": "",
+    "note": "",
+    "cast_to": "",
+}
+
+
+# -- argument checks ---------------------------------------------------------------------
+
+
+def require_columns(frame: pd.DataFrame, columns: Iterable[str], arg: str) -> None:
+    """Raise a KeyError naming ``arg`` when ``frame`` lacks any of ``columns``."""
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"{arg}: expected a pandas DataFrame, got {type(frame).__name__}")
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise KeyError(
+            f"{arg}: missing column(s) {missing}; it has {list(map(str, frame.columns))}"
+        )
+
+
+def check_stats(stats: pd.DataFrame, arg: str = "stats") -> pd.DataFrame:
+    """Validate a wide statistics frame and return it with an ``iteration`` column.
+
+    A long frame (``metric``/``value`` columns) is refused with a hint, because every
+    function here reads one column per metric."""
+    if isinstance(stats, pd.DataFrame) and {"metric", "value"} <= set(stats.columns):
+        raise ValueError(
+            f"{arg}: this is a long frame (metric/value columns); pass "
+            "reader.stats(wide=True) instead"
+        )
+    require_columns(stats, ("step", "op"), arg)
+    if "iteration" not in stats.columns:
+        stats = stats.assign(iteration=0)
+    return stats
+
+
+def op_table(ops: pd.DataFrame, arg: str = "ops") -> pd.DataFrame:
+    """The op table with the optional columns filled in (``cast_to`` is absent from
+    runs recorded before it existed: those ops count as not cast) and sorted by op id."""
+    require_columns(ops, ("name", "pass", "primitive"), arg)
+    missing = {c: v for c, v in _OP_DEFAULTS.items() if c not in ops.columns}
+    table = ops.copy()
+    for col, default in missing.items():
+        table[col] = [default] * len(table)
+    table["cast_to"] = table["cast_to"].fillna("").astype(str)
+    table["source"] = table["source"].fillna("").astype(str)
+    table["note"] = table["note"].fillna("").astype(str)
+    table["scaled"] = table["scaled"].fillna(False).astype(bool)
+    return table.sort_index()
+
+
+def recorded_formats(stats: pd.DataFrame) -> list[str]:
+    """Formats audited in ``stats``: those with a complete set of ``overflow_F``,
+    ``underflow_F`` and ``snr_F`` columns, in column order."""
+    cols = set(stats.columns)
+    return [
+        c[4:]
+        for c in stats.columns
+        if isinstance(c, str)
+        and c.startswith("snr_")
+        and {f"overflow_{c[4:]}", f"underflow_{c[4:]}"} <= cols
+    ]
+
+
+def format_list(formats: str | Sequence[str] | None, stats: pd.DataFrame, arg: str) -> list[str]:
+    """Normalise a format argument (one name or several; None: all recorded) and check
+    that ``stats`` holds its columns."""
+    known = recorded_formats(stats)
+    if formats is None:
+        return known
+    names = [formats] if isinstance(formats, str) else list(formats)
+    for name in names:
+        if name not in known:
+            raise KeyError(
+                f"{arg}: format {name!r} is not audited in these statistics "
+                f"(audited: {', '.join(known) or 'none'})"
+            )
+    return list(dict.fromkeys(names))
+
+
+# -- derived metrics ---------------------------------------------------------------------
+
+
+def _log2(values: pd.Series, name: str) -> pd.Series:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.log2(values.to_numpy(np.float64))
+    return pd.Series(out, index=values.index, name=name)
+
+
+def log2_rms(stats: pd.DataFrame) -> pd.Series:
+    """log2 of the data RMS: 0 means unit scale, the quantity the advisor's drift rule
+    bounds. An all-zero value gives ``-inf`` (kept, not dropped: it is information);
+    NaN RMS (non-finite data) stays NaN."""
+    require_columns(stats, ("rms",), "stats")
+    return _log2(stats["rms"], "log2_rms")
+
+
+def log2_absmax(stats: pd.DataFrame) -> pd.Series:
+    """log2 of the data abs-max (``-inf`` for an all-zero value), to compare with the
+    exponent range of a format (e4m3 overflows above log2(448) ~ 8.8)."""
+    require_columns(stats, ("absmax",), "stats")
+    return _log2(stats["absmax"], "log2_absmax")
+
+
+def log2_scale(stats: pd.DataFrame) -> pd.Series:
+    """log2 of the ScaledArray scale (0 for plain values; ``-inf`` for a zero scale)."""
+    require_columns(stats, ("scale",), "stats")
+    return _log2(stats["scale"], "log2_scale")
+
+
+def metric_values(stats: pd.DataFrame, metric: str) -> pd.Series:
+    """One metric of a wide frame as float64: a recorded column or a derived metric
+    (`DERIVED_METRICS`)."""
+    if not isinstance(metric, str):
+        raise TypeError(f"metric: expected a metric name, got {type(metric).__name__}")
+    if metric in stats.columns:
+        return stats[metric].astype(np.float64)
+    if metric in DERIVED_METRICS:
+        sources, _ = DERIVED_METRICS[metric]
+        missing = [c for c in sources if c not in stats.columns]
+        if missing:
+            raise KeyError(f"metric {metric!r} needs column(s) {missing}, absent from stats")
+        if metric.startswith("log2_"):
+            return _log2(stats[sources[0]], metric)
+        prod = stats[sources[0]].astype(np.float64) * stats[sources[1]].astype(np.float64)
+        return prod.rename(metric)
+    known = [c for c in stats.columns if c not in ("step", "op", "iteration", "process")]
+    known += list(DERIVED_METRICS)
+    raise KeyError(f"metric {metric!r} is neither a column of stats nor derived; known: {known}")
+
+
+def with_derived(stats: pd.DataFrame, metrics: Iterable[str] | None = None) -> pd.DataFrame:
+    """A copy of ``stats`` with derived metric columns added (default: every derived
+    metric whose source columns are present)."""
+    names = (
+        [m for m, (src, _) in DERIVED_METRICS.items() if set(src) <= set(stats.columns)]
+        if metrics is None
+        else list(metrics)
+    )
+    return stats.assign(**{m: metric_values(stats, m) for m in names})
+
+
+def metric_direction(metric: str) -> Direction:
+    """Which way a metric gets worse, used to aggregate steps, iterations and to rank:
+    ``max`` for fractions of bad values (overflow_*, underflow_*, subnormal_*,
+    frac_nonfinite, frac_zero) and abs-max; ``min`` for snr_*; ``abs`` (the value of
+    larger magnitude) for log2_* (drift from unit scale either way); ``mean`` otherwise."""
+    if metric.startswith(_MAX_PREFIXES) or metric in _MAX_NAMES:
+        return "max"
+    if metric.startswith("snr"):
+        return "min"
+    if metric.startswith("log2_"):
+        return "abs"
+    return "mean"
+
+
+# -- labels ------------------------------------------------------------------------------
+
+
+def _shape_text(shape: Any) -> str:
+    if shape is None or (isinstance(shape, float) and math.isnan(shape)):
+        return ""
+    try:
+        dims = [int(d) for d in shape]
+    except TypeError:
+        return f" [{shape}]"
+    return " [" + "x".join(map(str, dims)) + "]"
+
+
+def op_labels(ops: pd.DataFrame) -> pd.Series:
+    """Readable, unique label per op id: ``pass/name`` (the pass prefix is not repeated
+    when the name already starts with it, e.g. ``opt/mul``), ``#k`` (k-th occurrence in
+    op-id order, from 1) when several ops share that prefix, and the shape:
+    ``fwd/block_0/attn/dot_general#2 [16x64x384]``."""
+    require_columns(ops, ("name", "pass"), "ops")
+    table = ops.sort_index()
+    names = table["name"].astype(str)
+    passes = table["pass"].astype(str)
+    base = pd.Series(
+        [n if (n == p or n.startswith(p + "/")) else f"{p}/{n}" for n, p in zip(names, passes)],
+        index=table.index,
+    )
+    occurrence = base.groupby(base).cumcount() + 1
+    repeated = base.map(base.value_counts()) > 1
+    shapes = table["shape"] if "shape" in table.columns else pd.Series(None, index=table.index)
+    labels = [
+        f"{b}{f'#{k}' if rep else ''}{_shape_text(s)}"
+        for b, k, rep, s in zip(base, occurrence, repeated, shapes)
+    ]
+    out = pd.Series(labels, index=table.index, name="label", dtype=object)
+    out.index.name = table.index.name or "op"
+    return out
+
+
+# -- aggregation -------------------------------------------------------------------------
+
+
+def reduce_groups(
+    values: pd.Series, keys: list[pd.Series] | list[np.ndarray], how: Direction
+) -> pd.Series:
+    """Aggregate ``values`` per group of ``keys`` with ``how`` (see `metric_direction`).
+
+    A NaN in a group makes the result NaN: a statistic of non-finite data is worse
+    than any number, so no aggregation hides it."""
+    grouped = values.groupby(keys, sort=True)
+    if how == "max":
+        out = grouped.max()
+    elif how == "min":
+        out = grouped.min()
+    elif how == "mean":
+        out = grouped.mean()
+    elif how == "abs":
+        hi, lo = grouped.max(), grouped.min()
+        out = hi.where(hi.abs() >= lo.abs(), lo)
+    else:
+        raise ValueError(f"how: expected max, min, abs or mean, got {how!r}")
+    has_nan = values.isna().groupby(keys, sort=True).any()
+    return out.mask(has_nan.reindex(out.index, fill_value=False))
+
+
+def step_windows(steps: Sequence[int] | np.ndarray, max_steps: int) -> pd.Series:
+    """Map each recorded step to the first step of its window when more than
+    ``max_steps`` steps must be shown: windows of ``ceil(n / max_steps)`` consecutive
+    recorded steps. With ``n <= max_steps`` every step is its own window."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int | np.integer):
+        raise TypeError(f"max_steps: expected an int, got {type(max_steps).__name__}")
+    if max_steps < 1:
+        raise ValueError(f"max_steps: must be >= 1, got {max_steps}")
+    uniq = np.unique(np.asarray(steps, dtype=np.int64))
+    width = max(1, math.ceil(len(uniq) / max_steps))
+    firsts = uniq[(np.arange(len(uniq)) // width) * width]
+    return pd.Series(firsts, index=uniq, name="window")
+
+
+def matrix(
+    stats: pd.DataFrame,
+    metric: str,
+    *,
+    ops: int | Sequence[int] | None = None,
+    iterations: IterationsArg = "max",
+    max_steps: int = 500,
+) -> pd.DataFrame:
+    """Op x step matrix of one metric (recorded or derived), the data of a heatmap.
+
+    Index: op id, ascending (``(op, iteration)`` for ``iterations="all"``); columns: the
+    recorded steps (name ``step``); float64 values, NaN where an op has no row.
+
+    ``iterations``: how the rows of a loop body (one per scan iteration) are combined:
+    ``max``, ``min``, ``mean``, ``worst`` (the metric's bad direction, see
+    `metric_direction`) or ``all`` (keep them). ``ops``: restrict to these op ids.
+
+    When there are more than ``max_steps`` recorded steps, consecutive steps are merged
+    into windows of ``ceil(n / max_steps)`` steps, each aggregated in the metric's *worse*
+    direction (max for overflow_*/underflow_*/subnormal_*/frac_nonfinite/frac_zero/absmax,
+    min for snr_*, the value of larger magnitude for log2_*, mean otherwise), so a single
+    spike survives downsampling; the column is labelled with the window's first step.
+    NaN (non-finite data) in a window or over iterations is kept as NaN.
+    """
+    stats = check_stats(stats)
+    if iterations not in ("max", "min", "mean", "worst", "all"):
+        raise ValueError(
+            f"iterations: expected 'max', 'min', 'mean', 'worst' or 'all', got {iterations!r}"
+        )
+    values = metric_values(stats, metric)
+    frame = pd.DataFrame(
+        {
+            "op": stats["op"].to_numpy(np.int64),
+            "iteration": stats["iteration"].to_numpy(np.int64),
+            "step": stats["step"].to_numpy(np.int64),
+            "value": values.to_numpy(np.float64),
+        }
+    )
+    if ops is not None:
+        ids = [ops] if isinstance(ops, int | np.integer) else list(ops)
+        frame = frame[frame["op"].isin(ids)]
+    windows = step_windows(frame["step"].to_numpy(), max_steps)
+    direction = metric_direction(metric)
+    keys = ["op", "iteration"] if iterations == "all" else ["op"]
+    if iterations not in ("all",):
+        how: Direction = direction if iterations == "worst" else iterations  # type: ignore[assignment]
+        per_step = reduce_groups(frame["value"], [frame["op"], frame["step"]], how)
+        frame = per_step.rename("value").reset_index()
+        frame.columns = ["op", "step", "value"]
+    frame = frame.assign(step=frame["step"].map(windows))
+    cells = reduce_groups(frame["value"], [frame[k] for k in keys + ["step"]], direction)
+    out = cells.unstack("step") if len(cells) else _empty_matrix(keys)
+    out = out.sort_index().sort_index(axis=1).astype(np.float64)
+    out.columns = pd.Index(out.columns.astype(np.int64), name="step")
+    return out
+
+
+def _empty_matrix(keys: list[str]) -> pd.DataFrame:
+    if len(keys) == 1:
+        index = pd.Index([], dtype=np.int64, name="op")
+    else:
+        index = pd.MultiIndex.from_arrays([[], []], names=keys)
+    return pd.DataFrame(index=index, columns=pd.Index([], dtype=np.int64, name="step"))
+
+
+def matrix_run(reader: Any, metric: str, **kwargs: Any) -> pd.DataFrame:
+    """`matrix` over a recorded run (reads only the columns the metric needs)."""
+    sources = DERIVED_METRICS[metric][0] if metric in DERIVED_METRICS else (metric,)
+    return matrix(reader.stats(list(sources), wide=True), metric, **kwargs)
+
+
+def pass_rank(passes: Iterable[str]) -> list[str]:
+    """The distinct passes in display order (`PASS_ORDER`, then others sorted)."""
+    seen = list(dict.fromkeys(passes))
+    known = [p for p in PASS_ORDER if p in seen]
+    return known + sorted(p for p in seen if p not in PASS_ORDER)

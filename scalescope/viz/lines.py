@@ -1,0 +1,182 @@
+"""Line charts over steps: one op's metrics (`timeseries`) and training loss (`loss_curve`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from bokeh.models import ColumnDataSource, HoverTool, Title
+from bokeh.plotting import figure
+
+from . import theme
+
+_TOOLS = "pan,wheel_zoom,box_zoom,reset,save"
+_DASHES = ("solid", "dashed", "dotted", "dotdash", "dashdot")
+
+
+def _note(fig, text: str) -> None:
+    """Small italic note under the plot (what was clipped or dropped, and why)."""
+    fig.add_layout(Title(text=text, text_font_size="8pt", text_font_style="italic"), "below")
+
+
+def _series_source(steps: np.ndarray, values: np.ndarray, series: str) -> ColumnDataSource:
+    return ColumnDataSource(
+        {"step": steps, "value": values, "series": [series] * len(steps)},
+        name=f"series-{series}",
+    )
+
+
+def timeseries(
+    frame: pd.DataFrame,
+    *,
+    title: str | None = None,
+    log_y: bool = True,
+    name: str = "timeseries",
+) -> figure:
+    """Metrics of one op over steps (e.g. scale, rms, absmax): a line + markers per column.
+
+    ``frame``: index = step, one column per metric. With ``log_y`` (default, since scale
+    and RMS span many octaves) values <= 0 cannot be drawn: they are dropped (the line
+    breaks there) and a note under the plot says how many. Click a legend entry to hide
+    its series.
+    """
+    fig = figure(
+        name=name,
+        title=title,
+        width=700,
+        height=320,
+        y_axis_type="log" if log_y else "linear",
+        tools=_TOOLS,
+        toolbar_location="above",
+    )
+    fig.xaxis.axis_label = "step"
+    steps = np.asarray(frame.index, dtype=float)
+    dropped = 0
+    for i, column in enumerate(frame.columns):
+        values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=float, copy=True)
+        if log_y:
+            bad = ~(values > 0)  # also NaN, which is dropped anyway
+            dropped += int(np.count_nonzero(bad & ~np.isnan(values)))
+            values[bad] = np.nan
+        source = _series_source(steps, values, str(column))
+        color = theme.series_color(i)
+        fig.line(
+            "step", "value", source=source, color=color, line_width=2, legend_label=str(column)
+        )
+        fig.scatter("step", "value", source=source, color=color, size=5, legend_label=str(column))
+    fig.add_tools(
+        HoverTool(tooltips=[("", "@series"), ("step", "@step{0}"), ("value", "@value{0.[000]e0}")])
+    )
+    if len(frame.columns):
+        fig.legend.click_policy = "hide"
+        fig.legend.location = "top_left"
+    if dropped:
+        _note(fig, f"{dropped} value(s) <= 0 not drawn on the log axis")
+    return fig
+
+
+def _as_runs(runs: dict[str, pd.DataFrame] | pd.DataFrame) -> dict[str, pd.DataFrame]:
+    return {"run": runs} if isinstance(runs, pd.DataFrame) else dict(runs)
+
+
+def _first_nonfinite(series: pd.Series):
+    """Step at which a logged scalar first became NaN or inf, or None.
+
+    Scalars frames use NaN both for "not logged at this step" (``val_loss`` every K steps)
+    and for a NaN loss, so a NaN counts only when the column never becomes finite again
+    (a diverged run); ``inf`` always counts.
+    """
+    values = pd.to_numeric(series, errors="coerce").to_numpy(dtype=float)
+    bad = np.isinf(values)
+    nan = np.isnan(values)
+    if nan.any():
+        first = int(np.argmax(nan))
+        bad[first] |= not np.isfinite(values[first:]).any()
+    hits = np.flatnonzero(bad)
+    return series.index[hits[0]] if hits.size else None
+
+
+def loss_curve(
+    runs: dict[str, pd.DataFrame] | pd.DataFrame,
+    *,
+    columns: Sequence[str] = ("loss", "val_loss"),
+    log_y: bool = False,
+    name: str = "loss",
+) -> figure:
+    """Training curves of one or more runs: one colour per run, one dash style per column.
+
+    ``runs``: run name -> scalars frame indexed by step (columns ``loss``, ``val_loss``,
+    ...), or one frame. The first of ``columns`` is solid, the next dashed (``val_loss``),
+    and so on; absent columns are skipped. The first step at which a column becomes NaN or
+    inf is marked with a red x drawn at the top of the finite y range (a NaN has no
+    height), so a diverged run is visible at a glance.
+    """
+    runs = _as_runs(runs)
+    fig = figure(
+        name=name,
+        title="loss",
+        width=700,
+        height=320,
+        y_axis_type="log" if log_y else "linear",
+        tools=_TOOLS,
+        toolbar_location="above",
+    )
+    fig.xaxis.axis_label = "step"
+    marks: dict[str, list] = {"step": [], "run": [], "column": []}
+    tops = []
+    for i, (run, frame) in enumerate(runs.items()):
+        color = theme.series_color(i)
+        frame = frame.sort_index()
+        for j, column in enumerate(c for c in columns if c in frame.columns):
+            values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=float)
+            # Only finite points are drawn, joined across steps where the column was not
+            # logged (val_loss every K steps) -- a NaN/inf gets the red x instead.
+            keep = np.isfinite(values) & ((values > 0) if log_y else True)
+            tops.append(values[keep].max() if keep.any() else np.nan)
+            label = f"{run} {column}" if len(runs) > 1 else str(column)
+            fig.line(
+                x=np.asarray(frame.index, dtype=float)[keep],
+                y=values[keep],
+                color=color,
+                line_width=2,
+                line_dash=_DASHES[j % len(_DASHES)],
+                legend_label=label,
+            )
+            step = _first_nonfinite(frame[column])
+            if step is not None:
+                marks["step"].append(step)
+                marks["run"].append(run)
+                marks["column"].append(column)
+    _mark_nonfinite(fig, marks, tops)
+    if fig.renderers:
+        fig.legend.click_policy = "hide"
+        fig.legend.location = "top_right"
+    return fig
+
+
+def _mark_nonfinite(fig, marks: dict[str, list], tops: list[float]) -> None:
+    """Red x at the top of the finite y range for each run/column's first non-finite step."""
+    if not marks["step"]:
+        return
+    finite_tops = [t for t in tops if np.isfinite(t)]
+    top = max(finite_tops) if finite_tops else 1.0
+    source = ColumnDataSource({**marks, "y": [top] * len(marks["step"])}, name="nonfinite-source")
+    renderer = fig.scatter(
+        "step",
+        "y",
+        source=source,
+        marker="x",
+        size=14,
+        line_width=3,
+        color=theme.ALARM_COLOR,
+        legend_label="non-finite",
+        name="nonfinite",
+    )
+    fig.add_tools(
+        HoverTool(
+            renderers=[renderer],
+            tooltips=[("run", "@run"), ("", "@column became NaN/inf"), ("step", "@step")],
+        )
+    )
+    _note(fig, "red x: first step where a value became NaN/inf (drawn at the top)")

@@ -1,0 +1,593 @@
+"""scalescope.analysis on synthetic frames (numbers chosen here, not computed by the code
+under test), plus one tiny recorded run."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from scalescope import analysis as A
+
+FORMATS = ("e4m3", "e5m2", "fp16", "bf16")
+
+
+# -- synthetic frames --------------------------------------------------------------------
+
+
+def make_ops(*rows: dict) -> pd.DataFrame:
+    """Op table; each row: name, pass (default fwd), primitive (default: last name
+    component), shape, dtype, scaled, source, cast_to. Ids are 0, 1, 2..."""
+    recs = []
+    for i, row in enumerate(rows):
+        name = row["name"]
+        recs.append(
+            {
+                "op": i,
+                "name": name,
+                "pass": row.get("pass", "fwd"),
+                "primitive": row.get("primitive", name.split("/")[-1]),
+                "shape": tuple(row.get("shape", (4, 4))),
+                "dtype": row.get("dtype", "float32"),
+                "scaled": row.get("scaled", False),
+                "source": row.get("source", f"model.py:{10 + i}"),
+                "note": row.get("note", ""),
+                "stats_op": i,
+                "loop": (),
+                "in_while": False,
+                "in_cond": False,
+                "cast_to": row.get("cast_to", ""),
+            }
+        )
+    return pd.DataFrame(recs).set_index("op")
+
+
+def default_metrics() -> dict[str, float]:
+    out = {
+        "count": 16.0,
+        "scale": 1.0,
+        "rms": 1.0,
+        "absmax": 2.0,
+        "mean": 0.0,
+        "std": 1.0,
+        "frac_zero": 0.0,
+        "frac_nonfinite": 0.0,
+    }
+    for f in FORMATS:
+        out |= {f"underflow_{f}": 0.0, f"subnormal_{f}": 0.0, f"overflow_{f}": 0.0}
+        out[f"snr_{f}"] = math.inf
+    return out
+
+
+def make_stats(rows: list[dict]) -> pd.DataFrame:
+    """Wide stats frame; each row: op, step, iteration (default 0) and metric overrides."""
+    recs = []
+    for row in rows:
+        rec = {"step": row["step"], "op": row["op"], "iteration": row.get("iteration", 0)}
+        rec |= default_metrics()
+        rec |= {k: v for k, v in row.items() if k not in ("step", "op", "iteration")}
+        recs.append(rec)
+    return pd.DataFrame(recs)
+
+
+def series(op: int, steps, **columns) -> list[dict]:
+    """Rows of one op over ``steps``; a column given as a list varies per step."""
+    rows = []
+    for i, step in enumerate(steps):
+        row = {"op": op, "step": step}
+        for key, value in columns.items():
+            row[key] = value[i] if isinstance(value, list | tuple) else value
+        rows.append(row)
+    return rows
+
+
+def findings_of(findings: pd.DataFrame, rule: str, op: int | None = None) -> pd.DataFrame:
+    sel = findings[findings["rule"] == rule]
+    return sel if op is None else sel[sel["op"] == op]
+
+
+STEPS = [0, 100, 200, 300, 400]
+
+
+# -- advisor rules -----------------------------------------------------------------------
+
+
+def test_nonfinite_first_step_and_origin():
+    ops = make_ops({"name": "a/mul"}, {"name": "a/add"}, {"name": "a/tanh"})
+    stats = make_stats(
+        series(0, STEPS, frac_nonfinite=[0, 0, 0.25, 0, 1.0])
+        + series(1, STEPS, frac_nonfinite=[0, 0, 0, 0.5, 0.5])
+        + series(2, STEPS)
+    )
+    found = A.advise(stats, ops)
+    nf = findings_of(found, "nonfinite").set_index("op")
+    assert sorted(nf.index) == [0, 1]
+    assert nf.loc[0, "first_step"] == 200 and nf.loc[0, "steps"] == 2
+    assert nf.loc[0, "value"] == 1.0 and nf.loc[0, "severity"] == "critical"
+    assert nf.loc[1, "first_step"] == 300
+    assert nf.loc[0, "format"] == ""
+    assert "earliest op with non-finite values." in nf.loc[0, "evidence"]
+    assert "fwd/a/mul [4x4] (step 200)" in nf.loc[1, "evidence"]
+
+
+def test_nonfinite_threshold_is_configurable():
+    ops = make_ops({"name": "mul"})
+    stats = make_stats(series(0, STEPS, frac_nonfinite=0.02))
+    assert len(A.advise(stats, ops, thresholds=A.Thresholds(nonfinite=0.03))) == 0
+    assert len(A.advise(stats, ops, thresholds=A.Thresholds(nonfinite=0.01))) == 1
+
+
+def test_overflow_any_fires_only_on_checked_formats():
+    ops = make_ops(
+        {"name": "cast_tiny", "cast_to": "e4m3"},
+        {"name": "cast_clean", "cast_to": "e4m3"},
+        {"name": "not_cast"},
+    )
+    stats = make_stats(
+        series(0, STEPS, overflow_e4m3=[0, 0, 1e-6, 0, 0])
+        + series(1, STEPS)
+        + series(2, STEPS, overflow_e4m3=0.5)
+    )
+    found = A.advise(stats, ops)
+    over = findings_of(found, "overflow")
+    assert over["op"].tolist() == [0]
+    row = over.iloc[0]
+    assert row["format"] == "e4m3" and row["first_step"] == 200 and row["steps"] == 1
+    assert row["value"] == pytest.approx(1e-6) and row["severity"] == "high"
+    assert "0.0001%" in row["evidence"] and "448" in row["evidence"]
+    # the same op audited explicitly: op 2 now fires, only for e4m3
+    audited = findings_of(A.advise(stats, ops, audit=("e4m3",)), "overflow")
+    assert sorted(audited["op"]) == [0, 2]
+    assert set(audited["format"]) == {"e4m3"}
+    assert findings_of(A.advise(stats, ops, audit="e5m2"), "overflow")["op"].tolist() == [0]
+
+
+def test_underflow_threshold():
+    ops = make_ops({"name": "above", "cast_to": "e5m2"}, {"name": "below", "cast_to": "e5m2"})
+    stats = make_stats(
+        series(0, STEPS, underflow_e5m2=[0.0101, 0.02, 0, 0, 0])
+        + series(1, STEPS, underflow_e5m2=0.0099)
+    )
+    under = findings_of(A.advise(stats, ops), "underflow")
+    assert under["op"].tolist() == [0]
+    row = under.iloc[0]
+    assert row["format"] == "e5m2" and row["steps"] == 2 and row["first_step"] == 0
+    assert row["value"] == pytest.approx(0.02) and row["threshold"] == 0.01
+    assert row["severity"] == "medium" and "2.0%" in row["evidence"]
+
+
+def test_snr_threshold_default_and_custom():
+    thr = A.Thresholds().snr_db["e4m3"]
+    ops = make_ops(
+        {"name": "low", "cast_to": "e4m3"},
+        {"name": "ok", "cast_to": "e4m3"},
+        {"name": "nan", "cast_to": "e4m3"},
+    )
+    stats = make_stats(
+        series(0, STEPS, snr_e4m3=thr - 0.1)
+        + series(1, STEPS, snr_e4m3=thr + 0.1)
+        + series(2, STEPS, snr_e4m3=math.nan)
+    )
+    snr = findings_of(A.advise(stats, ops), "snr")
+    assert snr["op"].tolist() == [0]
+    assert snr.iloc[0]["value"] == pytest.approx(thr - 0.1)
+    assert snr.iloc[0]["steps"] == 5
+    loose = A.Thresholds(snr_db={"e4m3": thr - 1})
+    assert findings_of(A.advise(stats, ops, thresholds=loose), "snr").empty
+    assert loose.snr_db["fp16"] == A.DEFAULT_SNR_DB["fp16"]  # partial override
+
+
+def test_default_snr_thresholds_are_gaussian_snr_minus_6db():
+    # SNR of N(0,1) data: 6.02 * mantissa bits + 13.5 dB (measured: 31.5, 25.5, 73.7, 55.6)
+    expected = {"e4m3": 31.5, "e5m2": 25.5, "fp16": 73.7, "bf16": 55.6}
+    for fmt, snr in expected.items():
+        assert A.Thresholds().snr_db[fmt] == pytest.approx(snr - 6, abs=0.25)
+    assert A.snr_from_mantissa(3) == pytest.approx(25.6, abs=0.1)
+
+
+def test_drift_only_on_scaled_or_cast_ops():
+    ops = make_ops(
+        {"name": "scaled_up", "scaled": True},
+        {"name": "scaled_in", "scaled": True},
+        {"name": "plain_big"},
+        {"name": "cast_small", "cast_to": "fp16"},
+        {"name": "scaled_zero", "scaled": True},
+    )
+    stats = make_stats(
+        series(0, STEPS, rms=[1.0, 1.0, 2**4.1, 2**4.5, 1.0])
+        + series(1, STEPS, rms=2**3.9)
+        + series(2, STEPS, rms=2.0**10)
+        + series(3, STEPS, rms=2.0**-5)
+        + series(4, STEPS, rms=0.0)
+    )
+    drift = findings_of(A.advise(stats, ops), "drift").set_index("op")
+    assert sorted(drift.index) == [0, 3]
+    assert drift.loc[0, "first_step"] == 200 and drift.loc[0, "steps"] == 2
+    assert drift.loc[0, "value"] == pytest.approx(4.5)
+    assert drift.loc[3, "value"] == pytest.approx(-5.0) and drift.loc[3, "steps"] == 5
+    assert "-5.0" in drift.loc[3, "evidence"] and "step 0" in drift.loc[3, "evidence"]
+
+
+def test_trend_fires_for_steady_drift_not_for_flat():
+    ops = make_ops(
+        {"name": "rising", "scaled": True},
+        {"name": "flat", "scaled": True},
+        {"name": "short", "scaled": True},
+        {"name": "rising_plain"},
+    )
+    # log2 rms 0, 0.5, ..., 2 over steps 0..400: slope 1/200 per step, +5 at step 1000,
+    # crossing +4 at step 800
+    rising = [2.0 ** (s / 200) for s in STEPS]
+    stats = make_stats(
+        series(0, STEPS, rms=rising)
+        + series(1, STEPS, rms=2.0)
+        + series(2, STEPS[:3], rms=rising[:3])
+        + series(3, STEPS, rms=rising)
+    )
+    found = A.advise(stats, ops, meta={"config": {"steps": 1000}})
+    trend = findings_of(found, "trend")
+    assert trend["op"].tolist() == [0]
+    row = trend.iloc[0]
+    assert row["value"] == pytest.approx(5.0) and row["threshold"] == 4.0
+    assert row["severity"] == "low" and row["steps"] == 5 and row["first_step"] == 0
+    assert "step ~800" in row["evidence"] and "step 1000" in row["evidence"]
+    assert findings_of(found, "drift").empty
+    # a nearer horizon (projected +3) does not cross
+    assert findings_of(A.advise(stats, ops, horizon=600), "trend").empty
+    # log2 rms 0 .. +2.5 over steps 0..400: +5 at step 800 (the default horizon without
+    # meta: twice the last step), +3.125 at step 500
+    faster = make_stats(series(0, STEPS, rms=[2.0 ** (s / 160) for s in STEPS]))
+    ops1 = ops.iloc[:1]
+    assert findings_of(A.advise(faster, ops1), "trend")["value"].tolist() == [pytest.approx(5.0)]
+    assert findings_of(A.advise(faster, ops1, meta={"config": {"steps": 500}}), "trend").empty
+
+
+def test_trend_skips_ops_already_out_of_bound():
+    ops = make_ops({"name": "out", "scaled": True})
+    stats = make_stats(series(0, STEPS, rms=[2.0 ** (s / 80) for s in STEPS]))  # 0 .. +5
+    found = A.advise(stats, ops, horizon=1000)
+    assert findings_of(found, "trend").empty
+    assert len(findings_of(found, "drift")) == 1
+
+
+def test_loop_iterations_take_the_worst():
+    ops = make_ops({"name": "body", "cast_to": "e4m3", "scaled": True})
+    rows = []
+    for it, (ov, rms) in enumerate([(0.0, 1.0), (0.25, 2.0**-6), (0.0, 1.0)]):
+        rows += [dict(r, iteration=it) for r in series(0, [0, 10], overflow_e4m3=ov, rms=rms)]
+    found = A.advise(make_stats(rows), ops)
+    assert findings_of(found, "overflow").iloc[0]["value"] == 0.25
+    assert findings_of(found, "drift").iloc[0]["value"] == pytest.approx(-6.0)
+    assert findings_of(found, "overflow").iloc[0]["steps"] == 2
+
+
+def test_severity_ordering_and_columns():
+    ops = make_ops(
+        {"name": "trendy", "scaled": True},
+        {"name": "snr", "cast_to": "e4m3"},
+        {"name": "under", "cast_to": "e4m3"},
+        {"name": "over", "cast_to": "e4m3"},
+        {"name": "nan"},
+        {"name": "late_over", "cast_to": "e4m3"},
+    )
+    stats = make_stats(
+        series(0, STEPS, rms=[2.0 ** (s / 200) for s in STEPS])
+        + series(1, STEPS, snr_e4m3=[40, 40, 10, 10, 10])
+        + series(2, STEPS, underflow_e4m3=[0, 0.5, 0.5, 0.5, 0.5])
+        + series(3, STEPS, overflow_e4m3=[0, 0, 0, 0.1, 0.1])
+        + series(4, STEPS, frac_nonfinite=[0, 0, 0, 0, 1.0])
+        + series(5, STEPS, overflow_e4m3=[0, 0.1, 0, 0, 0])
+    )
+    found = A.advise(stats, ops, horizon=1000)
+    assert list(found.columns) == A.FINDING_COLUMNS
+    assert found["rule"].tolist() == ["nonfinite", "overflow", "overflow", "underflow", "snr"] + [
+        "trend"
+    ]
+    assert found["op"].tolist() == [4, 5, 3, 2, 1, 0]
+    rank = found["severity"].map({s: i for i, s in enumerate(A.SEVERITY_ORDER)})
+    assert rank.is_monotonic_increasing
+    summary = A.summary_by_rule(found)
+    assert summary["rule"].tolist() == ["nonfinite", "overflow", "underflow", "snr", "trend"]
+    assert summary.set_index("rule").loc["overflow", "findings"] == 2
+    assert summary.set_index("rule").loc["snr", "worst"] == 10
+
+
+def test_fix_text_by_pass_and_scalify():
+    ops = make_ops(
+        {"name": "f", "pass": "fwd", "cast_to": "e4m3", "source": "model.py:7"},
+        {"name": "b", "pass": "bwd", "cast_to": "e5m2", "source": "model.py:9"},
+        {"name": "o", "pass": "opt", "cast_to": "fp16", "source": "train.py:3"},
+    )
+    stats = make_stats(
+        series(0, [0], overflow_e4m3=0.1)
+        + series(1, [0], overflow_e5m2=0.1)
+        + series(2, [0], overflow_fp16=0.1)
+    )
+    scaled = A.advise(stats, ops, meta={"graph": {"scalify": True}}).set_index("op")["fix"]
+    assert scaled[0] == "x = ss.ops.dynamic_rescale_l2(x)  # after model.py:7"
+    assert scaled[1] == "x = ss.ops.dynamic_rescale_l2_grad(x)  # before model.py:9"
+    assert scaled[2] == "x = ss.ops.dynamic_rescale_l2(x)  # after train.py:3"
+    naive = A.advise(stats, ops, meta={"graph": {"scalify": False}}).set_index("op")["fix"]
+    assert naive[0] == (
+        "run.track(step, scalify=True)  # scale-propagated casts instead of naive e4m3 casts"
+        " at model.py:7"
+    )
+    assert "naive e5m2 casts at model.py:9" in naive[1]
+    assert all("\n" not in fix for fix in list(scaled) + list(naive))
+    # without meta, an op's own `scaled` flag decides
+    ops_scaled = ops.assign(scaled=True)
+    assert "dynamic_rescale_l2_grad" in A.advise(stats, ops_scaled).set_index("op")["fix"][1]
+
+
+def test_advise_argument_errors():
+    ops = make_ops({"name": "x", "cast_to": "e4m3"})
+    stats = make_stats(series(0, STEPS))
+    with pytest.raises(KeyError, match="audit"):
+        A.advise(stats, ops, audit=("fp12",))
+    with pytest.raises(KeyError, match="ops"):
+        A.advise(make_stats(series(7, STEPS)), ops)
+    long = stats.melt(id_vars=["step", "op", "iteration"], var_name="metric")
+    with pytest.raises(ValueError, match="wide"):
+        A.advise(long, ops)
+    with pytest.raises(ValueError, match="underflow"):
+        A.Thresholds(underflow=-1)
+    assert A.advise(stats.iloc[:0], ops).columns.tolist() == A.FINDING_COLUMNS
+
+
+def test_advise_on_old_op_table_without_cast_to():
+    ops = make_ops({"name": "x"}).drop(columns=["cast_to", "scaled"])
+    stats = make_stats(series(0, STEPS, overflow_e4m3=0.1, frac_nonfinite=[0, 0, 0, 0, 0.5]))
+    found = A.advise(stats, ops)
+    assert found["rule"].tolist() == ["nonfinite"]
+
+
+# -- frames ------------------------------------------------------------------------------
+
+
+def test_op_labels_unique_and_readable():
+    ops = make_ops(
+        {"name": "block_0/attn/dot_general", "shape": (16, 64, 384)},
+        {"name": "block_0/attn/dot_general", "shape": (16, 64, 384)},
+        {"name": "block_0/attn/dot_general", "pass": "bwd", "shape": (16, 64, 384)},
+        {"name": "opt/mul", "pass": "opt", "shape": ()},
+        {"name": "input/w", "pass": "input", "shape": (8, 4)},
+    )
+    labels = A.op_labels(ops)
+    assert labels.is_unique
+    assert labels.tolist() == [
+        "fwd/block_0/attn/dot_general#1 [16x64x384]",
+        "fwd/block_0/attn/dot_general#2 [16x64x384]",
+        "bwd/block_0/attn/dot_general [16x64x384]",
+        "opt/mul []",
+        "input/w [8x4]",
+    ]
+
+
+def test_derived_log2_metrics():
+    stats = make_stats(
+        [{"op": 0, "step": 0, "rms": 8.0, "absmax": 0.0, "scale": 0.25}]
+        + [{"op": 0, "step": 1, "rms": math.nan}]
+    )
+    assert A.log2_rms(stats).tolist()[0] == 3.0 and math.isnan(A.log2_rms(stats).tolist()[1])
+    assert A.log2_absmax(stats).iloc[0] == -math.inf
+    assert A.log2_scale(stats).iloc[0] == -2.0
+    wide = A.with_derived(stats)
+    assert wide["value_rms"].iloc[0] == 2.0
+    assert A.metric_direction("snr_e4m3") == "min"
+    assert A.metric_direction("overflow_fp16") == "max"
+    assert A.metric_direction("log2_rms") == "abs"
+    assert A.metric_direction("rms") == "mean"
+
+
+def test_matrix_shape_and_iterations():
+    rows = []
+    for it, rms in enumerate([1.0, 2.0, 6.0]):
+        rows += [dict(r, iteration=it) for r in series(1, [0, 5], rms=rms)]
+    rows += series(0, [0, 5, 9], rms=[1.0, 2.0, 4.0])
+    stats = make_stats(rows)
+    m = A.matrix(stats, "rms")
+    assert m.shape == (2, 3)
+    assert m.index.tolist() == [0, 1] and m.columns.tolist() == [0, 5, 9]
+    assert m.loc[1, 0] == 6.0 and math.isnan(m.loc[1, 9])
+    assert A.matrix(stats, "rms", iterations="min").loc[1, 5] == 1.0
+    assert A.matrix(stats, "rms", iterations="mean").loc[1, 5] == 3.0
+    full = A.matrix(stats, "rms", iterations="all")
+    assert full.shape == (4, 3) and full.loc[(1, 2), 0] == 6.0
+    assert A.matrix(stats, "log2_rms", ops=[0]).loc[0].tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="iterations"):
+        A.matrix(stats, "rms", iterations="median")
+    with pytest.raises(KeyError, match="nope"):
+        A.matrix(stats, "nope")
+    with pytest.raises(ValueError, match="max_steps"):
+        A.matrix(stats, "rms", max_steps=0)
+
+
+def test_matrix_downsampling_keeps_the_worst():
+    steps = list(range(1000))
+    overflow = [0.0] * 1000
+    overflow[537] = 0.5
+    snr = [40.0] * 1000
+    snr[12] = 3.0
+    log2 = [0.0] * 1000
+    log2[700] = -7.0
+    log2[701] = 5.0
+    rms = [1.0 if s % 2 else 3.0 for s in steps]
+    stats = make_stats(
+        series(0, steps, overflow_e4m3=overflow, snr_e4m3=snr, rms=[2.0**v for v in log2])
+        + series(1, steps, rms=rms)
+    )
+    m = A.matrix(stats, "overflow_e4m3", max_steps=100)
+    assert m.shape == (2, 100)
+    assert m.columns[:3].tolist() == [0, 10, 20]
+    assert m.loc[0, 530] == 0.5 and m.loc[0].drop(530).max() == 0.0
+    assert A.matrix(stats, "snr_e4m3", max_steps=100).loc[0, 10] == 3.0
+    assert A.matrix(stats, "log2_rms", max_steps=100).loc[0, 700] == -7.0
+    assert A.matrix(stats, "rms", max_steps=100).loc[1, 10] == 2.0  # mean otherwise
+    assert A.matrix(stats, "rms", max_steps=1000).shape == (2, 1000)
+
+
+def test_matrix_keeps_nan():
+    stats = make_stats(series(0, [0, 1, 2, 3], rms=[1.0, math.nan, 1.0, 1.0]))
+    m = A.matrix(stats, "rms", max_steps=2)
+    assert math.isnan(m.loc[0, 0]) and m.loc[0, 2] == 1.0
+
+
+# -- summary and what-if -----------------------------------------------------------------
+
+
+def test_op_summary_and_worst_ops():
+    ops = make_ops({"name": "a", "cast_to": "e4m3"}, {"name": "b"}, {"name": "c"})
+    stats = make_stats(
+        series(0, STEPS, frac_nonfinite=[0, 0, 0, 0.1, 0], snr_e4m3=[30, 20, 25, 40, 40])
+        + series(1, STEPS, overflow_fp16=[0, 0.2, 0, 0, 0], rms=[1, 1, 1, 1, 4.0])
+        + series(2, STEPS[1:], rms=0.5)
+    )
+    summary = A.op_summary(stats, ops)
+    assert summary.index.tolist() == [0, 1, 2]
+    assert summary.loc[0, "first_nonfinite_step"] == 300
+    assert math.isnan(summary.loc[1, "first_nonfinite_step"])
+    assert summary.loc[0, "frac_nonfinite"] == 0.1
+    assert summary.loc[0, "snr_e4m3"] == 20
+    assert summary.loc[1, "overflow_fp16"] == 0.2
+    assert summary.loc[1, "rms"] == 4.0 and summary.loc[1, "log2_rms"] == 2.0
+    assert summary.loc[2, "first_step"] == 100 and summary.loc[2, "last_step"] == 400
+    assert summary.loc[0, "cast_to"] == "e4m3" and summary.loc[0, "label"] == "fwd/a [4x4]"
+    assert A.worst_ops(summary, "snr_e4m3", n=1).index.tolist() == [0]
+    assert A.worst_ops(summary, "overflow_fp16", n=1).index.tolist() == [1]
+    assert A.worst_ops(summary, "log2_rms").index.tolist() == [1, 2, 0]
+    assert A.worst_ops(summary, "first_nonfinite_step").index.tolist() == [0, 1, 2]
+    with pytest.raises(KeyError, match="by"):
+        A.worst_ops(summary, "nope")
+
+
+def test_format_whatif_reasons_and_last_steps():
+    ops = make_ops({"name": "over"}, {"name": "under"}, {"name": "noisy"}, {"name": "fine"})
+    stats = make_stats(
+        series(0, STEPS, overflow_e4m3=[0.003, 0, 0, 0, 0])
+        + series(1, STEPS, underflow_e4m3=0.041)
+        + series(2, STEPS, snr_e4m3=12.3)
+        + series(3, STEPS, snr_e4m3=30.0)
+    )
+    w = A.format_whatif(stats, ops, ["e4m3", "fp16"])
+    assert w.columns.get_level_values(0).unique().tolist() == ["e4m3", "fp16"]
+    reason = w[("e4m3", "reason")]
+    assert reason[0] == "overflow 0.3%"
+    assert reason[1] == "underflow 4.1%"
+    thr = A.Thresholds().snr_db["e4m3"]
+    assert reason[2] == f"snr 12.3 dB < {thr:g} dB"
+    assert reason[3] == "ok"
+    assert w[("e4m3", "safe")].tolist() == [False, False, False, True]
+    assert w[("fp16", "safe")].all()
+    assert w.loc[3, ("e4m3", "snr")] == 30.0
+    recent = A.format_whatif(stats, ops, "e4m3", last_steps=2)
+    assert recent[("e4m3", "safe")].tolist() == [True, False, False, True]
+    with pytest.raises(KeyError, match="formats"):
+        A.format_whatif(stats, ops, ["fp12"])
+    with pytest.raises(ValueError, match="last_steps"):
+        A.format_whatif(stats, ops, last_steps=0)
+
+
+def test_verdict_counts():
+    ops = make_ops(
+        {"name": "a", "pass": "fwd"},
+        {"name": "b", "pass": "fwd"},
+        {"name": "c", "pass": "bwd"},
+        {"name": "d", "pass": "opt"},
+    )
+    stats = make_stats(
+        series(0, [0], overflow_e4m3=0.1)
+        + series(1, [0])
+        + series(2, [0], underflow_e4m3=0.5, underflow_e5m2=0.5)
+        + series(3, [0])
+    )
+    counts = A.verdict_counts(A.format_whatif(stats, ops, ["e4m3", "e5m2"]), ops)
+    assert counts.index.tolist() == ["fwd", "bwd", "opt", "all"]
+    assert counts.loc["fwd", ("e4m3", "safe")] == 1 and counts.loc["fwd", ("e4m3", "total")] == 2
+    assert counts.loc["bwd", ("e5m2", "safe")] == 0
+    assert counts.loc["all", ("e4m3", "safe")] == 2 and counts.loc["all", ("e5m2", "safe")] == 3
+    text = A.verdict_counts(A.format_whatif(stats, ops, ["e4m3"]), ops, as_text=True)
+    assert text.loc["fwd", "e4m3"] == "1/2" and text.loc["all", "e4m3"] == "2/4"
+
+
+# -- comparison --------------------------------------------------------------------------
+
+
+def test_compare_runs_across_op_tables_with_inserted_converts():
+    ops_a = make_ops(
+        {"name": "input/x", "pass": "input", "primitive": "input"},
+        {"name": "dot_general"},
+        {"name": "tanh"},
+        {"name": "dot_general"},
+        {"name": "only_in_a"},
+    )
+    ops_b = make_ops(
+        {"name": "input/x", "pass": "input", "primitive": "input"},
+        {"name": "convert_element_type", "dtype": "float8_e4m3fn"},
+        {"name": "dot_general"},
+        {"name": "tanh"},
+        {"name": "convert_element_type", "dtype": "float8_e4m3fn"},
+        {"name": "dot_general"},
+    )
+    stats_a = make_stats([{"op": i, "step": s, "rms": 1.0 + i} for i in range(5) for s in (0, 10)])
+    stats_b = make_stats(
+        [{"op": i, "step": s, "rms": 4.0 * (1 + i)} for i in range(6) for s in (0, 10, 20)]
+    )
+    values, unmatched = A.compare_runs(stats_a, ops_a, stats_b, ops_b, "rms", names=("fp32", "fp8"))
+    pairs = values[["op_fp32", "op_fp8"]].drop_duplicates().values.tolist()
+    assert pairs == [[0, 0], [1, 2], [2, 3], [3, 5]]
+    assert sorted(values["step"].unique()) == [0, 10]
+    row = values[(values["op_fp32"] == 3) & (values["step"] == 10)].iloc[0]
+    assert row["value_fp32"] == 4.0 and row["value_fp8"] == 24.0
+    assert row["difference"] == 20.0 and row["log2_ratio"] == pytest.approx(math.log2(6))
+    assert row["label"] == "fwd/dot_general#2 [4x4]"
+    assert set(zip(unmatched["run"], unmatched["op"])) == {("fp32", 4), ("fp8", 1), ("fp8", 4)}
+    # default names; a metric that may be negative has no log2 ratio
+    cmp = A.compare_runs(stats_a, ops_a, stats_b, ops_b, "mean")
+    assert {"value_a", "value_b", "difference"} <= set(cmp.values.columns)
+    assert "log2_ratio" not in cmp.values.columns
+    with pytest.raises(ValueError, match="names"):
+        A.compare_runs(stats_a, ops_a, stats_b, ops_b, "rms", names=("x", "x"))
+
+
+# -- a tiny recorded run -----------------------------------------------------------------
+
+
+def test_advise_on_tiny_recorded_run(tmp_path):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import scalescope as ss
+
+    def step(w, x):
+        def loss(w):
+            h = x * 100.0  # 500 > 448: overflows e4m3, NaN after the cast
+            return jnp.mean(jnp.tanh(ss.ops.cast_on_forward(h, jnp.float8_e4m3fn) @ w) ** 2)
+
+        value, grad = jax.value_and_grad(loss)(w)
+        with jax.named_scope("opt"):
+            w = w - 0.1 * grad
+        return w, value
+
+    path = tmp_path / "run"
+    with ss.Run(path, every=1) as run:
+        fn = run.track(step, scalify=False)
+        w, x = jnp.ones((8, 4)) * 0.1, jnp.ones((4, 8)) * 5.0
+        for i in range(3):
+            w, value = fn(w, x)
+            run.log(i, loss=value)
+    reader = ss.open_run(path)
+    found = A.advise_run(reader)
+    over = found[(found["rule"] == "overflow") & (found["format"] == "e4m3")]
+    assert len(over) == 1
+    row = over.iloc[0]
+    assert row["pass"] == "fwd" and row["first_step"] == 0 and row["value"] == 1.0
+    assert row["primitive"] == "mul"
+    assert "scalify=True" in row["fix"]
+    nonfinite = found[found["rule"] == "nonfinite"]
+    assert len(nonfinite) > 0 and nonfinite["first_step"].min() == 0
+    assert found.iloc[0]["severity"] == "critical"
+    # the other views run on the same run
+    assert A.op_summary_run(reader).loc[row["op"], "overflow_e4m3"] == 1.0
+    assert not A.format_whatif_run(reader, "e4m3").loc[row["op"], ("e4m3", "safe")]
+    assert A.matrix_run(reader, "log2_rms").shape[1] == 3

@@ -1,0 +1,406 @@
+"""Bokeh figure builders (scalescope.viz): structure of each figure, offline HTML export."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import numpy as np
+import pandas as pd
+import pytest
+from bokeh.layouts import column
+from bokeh.models import (
+    BoxAnnotation,
+    ColorBar,
+    CustomJSHover,
+    CustomJSTickFormatter,
+    GlyphRenderer,
+    HoverTool,
+    Image,
+    LinearColorMapper,
+    Span,
+    TapTool,
+)
+
+from scalescope import viz
+
+FORMAT_INFO = {
+    "e4m3": {"max": 448.0, "min_normal": 2.0**-6, "min_subnormal": 2.0**-9},
+    "e5m2": {"max": 57344.0, "min_normal": 2.0**-14, "min_subnormal": 2.0**-16},
+    "fp16": {"max": 65504.0, "min_normal": 2.0**-14, "min_subnormal": 2.0**-24},
+    "bf16": {"max": 3.3895313892515355e38, "min_normal": 2.0**-126, "min_subnormal": 2.0**-133},
+}
+HIST_LABELS = ["zero", "below", *(f"2^{e}" for e in range(-40, 24)), "above", "nonfinite"]
+UNEVEN_STEPS = [0, 1, 2, 5, 10, 50, 100, 400]
+
+
+def _matrix(n_ops: int = 6, steps=UNEVEN_STEPS, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    values = rng.random((n_ops, len(steps)))
+    values[1, 3] = np.nan
+    values[4, 0] = np.nan
+    return pd.DataFrame(values, index=[10 * i + 3 for i in range(n_ops)], columns=list(steps))
+
+
+def _images(fig) -> list[GlyphRenderer]:
+    return [r for r in fig.renderers if isinstance(r.glyph, Image)]
+
+
+def _mapper(fig) -> LinearColorMapper:
+    return _images(fig)[0].glyph.color_mapper
+
+
+# --- heatmap -----------------------------------------------------------------------------
+
+
+def test_heatmap_one_image_with_the_matrix_values():
+    matrix = _matrix()
+    fig = viz.heatmap(matrix, metric="underflow_e4m3")
+    assert fig.name == "heatmap"
+    images = _images(fig)
+    assert len(images) == 1
+    assert len(fig.renderers) == 1  # no rect per cell, nothing else drawn
+    data = images[0].data_source.data["image"]
+    assert len(data) == 1
+    image = np.asarray(data[0])
+    assert image.shape == matrix.shape
+    np.testing.assert_array_equal(image, matrix.to_numpy())  # NaN preserved in place
+    assert np.isnan(image[1, 3]) and np.isnan(image[4, 0])
+    glyph = images[0].glyph
+    assert (glyph.x, glyph.y, glyph.dw, glyph.dh) == (-0.5, -0.5, matrix.shape[1], matrix.shape[0])
+
+
+def test_heatmap_color_mapper_colour_bar_and_nan_colour():
+    fig = viz.heatmap(_matrix(), metric="rms", name="rms-map")
+    assert fig.name == "rms-map"
+    mapper = _mapper(fig)
+    assert mapper.nan_color not in mapper.palette
+    bars = [c for c in fig.right if isinstance(c, ColorBar)]
+    assert len(bars) == 1 and bars[0].color_mapper is mapper
+
+
+@pytest.mark.parametrize(
+    "metric, low, high",
+    [
+        ("underflow_e4m3", 0.0, 0.5),
+        ("overflow_fp16", 0.0, 0.5),
+        ("subnormal_e5m2", 0.0, 0.5),
+        ("frac_zero", 0.0, 0.5),
+        ("log2_rms", -8.0, 8.0),
+        ("snr_e4m3", -3.0, 0.5),
+        ("rms", -3.0, 0.5),
+    ],
+)
+def test_heatmap_colour_range_per_metric_family(metric, low, high):
+    values = np.array([[0.1, -3.0, np.nan], [0.5, np.inf, 0.2]])
+    matrix = pd.DataFrame(values, index=[0, 1], columns=[0, 1, 2])
+    mapper = _mapper(viz.heatmap(matrix, metric=metric))
+    assert (mapper.low, mapper.high) == (low, high)
+
+
+def test_heatmap_palettes_per_family():
+    frac = _mapper(viz.heatmap(_matrix(), metric="underflow_e4m3")).palette
+    snr = _mapper(viz.heatmap(_matrix(), metric="snr_e4m3")).palette
+    log2 = _mapper(viz.heatmap(_matrix(), metric="log2_rms")).palette
+    assert list(snr) == list(reversed(frac))  # low SNR takes the alarming end
+    assert frac[-1] == snr[0]
+    assert log2[0] != log2[-1] and len(log2) == 256
+    assert viz.metric_family("overflow_bf16") == "fraction"
+    assert viz.metric_family("scale") == "other"
+
+
+def test_heatmap_fraction_range_and_overrides():
+    zeros = pd.DataFrame(np.zeros((2, 2)), index=[0, 1], columns=[0, 1])
+    mapper = _mapper(viz.heatmap(zeros, metric="underflow_e4m3"))
+    assert (mapper.low, mapper.high) == (0.0, 1.0)  # all zero: the full fraction range
+    fig = viz.heatmap(_matrix(), metric="frac_zero", low=0.0, high=1.0, palette=["#000", "#fff"])
+    mapper = _mapper(fig)
+    assert (mapper.low, mapper.high, list(mapper.palette)) == (0.0, 1.0, ["#000", "#fff"])
+
+
+def test_heatmap_cell_maps_taps_back_to_op_and_step():
+    matrix = _matrix()
+    fig = viz.heatmap(matrix, metric="rms")
+    ops = list(matrix.index)
+    for row, op in enumerate(ops):
+        for col, step in enumerate(UNEVEN_STEPS):
+            for dx, dy in [(0, 0), (0.49, -0.49), (-0.5, 0.3)]:
+                assert viz.heatmap_cell(fig, col + dx, row + dy) == (op, step)
+                assert viz.heatmap_cell(matrix, col + dx, row + dy) == (op, step)
+    assert viz.heatmap_cell(fig, 3.6, 0.8) == (ops[1], 10)
+    for x, y in [(-0.6, 0), (len(UNEVEN_STEPS) - 0.5, 0), (0, -0.51), (0, len(ops) - 0.5)]:
+        assert viz.heatmap_cell(fig, x, y) is None
+    assert viz.heatmap_cell(fig, math.nan, 0) is None
+    with pytest.raises(ValueError):
+        viz.heatmap_cell(object(), 0, 0)
+
+
+def test_heatmap_hover_and_tap_tools():
+    matrix = _matrix()
+    labels = pd.Series({3: "Block_0/dot_general", 13: "Block_0/tanh"})
+    fig = viz.heatmap(matrix, metric="rms", labels=labels)
+    hovers = [t for t in fig.tools if isinstance(t, HoverTool)]
+    assert len(hovers) == 1
+    hover = hovers[0]
+    fields = [field for _, field in hover.tooltips]
+    assert "$x{step}" in fields and "$y{label}" in fields and "@image{value}" in fields
+    assert isinstance(hover.formatters["$x"], CustomJSHover)
+    assert hover.formatters["$x"].args["steps"] == UNEVEN_STEPS
+    op_args = hover.formatters["$y"].args
+    assert op_args["ops"] == list(matrix.index)
+    assert op_args["labels"][:3] == ["Block_0/dot_general", "Block_0/tanh", "op 23"]
+    assert any(isinstance(t, TapTool) for t in fig.tools)
+
+
+def test_heatmap_axes_uneven_steps_and_labels():
+    matrix = _matrix()
+    labels = pd.Series({3: "first"})
+    fig = viz.heatmap(matrix, metric="rms", labels=labels)
+    formatter = fig.xaxis[0].formatter
+    assert isinstance(formatter, CustomJSTickFormatter)
+    assert formatter.args["steps"] == UNEVEN_STEPS
+    yaxis = fig.yaxis[0]
+    assert list(yaxis.ticker.ticks) == list(range(len(matrix)))
+    assert yaxis.major_label_overrides[0] == "first"
+    assert fig.y_range.start > fig.y_range.end  # first op on top
+
+    many = pd.DataFrame(np.ones((100, 3)), columns=[0, 1, 2])
+    assert list(viz.heatmap(many, metric="rms").yaxis[0].ticker.ticks) == []
+
+
+def test_heatmap_js_snippets_map_pixels_to_steps_and_labels():
+    """Run the hover/tick formatter code in node, as BokehJS compiles it."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node not installed")
+    fig = viz.heatmap(_matrix(), metric="rms", labels=pd.Series({3: "a", 13: "b"}))
+    hover = next(t for t in fig.tools if isinstance(t, HoverTool))
+    step_js, op_js = hover.formatters["$x"], hover.formatters["$y"]
+    tick_js = fig.xaxis[0].formatter
+    value_js = hover.formatters["@image"]
+
+    def fn(model, params):
+        names = [*model.args.keys(), *params]
+        return f"(new Function({json.dumps(names)[1:-1]}, {json.dumps(model.code)}))"
+
+    def call(model, params, *values):
+        args = [json.dumps(v) for v in model.args.values()]
+        return f"{fn(model, params)}({', '.join([*args, *values])})"
+
+    hov = ["value", "format", "special_vars"]
+    exprs = [
+        call(step_js, hov, "3.4", '"step"', "{}"),
+        call(step_js, hov, "-0.7", '"step"', "{}"),
+        call(op_js, hov, "0.6", '"label"', "{}"),
+        call(op_js, hov, "0.6", '"id"', "{}"),
+        call(tick_js, ["tick", "index", "ticks"], "6", "0", "[]"),
+        call(tick_js, ["tick", "index", "ticks"], "2.5", "0", "[]"),
+        call(value_js, hov, "NaN", '"value"', "{}"),
+        call(value_js, hov, "0.000012345", '"value"', "{}"),
+        call(value_js, hov, "0.25", '"value"', "{}"),
+    ]
+    script = f"console.log(JSON.stringify([{', '.join(exprs)}]))"
+    out = subprocess.run([node, "-e", script], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == ["5", "", "b", "13", "100", "", "no data", "1.234e-5", "0.25"]
+
+
+def test_heatmap_empty_and_large():
+    empty = viz.heatmap(pd.DataFrame(), metric="rms")
+    assert empty.name == "heatmap" and not _images(empty)
+    big = pd.DataFrame(np.random.default_rng(0).random((2000, 1000)), columns=np.arange(1000) * 10)
+    fig = viz.heatmap(big, metric="snr_e4m3")
+    assert len(_images(fig)) == 1
+    assert viz.heatmap_cell(fig, 999, 1999) == (1999, 9990)
+    small = viz.heatmap(big.iloc[:5, :5].astype(np.float32), metric="rms")
+    assert np.asarray(_images(small)[0].data_source.data["image"][0]).dtype == np.float32
+
+
+# --- timeseries ----------------------------------------------------------------------------
+
+
+def test_timeseries_lines_markers_legend_and_log_drop():
+    frame = pd.DataFrame(
+        {"scale": [1.0, 2.0, 0.0, 4.0], "rms": [1.0, 0.5, -0.2, 0.1], "absmax": [3, 3, 3, 3]},
+        index=[0, 10, 20, 50],
+    )
+    fig = viz.timeseries(frame, title="op 3")
+    assert fig.name == "timeseries"
+    assert [item.label.value for item in fig.legend[0].items] == ["scale", "rms", "absmax"]
+    assert len(fig.renderers) == 6  # a line and markers per column
+    sources = {r.data_source.name: r.data_source.data for r in fig.renderers}
+    scale = np.asarray(sources["series-scale"]["value"])
+    assert np.isnan(scale[2]) and scale[3] == 4.0
+    assert np.isnan(np.asarray(sources["series-rms"]["value"])[2])
+    assert any("2 value(s) <= 0" in t.text for t in fig.below if hasattr(t, "text"))
+    linear = viz.timeseries(frame, log_y=False, name="ts")
+    assert linear.name == "ts"
+    assert np.asarray(
+        {r.data_source.name: r.data_source.data for r in linear.renderers}["series-rms"]["value"]
+    )[2] == pytest.approx(-0.2)
+
+
+# --- exponent histogram -----------------------------------------------------------------------
+
+
+def _counts() -> pd.Series:
+    counts = pd.Series(0, index=HIST_LABELS, dtype=np.int64)
+    counts["2^-12"] = 5
+    counts["2^-3"] = 40
+    counts["2^0"] = 100
+    counts["2^9"] = 2
+    counts["zero"] = 7
+    counts["nonfinite"] = 1
+    return counts
+
+
+def test_histogram_bars_one_per_nonempty_bin():
+    fig = viz.exponent_histogram(_counts(), FORMAT_INFO)
+    assert fig.name == "histogram"
+    bins = fig.select_one({"name": "histogram-bins"}).data_source.data
+    assert list(bins["left"]) == [-12, -3, 0, 9]
+    assert list(bins["right"]) == [-11, -2, 1, 10]
+    assert list(bins["count"]) == [5, 40, 100, 2]
+    special = fig.select_one({"name": "histogram-special"}).data_source.data
+    by_bin = dict(zip(special["bin"], special["count"]))
+    assert by_bin == {"zero": 7, "below": 0, "above": 0, "nonfinite": 1}
+    lefts = dict(zip(special["bin"], special["left"]))
+    assert lefts["zero"] < lefts["below"] < -40 and 23 < lefts["above"] < lefts["nonfinite"]
+    labels = fig.xaxis[0].major_label_overrides
+    assert {labels[x + 0.5] for x in lefts.values()} == {"zero", "below", "above", "nonfinite"}
+
+
+def test_histogram_format_ranges():
+    fig = viz.exponent_histogram(_counts(), FORMAT_INFO)
+    boxes = {b.name: b for b in fig.center if isinstance(b, BoxAnnotation)}
+    assert len(boxes) == 2 * len(FORMAT_INFO)
+    normal, sub = boxes["e4m3-normal"], boxes["e4m3-subnormal"]
+    assert (normal.left, normal.right) == (-6.0, pytest.approx(math.log2(448)))
+    assert (sub.left, sub.right) == (-9.0, -6.0)
+    assert sub.fill_alpha < normal.fill_alpha
+    assert normal.fill_color == sub.fill_color != boxes["fp16-normal"].fill_color
+    assert (boxes["fp16-subnormal"].left, boxes["fp16-normal"].left) == (-24.0, -14.0)
+    spans = {s.name: s.location for s in fig.center if isinstance(s, Span)}
+    assert spans["e4m3-max"] == pytest.approx(math.log2(448))
+    assert spans["e5m2-max"] == pytest.approx(math.log2(57344))
+    legend = [item.label.value for item in fig.legend[0].items]
+    assert len(legend) == 4 and all(any(f in label for label in legend) for f in FORMAT_INFO)
+
+
+def test_histogram_format_subset_log_counts_and_format_objects():
+    from scalescope.core.formats import FORMATS
+
+    fig = viz.exponent_histogram(_counts(), FORMATS, formats=["e4m3"], log_counts=True)
+    boxes = {b.name for b in fig.center if isinstance(b, BoxAnnotation)}
+    assert boxes == {"e4m3-normal", "e4m3-subnormal"}
+    assert fig.y_scale.__class__.__name__ == "LogScale"
+    assert viz.format_bounds(FORMATS["e4m3"])["subnormal"] == (-9.0, -6.0)
+
+
+# --- SNR ------------------------------------------------------------------------------------
+
+
+def test_snr_bars_thresholds_and_inf_clip():
+    snr = pd.Series({"e4m3": 31.0, "e5m2": 24.0, "bf16": 52.0, "fp32": np.inf})
+    fig = viz.snr_chart(snr, thresholds={"e4m3": 25.0, "e5m2": 25.0})
+    assert fig.name == "snr"
+    data = fig.select_one({"name": "snr-bars"}).data_source.data
+    assert list(data["format"]) == ["e4m3", "e5m2", "bf16", "fp32"]
+    assert list(data["snr"][:3]) == [31.0, 24.0, 52.0] and data["snr"][3] == 70.0
+    marks = fig.select_one({"name": "snr-thresholds"}).data_source.data
+    assert list(marks["x"]) == ["e4m3", "e5m2"] and list(marks["y"]) == [25.0, 25.0]
+    assert any("clipped at 70 dB" in t.text for t in fig.below if hasattr(t, "text"))
+    assert (
+        viz.snr_chart(snr, clip_db=200).select_one({"name": "snr-bars"}).data_source.data["snr"][3]
+        == 200
+    )
+
+
+def test_snr_lines_threshold_spans():
+    frame = pd.DataFrame(
+        {"e4m3": [30.0, 29.0, 20.0], "fp16": [np.inf, 70.0, 68.0]}, index=[0, 10, 100]
+    )
+    fig = viz.snr_chart(frame, thresholds={"e4m3": 25.0, "fp16": 40.0}, name="snr-steps")
+    assert fig.name == "snr-steps"
+    spans = {s.name: s for s in fig.center if isinstance(s, Span)}
+    assert spans["threshold-e4m3"].location == 25.0
+    assert spans["threshold-fp16"].location == 40.0
+    assert spans["threshold-e4m3"].dimension == "width"
+    assert [item.label.value for item in fig.legend[0].items] == ["e4m3", "fp16"]
+    ys = [np.asarray(r.data_source.data["snr"]) for r in fig.renderers]
+    assert any(y[0] == 80.0 for y in ys)  # inf clipped at ceil((70 + 10) / 10) * 10
+
+
+# --- loss curve -------------------------------------------------------------------------------
+
+
+def test_loss_curve_runs_dashes_and_first_nonfinite_step():
+    steps = np.arange(10)
+    good = pd.DataFrame({"loss": 3.0 - 0.1 * steps, "lr": 1e-3}, index=steps)
+    good["val_loss"] = np.where(steps % 5 == 0, 3.1 - 0.1 * steps, np.nan)  # sparse, not NaN
+    bad = good.copy()
+    bad.loc[6:, "loss"] = np.nan
+    bad.loc[4, "loss"] = 9.0
+    fig = viz.loss_curve({"fp32": good, "fp8": bad})
+    assert fig.name == "loss"
+    lines = [r for r in fig.renderers if r.name != "nonfinite"]
+    assert len(lines) == 4  # (loss, val_loss) x 2 runs; lr is not in columns
+    assert [list(r.glyph.line_dash) for r in lines] == [[], [6]] * 2  # solid, dashed
+    assert lines[0].glyph.line_color == lines[1].glyph.line_color != lines[2].glyph.line_color
+    val = lines[1].data_source.data  # sparse val_loss: logged points joined, gaps skipped
+    assert list(val["x"]) == [0, 5] and list(val["y"]) == pytest.approx([3.1, 2.6])
+    assert list(lines[2].data_source.data["x"]) == [0, 1, 2, 3, 4, 5]  # diverged loss ends
+    marks = fig.select_one({"name": "nonfinite"}).data_source.data
+    assert list(marks["step"]) == [6] and list(marks["run"]) == ["fp8"]
+    assert marks["y"][0] == 9.0  # the top of the finite range
+
+    inf = good.copy()
+    inf.loc[3, "loss"] = np.inf
+    single = viz.loss_curve(inf, name="loss-1")
+    assert single.name == "loss-1"
+    assert list(single.select_one({"name": "nonfinite"}).data_source.data["step"]) == [3]
+    assert viz.loss_curve(good).select_one({"name": "nonfinite"}) is None
+
+
+# --- standalone HTML ----------------------------------------------------------------------------
+
+
+class _Links(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.links: list[str] = []
+        self.inline_js: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag, attrs):
+        self.links += [v or "" for k, v in attrs if k in ("src", "href")]
+        self._in_script = tag == "script"
+
+    def handle_endtag(self, tag):
+        self._in_script = False
+
+    def handle_data(self, data):
+        if self._in_script:
+            self.inline_js.append(data)
+
+
+def test_standalone_html_is_offline_and_self_contained():
+    layout = column(
+        viz.heatmap(_matrix(), metric="log2_rms"),
+        viz.timeseries(pd.DataFrame({"rms": [1.0, 2.0]}, index=[0, 5])),
+        viz.exponent_histogram(_counts(), FORMAT_INFO),
+        viz.snr_chart(pd.Series({"e4m3": 30.0, "fp32": np.inf}), thresholds={"e4m3": 25.0}),
+        viz.loss_curve(pd.DataFrame({"loss": [2.0, np.nan]}, index=[0, 1])),
+        name="report",
+    )
+    html = viz.standalone_html(layout, "precision audit")
+    parser = _Links()
+    parser.feed(html)
+    assert not [link for link in parser.links if link.startswith(("http:", "https:", "//"))]
+    assert "<title>precision audit</title>" in html
+    inline = "".join(parser.inline_js)
+    assert "Bokeh" in inline and len(inline) > 500_000  # BokehJS itself is inline
+    for name in ("heatmap", "timeseries", "histogram", "snr", "loss", "report"):
+        assert f'"name":"{name}"' in html.replace(" ", "")
