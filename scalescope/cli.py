@@ -184,10 +184,55 @@ def _train(args, parser) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the live precision dashboard on a run or a folder of runs",
+        description="Serve the dashboard on PATH (a run directory, or a folder holding runs; "
+        "runs that appear under it later are picked up). Works offline; binds 127.0.0.1 "
+        "unless --address says otherwise.",
+    )
+    p.add_argument("path", help="a run directory or a folder of runs")
+    p.add_argument("--port", type=int, default=5006, help="port (default 5006)")
+    p.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only)",
+    )
+    p.add_argument("--show", action="store_true", help="open a browser tab")
+
+
+def _serve(args, parser) -> int:
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    from app import ServeError, serve  # heavy (Panel): only imported for this command
+
+    try:
+        serve(args.path, port=args.port, address=args.address, show=args.show, threaded=True)
+    except ServeError as err:
+        print(f"scalescope serve: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # port taken, address not ours
+        print(
+            f"scalescope serve: cannot listen on {args.address}:{args.port}: {err}", file=sys.stderr
+        )
+        return 2
+    print(
+        f"scalescope dashboard on http://{args.address}:{args.port}/ (Ctrl-C stops it)", flush=True
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopped")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scalescope", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_serve(sub)
     p_demo = sub.add_parser(
         "demo",
         help="train the sample MLP in FP32/FP16/FP8, with and "
@@ -199,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args, parser)
+    if args.command == "serve":
+        return _serve(args, parser)
     if args.command == "demo":
         if args.steps < 1 or args.batch < 1:
             parser.error("--steps and --batch must be positive")

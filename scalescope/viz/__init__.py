@@ -8,7 +8,7 @@ builder returns a Bokeh model with a stable ``name=`` that browser tests look up
 """
 
 from .export import standalone_html
-from .heatmap import color_range, heatmap, heatmap_cell
+from .heatmap import color_range, heatmap, heatmap_cell, update_heatmap
 from .histogram import exponent_histogram, format_bounds
 from .lines import loss_curve, timeseries
 from .snr import snr_chart
@@ -27,4 +27,5 @@ __all__ = [
     "snr_chart",
     "standalone_html",
     "timeseries",
+    "update_heatmap",
 ]

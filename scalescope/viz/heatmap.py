@@ -237,3 +237,49 @@ def heatmap_cell(fig_or_matrix: Any, x: float, y: float) -> tuple[int, int] | No
     if 0 <= row < len(ops) and 0 <= col < len(steps):
         return ops[row], steps[col]
     return None
+
+
+def update_heatmap(
+    fig: Any,
+    matrix: pd.DataFrame,
+    *,
+    metric: str,
+    palette: Sequence[str] | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    title: str | None = None,
+) -> bool:
+    """Show ``matrix`` (another metric of the same ops and steps) in an existing heatmap
+    figure, in place: only the image values, colour range, palette and titles change, so
+    a live dashboard sends one array instead of a new figure.
+
+    Returns False, changing nothing, when the figure's ops or steps differ from the
+    matrix's (or it is empty): build a new figure with `heatmap` then.
+    """
+    ops, steps = _cell_axes(fig)
+    if [int(i) for i in matrix.index] != ops or [int(c) for c in matrix.columns] != steps:
+        return False
+    renderers = [r for r in fig.renderers if getattr(r, "name", "") == f"{fig.name}-image"]
+    if not renderers or not matrix.size:
+        return False
+    dtype = np.float32 if (matrix.dtypes == np.float32).all() else np.float64
+    values = matrix.to_numpy(dtype=dtype, copy=True)
+    image = renderers[0]
+    mapper = image.glyph.color_mapper
+    auto_low, auto_high = color_range(metric, values)
+    mapper.update(
+        palette=list(palette or theme.palette_for(metric)),
+        low=auto_low if low is None else low,
+        high=auto_high if high is None else high,
+    )
+    image.data_source.data = {"image": [values]}
+    for bar in fig.select(type=ColorBar):
+        bar.title = metric
+    for hover in fig.select(type=HoverTool):
+        *head, (_, value) = hover.tooltips
+        hover.tooltips = [*head, (metric, value)]
+    fig.title.text = title or metric
+    for tag in fig.tags:
+        if isinstance(tag, dict) and TAG in tag:
+            tag[TAG]["metric"] = metric
+    return True

@@ -1,0 +1,638 @@
+"""One dashboard page (one per browser session) over the runs of a `RunSet`.
+
+Six views in tabs: overview (loss curve, NaN/Inf alarms, worst ops, advisor summary),
+heatmap (op x step of any metric, with filters; a click opens the op), op detail (scale /
+RMS / abs-max over steps, exponent histogram, SNR per format), advisor table, format
+what-if, and the comparison of two runs. Every figure comes from `scalescope.viz`, every
+frame from `scalescope.analysis` (through `RunData`'s cache). A periodic callback reads
+new parts of the run; views showing data older than the run are redrawn when visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import re
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import panel as pn
+from bokeh.events import Tap
+
+from scalescope import analysis, viz
+
+from .data import RunData, RunSet
+
+#: How often a page looks for new data (ms): new steps show within ~2 s of being written.
+POLL_MS = 1000
+
+TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare")
+
+_FINDING_COLUMNS = [
+    "severity",
+    "rule",
+    "format",
+    "label",
+    "pass",
+    "primitive",
+    "first_step",
+    "steps",
+    "evidence",
+    "source",
+    "fix",
+]
+
+
+def _table(
+    frame: pd.DataFrame, name: str, page_size: int = 20, **kwargs: Any
+) -> pn.widgets.Tabulator:
+    """A read-only, sortable table."""
+    return pn.widgets.Tabulator(
+        frame,
+        disabled=True,
+        pagination="local",
+        page_size=page_size,
+        show_index=False,
+        sizing_mode="stretch_width",
+        layout="fit_data_table",
+        css_classes=[f"ss-{name}"],
+        **kwargs,
+    )
+
+
+def _message(text: str, kind: str = "info") -> str:
+    colors = {"info": "#555", "warn": "#a15c00", "error": "#b00020"}
+    return f'<div class="ss-msg ss-{kind}" style="color:{colors[kind]}">{html.escape(text)}</div>'
+
+
+class Dashboard:
+    """Widgets and views of one page; `layout` is what Panel serves."""
+
+    def __init__(self, runs: RunSet, run: str | None = None, poll_ms: int = POLL_MS) -> None:
+        self.runs = runs
+        names = runs.names
+        self.run_select = pn.widgets.Select(
+            label="Run", options=names, value=run or (names[0] if names else None), width=260
+        )
+        self.status = pn.pane.HTML("", sizing_mode="stretch_width")
+        self._muted = False  # True while several widgets change for one redraw
+        self.versions: dict[str, int] = {}  # view -> RunData.version it shows
+        self._build_overview()
+        self._build_heatmap()
+        self._build_detail()
+        self._build_advisor()
+        self._build_formats()
+        self._build_compare()
+        self.tabs = pn.Tabs(
+            ("Overview", self.overview),
+            ("Heatmap", self.heatmap_view),
+            ("Op detail", self.detail),
+            ("Advisor", self.advisor),
+            ("Formats", self.formats),
+            ("Compare", self.compare),
+            dynamic=False,
+            sizing_mode="stretch_width",
+        )
+        header = pn.Row(
+            pn.pane.HTML("<b style='font-size:1.3em'>scalescope</b>", width=120),
+            self.run_select,
+            self.status,
+            sizing_mode="stretch_width",
+        )
+        self.layout = pn.Column(header, self.tabs, sizing_mode="stretch_width")
+        self.run_select.param.watch(lambda e: self._muted or self.redraw(), "value")
+        self.tabs.param.watch(lambda e: self._muted or self.redraw_visible(), "active")
+        self.redraw()
+        if pn.state.curdoc is not None and poll_ms > 0:
+            pn.state.add_periodic_callback(self.poll, period=poll_ms)
+
+    @contextlib.contextmanager
+    def _quiet(self):
+        """Change several widgets without each one redrawing (a figure replaced twice in
+        one callback would linger in the browser's document)."""
+        muted, self._muted = self._muted, True
+        try:
+            yield
+        finally:
+            self._muted = muted
+
+    # -- run and refresh -------------------------------------------------------------------
+
+    @property
+    def data(self) -> RunData | None:
+        name = self.run_select.value
+        return self.runs.get(name) if name in self.runs.names else None
+
+    def poll(self) -> None:
+        """Pick up new runs and new steps; redraw what is visible if it is out of date."""
+        if self.runs.rescan():
+            self.run_select.options = self.runs.names
+            self.compare_select.options = self.runs.names
+            if self.run_select.value is None and self.runs.names:
+                self.run_select.value = self.runs.names[0]
+        data = self.data
+        if data is None:
+            return
+        data.refresh()
+        if self.versions.get("status") != data.version:
+            self.redraw_visible()
+
+    def redraw(self) -> None:
+        """Forget what every view shows (another run was picked) and draw the visible."""
+        self.versions.clear()
+        self.redraw_visible()
+
+    def redraw_visible(self) -> None:
+        data = self.data
+        self._draw_status(data)
+        if data is None:
+            return
+        view = TABS[self.tabs.active]
+        if self.versions.get(view) == data.version:
+            return
+        draw = {
+            "Overview": self._draw_overview,
+            "Heatmap": self._draw_heatmap,
+            "Op detail": self._draw_detail,
+            "Advisor": self._draw_advisor,
+            "Formats": self._draw_formats,
+            "Compare": self._draw_compare,
+        }[view]
+        try:
+            draw(data)
+        except Exception as err:  # noqa: BLE001 - show it in the page, keep the server up
+            self.status.object += _message(f"{view}: {type(err).__name__}: {err}", "error")
+            raise
+        self.versions[view] = data.version
+
+    def _draw_status(self, data: RunData | None) -> None:
+        if data is None:
+            broken = "; ".join(f"{k}: {v}" for k, v in self.runs.broken.items())
+            self.status.object = _message(
+                f"no readable run under {self.runs.root}. {broken}", "warn"
+            )
+            return
+        with data.lock:
+            meta, steps = data.reader.meta, data.steps
+            n_ops = int(data.stats["op"].nunique()) if len(steps) else 0
+            scalars = data.scalars
+        last = int(steps[-1]) if len(steps) else None
+        loss_step = int(scalars.index.max()) if len(scalars) else None
+        parts = [
+            f"<b>{html.escape(data.name)}</b>",
+            f"status: <span class='ss-run-status'>{html.escape(str(meta.get('status')))}</span>",
+            f"recorded steps: <span class='ss-step-count'>{len(steps)}</span>",
+            "last recorded step: "
+            f"<span class='ss-last-step'>{last if last is not None else '-'}</span>",
+            f"last logged step: {loss_step if loss_step is not None else '-'}",
+            f"ops: {n_ops}",
+            f"scalify: {bool((meta.get('graph') or {}).get('scalify', False))}",
+        ]
+        text = " &nbsp;·&nbsp; ".join(parts)
+        if not len(steps):
+            text += _message(
+                "no recorded step yet: the run is being created, this page updates when its "
+                "first statistics are written",
+                "warn",
+            )
+        self.status.object = f"<div class='ss-status'>{text}</div>"
+        self.versions["status"] = data.version
+
+    # -- overview --------------------------------------------------------------------------
+
+    def _build_overview(self) -> None:
+        self.loss_pane = pn.pane.Bokeh(None)
+        self.alarms = pn.pane.HTML("", name="alarms", sizing_mode="stretch_width")
+        self.worst_by = pn.widgets.Select(
+            label="Worst ops by", options=["frac_nonfinite"], width=220
+        )
+        self.worst_table = _table(pd.DataFrame(), "worst-ops", page_size=10)
+        self.rule_table = _table(pd.DataFrame(), "advisor-summary", page_size=10)
+        self.worst_by.param.watch(lambda e: self._muted or self._draw_worst(), "value")
+        self.overview = pn.Column(
+            self.alarms,
+            self.loss_pane,
+            pn.pane.HTML("<h3>Advisor summary</h3>"),
+            self.rule_table,
+            pn.pane.HTML("<h3>Worst ops</h3>"),
+            self.worst_by,
+            self.worst_table,
+            sizing_mode="stretch_width",
+            name="overview",
+        )
+
+    def _draw_overview(self, data: RunData) -> None:
+        with data.lock:
+            scalars = data.scalars
+            findings = data.findings() if len(data.steps) else pd.DataFrame()
+            summary = data.summary() if len(data.steps) else pd.DataFrame()
+        self.loss_pane.object = viz.loss_curve({data.name: scalars})
+        self.alarms.object = self._alarm_html(scalars, summary)
+        if len(findings):
+            self.rule_table.value = analysis.summary_by_rule(findings)
+        else:
+            self.rule_table.value = pd.DataFrame({"advisor": ["no findings"]})
+        numeric = [
+            c
+            for c in summary.columns
+            if pd.api.types.is_numeric_dtype(summary[c])
+            and c not in ("first_step", "last_step", "scaled")
+        ]
+        options = [c for c in ("frac_nonfinite", "log2_rms") if c in numeric] + [
+            c for c in numeric if c not in ("frac_nonfinite", "log2_rms")
+        ]
+        if options:
+            default = options[0]
+            if default == "frac_nonfinite" and not (summary[default] > 0).any():
+                default = "log2_rms" if "log2_rms" in options else default
+            value = self.worst_by.value if self.worst_by.value in options else default
+            with self._quiet():
+                self.worst_by.param.update(options=options, value=value)
+        self._summary = summary
+        self._draw_worst()
+
+    def _draw_worst(self) -> None:
+        summary = getattr(self, "_summary", pd.DataFrame())
+        by = self.worst_by.value
+        if summary.empty or by not in summary.columns:
+            self.worst_table.value = pd.DataFrame({"ops": ["no recorded op yet"]})
+            return
+        worst = analysis.worst_ops(summary, by, n=20)
+        cols = ["label", "pass", "primitive", by, "source"]
+        self.worst_table.value = worst.reset_index()[["op", *dict.fromkeys(cols)]]
+
+    @staticmethod
+    def _alarm_html(scalars: pd.DataFrame, summary: pd.DataFrame) -> str:
+        alarms = []
+        for col in scalars.columns:
+            bad = scalars.index[~np.isfinite(scalars[col].to_numpy(np.float64))]
+            bad = [s for s in bad if not np.isnan(scalars.loc[s, col]) or col in ("loss",)]
+            if bad:
+                alarms.append(f"{col} is non-finite from step {int(bad[0])}")
+        if "first_nonfinite_step" in summary.columns:
+            hit = summary[summary["first_nonfinite_step"].notna()]
+            if len(hit):
+                first = hit.sort_values("first_nonfinite_step").iloc[0]
+                alarms.append(
+                    f"{len(hit)} op(s) hold NaN/Inf; the first, at step "
+                    f"{int(first['first_nonfinite_step'])}: {first['label']} ({first['source']})"
+                )
+        if not alarms:
+            return (
+                "<div class='ss-alarms ss-ok' style='color:#2a7a2a'>"
+                "no NaN/Inf in the loss or in any recorded op</div>"
+            )
+        items = "".join(f"<li>{html.escape(a)}</li>" for a in alarms)
+        return f"<div class='ss-alarms' style='color:#b00020'><b>Alarms</b><ul>{items}</ul></div>"
+
+    # -- heatmap ---------------------------------------------------------------------------
+
+    def _build_heatmap(self) -> None:
+        self.metric = pn.widgets.Select(label="Metric", options=["log2_rms"], width=200)
+        self.pass_filter = pn.widgets.MultiChoice(label="Pass", options=[], width=220)
+        self.prim_filter = pn.widgets.MultiChoice(label="Primitive", options=[], width=260)
+        self.name_filter = pn.widgets.TextInput(
+            label="Name (regex)", placeholder="e.g. attn|mlp", width=220
+        )
+        self.heatmap_msg = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.heatmap_pane = pn.pane.Bokeh(None)
+        self._heatmap_fig = None
+        for w in (self.metric, self.pass_filter, self.prim_filter, self.name_filter):
+            w.param.watch(lambda e: self._muted or self._draw_heatmap_now(), "value")
+        self.heatmap_view = pn.Column(
+            pn.Row(self.metric, self.pass_filter, self.prim_filter, self.name_filter),
+            self.heatmap_msg,
+            self.heatmap_pane,
+            sizing_mode="stretch_width",
+        )
+
+    def _draw_heatmap(self, data: RunData) -> None:
+        with data.lock:
+            metrics = data.metrics() if len(data.steps) else ["log2_rms"]
+            ops = data.ops
+        with self._quiet():
+            value = self.metric.value if self.metric.value in metrics else metrics[0]
+            self.metric.param.update(options=metrics, value=value)
+            self.pass_filter.options = sorted(set(ops["pass"])) if len(ops) else []
+            self.prim_filter.options = sorted(set(ops["primitive"])) if len(ops) else []
+        self._draw_heatmap_now(force=True)
+
+    def _draw_heatmap_now(self, force: bool = False) -> None:
+        data = self.data
+        if data is None:
+            return
+        if not len(data.steps):
+            self.heatmap_msg.object = _message("no recorded step yet", "warn")
+            return
+        try:
+            re.compile(self.name_filter.value or "")
+        except re.error as err:
+            self.heatmap_msg.object = _message(f"bad name regex: {err}", "error")
+            return
+        metric = self.metric.value
+        with data.lock:
+            ops = data.filtered_ops(
+                tuple(self.pass_filter.value),
+                tuple(self.prim_filter.value),
+                self.name_filter.value or "",
+            )
+            if not len(ops):
+                self.heatmap_msg.object = _message("no op matches the filters", "warn")
+                return
+            mat = data.matrix(metric, ops)
+            labels = data.labels
+        n_steps = len(data.steps)
+        note = f"{len(mat)} ops x {mat.shape[1]} columns"
+        if mat.shape[1] < n_steps:
+            note += f" ({n_steps} recorded steps merged into windows, worst value kept)"
+        note += "; click a cell to open that op at that step"
+        self.heatmap_msg.object = _message(note)
+        fig = self._heatmap_fig
+        if fig is not None and not force and viz.update_heatmap(fig, mat, metric=metric):
+            return
+        fig = viz.heatmap(mat, metric=metric, labels=labels)
+        fig.on_event(Tap, self._on_tap)
+        self._heatmap_fig = fig
+        self.heatmap_pane.object = fig
+
+    def _on_tap(self, event: Tap) -> None:
+        cell = viz.heatmap_cell(self._heatmap_fig, event.x, event.y)
+        if cell is None:
+            return
+        op, step = cell
+        self.open_op(op, step)
+
+    def open_op(self, op: int, step: int | None = None) -> None:
+        """Show ``op`` (at ``step``) in the op detail view."""
+        self._pending_step = step
+        with self._quiet():
+            self.tabs.active = TABS.index("Op detail")
+        data = self.data
+        if data is not None:
+            self._draw_detail(data, op)
+            self.versions["Op detail"] = data.version
+
+    # -- op detail -------------------------------------------------------------------------
+
+    def _build_detail(self) -> None:
+        self.op_select = pn.widgets.Select(label="Op", options={}, width=520)
+        self.step_select = pn.widgets.Select(label="Step", options=[], width=140)
+        self.op_info = pn.pane.HTML("", sizing_mode="stretch_width", name="op-info")
+        self.series_pane = pn.pane.Bokeh(None)
+        self.hist_pane = pn.pane.Bokeh(None)
+        self.snr_pane = pn.pane.Bokeh(None)
+        self.op_findings = _table(pd.DataFrame(), "op-findings", page_size=5)
+        self._pending_step: int | None = None
+        self.op_select.param.watch(lambda e: self._muted or self._draw_op(), "value")
+        self.step_select.param.watch(lambda e: self._muted or self._draw_op_step(), "value")
+        self.detail = pn.Column(
+            pn.Row(self.op_select, self.step_select),
+            self.op_info,
+            pn.Row(self.series_pane, self.snr_pane),
+            self.hist_pane,
+            self.op_findings,
+            sizing_mode="stretch_width",
+        )
+
+    def _draw_detail(self, data: RunData, op: int | None = None) -> None:
+        with data.lock:
+            if not len(data.steps):
+                self.op_info.object = _message("no recorded step yet", "warn")
+                return
+            labels = data.labels
+            recorded = np.unique(data.stats["op"].to_numpy(np.int64))
+            findings = data.findings()
+        options = {str(labels[op]): int(op) for op in recorded}
+        current = self.op_select.value if op is None else int(op)
+        if current not in options.values():
+            current = int(findings["op"].iloc[0] if len(findings) else recorded[0])
+        with self._quiet():
+            self.op_select.param.update(options=options, value=current)
+        self._draw_op()
+
+    def _draw_op(self) -> None:
+        data, op = self.data, self.op_select.value
+        if data is None or op is None:
+            return
+        with data.lock:
+            rows = data.op_stats(op)
+            info = data.ops.loc[op]
+            label = data.labels.get(op, f"op {op}")
+            findings = data.findings()
+        steps = sorted(int(s) for s in rows["step"].unique())
+        step = self._pending_step if self._pending_step in steps else (steps[-1] if steps else None)
+        self._pending_step = None
+        fields = {
+            "label": label,
+            "name": info["name"],
+            "pass": info["pass"],
+            "primitive": info["primitive"],
+            "shape": "x".join(map(str, info["shape"])) or "scalar",
+            "dtype": info["dtype"],
+            "scaled": bool(info["scaled"]),
+            "cast to": info.get("cast_to", "") or "-",
+            "source": info.get("source", "") or "-",
+        }
+        cells = "".join(
+            f"<tr><th style='text-align:left;padding-right:1em'>{k}</th>"
+            f"<td>{html.escape(str(v))}</td></tr>"
+            for k, v in fields.items()
+        )
+        self.op_info.object = f"<table class='ss-op-info'>{cells}</table>"
+        per_step = rows.groupby("step")[["scale", "rms", "absmax"]].max()
+        self.series_pane.object = viz.timeseries(per_step, title=f"{label}: scale, rms, abs-max")
+        mine = findings[findings["op"] == op]
+        self.op_findings.value = (
+            mine[[c for c in _FINDING_COLUMNS if c != "label"]].reset_index(drop=True)
+            if len(mine)
+            else pd.DataFrame({"advisor": ["no finding for this op"]})
+        )
+        with self._quiet():
+            self.step_select.param.update(options=steps, value=step)
+        self._draw_op_step()
+
+    def _draw_op_step(self) -> None:
+        data, op, step = self.data, self.op_select.value, self.step_select.value
+        if data is None or op is None or step is None:
+            return
+        with data.lock:
+            rows = data.op_stats(op)
+            meta = data.reader.meta
+            formats = data.formats
+            hist = data.reader.hist(op, step) if data.reader.hist_columns else None
+        at = rows[rows["step"] == step]
+        snr_cols = {f: f"snr_{f}" for f in formats if f"snr_{f}" in at.columns}
+        if snr_cols and len(at):
+            snr = pd.Series({f: float(at[c].min()) for f, c in snr_cols.items()})
+            self.snr_pane.object = viz.snr_chart(
+                snr,
+                thresholds=dict(analysis.DEFAULT_SNR_DB),
+                title=f"SNR per format at step {step}",
+            )
+        label = (
+            self.op_select.labels[self.op_select.values.index(op)]
+            if op in self.op_select.values
+            else op
+        )
+        if hist is not None:
+            self.hist_pane.object = viz.exponent_histogram(
+                hist, meta.get("format_info", {}), title=f"{label} at step {step}: log2 |x|"
+            )
+        else:
+            self.hist_pane.object = None
+            self.op_info.object += _message("this run was recorded without histograms", "info")
+
+    # -- advisor, formats --------------------------------------------------------------------
+
+    def _build_advisor(self) -> None:
+        self.advisor_msg = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.advisor_table = _table(pd.DataFrame(), "advisor", page_size=25)
+        self.advisor_table.on_click(self._on_finding_click)
+        self.advisor = pn.Column(self.advisor_msg, self.advisor_table, sizing_mode="stretch_width")
+        self._findings = pd.DataFrame()
+
+    def _draw_advisor(self, data: RunData) -> None:
+        with data.lock:
+            findings = data.findings() if len(data.steps) else pd.DataFrame()
+        self._findings = findings
+        if findings.empty:
+            self.advisor_msg.object = _message("the advisor has no finding for this run")
+            self.advisor_table.value = pd.DataFrame({"advisor": ["no findings"]})
+            return
+        counts = findings["severity"].value_counts()
+        text = ", ".join(f"{counts[s]} {s}" for s in analysis.SEVERITY_ORDER if s in counts)
+        self.advisor_msg.object = _message(
+            f"{len(findings)} findings ({text}). Click a row to open the op."
+        )
+        self.advisor_table.value = findings[["op", *_FINDING_COLUMNS]]
+
+    def _on_finding_click(self, event: Any) -> None:
+        if self._findings.empty or event.row is None or event.row >= len(self._findings):
+            return
+        self.open_op(
+            int(self._findings["op"].iloc[event.row]),
+            int(self._findings["first_step"].iloc[event.row]),
+        )
+
+    def _build_formats(self) -> None:
+        self.verdicts = _table(pd.DataFrame(), "verdicts", page_size=10)
+        self.whatif_table = _table(pd.DataFrame(), "whatif", page_size=25)
+        self.formats = pn.Column(
+            pn.pane.HTML(
+                "<h3>FP8-safe ops per pass and format</h3><p>An op is safe in a format when, "
+                "over the recorded steps, it never overflows, underflows at most 1 %, and "
+                "keeps its SNR above the format's threshold.</p>"
+            ),
+            self.verdicts,
+            pn.pane.HTML("<h3>Per op</h3>"),
+            self.whatif_table,
+            sizing_mode="stretch_width",
+        )
+
+    def _draw_formats(self, data: RunData) -> None:
+        with data.lock:
+            if not len(data.steps):
+                return
+            whatif = data.whatif()
+            ops = data.ops
+            labels = data.labels
+        self.verdicts.value = analysis.verdict_counts(whatif, ops, as_text=True).reset_index()
+        flat = pd.DataFrame(index=whatif.index)
+        flat["label"] = labels.reindex(whatif.index).to_numpy()
+        for fmt in dict.fromkeys(whatif.columns.get_level_values(0)):
+            flat[f"{fmt} safe"] = whatif[(fmt, "safe")]
+            flat[f"{fmt} snr"] = whatif[(fmt, "snr")].round(1)
+            flat[f"{fmt} why"] = whatif[(fmt, "reason")]
+        self.whatif_table.value = flat.reset_index()
+
+    # -- compare ---------------------------------------------------------------------------
+
+    def _build_compare(self) -> None:
+        self.compare_select = pn.widgets.Select(
+            label="Compare with", options=self.runs.names, width=260
+        )
+        self.compare_metric = pn.widgets.Select(
+            label="Metric",
+            options=["log2_rms", "value_rms", "frac_zero"],
+            value="value_rms",
+            width=200,
+        )
+        self.compare_msg = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.compare_loss = pn.pane.Bokeh(None)
+        self.compare_table = _table(pd.DataFrame(), "compare", page_size=20)
+        for w in (self.compare_select, self.compare_metric):
+            w.param.watch(lambda e: self._muted or self._draw_compare_now(), "value")
+        self.compare = pn.Column(
+            pn.Row(self.compare_select, self.compare_metric),
+            self.compare_msg,
+            self.compare_loss,
+            self.compare_table,
+            sizing_mode="stretch_width",
+        )
+
+    def _draw_compare(self, data: RunData) -> None:
+        others = [n for n in self.runs.names if n != self.run_select.value]
+        value = self.compare_select.value
+        with self._quiet():
+            self.compare_select.param.update(
+                options=others, value=value if value in others else (others[0] if others else None)
+            )
+        self._draw_compare_now()
+
+    def _draw_compare_now(self) -> None:
+        data, other_name = self.data, self.compare_select.value
+        if data is None or other_name is None:
+            self.compare_msg.object = _message(
+                "serve a folder holding two or more runs to compare them (e.g. fp32 and fp8)",
+                "info",
+            )
+            return
+        other = self.runs.get(other_name)
+        other.refresh()
+        with data.lock, other.lock:
+            self.compare_loss.object = viz.loss_curve(
+                {data.name: data.scalars, other.name: other.scalars}
+            )
+            if not len(data.steps) or not len(other.steps):
+                self.compare_msg.object = _message(
+                    "one of the runs has no recorded step yet", "warn"
+                )
+                return
+            names = (data.name, other.name) if data.name != other.name else ("a", "b")
+            values, unmatched = analysis.compare_runs(
+                data.stats, data.ops, other.stats, other.ops, self.compare_metric.value, names=names
+            )
+        a, b = names
+        if values.empty:
+            self.compare_msg.object = _message("no op and step are recorded in both runs", "warn")
+            self.compare_table.value = pd.DataFrame()
+            return
+        diff = "log2_ratio" if "log2_ratio" in values.columns else "difference"
+        last = values[values["step"] == values["step"].max()]
+        per_op = (
+            last.groupby(f"op_{a}", sort=False)
+            .agg(
+                label=("label", "first"),
+                step=("step", "first"),
+                **{
+                    f"value_{a}": (f"value_{a}", "max"),
+                    f"value_{b}": (f"value_{b}", "max"),
+                    diff: (
+                        diff,
+                        lambda s: (
+                            s.iloc[int(np.nanargmax(np.abs(s.to_numpy())))]
+                            if s.notna().any()
+                            else np.nan
+                        ),
+                    ),
+                },
+            )
+            .reset_index()
+        )
+        per_op = per_op.iloc[np.argsort(-np.abs(per_op[diff].fillna(0).to_numpy()), kind="stable")]
+        self.compare_msg.object = _message(
+            f"{per_op.shape[0]} matched ops at step {int(last['step'].iloc[0])}, largest {diff} "
+            f"first; {len(unmatched)} ops only in one run"
+        )
+        self.compare_table.value = per_op.reset_index(drop=True)

@@ -1,0 +1,307 @@
+"""The dashboard: `scalescope serve` on bad paths, the page model in-process, and the
+served page in Debian's chromium driven by Playwright (every view renders offline with
+no console error; the metric select changes the heatmap; a click on a heatmap cell opens
+the op; a run being written shows new steps without reload)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import scalescope as ss
+
+HERE = Path(__file__).parent
+WRITER = HERE / "dashboard_writer.py"
+CHROMIUM = "/usr/bin/chromium"
+CHROME_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+LOCAL = ("http://127.0.0.1", "ws://127.0.0.1", "file:", "data:", "blob:", "about:")
+TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare")
+
+
+def _write(run: Path, *args: str, **kw) -> subprocess.Popen | None:
+    cmd = [sys.executable, str(WRITER), str(run), *args]
+    if kw.get("background"):
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(path: Path):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scalescope.cli", "serve", str(path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.time() + 90
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"serve exited {proc.returncode}: {proc.stdout.read()}")
+            try:
+                if urllib.request.urlopen(url, timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise AssertionError("the dashboard did not answer within 90 s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# ---------------------------------------------------------------------------------------
+# command line and page model, no browser
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    _write(root / "naive", "--naive", "--steps", "6")
+    _write(root / "scalified", "--steps", "6")
+    return root
+
+
+def test_serve_rejects_bad_paths_with_a_message(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        tmp_path / "missing": "does not exist",
+        tmp_path / "file.txt": "is a file",
+        tmp_path / "empty": "no runs under",
+    }
+    for path, words in cases.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "scalescope.cli", "serve", str(path), "--port", "5"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
+    from app import Dashboard, RunSet
+
+    dash = Dashboard(RunSet(runs), run="naive", poll_ms=0)
+    for i, view in enumerate(TABS):
+        dash.tabs.active = i
+        assert view in dash.versions, view
+    assert "ss-step-count'>6<" in dash.status.object
+    assert dash.heatmap_pane.object is not None and dash.hist_pane.object is not None
+    # the advisor table holds the overflow of the E4M3 cast of layer0, forward
+    findings = dash.advisor_table.value
+    hit = findings[(findings["rule"] == "overflow") & (findings["format"] == "e4m3")]
+    assert len(hit) and set(hit["pass"]) == {"fwd"} and hit["label"].str.contains("layer0").all()
+    # a tap on a cell opens that op at that step
+    fig = dash._heatmap_fig
+    ops, steps = (
+        fig.tags[0]["scalescope.heatmap"]["ops"],
+        fig.tags[0]["scalescope.heatmap"]["steps"],
+    )
+
+    class Tap:
+        x, y = 2.0, 3.0
+
+    dash._on_tap(Tap())
+    assert TABS[dash.tabs.active] == "Op detail"
+    assert dash.op_select.value == ops[3] and dash.step_select.value == steps[2]
+    # a run still being created (metadata only) is listed and explained, not an error
+    with ss.Run(tmp_path / "new"):
+        fresh = Dashboard(RunSet(tmp_path), poll_ms=0)
+        assert "no recorded step yet" in fresh.status.object
+
+
+# ---------------------------------------------------------------------------------------
+# browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    pw = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} missing: apt-get install -y chromium (.ci/run does)")
+    with pw.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS)
+        yield b
+        b.close()
+
+
+@contextlib.contextmanager
+def _page(browser, url: str):
+    """A page that aborts every request leaving 127.0.0.1 and collects console errors."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    blocked, errors = [], []
+
+    def route(r):
+        if r.request.url.startswith(LOCAL):
+            r.continue_()
+        else:
+            blocked.append(r.request.url)
+            r.abort()
+
+    page.route("**/*", route)
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    _idle(page)
+    try:
+        yield page, blocked, errors
+    finally:
+        page.close()
+
+
+def _idle(page, timeout: float = 60_000) -> None:
+    page.wait_for_function(
+        "() => window.Bokeh && Bokeh.documents.length > 0 && Bokeh.documents[0].is_idle",
+        timeout=timeout,
+    )
+
+
+def _model(page, name: str) -> bool:
+    return page.evaluate(f"() => Bokeh.documents[0].get_model_by_name({name!r}) != null")
+
+
+def _tab(page, tab: str):
+    return page.locator(".bk-tab").filter(has_text=re.compile(f"^{tab}$")).first
+
+
+def _open(page, tab: str) -> None:
+    _tab(page, tab).click()
+
+
+def _image_sum(page) -> float | None:
+    return page.evaluate(
+        """() => {
+        const m = Bokeh.documents[0].get_model_by_name('heatmap-image');
+        if (m == null) return null;
+        const a = m.data_source.data.image[0];
+        let s = 0; for (const v of a) if (Number.isFinite(v)) s += v;
+        return s;
+    }"""
+    )
+
+
+@pytest.mark.browser
+def test_every_view_renders_offline_without_console_errors(browser, runs):
+    expected = {
+        "Overview": ["loss"],
+        "Heatmap": ["heatmap"],
+        "Op detail": ["timeseries", "histogram", "snr"],
+        "Advisor": [],
+        "Formats": [],
+        "Compare": [],
+    }
+    with _server(runs) as url, _page(browser, url) as (page, blocked, errors):
+        for tab, models in expected.items():
+            _open(page, tab)
+            for name in models:
+                page.wait_for_function(
+                    f"() => Bokeh.documents[0].get_model_by_name({name!r}) != null",
+                    timeout=30_000,
+                )
+            _idle(page)
+        page.wait_for_selector(".ss-step-count")
+        assert page.locator(".ss-step-count").first.inner_text() == "6"
+        _open(page, "Advisor")
+        page.get_by_text("overflow").first.wait_for(timeout=30_000)
+        assert not blocked, blocked
+        assert not errors, errors
+
+
+@pytest.mark.browser
+def test_metric_switch_redraws_the_heatmap_and_a_click_opens_the_op(browser, runs):
+    with _server(runs / "naive") as url, _page(browser, url) as (page, blocked, errors):
+        _open(page, "Heatmap")
+        page.wait_for_function(
+            "() => Bokeh.documents[0].get_model_by_name('heatmap-image') != null", timeout=30_000
+        )
+        before = _image_sum(page)
+        metric = page.get_by_label("Metric", exact=True).first  # the heatmap's (first tab)
+        metric.select_option(label="frac_zero")
+        page.wait_for_function(
+            "() => Bokeh.documents[0].get_model_by_name('heatmap').title.text == 'frac_zero'",
+            timeout=30_000,
+        )
+        _idle(page)
+        after = _image_sum(page)
+        assert before is not None and after is not None and before != after
+        # click in the middle of the heatmap's canvas: the op detail view opens on a cell
+        # click inside the plot frame of the heatmap: the largest visible canvas, left of
+        # its colour bar
+        boxes = [c.bounding_box() for c in page.locator("canvas").all() if c.is_visible()]
+        box = max((b for b in boxes if b), key=lambda b: b["width"] * b["height"])
+        box = {"x": box["x"] + 0.4 * box["width"], "y": box["y"] + 0.5 * box["height"]}
+        page.mouse.click(box["x"], box["y"])
+        page.wait_for_function(
+            "() => Bokeh.documents[0].get_model_by_name('histogram') != null", timeout=30_000
+        )
+        page.locator(".ss-op-info").first.wait_for(timeout=30_000)
+        assert "bk-active" in _tab(page, "Op detail").get_attribute("class")
+        assert "primitive" in page.locator(".ss-op-info").first.inner_text()
+        assert not blocked and not errors, (blocked, errors)
+
+
+@pytest.mark.browser
+def test_live_run_shows_new_steps_without_reload(browser, tmp_path):
+    run = tmp_path / "live"
+    _write(run, "--steps", "2")
+    with _server(run) as url, _page(browser, url) as (page, blocked, errors):
+        first = int(page.locator(".ss-step-count").first.inner_text())
+        assert first == 2
+        writer = _write(run, "--steps", "40", "--delay", "0.3", background=True)
+        try:
+            seen, deadline = first, time.time() + 120
+            while seen < 5 and time.time() < deadline and writer.poll() in (None, 0):
+                time.sleep(0.5)
+                seen = int(page.locator(".ss-step-count").first.inner_text())
+            assert seen >= 5, (seen, writer.poll(), writer.stderr.read() if writer.poll() else "")
+        finally:
+            writer.kill()
+            writer.wait()
+        assert not blocked and not errors, (blocked, errors)
+
+
+def test_matrix_of_the_page_matches_the_reader(runs):
+    """The heatmap's values are the reader's statistics (independently pivoted here)."""
+    from app import RunSet
+
+    data = RunSet(runs).get("scalified")
+    ops = data.filtered_ops((), (), "")
+    mat = data.matrix("frac_zero", ops)
+    wide = ss.open_run(runs / "scalified").stats(wide=True)
+    ref = wide.groupby(["op", "step"])["frac_zero"].max().unstack("step")
+    np.testing.assert_allclose(mat.to_numpy(), ref.loc[mat.index].to_numpy(np.float32))
