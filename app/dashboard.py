@@ -267,7 +267,9 @@ class Dashboard:
         alarms = []
         for col in scalars.columns:
             bad = scalars.index[~np.isfinite(scalars[col].to_numpy(np.float64))]
-            bad = [s for s in bad if not np.isnan(scalars.loc[s, col]) or col in ("loss",)]
+            # In the wide frame a NaN also means "not logged at this step" (val_loss is
+            # logged every few steps): NaN alarms only for the loss, inf for any scalar.
+            bad = [s for s in bad if not np.isnan(scalars.loc[s, col]) or col == "loss"]
             if bad:
                 alarms.append(f"{col} is non-finite from step {int(bad[0])}")
         if "first_nonfinite_step" in summary.columns:

@@ -417,3 +417,29 @@ def test_scalars_keep_nan_and_inf_values(tmp_path):
     assert sc.loc[0, "loss"] == 1.5
     assert np.isnan(sc.loc[1, "loss"]) and np.isinf(sc.loc[2, "loss"])
     assert "gnorm" in sc.columns and sc["gnorm"].isna().all()
+
+
+def test_reader_advise_flags_an_overflowing_cast(tmp_path):
+    """`reader.advise()` is the advisor on the run: an E4M3 cast of values up to ~1000
+    (E4M3's max is 448) is flagged as an overflow of the forward pass."""
+    import ml_dtypes
+
+    def step(w, x):
+        y = ss.ops.cast_on_forward(x @ w, ml_dtypes.float8_e4m3fn)
+        return w, jnp.sum(y.astype(jnp.float32))
+
+    w = jnp.eye(8) * 250.0
+    x = jax.random.normal(jax.random.key(0), (64, 8))
+    with ss.Run(tmp_path / "r") as run:
+        tracked = run.track(step, scalify=False)
+        for i in range(2):
+            w, loss = tracked(w, x)
+            run.log(i, loss=loss)
+    ref = np.abs(np.asarray(x @ jnp.eye(8) * 250.0))
+    assert ref.max() > 448  # independent check that the data does overflow E4M3
+    findings = ss.open_run(tmp_path / "r").advise()
+    hit = findings[(findings["rule"] == "overflow") & (findings["format"] == "e4m3")]
+    assert len(hit) >= 1 and set(hit["pass"]) == {"fwd"}
+    assert hit["first_step"].min() == 0
+    expected = float(np.mean(ref > 448))
+    assert np.isclose(hit["value"].max(), expected, rtol=1e-6)

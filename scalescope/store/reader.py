@@ -294,6 +294,13 @@ class RunReader:
         series.attrs.update(step=step, op=int(self.op_id(op)), iteration=iteration)
         return series
 
+    def advise(self, **kwargs: Any) -> pd.DataFrame:
+        """The advisor's findings for this run (see `scalescope.analysis.advise`; keyword
+        arguments such as ``thresholds`` or ``audit`` pass through)."""
+        from scalescope.analysis import advise_run  # views sit above the store: no cycle
+
+        return advise_run(self, **kwargs)
+
     def __repr__(self) -> str:
         return (
             f"RunReader({str(self.path)!r}: {len(self.ops)} ops, {len(self.steps)} recorded "
