@@ -19,7 +19,7 @@ demo: venv
 	$(BIN)/scalescope demo
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

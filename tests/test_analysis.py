@@ -29,7 +29,8 @@ def make_ops(*rows: dict) -> pd.DataFrame:
                 "pass": row.get("pass", "fwd"),
                 "primitive": row.get("primitive", name.split("/")[-1]),
                 "shape": tuple(row.get("shape", (4, 4))),
-                "dtype": row.get("dtype", "float32"),
+                # scaled values default to FP16 data (scalified low precision)
+                "dtype": row.get("dtype", "float16" if row.get("scaled") else "float32"),
                 "scaled": row.get("scaled", False),
                 "source": row.get("source", f"model.py:{10 + i}"),
                 "note": row.get("note", ""),
@@ -113,9 +114,30 @@ def test_nonfinite_first_step_and_origin():
 
 def test_nonfinite_threshold_is_configurable():
     ops = make_ops({"name": "mul"})
-    stats = make_stats(series(0, STEPS, frac_nonfinite=0.02))
+    stats = make_stats(series(0, STEPS, frac_nonfinite=[0.02, 0.02, 0.025, 0.02, 0.02]))
     assert len(A.advise(stats, ops, thresholds=A.Thresholds(nonfinite=0.03))) == 0
     assert len(A.advise(stats, ops, thresholds=A.Thresholds(nonfinite=0.01))) == 1
+
+
+def test_nonfinite_skips_masks_but_not_values_that_went_bad():
+    """A causal mask holds the same fraction of -inf at every step: not a finding. The
+    same steady fraction over too few steps, a changing one, or all-NaN is."""
+    ops = make_ops({"name": "mask"}, {"name": "bad"}, {"name": "dead"})
+    stats = make_stats(
+        series(0, STEPS, frac_nonfinite=0.4921875)
+        + series(1, STEPS, frac_nonfinite=[0, 0, 0.1, 0.1, 0.3])
+        + series(2, STEPS, frac_nonfinite=1.0)
+    )
+    found = findings_of(A.advise(stats, ops), "nonfinite")
+    assert sorted(found["op"]) == [1, 2]
+    strict = A.Thresholds(mask_min_steps=6)  # 5 recorded steps: too few to call it a mask
+    assert sorted(findings_of(A.advise(stats, ops, thresholds=strict), "nonfinite")["op"]) == [
+        0,
+        1,
+        2,
+    ]
+    with pytest.raises(ValueError, match="mask_min_steps"):
+        A.Thresholds(mask_min_steps=1)
 
 
 def test_overflow_any_fires_only_on_checked_formats():
@@ -193,6 +215,7 @@ def test_drift_only_on_scaled_or_cast_ops():
         {"name": "plain_big"},
         {"name": "cast_small", "cast_to": "fp16"},
         {"name": "scaled_zero", "scaled": True},
+        {"name": "scaled_f32", "scaled": True, "dtype": "float32"},
     )
     stats = make_stats(
         series(0, STEPS, rms=[1.0, 1.0, 2**4.1, 2**4.5, 1.0])
@@ -200,6 +223,7 @@ def test_drift_only_on_scaled_or_cast_ops():
         + series(2, STEPS, rms=2.0**10)
         + series(3, STEPS, rms=2.0**-5)
         + series(4, STEPS, rms=0.0)
+        + series(5, STEPS, rms=2.0**9)  # FP32 data: drift costs nothing, not flagged
     )
     drift = findings_of(A.advise(stats, ops), "drift").set_index("op")
     assert sorted(drift.index) == [0, 3]

@@ -2,12 +2,14 @@
 
 `advise` turns a run's statistics into findings, one row per (op, rule, format):
 
-- ``nonfinite`` (critical): any op with ``frac_nonfinite > thresholds.nonfinite``;
+- ``nonfinite`` (critical): any op with ``frac_nonfinite > thresholds.nonfinite``, except
+  masks (the same fraction at every recorded step, see `Thresholds.mask_min_steps`);
 - ``overflow`` (high), ``underflow`` and ``snr`` (medium): an op against each format it
   is checked against, i.e. its ``cast_to`` format (the format a later op rounds it to)
   plus every format in ``audit``;
-- ``drift`` (medium): an op that is scaled (a ScaledArray under scalify) or cast to a low
-  precision format, whose data RMS leaves unit scale: ``|log2 rms| > drift_log2`` (the
+- ``drift`` (medium): an op stored in a low-precision dtype (FP16/BF16/FP8) and scaled (a
+  ScaledArray under scalify), or cast to a low-precision format, whose data RMS leaves
+  unit scale: ``|log2 rms| > drift_log2`` (the
   static scale propagation lost track of it);
 - ``trend`` (low): such an op, in bound at its last recorded step, whose least-squares
   fit of log2 rms over the recorded steps crosses ``±drift_log2`` before the horizon.
@@ -102,6 +104,10 @@ class Thresholds:
     ``trend_min_points``: fewest recorded steps a trend fit uses;
     ``trend_min_r2``: the fit must explain at least this share of the variance, so a
     flat but noisy op near the bound is not projected out of it.
+    ``mask_min_steps``: an op holding the same fraction (< 1) of non-finite values at every
+    one of at least this many recorded steps is a mask by construction (``-inf`` logits
+    of a causal mask before a softmax), not a failure: the nonfinite rule skips it. A
+    value that went bad changes from step to step or is entirely NaN.
     """
 
     drift_log2: float = 4.0
@@ -111,6 +117,7 @@ class Thresholds:
     nonfinite: float = 0.0
     trend_min_points: int = 4
     trend_min_r2: float = 0.5
+    mask_min_steps: int = 3
 
     def __post_init__(self) -> None:
         for name in ("drift_log2", "underflow", "overflow", "nonfinite", "trend_min_r2"):
@@ -122,6 +129,10 @@ class Thresholds:
                 raise ValueError(
                     f"Thresholds.{name}: a fraction in [0, 1], got {getattr(self, name)}"
                 )
+        if not isinstance(self.mask_min_steps, int) or self.mask_min_steps < 2:
+            raise ValueError(
+                f"Thresholds.mask_min_steps: expected an int >= 2, got {self.mask_min_steps!r}"
+            )
         if not isinstance(self.trend_min_points, int) or self.trend_min_points < 2:
             raise ValueError(
                 f"Thresholds.trend_min_points: expected an int >= 2, got {self.trend_min_points!r}"
@@ -317,10 +328,22 @@ def _format_findings(
     return rows
 
 
+def _masks(values: pd.Series, min_steps: int) -> np.ndarray:
+    """Ops whose non-finite fraction is the same, non-zero and below 1, at every recorded
+    step (at least ``min_steps`` of them): masks, see `Thresholds.mask_min_steps`."""
+    by_op = values.groupby(level="op")
+    lo, hi, n = by_op.min(), by_op.max(), by_op.size()
+    steady = (n >= min_steps) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
+    return steady.index.to_numpy()[steady.to_numpy()]
+
+
 def _nonfinite_findings(
     per_step: pd.DataFrame, thresholds: Thresholds, n_steps: pd.Series, labels: pd.Series
 ) -> list[dict[str, Any]]:
     values = per_step["frac_nonfinite"]
+    masks = _masks(values, thresholds.mask_min_steps)
+    if len(masks):
+        values = values[~values.index.get_level_values("op").isin(masks)]
     hits = _hits(values, values > thresholds.nonfinite, "max")
     if hits.empty:
         return []
@@ -516,7 +539,12 @@ def advise(
     n_steps = per_step.groupby(level="op").size()
     labels = op_labels(table)
 
-    drift_ops = info.index[(info["scaled"] | (info["cast_to"] != "")).to_numpy()]
+    # Drift matters where the data is stored or cast in a narrow format: an FP32 value of
+    # RMS 2^8 loses nothing, an FP16 or FP8 one heads for overflow or underflow.
+    low = info["dtype"].astype(str).isin(list(_LOW_PRECISION)).to_numpy()
+    drift_ops = info.index[
+        (info["scaled"].to_numpy(bool) & low) | (info["cast_to"] != "").to_numpy()
+    ]
     log2_rms = per_step["log2_rms"]
     log2_rms = log2_rms[log2_rms.index.get_level_values("op").isin(drift_ops)]
     last_step = int(stats["step"].max())
