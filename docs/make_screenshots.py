@@ -50,9 +50,11 @@ def main() -> None:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.route(
                 "**/*",
-                lambda r: r.continue_()
-                if r.request.url.startswith(("http://127.0.0.1", "ws://127.0.0.1", "data:"))
-                else r.abort(),
+                lambda r: (
+                    r.continue_()
+                    if r.request.url.startswith(("http://127.0.0.1", "ws://127.0.0.1", "data:"))
+                    else r.abort()
+                ),
             )
             page.goto(url)
             idle = "() => window.Bokeh && Bokeh.documents.length && Bokeh.documents[0].is_idle"
