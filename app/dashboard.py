@@ -228,7 +228,7 @@ class Dashboard:
             findings = data.findings() if len(data.steps) else pd.DataFrame()
             summary = data.summary() if len(data.steps) else pd.DataFrame()
         self.loss_pane.object = viz.loss_curve({data.name: scalars})
-        self.alarms.object = self._alarm_html(scalars, summary)
+        self.alarms.object = self._alarm_html(scalars, findings)
         if len(findings):
             self.rule_table.value = analysis.summary_by_rule(findings)
         else:
@@ -244,7 +244,8 @@ class Dashboard:
         ]
         if options:
             default = options[0]
-            if default == "frac_nonfinite" and not (summary[default] > 0).any():
+            nonfinite = len(findings) and (findings["rule"] == "nonfinite").any()
+            if default == "frac_nonfinite" and not nonfinite:
                 default = "log2_rms" if "log2_rms" in options else default
             value = self.worst_by.value if self.worst_by.value in options else default
             with self._quiet():
@@ -263,7 +264,7 @@ class Dashboard:
         self.worst_table.value = worst.reset_index()[["op", *dict.fromkeys(cols)]]
 
     @staticmethod
-    def _alarm_html(scalars: pd.DataFrame, summary: pd.DataFrame) -> str:
+    def _alarm_html(scalars: pd.DataFrame, findings: pd.DataFrame) -> str:
         alarms = []
         for col in scalars.columns:
             bad = scalars.index[~np.isfinite(scalars[col].to_numpy(np.float64))]
@@ -272,14 +273,15 @@ class Dashboard:
             bad = [s for s in bad if not np.isnan(scalars.loc[s, col]) or col == "loss"]
             if bad:
                 alarms.append(f"{col} is non-finite from step {int(bad[0])}")
-        if "first_nonfinite_step" in summary.columns:
-            hit = summary[summary["first_nonfinite_step"].notna()]
-            if len(hit):
-                first = hit.sort_values("first_nonfinite_step").iloc[0]
-                alarms.append(
-                    f"{len(hit)} op(s) hold NaN/Inf; the first, at step "
-                    f"{int(first['first_nonfinite_step'])}: {first['label']} ({first['source']})"
-                )
+        # The advisor's nonfinite findings, not every op holding an inf: a causal mask's
+        # -inf logits are there by construction (see Thresholds.mask_min_steps).
+        hit = findings[findings["rule"] == "nonfinite"] if len(findings) else findings
+        if len(hit):
+            first = hit.sort_values(["first_step", "op"]).iloc[0]
+            alarms.append(
+                f"{hit['op'].nunique()} op(s) hold NaN/Inf; the first, at step "
+                f"{int(first['first_step'])}: {first['label']} ({first['source']})"
+            )
         if not alarms:
             return (
                 "<div class='ss-alarms ss-ok' style='color:#2a7a2a'>"

@@ -121,6 +121,8 @@ def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
         dash.tabs.active = i
         assert view in dash.versions, view
     assert "ss-step-count'>6<" in dash.status.object
+    assert "loss is non-finite from step 0" in dash.alarms.object
+    assert "op(s) hold NaN/Inf; the first, at step 0: fwd/layer0/" in dash.alarms.object
     assert dash.heatmap_pane.object is not None and dash.hist_pane.object is not None
     # the advisor table holds the overflow of the E4M3 cast of layer0, forward
     findings = dash.advisor_table.value
