@@ -461,14 +461,15 @@ def test_matrix_keeps_nan():
 
 
 def test_op_summary_and_worst_ops():
-    ops = make_ops({"name": "a", "cast_to": "e4m3"}, {"name": "b"}, {"name": "c"})
+    ops = make_ops({"name": "a", "cast_to": "e4m3"}, {"name": "b"}, {"name": "c"}, {"name": "zero"})
     stats = make_stats(
         series(0, STEPS, frac_nonfinite=[0, 0, 0, 0.1, 0], snr_e4m3=[30, 20, 25, 40, 40])
         + series(1, STEPS, overflow_fp16=[0, 0.2, 0, 0, 0], rms=[1, 1, 1, 1, 4.0])
         + series(2, STEPS[1:], rms=0.5)
+        + series(3, STEPS, rms=0.0)  # all-zero: log2 rms -inf, ranked after finite ones
     )
     summary = A.op_summary(stats, ops)
-    assert summary.index.tolist() == [0, 1, 2]
+    assert summary.index.tolist() == [0, 1, 2, 3]
     assert summary.loc[0, "first_nonfinite_step"] == 300
     assert math.isnan(summary.loc[1, "first_nonfinite_step"])
     assert summary.loc[0, "frac_nonfinite"] == 0.1
@@ -479,8 +480,8 @@ def test_op_summary_and_worst_ops():
     assert summary.loc[0, "cast_to"] == "e4m3" and summary.loc[0, "label"] == "fwd/a [4x4]"
     assert A.worst_ops(summary, "snr_e4m3", n=1).index.tolist() == [0]
     assert A.worst_ops(summary, "overflow_fp16", n=1).index.tolist() == [1]
-    assert A.worst_ops(summary, "log2_rms").index.tolist() == [1, 2, 0]
-    assert A.worst_ops(summary, "first_nonfinite_step").index.tolist() == [0, 1, 2]
+    assert A.worst_ops(summary, "log2_rms").index.tolist() == [1, 2, 0, 3]
+    assert A.worst_ops(summary, "first_nonfinite_step").index.tolist() == [0, 1, 2, 3]
     with pytest.raises(KeyError, match="by"):
         A.worst_ops(summary, "nope")
 

@@ -92,7 +92,8 @@ def _worst(stats: pd.DataFrame, col: str, op: np.ndarray, ids: np.ndarray) -> np
 def worst_ops(summary: pd.DataFrame, by: str, n: int = 20) -> pd.DataFrame:
     """The ``n`` rows of an `op_summary` that are worst by column ``by``: largest first
     for fractions and sizes, smallest first for ``snr_*`` and ``first_nonfinite_step``,
-    largest magnitude first for ``log2_*``. NaN rows come last."""
+    largest magnitude first for ``log2_*`` (infinite ones, from all-zero values, last).
+    NaN rows come last."""
     if by not in summary.columns:
         known = [c for c in summary.columns if pd.api.types.is_numeric_dtype(summary[c])]
         raise KeyError(f"by: {by!r} is not a column of the summary; numeric columns: {known}")
@@ -102,7 +103,8 @@ def worst_ops(summary: pd.DataFrame, by: str, n: int = 20) -> pd.DataFrame:
     if by == "first_nonfinite_step" or metric_direction(by) == "min":
         key = values
     elif metric_direction(by) == "abs":
-        key = -values.abs()
+        # log2 of an all-zero value is -inf: it has no scale to drift, rank it last
+        key = -values.abs().where(np.isfinite(values))
     else:
         key = -values
     order = np.argsort(key.to_numpy(), kind="stable")  # NaN sorts last
