@@ -54,6 +54,10 @@ class TrainConfig:
         default_factory=lambda: {"seq_len": 64, "d_model": 128, "n_heads": 4, "n_layers": 2}
     )
     mlp_hidden: tuple[int, ...] = (256, 256)
+    # mlp: the pixel values in [0, 1] are multiplied by this. 1 is the normalised input;
+    # 255 feeds the raw 0..255 bytes (unnormalised features, a common mistake): the
+    # first layer's activations then exceed E4M3's 448, which naive FP8 casts turn into NaN.
+    input_scale: float = 1.0
 
     def check(self) -> None:
         if self.model not in MODELS:
@@ -67,6 +71,13 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        scale = self.input_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float):
+            raise ValueError(f"input_scale must be a number, got {scale!r}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"input_scale must be finite and > 0, got {scale}")
+        if self.model != "mlp" and scale != 1:
+            raise ValueError(f"input_scale applies to the mlp only, got {scale} for {self.model}")
 
 
 @dataclass
@@ -106,6 +117,8 @@ def _gpt_task(cfg: TrainConfig) -> Task:
 def _mlp_task(cfg: TrainConfig) -> Task:
     x, y = D.load_fashion_mnist("train", cfg.data_dir)
     xv, yv = D.load_fashion_mnist("test", cfg.data_dir)
+    if cfg.input_scale != 1:
+        x, xv = x * np.float32(cfg.input_scale), xv * np.float32(cfg.input_scale)
     mcfg = MLPConfig(in_dim=x.shape[1], hidden=tuple(cfg.mlp_hidden), n_classes=10)
     precision = get_precision(cfg.precision)
     params = init_mlp(jax.random.key(cfg.seed), mcfg, precision.param_dtype)

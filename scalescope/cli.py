@@ -118,6 +118,15 @@ def _add_train(sub) -> None:
     p.add_argument("--seq-len", type=int, default=64, help="gpt context length")
     p.add_argument("--hidden", type=int, nargs="+", default=[256, 256], help="mlp widths")
     p.add_argument(
+        "--input-scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="mlp: multiply the pixel values, normally in [0, 1], by S (255: the raw 0..255 "
+        "bytes, i.e. unnormalised inputs; first-layer activations then pass E4M3's 448, "
+        "which fp8-naive turns into NaN)",
+    )
+    p.add_argument(
         "--sample",
         type=int,
         default=None,
@@ -152,6 +161,7 @@ def _train(args, parser) -> int:
             "n_layers": args.layers,
         },
         mlp_hidden=tuple(args.hidden),
+        input_scale=args.input_scale,
     )
     try:
         cfg.check()
@@ -233,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_serve(sub)
+    from scalescope import report as _report
+
+    _report.add_parser(sub)
     p_demo = sub.add_parser(
         "demo",
         help="train the sample MLP in FP32/FP16/FP8, with and "
@@ -246,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, parser)
     if args.command == "serve":
         return _serve(args, parser)
+    if args.command == "report":
+        return _report.main_report(args)
     if args.command == "demo":
         if args.steps < 1 or args.batch < 1:
             parser.error("--steps and --batch must be positive")

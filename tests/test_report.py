@@ -1,0 +1,488 @@
+"""`scalescope report`: the standalone HTML opens offline in headless chromium with every
+section drawn and no console error; the JSON verdicts agree with the advisor and the
+format what-if; ``--fail-on`` is a CI gate (0 on a clean run, 1 naming the rule on a
+failing one, 2 with a message on a malformed rule or bad input); a run of thousands of
+ops gives a file under 20 MB."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+import scalescope as ss
+from scalescope import analysis as A
+from scalescope import report
+
+HERE = Path(__file__).parent
+WRITER = HERE / "dashboard_writer.py"
+CHROMIUM = "/usr/bin/chromium"
+CHROME_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+LOCAL = ("file:", "data:", "blob:", "about:")
+SECTIONS = (
+    "report-title",
+    "report-fail-on",
+    "report-summary",
+    "report-findings",
+    "report-heatmaps",
+    "report-heatmap-log2_rms",
+    "report-worst-ops",
+    "report-op-0",
+    "report-histogram-0",
+    "report-loss",
+    "report-compare",
+    "report-metadata",
+)
+GATE = "overflow_e4m3>0,underflow_e5m2>0.01,nonfinite>0"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scalescope.cli", "report", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    for name, extra in (("clean", []), ("naive", ["--naive"])):
+        cmd = [sys.executable, str(WRITER), str(root / name), "--steps", "6", *extra]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return root
+
+
+@pytest.fixture(scope="module")
+def naive_report(runs) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """The report of the failing run, compared with the clean one, through the CLI."""
+    out = runs / "out"
+    proc = _cli(
+        str(runs / "naive"),
+        "-o",
+        str(out / "naive.html"),
+        "--json",
+        str(out / "naive.json"),
+        "--fail-on",
+        GATE,
+        "--compare",
+        str(runs / "clean"),
+    )
+    return out / "naive.html", out / "naive.json", proc
+
+
+# ---------------------------------------------------------------------------------------
+# --fail-on
+
+
+def test_fail_on_is_a_ci_gate(runs, naive_report, capsys):
+    clean = _cli(str(runs / "clean"), "--fail-on", GATE)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "TRIPPED" not in clean.stdout and "Traceback" not in clean.stderr
+    assert "ok: overflow_e4m3>0: worst 0.0%" in clean.stdout
+
+    _, _, naive = naive_report
+    assert naive.returncode == 1, naive.stdout + naive.stderr
+    out = naive.stdout
+    # each tripped rule is named with its value, op and step; the other one is ok
+    assert (
+        "TRIPPED: overflow_e4m3>0: worst 8.0% (0.08008); first trips at "
+        "fwd/layer0/dot_general [16x64] (op 3), step 0" in out
+    ), out
+    # nonfinite names the earliest op with NaN: the E4M3 cast, before NaN spreads
+    assert "TRIPPED: nonfinite>0: worst 100.0% (1); first trips at fwd/layer0/convert" in out
+    assert "(op 4), step 0 (7.2%" in out
+    assert "ok: underflow_e5m2>0.01: worst n/a [no op is cast to e5m2" in out
+    assert "--fail-on tripped: overflow_e4m3>0, nonfinite>0" in naive.stderr
+    assert "Traceback" not in naive.stderr and "Warning" not in naive.stderr, naive.stderr
+
+    # in-process: an SNR floor, findings counts, a what-if scope
+    naive_run = runs / "naive"
+    cases = {
+        "snr_e4m3<10": 0,
+        "snr_e4m3<=20": 1,
+        "findings_high>1": 0,
+        "findings_critical>=22": 1,
+        "findings_drift>0": 1,
+        "underflow_e5m2:all>0": 1,  # an input flushes to zero in e5m2 (not cast there)
+        "overflow_e5m2:all>0": 0,
+    }
+    for rule, code in cases.items():
+        got = report.write_report(naive_run, None, fail_on=rule, quiet=True)
+        assert got == code, (rule, capsys.readouterr().out)
+    capsys.readouterr()
+    assert report.write_report(naive_run, None, fail_on="snr_e4m3<=20", quiet=True) == 1
+    line = capsys.readouterr().out
+    assert "TRIPPED: snr_e4m3<=20: worst 14.7 dB; first trips at fwd/layer0/dot_general" in line
+
+
+@pytest.mark.parametrize(
+    "rules, words",
+    [
+        ("overflow_e4m3>>0", "bad operator '>>'"),
+        ("overflow_e4m3=0", "bad operator '='"),
+        ("overflow_e4m3 0", "no operator found"),
+        ("overflow_e3m3>0", "unknown format 'e3m3'"),
+        ("overfloww_e4m3>0", "unknown metric 'overfloww_e4m3'"),
+        ("nonfinite>abc", "'abc' is not a finite number"),
+        ("nonfinite>nan", "'nan' is not a finite number"),
+        ("nonfinite>", "no number after it"),
+        ("underflow_e5m2>2", "not a fraction in [0, 1]"),
+        ("snr_e4m3>20", "use < or <="),
+        ("nonfinite<0.5", "use > or >="),
+        ("snr_e4m3<5%", "percentage only makes sense for a fraction"),
+        ("overflow_e4m3>0,,nonfinite>0", "empty rule"),
+        ("findings_severe>0", "unknown findings selector 'severe'"),
+        ("overflow_e4m3:some>0", "unknown scope ':some'"),
+        (">0", "no metric before the operator"),
+        ("", "no rule given"),
+    ],
+)
+def test_malformed_rule_is_refused_with_a_message(rules, words):
+    with pytest.raises(ValueError) as err:
+        report.parse_fail_on(rules)
+    assert words in str(err.value), str(err.value)
+
+
+def test_malformed_rule_exits_2_before_reading_the_run(runs):
+    proc = _cli(str(runs / "clean"), "-o", str(runs / "never.html"), "--fail-on", "nonfinite>abc")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (
+        "scalescope report: error: --fail-on rule 'nonfinite>abc': 'abc' is not a finite number\n"
+    )
+    assert not (runs / "never.html").exists()
+
+
+def test_rules_parse_percentages_scopes_and_counts():
+    rules = report.parse_fail_on(
+        [" underflow_e5m2 > 1% , snr_fp16:all<=60", "findings_critical>=1"]
+    )
+    assert [(r.kind, r.format, r.scope, r.operator, r.threshold) for r in rules] == [
+        ("underflow", "e5m2", "cast", ">", 0.01),
+        ("snr", "fp16", "all", "<=", 60.0),
+        ("findings", "", "", ">=", 1.0),
+    ]
+    assert rules[2].select == "critical"
+    assert rules[0].trips(0.02) and not rules[0].trips(0.01) and not rules[0].trips(None)
+
+
+def test_bad_inputs_exit_2_without_traceback(runs, tmp_path, capsys):
+    from scalescope import cli
+
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        ([str(tmp_path / "file.txt"), "-o", str(tmp_path / "a.html")], "is a file"),
+        ([str(tmp_path / "empty"), "-o", str(tmp_path / "a.html")], "not a scalescope run"),
+        ([str(runs / "clean"), "--fail-on", "overflow_fp32>0"], "does not audit fp32"),
+        (
+            [
+                str(runs / "clean"),
+                "--json",
+                str(tmp_path / "a.json"),
+                "--compare",
+                str(tmp_path / "nope"),
+            ],
+            "does not exist",
+        ),
+        ([str(runs / "clean")], "nothing to do"),
+    ]
+    for args, words in cases:
+        assert cli.main(["report", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("scalescope report: error: ") and words in err, err
+    assert not (tmp_path / "a.html").exists()
+    # and through the console script's module, without a traceback
+    proc = _cli(str(tmp_path / "missing"), "-o", str(tmp_path / "a.html"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# JSON
+
+
+def test_json_verdicts_agree_with_the_advisor_and_the_whatif(runs, naive_report):
+    _, json_path, proc = naive_report
+    assert proc.returncode == 1, proc.stderr
+
+    def strict(constant):
+        raise AssertionError(f"{constant} in the JSON report")
+
+    doc = json.loads(json_path.read_text(), parse_constant=strict)  # plain JSON: no NaN/inf
+    assert doc["schema"] == "scalescope-report" and doc["version"] == 1
+    reader = ss.open_run(runs / "naive")
+    # findings: exactly the advisor's rows
+    advised = report._plain(reader.advise().to_dict("records"))
+    assert doc["findings"] == advised
+    key = {(f["op"], f["rule"], f["format"]) for f in doc["findings"]}
+    assert ("op", "overflow", "e4m3") not in key and (3, "overflow", "e4m3") in key
+    assert doc["summary"]["findings"]["total"] == len(advised)
+    # per-op verdicts: the format what-if's, op by op
+    whatif = A.format_whatif_run(reader)
+    assert [o["op"] for o in doc["ops"]] == whatif.index.tolist()
+    for o in doc["ops"]:
+        for fmt, v in o["formats"].items():
+            assert v["safe"] == bool(whatif.loc[o["op"], (fmt, "safe")])
+            assert v["reason"] == whatif.loc[o["op"], (fmt, "reason")]
+            snr = whatif.loc[o["op"], (fmt, "snr")]
+            assert v["snr"] == (float(snr) if np.isfinite(snr) else None)
+    counts = A.verdict_counts(whatif, reader.ops)
+    for fmt in reader.formats:
+        assert doc["summary"]["verdicts"]["all"][fmt]["safe"] == counts.loc["all", (fmt, "safe")]
+    # the gate and the comparison are recorded too
+    tripped = {r["rule"]: r["tripped"] for r in doc["fail_on"]}
+    assert tripped == {"overflow_e4m3>0": True, "underflow_e5m2>0.01": False, "nonfinite>0": True}
+    assert doc["compare"]["run"] == "clean" and doc["compare"]["matched"] > 20
+    assert doc["run"]["name"] == "naive" and doc["run"]["steps"]["count"] == 6
+
+
+# ---------------------------------------------------------------------------------------
+# the page in chromium
+
+
+@pytest.fixture(scope="module")
+def browser():
+    pw = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} missing: apt-get install -y chromium (.ci/run does)")
+    with pw.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.mark.browser
+def test_report_opens_offline_with_every_section(browser, naive_report):
+    html_path, _, proc = naive_report
+    assert proc.returncode == 1, proc.stderr
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    blocked, errors, requests = [], [], []
+
+    def route(r):
+        requests.append(r.request.url)
+        if r.request.url.startswith(LOCAL):
+            r.continue_()
+        else:
+            blocked.append(r.request.url)
+            r.abort()
+
+    page.route("**/*", route)
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(html_path.as_uri())
+        page.wait_for_function(
+            "() => window.Bokeh && Bokeh.documents.length > 0 && Bokeh.documents[0].is_idle",
+            timeout=60_000,
+        )
+        for name in SECTIONS:
+            found = page.evaluate(f"() => Bokeh.documents[0].get_model_by_name({name!r}) != null")
+            assert found, name
+        # the worst format metric's heatmap and the non-finite one are there too
+        names = page.evaluate(
+            "() => [...Bokeh.documents[0].all_models].map(m => m.name)"
+            ".filter(n => n && n.startsWith('report-heatmap-'))"
+        )
+        assert {"report-heatmap-frac_nonfinite", "report-heatmap-overflow_e4m3"} <= set(names)
+        # a histogram figure is rendered: its view exists and its canvas holds ink
+        painted = page.evaluate(
+            """async () => {
+            const m = Bokeh.documents[0].get_model_by_name('report-histogram-0');
+            const view = Bokeh.index.get_one(m);
+            await view.ready;
+            const canvas = view.canvas_view.compose().canvas;
+            const ctx = canvas.getContext('2d');
+            const px = ctx.getImageData(0, 0, canvas.width, canvas.height).data;
+            let ink = 0;
+            for (let i = 0; i < px.length; i += 4)
+                if (px[i] < 100 && px[i + 1] < 100 && px[i + 2] < 100 && px[i + 3] > 0) ink++;
+            const bins = Bokeh.documents[0].get_model_by_name('report-histogram-0-bins');
+            const special = Bokeh.documents[0].get_model_by_name('report-histogram-0-special');
+            const total = [...bins.data_source.data.count, ...special.data_source.data.count]
+                .reduce((a, b) => a + b, 0);
+            return [view.has_finished(), ink, total];
+        }"""
+        )
+        assert painted[0] and painted[1] > 500 and painted[2] == 16 * 64, painted
+        # the text sections hold their content (Divs render in a shadow root)
+        assert page.get_by_text("Advisor findings").count() == 1
+        assert page.get_by_text("Run metadata").count() == 1
+        assert page.get_by_text("TRIPPED").count() >= 2
+        assert page.get_by_text("ss.ops.cast_on_forward(x @ params").count() >= 1  # source
+        assert not blocked, blocked
+        assert not errors, errors
+        assert requests == [html_path.as_uri()], requests
+    finally:
+        page.close()
+
+
+# ---------------------------------------------------------------------------------------
+# thousands of ops
+
+
+def _synthetic_run(path: Path, n_ops: int, n_steps: int, part_steps: int = 50) -> None:
+    """A run directory in the store's layout (run.json, ops.parquet, stats parts with
+    every statistic of four formats and exponent histograms, a logged loss), with
+    made-up values: a few ops drift, overflow E4M3 or underflow E5M2."""
+    from scalescope.core import formats as F
+    from scalescope.probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
+    from scalescope.store import layout as L
+
+    fmts = ("e4m3", "e5m2", "fp16", "bf16")
+    stat_names = StatSpec(formats=tuple(F.get(f) for f in fmts)).stat_names()
+    path.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    passes = np.where(np.arange(n_ops) < n_ops // 2, "fwd", "bwd")
+    passes[-n_ops // 10 :] = "opt"
+    prims = np.array(["dot_general", "add", "mul", "tanh", "reduce_sum"])[np.arange(n_ops) % 5]
+    cast = np.where(prims == "dot_general", np.where(passes == "fwd", "e4m3", "e5m2"), "")
+    records = [
+        {
+            "op": i,
+            "name": f"block_{i // 50}/{prims[i]}",
+            "pass": str(passes[i]),
+            "primitive": str(prims[i]),
+            "shape": [64, 256],
+            "dtype": "float32",
+            "scaled": True,
+            "note": "",
+            "stats_op": i,
+            "row_start": i,
+            "n_rows": 1,
+            "loop": [],
+            "in_while": False,
+            "in_cond": False,
+            "source": f"model.py:{10 + i % 300}",
+            "cast_to": str(cast[i]),
+        }
+        for i in range(n_ops)
+    ]
+    meta = {
+        "format": L.FORMAT_NAME,
+        "version": L.FORMAT_VERSION,
+        "name": path.name,
+        "status": "closed",
+        "config": {"steps": n_steps},
+        "every": 1,
+        "formats": list(fmts),
+        "format_info": {
+            f: {
+                "max": F.get(f).max,
+                "min_normal": F.get(f).min_normal,
+                "min_subnormal": F.get(f).min_subnormal,
+                "mantissa_bits": F.get(f).mantissa_bits,
+            }
+            for f in fmts
+        },
+        "histograms": True,
+        "hist_columns": list(HIST_COLUMNS),
+        "hist_exponents": [HIST_LO, HIST_HI],
+        "stat_names": list(stat_names),
+        "graph": {"scalify": True, "n_ops": n_ops, "n_rows": n_ops},
+    }
+    L.write_json_atomic(path / L.RUN_FILE, meta)
+    L.write_parquet_atomic(path / L.OPS_FILE, L.ops_table(L.ops_frame(records)))
+    drift = np.zeros(n_ops)
+    drift[rng.choice(n_ops, n_ops // 50, replace=False)] = 0.03  # log2 rms per step
+    base = rng.normal(0.0, 1.0, n_ops)
+    for seq, first in enumerate(range(0, n_steps, part_steps)):
+        steps = np.arange(first, min(first + part_steps, n_steps))
+        rows = len(steps) * n_ops
+        l2 = (base[None, :] + drift[None, :] * steps[:, None]).ravel()
+        rms = np.exp2(l2).astype(np.float32)
+        cols = {
+            "step": np.repeat(steps, n_ops).astype(np.int64),
+            "op": np.tile(np.arange(n_ops, dtype=np.int32), len(steps)),
+            "iteration": np.zeros(rows, np.int32),
+            "process": np.zeros(rows, np.int32),
+        }
+        for name in stat_names:
+            if name.startswith("snr_"):
+                fmt = name[4:]
+                value = 6.02 * F.get(fmt).mantissa_bits + 13.5 - np.abs(l2) * 2
+            elif name in ("rms", "std"):
+                value = rms
+            elif name == "absmax":
+                value = rms * 4
+            elif name == "scale":
+                value = np.ones(rows)
+            elif name == "count":
+                value = np.full(rows, 64 * 256)
+            elif name.startswith("overflow_"):
+                value = np.where(l2 > 6, 0.01, 0.0)
+            elif name.startswith("underflow_"):
+                value = np.where(l2 < -6, 0.05, 0.0)
+            else:
+                value = np.zeros(rows)
+            cols[name] = np.asarray(value, np.float32)
+        hist = np.zeros((rows, len(HIST_COLUMNS)), np.int32)
+        centre = np.clip(np.floor(l2).astype(int) - HIST_LO + 2, 2, len(HIST_COLUMNS) - 3)
+        for shift, count in ((-2, 1000), (-1, 5000), (0, 8000), (1, 2000), (2, 384)):
+            hist[np.arange(rows), centre + shift] += count
+        for i, col in enumerate(L.hist_column_names(len(HIST_COLUMNS))):
+            cols[col] = hist[:, i]
+        L.write_parquet_atomic(path / L.STATS_DIR / L.part_name(seq, 0), pa.table(cols))
+    scalars = pa.table(
+        {
+            "step": pa.array(np.arange(n_steps), pa.int64()),
+            "name": pa.array(["loss"] * n_steps),
+            "value": pa.array(3.0 / (1 + np.arange(n_steps) / 50), pa.float64()),
+            "process": pa.array(np.zeros(n_steps, np.int32)),
+        }
+    )
+    L.write_parquet_atomic(path / L.SCALARS_DIR / L.part_name(0, 0), scalars)
+
+
+def test_report_of_thousands_of_ops_stays_small(tmp_path):
+    n_ops, n_steps = 3000, 250
+    _synthetic_run(tmp_path / "big", n_ops, n_steps)
+    reader = ss.open_run(tmp_path / "big")
+    assert len(reader.ops) == n_ops and len(reader.steps) == n_steps
+    t0 = time.perf_counter()
+    code = report.write_report(
+        reader, tmp_path / "big.html", tmp_path / "big.json", fail_on="nonfinite>0", quiet=True
+    )
+    elapsed = time.perf_counter() - t0
+    assert code == 0
+    size = (tmp_path / "big.html").stat().st_size
+    print(f"\n{n_ops} ops x {n_steps} steps: HTML {size / 1e6:.2f} MB in {elapsed:.1f} s")
+    assert size < 20e6, size
+    doc = json.loads((tmp_path / "big.json").read_text())
+    assert len(doc["ops"]) == n_ops
+    assert doc["summary"]["findings"]["total"] == len(reader.advise())
+    assert doc["summary"]["findings"]["by_severity"]["high"] > 0  # the E4M3 overflows
+    # heatmap rows and steps are merged: at most max_ops x max_steps cells per heatmap
+    html = (tmp_path / "big.html").read_text()
+    assert f"{n_ops} ops (groups of 5) x {n_steps} steps (windows of 2)" in html
+
+
+def test_merged_heatmap_rows_keep_the_worst_value():
+    mat = pd.DataFrame(
+        [[0.0, 0.1], [0.5, np.nan], [0.2, 0.0], [0.0, 0.3], [0.9, 0.0]],
+        index=pd.Index([10, 11, 12, 13, 14], name="op"),
+        columns=pd.Index([0, 5], name="step"),
+    )
+    labels = pd.Series([f"op{i}" for i in mat.index], index=mat.index)
+    out, names, width = report._merge_rows(mat, labels, "overflow_e4m3", max_ops=2)
+    assert width == 3 and out.index.tolist() == [10, 13]
+    np.testing.assert_array_equal(out.to_numpy()[1], [0.9, 0.3])
+    assert np.isnan(out.to_numpy()[0, 1]) and out.to_numpy()[0, 0] == 0.5
+    assert names.tolist() == ["op10 ... op12 (3 ops)", "op13 ... op14 (2 ops)"]
