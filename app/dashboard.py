@@ -351,14 +351,17 @@ class Dashboard:
         if mat.shape[1] < n_steps:
             note += f" ({n_steps} recorded steps merged into windows, worst value kept)"
         note += "; click a cell to open that op at that step"
-        self.heatmap_msg.object = _message(note)
-        fig = self._heatmap_fig
-        if fig is not None and not force and viz.update_heatmap(fig, mat, metric=metric):
-            return
-        fig = viz.heatmap(mat, metric=metric, labels=labels)
-        fig.on_event(Tap, self._on_tap)
-        self._heatmap_fig = fig
-        self.heatmap_pane.object = fig
+        # One message for the note, colour range and image: the browser would otherwise
+        # re-colour the old image once per property change before the new one arrives.
+        with pn.io.hold():
+            self.heatmap_msg.object = _message(note)
+            fig = self._heatmap_fig
+            if fig is not None and not force and viz.update_heatmap(fig, mat, metric=metric):
+                return
+            fig = viz.heatmap(mat, metric=metric, labels=labels)
+            fig.on_event(Tap, self._on_tap)
+            self._heatmap_fig = fig
+            self.heatmap_pane.object = fig
 
     def _on_tap(self, event: Tap) -> None:
         cell = viz.heatmap_cell(self._heatmap_fig, event.x, event.y)

@@ -457,6 +457,75 @@ def test_matrix_keeps_nan():
     assert math.isnan(m.loc[0, 0]) and m.loc[0, 2] == 1.0
 
 
+def _reference_matrix(stats, metric, how, max_steps):
+    """Plain-Python reference: reduce loop iterations per (op, step), then windows."""
+    import numpy as np
+
+    def reduce(values, kind):
+        values = [float(v) for v in values]
+        if any(math.isnan(v) for v in values):
+            return math.nan
+        if kind == "max":
+            return max(values)
+        if kind == "min":
+            return min(values)
+        if kind == "mean":
+            return sum(values) / len(values)
+        hi, lo = max(values), min(values)
+        return hi if abs(hi) >= abs(lo) else lo
+
+    steps = sorted(set(stats["step"]))
+    width = max(1, math.ceil(len(steps) / max_steps))
+    firsts = [steps[(i // width) * width] for i in range(len(steps))]
+    window_of = dict(zip(steps, firsts))
+    direction = A.metric_direction(metric)
+    values = A.metric_values(stats, metric)
+    out = {}
+    for op in sorted(set(stats["op"])):
+        per_window: dict[int, list[float]] = {}
+        for step in steps:
+            sel = values[(stats["op"] == op).to_numpy() & (stats["step"] == step).to_numpy()]
+            if len(sel):
+                per_window.setdefault(window_of[step], []).append(reduce(sel, how))
+        out[op] = {w: reduce(v, direction) for w, v in per_window.items()}
+    frame = pd.DataFrame.from_dict(out, orient="index").reindex(columns=sorted(set(firsts)))
+    return frame.to_numpy(np.float64)
+
+
+@pytest.mark.parametrize("loops", [1, 3])
+@pytest.mark.parametrize("metric", ["snr_e4m3", "overflow_e4m3", "log2_rms", "rms"])
+def test_matrix_matches_a_plain_reference(metric, loops):
+    """The dense NumPy path (one row per cell, or loop iterations) against a reference
+    written with plain Python reductions, with gaps, NaNs, negatives and windows."""
+    import numpy as np
+
+    rng = np.random.default_rng(loops)
+    rows = []
+    for op in range(5):
+        steps = sorted(rng.choice(40, size=int(rng.integers(10, 40)), replace=False).tolist())
+        for step in steps:
+            for it in range(loops):
+                value = float(rng.normal())
+                if rng.random() < 0.03:
+                    value = math.nan
+                rows.append(
+                    {
+                        "op": op,
+                        "step": step,
+                        "iteration": it,
+                        "snr_e4m3": 30 + 10 * value,
+                        "overflow_e4m3": abs(value) / 10,
+                        "rms": 2.0 ** (4 * value),
+                    }
+                )
+    stats = make_stats(rows)
+    for max_steps in (500, 7):
+        for how in ("max", "min", "mean"):
+            got = A.matrix(stats, metric, iterations=how, max_steps=max_steps).to_numpy()
+            want = _reference_matrix(stats, metric, how, max_steps)
+            np.testing.assert_allclose(got, want, rtol=1e-12, equal_nan=True)
+
+
 # -- summary and what-if -----------------------------------------------------------------
 
 

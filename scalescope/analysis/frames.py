@@ -356,6 +356,10 @@ def _reduce_cells(values: np.ndarray, cells: np.ndarray, size: int, how: Directi
     """`reduce_groups` of ``values`` over integer cell ids in ``[0, size)``, dense: the
     reduced values and the row count per cell (NaN in a cell gives NaN)."""
     counts = np.bincount(cells, minlength=size)
+    if len(counts) and counts.max() <= 1:  # one row per cell (no loop): nothing to reduce
+        out = np.full(size, np.nan)
+        out[cells] = values
+        return out, counts
     with np.errstate(invalid="ignore", divide="ignore"):
         if how == "mean":
             return np.bincount(cells, weights=values, minlength=size) / counts, counts
