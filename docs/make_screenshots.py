@@ -1,9 +1,12 @@
-"""Screenshots of every dashboard view, for the README (docs/img/dashboard-*.png).
+"""Screenshots of every dashboard view and of a report, for the README (docs/img/*.png).
 
     python docs/make_screenshots.py RUNS_DIR [--run NAME] [--out docs/img]
+    python docs/make_screenshots.py --report RUN [--out docs/img]
 
 Serves RUNS_DIR with `scalescope serve` on a free port, opens it in Debian's chromium
-(headless, every request outside 127.0.0.1 aborted) and saves one PNG per view.
+(headless, every request outside 127.0.0.1 aborted) and saves one PNG per view. With
+``--report``, writes `scalescope report RUN` to a temporary file and saves the top of
+the page (every request but ``file:`` and ``data:`` aborted) as report.png.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -23,15 +27,44 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 VIEWS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare")
 
 
+def report_screenshot(run: str, out: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        html = Path(tmp) / "audit.html"
+        cmd = [sys.executable, "-m", "scalescope.cli", "report", run, "-o", str(html)]
+        subprocess.run(cmd, check=True)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1400})
+            page.route(
+                "**/*",
+                lambda r: (
+                    r.continue_() if r.request.url.startswith(("file:", "data:")) else r.abort()
+                ),
+            )
+            page.goto(html.as_uri())
+            idle = "() => window.Bokeh && Bokeh.documents.length && Bokeh.documents[0].is_idle"
+            page.wait_for_function(idle, timeout=120_000)
+            time.sleep(1)
+            page.screenshot(path=str(out / "report.png"), full_page=False)
+            browser.close()
+    print(f"wrote {out / 'report.png'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs")
+    parser.add_argument("runs", nargs="?")
+    parser.add_argument("--report", metavar="RUN", help="screenshot a report of RUN instead")
     parser.add_argument("--run", help="run to show (default: the first)")
     parser.add_argument("--metric", default="log2_rms", help="heatmap metric")
     parser.add_argument("--out", default=str(Path(__file__).parent / "img"))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        report_screenshot(args.report, out)
+        return
+    if not args.runs:
+        parser.error("give RUNS_DIR (or --report RUN)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,0 +1,174 @@
+"""`scalescope demo`: two recorded GPT runs (naive and scalified FP8), the dashboard on
+them, a clean stop on Ctrl-C, and clear errors for bad options."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import scalescope as ss
+from sample_models.demo import DEMO_RUNS, DemoError, demo_folder
+from scalescope.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("BOKEH_RESOURCES", None)
+    return env
+
+
+def _demo_process(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "scalescope.cli", "demo", "--data", "vendored", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _check_runs(root: Path, steps: int) -> dict[str, ss.RunReader]:
+    readers = {}
+    for name, precision in DEMO_RUNS:
+        reader = ss.open_run(root / name)
+        assert reader.config["precision"] == precision
+        assert reader.config["scalify"] is (precision != "fp8-naive")
+        loss = reader.scalars["loss"]
+        assert len(loss) == steps
+        assert len(reader.steps) >= 1 and len(reader.ops) > 100
+        assert reader.status == "closed"
+        readers[name] = reader
+    return readers
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("demo")
+def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["demo", "--steps", "20", "--every", "10", "--no-serve", "--data", "vendored"]
+    assert main([*argv, "--out", str(out)]) == 0
+    readers = _check_runs(out, 20)
+    # recorded at steps 0 and 10, in both runs, with the same ops (same graph but scalify)
+    for reader in readers.values():
+        assert reader.steps.tolist() == [0, 10]
+    naive, scaled = readers["fp8-naive"], readers["fp8"]
+    assert np.isfinite(scaled.scalars["loss"].to_numpy(np.float64)).all()
+    assert set(scaled.ops["pass"]) >= {"fwd", "bwd", "opt"}
+    text = capsys.readouterr().out
+    assert "final losses" in text and "fp8-naive" in text and "advisor on fp8-naive" in text
+    assert f"scalescope serve {out}" in text
+    # an existing demo folder is never overwritten
+    assert main([*argv, "--out", str(out)]) == 2
+    assert "never overwrites" in capsys.readouterr().err
+    assert len(naive.scalars["loss"]) == 20  # untouched
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("demo")
+def test_demo_serves_the_runs_live_and_stops_on_ctrl_c(tmp_path):
+    port = _free_port()
+    proc = _demo_process(["--steps", "4", "--every", "2", "--port", str(port)], tmp_path)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "dashboard on both runs" in line:
+                break
+        assert any("dashboard on both runs" in line for line in lines), "".join(lines)
+        assert f"http://127.0.0.1:{port}/" in "".join(lines)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=60) as page:
+            assert page.status == 200
+            assert "bokeh" in page.read().decode("utf-8", "replace").lower()
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    (root,) = list((tmp_path / "runs" / "demo").iterdir())  # the default folder
+    _check_runs(root, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("demo")
+def test_ctrl_c_during_training_keeps_the_runs(tmp_path):
+    out = tmp_path / "demo"
+    proc = _demo_process(
+        ["--steps", "100000", "--every", "1", "--no-serve", "--out", str(out)], tmp_path
+    )
+    try:
+        parts = out / DEMO_RUNS[0][0] / "stats"
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and not (parts.is_dir() and any(parts.glob("*.parquet"))):
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.5)
+        assert any(parts.glob("*.parquet")), "no part written in time"
+        proc.send_signal(signal.SIGINT)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, text
+    assert "interrupted" in text and str(out) in text
+    assert "Traceback" not in text
+    reader = ss.open_run(out / DEMO_RUNS[0][0])
+    assert reader.status == "closed"  # closed, so flushed
+    assert len(reader.steps) >= 1
+    # every recorded step is whole: each has a row for every measured op
+    counts = reader.stats("rms").groupby("step")["op"].nunique()
+    assert counts.nunique() == 1
+    assert not (out / DEMO_RUNS[1][0]).exists()  # the second run never started
+
+
+def test_bad_options_fail_before_training(tmp_path, capsys):
+    assert main(["demo", "--steps", "0", "--no-serve", "--out", str(tmp_path / "d")]) == 2
+    assert "--steps must be a positive integer" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["demo", "--no-serve", "--out", str(tmp_path / "file")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    with socket.socket() as sock:  # a port in use
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert main(["demo", "--port", str(port), "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--no-serve" in err
+    assert not (tmp_path / "d").exists() and not (tmp_path / "p").exists()
+
+
+def test_demo_folder_is_new_each_time(tmp_path, monkeypatch):
+    import datetime as dt
+
+    monkeypatch.chdir(tmp_path)
+    now = dt.datetime(2026, 1, 2, 3, 4, 5)
+    first = demo_folder(None, now)
+    assert first == Path("runs/demo/20260102-030405")
+    first.mkdir(parents=True)
+    assert demo_folder(None, now) == Path("runs/demo/20260102-030405-2")
+    (tmp_path / "x" / "fp8").mkdir(parents=True)
+    with pytest.raises(DemoError, match="already holds fp8"):
+        demo_folder(str(tmp_path / "x"))
