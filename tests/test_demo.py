@@ -60,7 +60,6 @@ def _check_runs(root: Path, steps: int) -> dict[str, ss.RunReader]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("demo")
 def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
     out = tmp_path / "demo"
     argv = ["demo", "--steps", "20", "--every", "10", "--no-serve", "--data", "vendored"]
@@ -82,7 +81,6 @@ def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("demo")
 def test_demo_serves_the_runs_live_and_stops_on_ctrl_c(tmp_path):
     port = _free_port()
     proc = _demo_process(["--steps", "4", "--every", "2", "--port", str(port)], tmp_path)
@@ -113,7 +111,6 @@ def test_demo_serves_the_runs_live_and_stops_on_ctrl_c(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("demo")
 def test_ctrl_c_during_training_keeps_the_runs(tmp_path):
     out = tmp_path / "demo"
     proc = _demo_process(

@@ -200,22 +200,32 @@ def _steps_text(k: int, n: int, first: int) -> str:
 
 def _per_step(stats: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     """Rows aggregated over loop iterations per (op, step): ``columns`` maps a column to
-    ``max``/``min`` (NaN skipped) or ``abs`` (the value of larger magnitude)."""
-    keys = [stats["op"].to_numpy(np.int64), stats["step"].to_numpy(np.int64)]
+    ``max``/``min`` (NaN skipped) or ``abs`` (the value of larger magnitude). Index:
+    ``(op, step)``, sorted. The groups are found once for every column (sorted keys and
+    `numpy.ufunc.reduceat`): a run of thousands of ops x steps is a few array passes."""
+    op = stats["op"].to_numpy(np.int64)
+    step = stats["step"].to_numpy(np.int64)
+    order = np.lexsort((step, op))
+    op, step = op[order], step[order]
+    starts = np.flatnonzero(np.r_[True, (op[1:] != op[:-1]) | (step[1:] != step[:-1])])
+    one_row_each = len(starts) == len(op)
     out = {}
     for col, how in columns.items():
-        values = stats[col].astype(np.float64)
-        grouped = values.groupby(keys, sort=True)
+        values = stats[col].to_numpy(np.float64)[order]
+        if one_row_each:
+            out[col] = values
+            continue
+        with np.errstate(invalid="ignore"):
+            hi = np.fmax.reduceat(values, starts) if how != "min" else None
+            lo = np.fmin.reduceat(values, starts) if how != "max" else None
         if how == "max":
-            out[col] = grouped.max()
+            out[col] = hi
         elif how == "min":
-            out[col] = grouped.min()
+            out[col] = lo
         else:
-            hi, lo = grouped.max(), grouped.min()
-            out[col] = hi.where(~(hi.abs() < lo.abs()), lo)
-    frame = pd.DataFrame(out)
-    frame.index.names = ["op", "step"]
-    return frame
+            out[col] = np.where(np.abs(hi) < np.abs(lo), lo, hi)
+    index = pd.MultiIndex.from_arrays([op[starts], step[starts]], names=["op", "step"])
+    return pd.DataFrame(out, index=index)
 
 
 def _hits(values: pd.Series, mask: pd.Series, worst: str) -> pd.DataFrame:
@@ -416,25 +426,33 @@ def _trend_findings(
     y = finite.to_numpy(np.float64)
     # last value of each op over *all* its steps (an op drifting now is not "in bound")
     last = log2_rms.groupby(level="op").tail(1).droplevel("step")
+    # One least-squares fit per op, vectorised: rows are sorted by (op, step) (`_per_step`).
+    uniq, starts, counts = np.unique(ops, return_index=True, return_counts=True)
+    codes = np.repeat(np.arange(len(uniq)), counts)
+    xm = np.bincount(codes, weights=x) / counts
+    ym = np.bincount(codes, weights=y) / counts
+    dx, dy = x - xm[codes], y - ym[codes]
+    sxx = np.bincount(codes, weights=dx * dx)
+    syy = np.bincount(codes, weights=dy * dy)
+    sxy = np.bincount(codes, weights=dx * dy)
+    ends = starts + counts - 1
     rows = []
-    for op in np.unique(ops):
-        sel = ops == op
-        xs, ys = x[sel], y[sel]
-        if len(xs) < thresholds.trend_min_points or not horizon > xs[-1]:
+    for k, op in enumerate(uniq):
+        if counts[k] < thresholds.trend_min_points or not horizon > x[ends[k]]:
             continue
         if not abs(last[op]) <= bound:
             continue
-        xm, ym = xs.mean(), ys.mean()
-        sxx, syy = ((xs - xm) ** 2).sum(), ((ys - ym) ** 2).sum()
-        if sxx == 0 or syy == 0:
+        if sxx[k] == 0 or syy[k] == 0:
             continue
-        slope = ((xs - xm) * (ys - ym)).sum() / sxx
-        r2 = slope**2 * sxx / syy
-        projected = ym + slope * (horizon - xm)
+        slope = sxy[k] / sxx[k]
+        r2 = slope**2 * sxx[k] / syy[k]
+        projected = ym[k] + slope * (horizon - xm[k])
         if abs(projected) <= bound or r2 < thresholds.trend_min_r2:
             continue
         target = math.copysign(bound, projected)
-        cross = xm + (target - ym) / slope
+        cross = xm[k] + (target - ym[k]) / slope
+        xs = x[starts[k] : ends[k] + 1]
+        ys = y[starts[k] : ends[k] + 1]
         text = (
             f"log2 rms of the data moves {slope:+.3g}/step (from {_signed(ys[0])} at step "
             f"{int(xs[0])} to {_signed(ys[-1])} at step {int(xs[-1])}, R² {r2:.2f}); the fit "
