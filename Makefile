@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench bench-numerics clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ bench: venv
 	$(BIN)/python benchmarks/bench_scalify.py
 	$(BIN)/python benchmarks/bench_probe.py
 	$(BIN)/python benchmarks/bench_run.py
+	$(BIN)/python benchmarks/bench_dashboard.py
+
+# The paper's table (fp32 / fp16 / fp8 / naive fp8 losses on the char GPT): ~30 min on 2 cores.
+bench-numerics: venv
+	$(BIN)/python benchmarks/bench_numerics.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
