@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -16,22 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port
 
 import scalescope as ss
 
 HERE = Path(__file__).parent
 WRITER = HERE / "dashboard_writer.py"
-CHROMIUM = "/usr/bin/chromium"
-CHROME_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 LOCAL = ("http://127.0.0.1", "ws://127.0.0.1", "file:", "data:", "blob:", "about:")
 TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare")
 
@@ -44,15 +33,9 @@ def _write(run: Path, *args: str, **kw) -> subprocess.Popen | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _server(path: Path):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "scalescope.cli", "serve", str(path), "--port", str(port)],
         stdout=subprocess.PIPE,
@@ -149,17 +132,6 @@ def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
 
 # ---------------------------------------------------------------------------------------
 # browser
-
-
-@pytest.fixture(scope="module")
-def browser():
-    pw = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} missing: apt-get install -y chromium (.ci/run does)")
-    with pw.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS)
-        yield b
-        b.close()
 
 
 @contextlib.contextmanager
@@ -286,7 +258,7 @@ def test_live_run_shows_new_steps_without_reload(browser, tmp_path):
         assert first == 2
         writer = _write(run, "--steps", "40", "--delay", "0.3", background=True)
         try:
-            seen, deadline = first, time.time() + 120
+            seen, deadline = first, time.time() + 300  # the writer compiles first
             while seen < 5 and time.time() < deadline and writer.poll() in (None, 0):
                 time.sleep(0.5)
                 seen = int(page.locator(".ss-step-count").first.inner_text())

@@ -14,18 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port
 
 import scalescope as ss
 from sample_models.demo import DEMO_RUNS, DemoError, demo_folder
 from scalescope.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -82,7 +77,7 @@ def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_serves_the_runs_live_and_stops_on_ctrl_c(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _demo_process(["--steps", "4", "--every", "2", "--port", str(port)], tmp_path)
     lines: list[str] = []
     try:

@@ -23,17 +23,6 @@ from scalescope import report
 
 HERE = Path(__file__).parent
 WRITER = HERE / "dashboard_writer.py"
-CHROMIUM = "/usr/bin/chromium"
-CHROME_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 LOCAL = ("file:", "data:", "blob:", "about:")
 SECTIONS = (
     "report-title",
@@ -256,17 +245,6 @@ def test_json_verdicts_agree_with_the_advisor_and_the_whatif(runs, naive_report)
 
 # ---------------------------------------------------------------------------------------
 # the page in chromium
-
-
-@pytest.fixture(scope="module")
-def browser():
-    pw = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} missing: apt-get install -y chromium (.ci/run does)")
-    with pw.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS)
-        yield b
-        b.close()
 
 
 @pytest.mark.browser
