@@ -173,19 +173,28 @@ def _loss_line(name: str, summary: dict[str, Any]) -> str:
     return line
 
 
-def _advice(root: Path, stream: TextIO, top: int = 3) -> None:
-    """The advisor's most severe findings on the naive run, as a teaser."""
+def _advice(root: Path, stream: TextIO, top: int = 4) -> None:
+    """The advisor on the naive run, as a teaser: per kind of finding (rule and format,
+    most severe first), how many ops and passes, and its most severe op with the fix."""
     import scalescope as ss
 
     findings = ss.open_run(root / DEMO_RUNS[0][0]).advise()
     print(f"\nadvisor on {DEMO_RUNS[0][0]}: {len(findings)} finding(s)", file=stream)
-    for _, row in findings.head(top).iterrows():
+    kinds = findings.groupby(["rule", "format"], sort=False)
+    for (rule, fmt), group in list(kinds)[:top]:
+        row = group.iloc[0]
+        passes = ", ".join(sorted(set(group["pass"])))
         print(
-            f"  [{row['severity']}] {row['rule']} {row['format'] or ''} at {row['label']} "
-            f"({row['source']}), from step {row['first_step']}: {row['evidence']}",
+            f"  [{row['severity']}] {f'{rule} {fmt}'.strip()}: {len(group)} op(s) ({passes}); "
+            f"e.g. {row['label']} ({row['source']}): {row['evidence']}",
             file=stream,
         )
         print(f"      fix: {row['fix']}", file=stream)
+    if len(kinds) > top:
+        print(
+            f"  ... and {len(kinds) - top} more kind(s): see the dashboard's Advisor view",
+            file=stream,
+        )
 
 
 def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
