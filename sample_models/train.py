@@ -29,10 +29,11 @@ from sample_models import data as D
 from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
 from sample_models.mlp import MLPConfig, init_mlp, mlp_accuracy, mlp_loss
 from sample_models.precision import SCALIFIED, get_precision
-from sample_models.train_step import make_train_step
+from sample_models.train_step import make_train_step, with_state_dtype
 
 MODELS = ("gpt", "mlp")
 PRECISION_NAMES = ("fp32", "fp16", "fp8", "fp8-static", "fp8-naive")
+OPT_STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -58,6 +59,9 @@ class TrainConfig:
     # 255 feeds the raw 0..255 bytes (unnormalised features, a common mistake): the
     # first layer's activations then exceed E4M3's 448, which naive FP8 casts turn into NaN.
     input_scale: float = 1.0
+    # AdamW's state (moments) and update math: None keeps them in the parameters' dtype
+    # (FP16 for the fp16/fp8 recipes); "float32" gives FP16 master weights FP32 state.
+    opt_state_dtype: str | None = None
 
     def check(self) -> None:
         if self.model not in MODELS:
@@ -78,6 +82,11 @@ class TrainConfig:
             raise ValueError(f"input_scale must be finite and > 0, got {scale}")
         if self.model != "mlp" and scale != 1:
             raise ValueError(f"input_scale applies to the mlp only, got {scale} for {self.model}")
+        if self.opt_state_dtype is not None and self.opt_state_dtype not in OPT_STATE_DTYPES:
+            raise ValueError(
+                f"unknown opt_state_dtype {self.opt_state_dtype!r}; "
+                f"expected None or one of {OPT_STATE_DTYPES}"
+            )
 
 
 @dataclass
@@ -150,6 +159,21 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     )
 
 
+def make_adamw(
+    cfg: TrainConfig, schedule: optax.Schedule | None = None
+) -> optax.GradientTransformation:
+    """The AdamW of ``scalescope train``: ``schedule`` (default `learning_rate_schedule`),
+    eps 1e-6 (representable in FP16), state in ``cfg.opt_state_dtype`` when set."""
+    opt = optax.adamw(
+        learning_rate_schedule(cfg) if schedule is None else schedule,
+        eps=1e-6,
+        weight_decay=cfg.weight_decay,
+    )
+    if cfg.opt_state_dtype is not None:
+        opt = with_state_dtype(opt, cfg.opt_state_dtype)
+    return opt
+
+
 class Progress:
     """A one-line progress bar (steps/s, loss) on a terminal; periodic lines otherwise."""
 
@@ -210,7 +234,7 @@ def train(
     task = make_task(cfg)
     scalified = cfg.precision in SCALIFIED
     schedule = learning_rate_schedule(cfg)
-    opt = optax.adamw(schedule, eps=1e-6, weight_decay=cfg.weight_decay)
+    opt = make_adamw(cfg, schedule)
     step_fn = make_train_step(task.loss_fn, opt)
     params, opt_state = task.params, opt.init(task.params)
     eval_loss = jax.jit(ss.scalify(task.loss_fn) if scalified else task.loss_fn)

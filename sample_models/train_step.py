@@ -65,3 +65,34 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
         return params, opt_state, loss
 
     return step
+
+
+def with_state_dtype(
+    optimizer: optax.GradientTransformation, dtype: Any
+) -> optax.GradientTransformation:
+    """``optimizer`` with its state and update math in ``dtype`` (e.g. float32), whatever
+    the parameters' dtype (e.g. float16 master weights).
+
+    optax keeps Adam's moments in the parameters' dtype; this wrapper hands the inner
+    optimizer ``dtype`` copies of the floating gradients and parameters instead, so its
+    state is created and updated in ``dtype``. The updates come back in ``dtype`` too:
+    `optax.apply_updates` adds them to the parameters and rounds the sum once to the
+    parameters' dtype. Non-floating leaves pass through unchanged.
+    """
+    dtype = jnp.dtype(dtype)
+
+    def cast(tree: Any) -> Any:
+        def leaf(x: Any) -> Any:
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating):
+                return x.astype(dtype)
+            return x
+
+        return jax.tree.map(leaf, tree)
+
+    def init(params: Any) -> optax.OptState:
+        return optimizer.init(cast(params))
+
+    def update(updates: Any, state: optax.OptState, params: Any = None):
+        return optimizer.update(cast(updates), state, cast(params))
+
+    return optax.GradientTransformation(init, update)

@@ -343,3 +343,49 @@ def test_fp8_recipe_recentres_cast_inputs_that_static_propagation_lets_drift():
     # Static propagation: the input cast sits 2^8 off unit scale (and past E4M3's 448
     # its values turn NaN, poisoning what follows).
     assert not np.all(drift["fp8-static"] < 4), drift["fp8-static"]
+
+
+def test_with_state_dtype_keeps_fp32_adam_state_for_fp16_weights_under_scalify(mlp_batch):
+    """FP8 recipe, FP16 master weights, FP32 optimizer state: the state is created and
+    stays FP32 through scalified steps, the weights stay FP16, and the result stays close
+    to the FP16-state steps (same recipe, better-rounded optimizer)."""
+    import functools
+
+    import scalescope as ss
+    from sample_models.train_step import with_state_dtype
+
+    prec = get_precision("fp8")
+    params = init_mlp(jax.random.PRNGKey(0), MLP_CFG, prec.param_dtype)
+    loss_fn = functools.partial(mlp_loss, cfg=MLP_CFG, precision=prec)
+    results = {}
+    for name, opt in {
+        "float16": make_optimizer(),
+        "float32": with_state_dtype(make_optimizer(), jnp.float32),
+    }.items():
+        state = opt.init(params)
+        dtypes = {leaf.dtype for leaf in jax.tree.leaves(state) if leaf.ndim > 0}
+        assert dtypes == {jnp.dtype(name)}, dtypes
+        step = jax.jit(ss.scalify(make_train_step(loss_fn, opt)))
+        p, s = ss.as_scaled_array(params, "rms"), ss.as_scaled_array(state, "rms")
+        for _ in range(3):
+            p, s, loss = step(p, s, mlp_batch)
+        p, s = ss.asarray(p), ss.asarray(s)
+        assert np.isfinite(float(ss.asarray(loss))) and _all_finite(p) and _all_finite(s)
+        assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(p))
+        assert {leaf.dtype for leaf in jax.tree.leaves(s) if leaf.ndim > 0} == dtypes
+        results[name] = p
+    for a, b in zip(
+        jax.tree.leaves(results["float16"]), jax.tree.leaves(results["float32"]), strict=True
+    ):
+        np.testing.assert_allclose(np.float32(a), np.float32(b), atol=2e-2)
+
+
+def test_with_state_dtype_of_the_params_dtype_is_the_plain_optimizer():
+    from sample_models.train_step import with_state_dtype
+
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32), "n": jnp.arange(3)}
+    grads = {"w": jnp.linspace(0.5, -0.2, 6, dtype=jnp.float32), "n": jnp.zeros(3, int)}
+    plain, wrapped = make_optimizer(), with_state_dtype(make_optimizer(), jnp.float32)
+    u0, _ = plain.update(grads, plain.init(params), params)
+    u1, _ = wrapped.update(grads, wrapped.init(params), params)
+    np.testing.assert_array_equal(u0["w"], u1["w"])

@@ -115,3 +115,20 @@ def test_progress_prints_rate_loss_and_eta():
     assert lines[0].startswith("gpt fp8 [######") and "50/200" in lines[0]
     assert "steps/s" in lines[0] and "loss 2.5000" in lines[0] and "val_loss" not in lines[0]
     assert "200/200" in lines[1] and "val_loss 1.9000" in lines[1] and "eta" in lines[1]
+
+
+def test_train_config_opt_state_dtype_defaults_to_the_params_and_is_checked():
+    import jax
+
+    from sample_models.train import TrainConfig, make_adamw
+
+    params = {"w": np.ones(4, np.float16)}
+    TrainConfig().check()
+    state = make_adamw(TrainConfig(precision="fp8")).init(params)
+    assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {np.dtype("float16")}
+    cfg = TrainConfig(precision="fp8", opt_state_dtype="float32")
+    cfg.check()
+    state = make_adamw(cfg).init(params)
+    assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {np.dtype("float32")}
+    with pytest.raises(ValueError, match="opt_state_dtype"):
+        TrainConfig(opt_state_dtype="fp8").check()

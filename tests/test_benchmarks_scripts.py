@@ -1,0 +1,162 @@
+"""The benchmark scripts: `bench_numerics.py` (the paper's table) and `check_gpu_fp8.py`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+# --- check_gpu_fp8.py ---------------------------------------------------------------
+
+
+def test_check_gpu_fp8_on_cpu_says_it_needs_a_gpu_and_claims_nothing():
+    proc = _run("check_gpu_fp8.py", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "needs a GPU" in proc.stdout and "nothing claimed" in proc.stdout
+    assert "RESULT" not in proc.stdout and "FP8 GEMMs" not in proc.stdout
+
+
+# GPU-style optimized HLO: operands printed with their shapes, a cuBLASLt fp8 call, a
+# cuBLAS f16 GEMM, and a Triton GEMM fusion whose dot takes f8 parameters.
+GPU_HLO = """
+HloModule jit_step
+
+%triton_gemm_computation (param_0.1: f8e5m2[64,128], param_1.1: f8e4m3fn[128,32]) -> f16[64,32] {
+  %param_0.1 = f8e5m2[64,128]{1,0} parameter(0)
+  %param_1.1 = f8e4m3fn[128,32]{1,0} parameter(1)
+  ROOT %dot.7 = f16[64,32]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}
+}
+
+ENTRY %main (p0: f16[64,128], p1: f16[128,32]) -> f16[64,32] {
+  %p0 = f16[64,128]{1,0} parameter(0)
+  %p1 = f16[128,32]{1,0} parameter(1)
+  %convert.1 = f8e4m3fn[64,128]{1,0} convert(f16[64,128]{1,0} %p0)
+  %convert.2 = f8e4m3fn[128,32]{1,0} convert(f16[128,32]{1,0} %p1)
+  %cublas-lt-matmul.3 = (f16[64,32]{1,0}, s8[33554432]{0}) custom-call(f8e4m3fn[64,128]{1,0} %convert.1, f8e4m3fn[128,32]{1,0} %convert.2, f32[] %c, f32[] %c), custom_call_target="__cublas$lt$matmul$f8", backend_config={}
+  %cublas-gemm.4 = (f16[64,64]{1,0}, s8[0]{0}) custom-call(f16[64,128]{1,0} %p0, f16[128,64]{1,0} %t), custom_call_target="__cublas$gemm"
+  %fusion = f16[64,32]{1,0} fusion(%convert.5, %convert.2), kind=kCustom, calls=%triton_gemm_computation
+  %other = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target="SomethingElse"
+  ROOT %dot.9 = f32[64,64]{1,0} dot(f32[64,128]{1,0} %a, f32[128,64]{1,0} %b), lhs_contracting_dims={1}
+}
+"""  # noqa: E501
+
+
+def test_check_gpu_fp8_parser_counts_fp8_and_other_gemms():
+    mod = _load("check_gpu_fp8")
+    summary = mod.parse_hlo(GPU_HLO)
+    assert len(summary.gemms) == 4  # not the unrelated custom call
+    assert {g.name for g in summary.fp8_gemms} == {"cublas-lt-matmul.3", "dot.7"}
+    assert {g.name for g in summary.other_gemms} == {"cublas-gemm.4", "dot.9"}
+    dot7 = next(g for g in summary.gemms if g.name == "dot.7")
+    assert dot7.operand_dtypes == ("f8e5m2", "f8e4m3fn")  # looked up by name
+    assert summary.f8_converts == 2
+    lines = []
+    mod.report(summary, 9, evidence=True, out=_Lines(lines))
+    text = "\n".join(lines)
+    assert "FP8 GEMMs (f8 operands or fp8 cuBLASLt call): 2" in text
+    assert "RESULT: yes, 2 of 4 GEMMs run in FP8" in text and "27 GEMMs" in text
+    lines.clear()
+    mod.report(mod.parse_hlo(GPU_HLO), 9, evidence=False, out=_Lines(lines))
+    assert all("NOT evidence" in line for line in lines) and not any("RESULT" in x for x in lines)
+
+
+class _Lines:
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+
+    def write(self, s: str) -> None:
+        self.lines.extend(x for x in s.splitlines() if x)
+
+    def flush(self) -> None:
+        pass
+
+
+# --- bench_numerics.py --------------------------------------------------------------
+
+
+def _fake(row: str, train: float, val: float) -> dict:
+    return {"row": row, "train_loss": train, "val_loss": val, "steps_per_s": 2.5, "nan_step": None}
+
+
+def test_bench_numerics_gaps_table_and_goal():
+    mod = _load("bench_numerics")
+    results = mod.add_gaps(
+        [
+            _fake("fp32", 1.80, 1.80),
+            _fake("fp16", 1.81, 1.80),
+            _fake("fp8", 1.827, 1.818),
+            _fake("fp8-fp16-opt", 1.90, 1.89),
+            {**_fake("fp8-naive", math.nan, math.nan), "nan_step": 7},
+        ]
+    )
+    by = {r["row"]: r for r in results}
+    assert by["fp8"]["train_gap_pct"] == pytest.approx(1.5)
+    assert by["fp8"]["val_gap_pct"] == pytest.approx(1.0)
+    assert math.isinf(by["fp8-naive"]["val_gap_pct"])
+    table = mod.format_table(results)
+    lines = table.splitlines()
+    assert lines[0].startswith("| precision |") and len(lines) == 2 + 5
+    assert "| fp8 | fp16 / fp32 | 1.8270 | 1.8180 | +1.50 % | +1.00 % | 2.50 |" in table
+    assert "(ref)" in lines[2] and "diverged" in lines[6] and "NaN from step 7" in lines[6]
+    verdict = mod.goal(results)
+    assert verdict["fp8_ok"] is True and verdict["naive_worse"] is True
+    text = "\n".join(verdict["lines"])
+    assert "2.87" in text and "fp8-fp16-opt within 2 % of fp32" in text and "FAIL" in text
+    # without an fp32 row there is no gap and no verdict
+    alone = mod.add_gaps([_fake("fp8", 1.8, 1.8)])
+    assert alone[0]["val_gap_pct"] is None and mod.goal(alone)["fp8_ok"] is None
+    assert "–" in mod.format_table(alone)
+
+
+def test_bench_numerics_rejects_unknown_rows():
+    mod = _load("bench_numerics")
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--rows", "fp32,fp4"])
+    assert mod.parse_args(["--rows", "fp32, fp8"]).rows == ["fp32", "fp8"]
+
+
+@pytest.mark.slow
+def test_bench_numerics_runs_a_tiny_config_end_to_end(tmp_path):
+    out = tmp_path / "numerics.json"
+    args = ["--steps", "3", "--layers", "1", "--d-model", "32", "--seq-len", "16"]
+    args += ["--batch", "4", "--eval-batches", "1", "--data", "vendored"]
+    proc = _run("bench_numerics.py", *args, "--rows", "fp32,fp8", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "| precision | weights / opt state |" in proc.stdout
+    assert "goal: scalified fp8 within 2 % of fp32" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [r["row"] for r in data["results"]] == ["fp32", "fp8"]
+    fp8 = data["results"][1]
+    assert fp8["scalify"] and fp8["opt_state"] == "fp32" and fp8["steps"] == 3
+    assert math.isfinite(fp8["val_loss"]) and math.isfinite(fp8["val_gap_pct"])
+    assert data["machine"]["jax"] and data["command"].startswith("python benchmarks/")
