@@ -4,6 +4,7 @@ from . import ops
 from .core import formats
 from .core.formats import Format
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
+from .notebook import load_notebook, show
 from .probe import OpRecord, OpTable, instrument, stats_frame
 from .scalify import ScalifyError, register_rule, scalify
 from .store import (
@@ -37,9 +38,11 @@ __all__ = [
     "instrument",
     "is_scaled_array",
     "list_runs",
+    "load_notebook",
     "open_run",
     "ops",
     "register_rule",
     "scalify",
+    "show",
     "stats_frame",
 ]

@@ -260,7 +260,8 @@ class RunReader:
     def hist(self, op: int | str, step: int = -1, iteration: int | None = None) -> pd.Series:
         """Exponent histogram (counts per bin, indexed by bin label) of ``op`` at ``step``
         (negative: counted from the last recorded step). Rows of all loop iterations are
-        summed unless ``iteration`` picks one."""
+        summed unless ``iteration`` picks one. The Series (`scalescope.notebook.HistSeries`)
+        draws itself in Jupyter, with each format's range shaded."""
         if not self.hist_columns:
             raise ValueError(f"{self.path} was recorded with histograms=False")
         rec = self.ops.loc[self.op_id(op)]
@@ -292,14 +293,46 @@ class RunReader:
         label = f"{rec['pass']}/{rec['name']}"
         series = pd.Series(counts, index=pd.Index(self.hist_columns, name="bin"), name=label)
         series.attrs.update(step=step, op=int(self.op_id(op)), iteration=iteration)
-        return series
+        # A pd.Series subclass that also draws itself in Jupyter (views sit above the
+        # store: imported here, not at module level).
+        from scalescope.notebook import format_limits, hist_series
+
+        return hist_series(series, format_limits(self.formats, self.meta))
 
     def advise(self, **kwargs: Any) -> pd.DataFrame:
         """The advisor's findings for this run (see `scalescope.analysis.advise`; keyword
-        arguments such as ``thresholds`` or ``audit`` pass through)."""
+        arguments such as ``thresholds`` or ``audit`` pass through). A ``pd.DataFrame``
+        (`scalescope.notebook.Advice`) that Jupyter shows coloured by severity."""
         from scalescope.analysis import advise_run  # views sit above the store: no cycle
+        from scalescope.notebook import advice_frame
 
-        return advise_run(self, **kwargs)
+        return advice_frame(advise_run(self, **kwargs))
+
+    def heatmap(
+        self,
+        metric: str = "log2_rms",
+        ops: OpsArg = None,
+        *,
+        iterations: str = "max",
+        max_steps: int = 500,
+    ) -> Any:
+        """Op x step heatmap of ``metric`` (recorded or derived, e.g. ``log2_rms``) that
+        displays inline in Jupyter; ``.matrix`` holds the data, ``.figure`` the Bokeh
+        figure. ``ops``: see `resolve_ops`; ``iterations``, ``max_steps``: see
+        `scalescope.analysis.matrix`. Returns a `scalescope.notebook.HeatmapView`."""
+        from scalescope.notebook import run_heatmap
+
+        return run_heatmap(self, metric, ops, iterations=iterations, max_steps=max_steps)
+
+    def compare(self, other: RunReader | str | os.PathLike, metric: str = "rms") -> Any:
+        """This run (a) against ``other`` (b, a reader or a run path), displayed inline:
+        summary (final loss, findings, safe ops per format), loss curves and the per-op
+        log2 ratio of ``metric``. ``.values`` / ``.unmatched`` hold the data
+        (`scalescope.analysis.compare_readers`). Returns a
+        `scalescope.notebook.ComparisonView`."""
+        from scalescope.notebook import compare_runs
+
+        return compare_runs(self, other, metric)
 
     def __repr__(self) -> str:
         return (
