@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from sample_models.losses import cross_entropy
 from sample_models.precision import PRECISIONS, Precision
+from scalescope.ops.scaling import dynamic_rescale_l2_grad
 
 Params = dict[str, Any]
 
@@ -153,6 +154,11 @@ def causal_attention(p: Params, x: jax.Array, cfg: GPTConfig, precision: Precisi
     # gradient is spiky, and its FP16 products overflow even at unit RMS.
     stat_dtype = jnp.promote_types(jnp.float32, x.dtype)
     scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=stat_dtype)
+    if precision.rescale:
+        # The softmax backward leaves the scores' gradient far from unit scale (data RMS
+        # ~2^9.5 after a few hundred steps), and the q/k gradients built from it then
+        # overflow FP16 on their way back: re-centre it (identity outside scalify).
+        scores = dynamic_rescale_l2_grad(scores)
     mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
