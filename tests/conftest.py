@@ -39,3 +39,25 @@ def browser():
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS)
         yield b
         b.close()
+
+
+def watch_offline(page, allowed: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
+    """Abort every request of ``page`` whose URL does not start with one of ``allowed``
+    and collect console and page errors. Returns ``(blocked, errors, requests)`` lists
+    that fill in as the page runs: "works offline" means both of the first two stay empty."""
+    blocked: list[str] = []
+    errors: list[str] = []
+    requests: list[str] = []
+
+    def route(r) -> None:
+        requests.append(r.request.url)
+        if r.request.url.startswith(allowed):
+            r.continue_()
+        else:
+            blocked.append(r.request.url)
+            r.abort()
+
+    page.route("**/*", route)
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return blocked, errors, requests

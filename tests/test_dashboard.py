@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port
+from conftest import free_port, watch_offline
 
 import scalescope as ss
 
@@ -138,18 +138,7 @@ def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
 def _page(browser, url: str):
     """A page that aborts every request leaving 127.0.0.1 and collects console errors."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    blocked, errors = [], []
-
-    def route(r):
-        if r.request.url.startswith(LOCAL):
-            r.continue_()
-        else:
-            blocked.append(r.request.url)
-            r.abort()
-
-    page.route("**/*", route)
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    blocked, errors, _ = watch_offline(page, LOCAL)
     page.goto(url)
     _idle(page)
     try:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import watch_offline
 from test_notebook import build_once
 
 from scalescope import notebook as nb
@@ -147,20 +148,9 @@ def test_quickstart_outputs_render_offline_in_chromium(quickstart, browser, tmp_
     page_file = tmp_path / "quickstart.html"
     page_file.write_text("<!DOCTYPE html><html><body>" + "\n".join(parts) + "</body></html>")
     n_figures = sum(p.count('class="scalescope-figure"') for p in parts)
-    blocked, errors = [], []
     page = browser.new_page()
     try:
-
-        def route(r):
-            if r.request.url.startswith(LOCAL):
-                r.continue_()
-            else:
-                blocked.append(r.request.url)
-                r.abort()
-
-        page.route("**/*", route)
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        blocked, errors, _ = watch_offline(page, LOCAL)
         page.goto(page_file.as_uri())
         page.wait_for_function(
             f"window.Bokeh !== undefined && Bokeh.documents.length == {n_figures}"

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from conftest import watch_offline
 
 import scalescope as ss
 from scalescope import analysis as A
@@ -252,19 +253,7 @@ def test_report_opens_offline_with_every_section(browser, naive_report):
     html_path, _, proc = naive_report
     assert proc.returncode == 1, proc.stderr
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    blocked, errors, requests = [], [], []
-
-    def route(r):
-        requests.append(r.request.url)
-        if r.request.url.startswith(LOCAL):
-            r.continue_()
-        else:
-            blocked.append(r.request.url)
-            r.abort()
-
-    page.route("**/*", route)
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    blocked, errors, requests = watch_offline(page, LOCAL)
     try:
         page.goto(html_path.as_uri())
         page.wait_for_function(
