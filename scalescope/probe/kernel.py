@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from ..core.formats import Format
+from . import native
 
 #: Exponent histogram: bins for ``floor(log2|d|)`` from HIST_LO to HIST_HI inclusive.
 #: Columns of ``stats["hist"]``: zero, below (finite, nonzero, exponent < HIST_LO),
@@ -40,6 +41,10 @@ BASIC_STATS = ("count", "scale", "rms", "absmax", "mean", "std", "frac_zero", "f
 FORMAT_STATS = ("underflow", "subnormal", "overflow", "snr")
 
 DEFAULT_BLOCK = 512
+#: Pure-XLA kernel: values are concatenated into buffers of at most this many elements
+#: (a value larger than that gets a buffer of its own), so the probe's extra memory stays
+#: bounded whatever the number of values.
+GROUP_ELEMENTS = 1 << 22
 _F32 = jnp.float32
 
 
@@ -236,9 +241,61 @@ def _next_prime(k: int) -> int:
     return k
 
 
-def scope_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
+def values_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
     """Raw statistics of ``values`` (pairs of data and scale, the scale ``None`` for a
-    plain value), one row each, computed in a few fused passes over one buffer."""
+    plain value), one row each.
+
+    On CPU each value is read once by the native kernel (`native`), right where it is
+    produced. Elsewhere (GPU, or no C++ compiler) values are grouped into buffers of at
+    most `GROUP_ELEMENTS` elements, each reduced by `group_raw`.
+    """
+    if not values:
+        return empty_raw(spec)
+    if native.use_native():
+        return _native_raw(values, spec)
+    groups: list[list[tuple[Any, Any]]] = [[]]
+    size = 0
+    for value in values:
+        n = int(np.size(value[0])) if spec.sample is None else min(np.size(value[0]), spec.sample)
+        if groups[-1] and size + n > GROUP_ELEMENTS:
+            groups.append([])
+            size = 0
+        groups[-1].append(value)
+        size += n
+    return concat_raw([group_raw(g, spec) for g in groups], spec)
+
+
+def _scales(values: Sequence[tuple[Any, Any]]) -> jax.Array:
+    return jnp.stack(
+        [jnp.asarray(1.0 if sc is None else sc, _F32).reshape(()) for _, sc in values]
+    )[:, None]
+
+
+def _native_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
+    nf = len(spec.formats)
+    hist = (HIST_LO, HIST_HI) if spec.histograms else None
+    floats, ints = zip(
+        *(
+            native.value_raw(_sample(jnp.ravel(data), spec.sample), spec.formats, hist)
+            for data, _ in values
+        ),
+        strict=True,
+    )
+    f, i = jnp.stack(floats), jnp.stack(ints)
+    raw = {
+        "sum": f[:, : 2 + nf],
+        "cnt": i[:, : 3 + 3 * nf],
+        "max": f[:, 2 + nf :],
+        "last": _scales(values),
+    }
+    if spec.histograms:
+        raw["hist"] = i[:, 3 + 3 * nf :]
+    return raw
+
+
+def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
+    """Raw statistics of ``values``, one row each, computed in a few fused passes over one
+    buffer (the pure-XLA kernel)."""
     if not values:
         return empty_raw(spec)
     b = spec.block
@@ -272,9 +329,7 @@ def scope_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
         "sum": seg_sum(s),
         "cnt": jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), counts], axis=1) + fix,
         "max": absmax,
-        "last": jnp.stack(
-            [jnp.asarray(1.0 if sc is None else sc, _F32).reshape(()) for _, sc in values]
-        )[:, None],
+        "last": _scales(values),
     }
     if spec.histograms:
         h = len(HIST_COLUMNS)

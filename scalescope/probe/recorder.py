@@ -115,7 +115,7 @@ class _Scope:
         return rows
 
     def raw(self, spec: kernel.StatSpec) -> dict[str, Any]:
-        parts = [kernel.scope_raw(self.values, spec)]
+        parts = [kernel.values_raw(self.values, spec)]
         for e in self.entries:
             if isinstance(e, _Block):
                 parts.append(kernel.unstack_scan(e.raw) if e.kind == "scan" else e.raw)

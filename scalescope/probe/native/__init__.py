@@ -1,0 +1,143 @@
+"""The probe's native CPU kernel: statistics of one value in one read (XLA FFI).
+
+XLA on CPU compiles the per-element rounding statistics into scalar loops (compares and
+selects keep LLVM from vectorising them) and takes minutes to compile one reduction per
+value. `stats.cc` does the same work in a vectorised loop per value, as a custom call
+XLA does not need to compile. It is built once per machine with the system C++ compiler
+against the XLA FFI headers that jaxlib ships, and cached (``SCALESCOPE_CACHE`` or
+``~/.cache/scalescope``). Where no compiler is found the probe uses its pure-XLA kernel,
+as it does on GPUs (where XLA's fused reductions are bandwidth-bound).
+
+``SCALESCOPE_PROBE_KERNEL=xla`` forces the pure-XLA kernel; ``=native`` makes a failed
+build an error instead of a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core.formats import Format
+
+log = logging.getLogger("scalescope")
+
+TARGET = "scalescope_stats"
+SOURCE = Path(__file__).with_name("stats.cc")
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+class NativeBuildError(RuntimeError):
+    """The native kernel could not be built (no compiler, or the compiler failed)."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SCALESCOPE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "scalescope"
+    )
+    return Path(root) / "native"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(cxx: str) -> Path:
+    """Compile stats.cc into the cache (once per source, jaxlib and machine)."""
+    include = jax.ffi.include_dir()
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        src + jax.__version__.encode() + cxx.encode() + os.uname().machine.encode()
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"libscalescope_stats-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    # -march=native first (AVX2 where the CPU has it); plain -O3 if the compiler refuses.
+    for arch in (("-march=native",), ()):
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            cmd = [cxx, *_FLAGS, *arch, f"-I{include}", str(SOURCE), "-o", str(tmp_out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode == 0:
+                os.replace(tmp_out, out)  # atomic: a concurrent build finds a whole file
+                return out
+            errors.append(f"{' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    raise NativeBuildError("building the native probe kernel failed:\n" + "\n".join(errors))
+
+
+def available() -> bool:
+    """Build (once) and register the CPU kernel; False where it cannot be used."""
+    mode = os.environ.get("SCALESCOPE_PROBE_KERNEL", "auto")
+    if mode == "xla":
+        return False
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        try:
+            cxx = _compiler()
+            if cxx is None:
+                raise NativeBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
+            lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+            jax.ffi.register_ffi_target(
+                TARGET, jax.ffi.pycapsule(lib.ScalescopeStats), platform="cpu"
+            )
+            _state["lib"] = lib
+            _state["ok"] = True
+        except (NativeBuildError, OSError) as err:
+            if mode == "native":
+                raise
+            log.warning("scalescope: using the pure-XLA probe kernel (%s)", err)
+            _state["ok"] = False
+        return bool(_state["ok"])
+
+
+def use_native() -> bool:
+    """Whether traced statistics should call the native kernel: on CPU, when built."""
+    return jax.default_backend() == "cpu" and available()
+
+
+def value_raw(
+    data: jax.Array, formats: Sequence[Format], hist_range: tuple[int, int] | None
+) -> tuple[jax.Array, jax.Array]:
+    """Raw statistics of one value: ``(floats, ints)`` where floats are ``[sum, sumsq,
+    err2 per format..., absmax]`` (sums in units of the abs-max's power of two) and ints
+    are ``[n, zero, nonfinite, (under, sub, over) per format..., histogram...]``."""
+    nf = len(formats)
+    lo, hi = hist_range if hist_range is not None else (0, -1)
+    n_hist = hi - lo + 5 if hist_range is not None else 0
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (
+            jax.ShapeDtypeStruct((3 + nf,), jnp.float32),
+            jax.ShapeDtypeStruct((3 + 3 * nf + n_hist,), jnp.int32),
+        ),
+        vmap_method="sequential",
+    )
+    return call(
+        jnp.ravel(data).astype(jnp.float32),
+        mantissa=np.array([f.mantissa_bits for f in formats], np.int64),
+        fmax=np.array([f.max for f in formats], np.float32),
+        min_normal=np.array([f.min_normal for f in formats], np.float32),
+        min_subnormal=np.array([f.min_subnormal for f in formats], np.float32),
+        hist_lo=np.int64(lo),
+        hist_hi=np.int64(hi),
+        threads=np.int64(os.cpu_count() or 1),
+    )

@@ -1,0 +1,280 @@
+// Statistics of one float32 value in one read, as an XLA FFI custom call (CPU).
+//
+// Computes exactly what `kernel.finalize` publishes from raw rows (see DESIGN.md, "The
+// probe"): sums of x and x^2, the squared rounding error against each audited format,
+// zero / non-finite / underflow / subnormal / overflow counts, the abs-max and the
+// exponent histogram. Rounding to a format is integer work on the float32 bit pattern
+// (round to nearest even on the dropped mantissa bits; a fixed step in the format's
+// subnormal range), so no float8 conversion is needed and every format costs the same.
+//
+// The value is read in chunks of kChunk elements that stay in L1: pass one finds the
+// chunk's abs-max, pass two accumulates every feature in float32 lanes in units of the
+// chunk's power of two (squares of any float32 neither overflow nor underflow), pass
+// three counts exponents. Chunk sums go into double totals; the result is expressed in
+// units of the value's abs-max power of two, as the pure-XLA kernel does.
+//
+// Like XLA on CPU, float32 subnormal inputs count as zero.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+constexpr int kMaxFormats = 8;
+constexpr int64_t kChunk = 256;               // elements per chunk (a multiple of 8)
+constexpr int64_t kParallelMin = int64_t{1} << 20;  // values this big use several threads
+constexpr uint32_t kAbsMask = 0x7fffffffu;
+constexpr uint32_t kMinNormalBits = 0x00800000u;  // FLT_MIN
+constexpr uint32_t kInfBits = 0x7f800000u;
+
+struct Fmt {
+  bool round;        // false: the format is float32 itself (nothing to round)
+  int shift;         // mantissa bits dropped: 23 - mantissa bits
+  uint32_t half_m1;  // (1 << (shift - 1)) - 1
+  uint32_t keep;     // ~((1 << shift) - 1)
+  float max, min_normal, magic;  // magic: min_subnormal * 2^23 (subnormal-range rounding)
+  uint32_t max_bits;
+};
+
+struct Totals {
+  double sum = 0, sumsq = 0;
+  double err2[kMaxFormats] = {};
+  int64_t under[kMaxFormats] = {}, sub[kMaxFormats] = {}, over[kMaxFormats] = {};
+  int64_t hist[256] = {};  // by float32 exponent field: 0 zero (or flushed), 255 non-finite
+  float amax = 0;
+};
+
+inline v8u as_u(v8f v) { return (v8u)v; }
+inline v8f as_f(v8u v) { return (v8f)v; }
+
+inline float hmax(v8f v) {
+  float m = v[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, v[j]);
+  return m;
+}
+
+inline double hsum(v8f v) {
+  double s = 0;
+  for (int j = 0; j < 8; ++j) s += v[j];
+  return s;
+}
+
+inline int64_t hcount(v8i v) {  // lanes hold negated counts (masks are -1)
+  int64_t s = 0;
+  for (int j = 0; j < 8; ++j) s -= v[j];
+  return s;
+}
+
+// Exponent of a positive normal float (floor(log2)), from its bits; 0 for 0.
+inline int exponent_of(float a) {
+  if (!(a >= 1.1754944e-38f)) return 0;
+  uint32_t b;
+  std::memcpy(&b, &a, 4);
+  return std::clamp(int(b >> 23) - 127, -126, 126);
+}
+
+// One chunk of n8 elements (a multiple of 8, n8 <= kChunk) into totals.
+void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t) {
+  // Pass one: abs-max of the finite (flushed) elements.
+  v8f vmax = {};
+  for (int64_t i = 0; i < n8; i += 8) {
+    v8f v;
+    std::memcpy(&v, x + i, 32);
+    v8u ab = as_u(v) & kAbsMask;
+    ab = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : ab;
+    v8f a = as_f(ab);
+    vmax = a > vmax ? a : vmax;
+  }
+  float amax = hmax(vmax);
+  t.amax = std::max(t.amax, amax);
+  int k = exponent_of(amax);
+  float unit = std::ldexp(1.0f, -k);
+  const v8f u = unit - v8f{};
+
+  // Pass two: sums, rounding errors and range flags of every format.
+  v8f s1 = {}, s2 = {};
+  v8f e2[kMaxFormats] = {};
+  v8i cu[kMaxFormats] = {}, cs[kMaxFormats] = {}, co[kMaxFormats] = {};
+  for (int64_t i = 0; i < n8; i += 8) {
+    v8f v;
+    std::memcpy(&v, x + i, 32);
+    v8u xb = as_u(v);
+    v8u ab = xb & kAbsMask;
+    v8u keep_bits = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
+    v8f a = as_f(ab & keep_bits);              // |x|, finite and normal, else 0
+    v8f xs = as_f(xb & keep_bits) * u;         // x in units of 2^k
+    s1 += xs;
+    s2 += xs * xs;
+    for (int f = 0; f < nf; ++f) {
+      const Fmt& F = fmts[f];
+      const v8f fmax = F.max - v8f{};
+      v8f ac = a < fmax ? a : fmax;
+      v8f q = ac;
+      if (F.round) {
+        v8u b = as_u(ac);
+        v8u r = (b + F.half_m1 + ((b >> F.shift) & 1u)) & F.keep;
+        const v8f magic = F.magic - v8f{};
+        v8f qs = (ac + magic) - magic;
+        q = ac >= (F.min_normal - v8f{}) ? as_f(r) : qs;
+      }
+      v8f err = (a - q) * u;
+      e2[f] += err * err;
+      cu[f] += (v8i)((a > 0.0f) & (q == 0.0f));
+      cs[f] += (v8i)((q > 0.0f) & (q < F.min_normal));
+      co[f] += (v8i)((ab > F.max_bits) & (ab <= kInfBits));  // inf overflows, NaN not
+    }
+  }
+  double unit_back = std::ldexp(1.0, k);
+  t.sum += hsum(s1) * unit_back;
+  t.sumsq += hsum(s2) * unit_back * unit_back;
+  for (int f = 0; f < nf; ++f) {
+    t.err2[f] += hsum(e2[f]) * unit_back * unit_back;
+    t.under[f] += hcount(cu[f]);
+    t.sub[f] += hcount(cs[f]);
+    t.over[f] += hcount(co[f]);
+  }
+
+  // Pass three: exponent field counts (zero and flushed subnormals in 0, non-finite 255).
+  int64_t h[4][256] = {};
+  uint32_t bits[kChunk];
+  std::memcpy(bits, x, n8 * 4);
+  int64_t i = 0;
+  for (; i + 4 <= n8; i += 4) {
+    ++h[0][(bits[i] >> 23) & 0xff];
+    ++h[1][(bits[i + 1] >> 23) & 0xff];
+    ++h[2][(bits[i + 2] >> 23) & 0xff];
+    ++h[3][(bits[i + 3] >> 23) & 0xff];
+  }
+  for (; i < n8; ++i) ++h[0][(bits[i] >> 23) & 0xff];
+  for (int e = 0; e < 256; ++e) t.hist[e] += h[0][e] + h[1][e] + h[2][e] + h[3][e];
+}
+
+void range_stats(const float* x, int64_t n, const Fmt* fmts, int nf, Totals& t) {
+  int64_t i = 0;
+  for (; i + kChunk <= n; i += kChunk) chunk_stats(x + i, kChunk, fmts, nf, t);
+  if (i < n) {  // the tail, padded with zeros that are taken back out of the zero count
+    float tail[kChunk] = {};
+    int64_t rest = n - i;
+    std::memcpy(tail, x + i, rest * 4);
+    int64_t n8 = (rest + 7) / 8 * 8;
+    chunk_stats(tail, n8, fmts, nf, t);
+    t.hist[0] -= n8 - rest;
+  }
+}
+
+void merge(Totals& into, const Totals& t, int nf) {
+  into.sum += t.sum;
+  into.sumsq += t.sumsq;
+  for (int f = 0; f < nf; ++f) {
+    into.err2[f] += t.err2[f];
+    into.under[f] += t.under[f];
+    into.sub[f] += t.sub[f];
+    into.over[f] += t.over[f];
+  }
+  for (int e = 0; e < 256; ++e) into.hist[e] += t.hist[e];
+  into.amax = std::max(into.amax, t.amax);
+}
+
+ffi::Error StatsImpl(ffi::Buffer<ffi::F32> x, ffi::Span<const int64_t> mantissa,
+                     ffi::Span<const float> fmax, ffi::Span<const float> min_normal,
+                     ffi::Span<const float> min_subnormal, int64_t hist_lo, int64_t hist_hi,
+                     int64_t threads, ffi::ResultBuffer<ffi::F32> out_f,
+                     ffi::ResultBuffer<ffi::S32> out_i) {
+  const int nf = static_cast<int>(mantissa.size());
+  if (nf > kMaxFormats || fmax.size() != mantissa.size() ||
+      min_normal.size() != mantissa.size() || min_subnormal.size() != mantissa.size()) {
+    return ffi::Error::InvalidArgument("scalescope_stats: bad format attributes");
+  }
+  const int64_t n_hist = hist_hi >= hist_lo ? hist_hi - hist_lo + 5 : 0;
+  if (out_f->element_count() != static_cast<size_t>(3 + nf) ||
+      out_i->element_count() != static_cast<size_t>(3 + 3 * nf + n_hist)) {
+    return ffi::Error::InvalidArgument("scalescope_stats: bad output sizes");
+  }
+  Fmt fmts[kMaxFormats];
+  for (int f = 0; f < nf; ++f) {
+    Fmt& F = fmts[f];
+    F.shift = 23 - static_cast<int>(mantissa[f]);
+    F.round = F.shift > 0;
+    F.half_m1 = F.round ? (1u << (F.shift - 1)) - 1u : 0u;
+    F.keep = F.round ? ~((1u << F.shift) - 1u) : 0xffffffffu;
+    F.max = fmax[f];
+    F.min_normal = min_normal[f];
+    F.magic = std::ldexp(min_subnormal[f], 23);
+    std::memcpy(&F.max_bits, &F.max, 4);
+  }
+
+  const float* data = x.typed_data();
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  Totals total;
+  int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads, n / kParallelMin));
+  if (n_threads <= 1) {
+    range_stats(data, n, fmts, nf, total);
+  } else {
+    std::vector<Totals> parts(n_threads);
+    std::vector<std::thread> pool;
+    int64_t per = (n / n_threads) / kChunk * kChunk;
+    for (int64_t p = 0; p < n_threads; ++p) {
+      int64_t lo = p * per, hi = p + 1 == n_threads ? n : lo + per;
+      pool.emplace_back([=, &parts, &fmts] { range_stats(data + lo, hi - lo, fmts, nf, parts[p]); });
+    }
+    for (auto& th : pool) th.join();
+    for (const auto& t : parts) merge(total, t, nf);
+  }
+
+  // Sums in units of the value's abs-max power of two (kernel._row_exponent).
+  int k = exponent_of(total.amax);
+  double lin = std::ldexp(1.0, -k), sq = lin * lin;
+  float* of = out_f->typed_data();
+  of[0] = static_cast<float>(total.sum * lin);
+  of[1] = static_cast<float>(total.sumsq * sq);
+  for (int f = 0; f < nf; ++f) of[2 + f] = static_cast<float>(total.err2[f] * sq);
+  of[2 + nf] = total.amax;
+
+  int32_t* oi = out_i->typed_data();
+  oi[0] = static_cast<int32_t>(n);
+  oi[1] = static_cast<int32_t>(total.hist[0]);
+  oi[2] = static_cast<int32_t>(total.hist[255]);
+  for (int f = 0; f < nf; ++f) {
+    oi[3 + 3 * f] = static_cast<int32_t>(total.under[f]);
+    oi[4 + 3 * f] = static_cast<int32_t>(total.sub[f]);
+    oi[5 + 3 * f] = static_cast<int32_t>(total.over[f]);
+  }
+  if (n_hist) {
+    int32_t* h = oi + 3 + 3 * nf;
+    std::fill(h, h + n_hist, 0);
+    h[0] = static_cast<int32_t>(total.hist[0]);
+    h[n_hist - 1] = static_cast<int32_t>(total.hist[255]);
+    for (int e = 1; e < 255; ++e) {
+      int64_t col = std::clamp<int64_t>(e - 127 - (hist_lo - 2), 1, n_hist - 2);
+      h[col] += static_cast<int32_t>(total.hist[e]);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStats, StatsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("mantissa")
+                                  .Attr<ffi::Span<const float>>("fmax")
+                                  .Attr<ffi::Span<const float>>("min_normal")
+                                  .Attr<ffi::Span<const float>>("min_subnormal")
+                                  .Attr<int64_t>("hist_lo")
+                                  .Attr<int64_t>("hist_hi")
+                                  .Attr<int64_t>("threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
