@@ -118,6 +118,7 @@ def instrument(
     block: int = DEFAULT_BLOCK,
     sample: int | None = None,
     isolate: bool = True,
+    groups: int = 0,
 ) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
     """Wrap ``fn`` so that it returns ``(out, stats)``.
 
@@ -142,6 +143,12 @@ def instrument(
     evaluation of ``fn``. With ``isolate=False`` the statistics read the values
     themselves; XLA then fuses the step differently, and outputs may differ in the last
     bits (transcendentals evaluated in different fusions).
+
+    ``groups``: split the recorded values into this many groups of about equal cost
+    (consecutive in order of computation; ``OpRecord.group``). ``fn'.masked(mask, *args)``
+    then measures only the groups where the boolean ``mask[group]`` is set, in one
+    compiled program (each group behind a `lax.cond`); the other groups' rows have count
+    0 and NaN statistics. This is how `Run`'s overhead budget rotates what it measures.
     """
     if fallback not in FALLBACK_POLICIES:
         raise ValueError(
@@ -149,10 +156,13 @@ def instrument(
         )
     spec = _spec(formats, histograms, block, sample)
     pred = _predicate(select)
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
+        raise ValueError(f"instrument: groups must be a non-negative int, got {groups!r}")
     traces: dict[Any, tuple[Any, Any]] = {}
     tables: dict[Any, OpTable] = {}
+    weights: dict[Any, float] = {}  # elements recorded per call signature (for groups)
 
-    def run(leaves, treedef, dyn, avals, key):
+    def run(leaves, treedef, dyn, avals, key, mask=None, grouped=True):
         if not scalify and any(isinstance(x, ScaledArray) for x in dyn):
             raise TypeError(
                 "instrument(scalify=False) records a plain function, but an argument is a "
@@ -170,7 +180,14 @@ def instrument(
             plain = Context(fallback=fallback, check=False, scaling=scalify)
             outs = eval_jaxpr(plain, closed.jaxpr, closed.consts, dyn)
             observed = jax.lax.optimization_barrier(observed)
-        recorder = Recorder.root(spec, pred, passes)
+        n_groups, group_size = (groups, 0.0) if grouped else (0, 0.0)
+        if n_groups:
+            if key not in weights:  # one abstract pass to learn the total to split
+                jax.eval_shape(
+                    lambda *d: run(leaves, treedef, list(d), avals, key, grouped=False)[:2], *dyn
+                )
+            group_size = weights[key] / n_groups
+        recorder = Recorder.root(spec, pred, passes, n_groups, group_size, mask)
         paths = _input_paths(fn, treedef, leaves)
         dyn_paths = [p for p, leaf in zip(paths, leaves) if _is_dynamic(leaf)]
         for path, value in zip(dyn_paths, observed, strict=True):
@@ -186,6 +203,7 @@ def instrument(
             recorder.record_output(path, value)
         table, stats = recorder.finish()
         tables[key] = table
+        weights[key] = recorder.shared.weight
         instrumented.fallbacks = list(ctx.fallbacks)
         for fb in ctx.fallbacks:
             warnings.warn(
@@ -215,7 +233,21 @@ def instrument(
             jax.eval_shape(abstract, *dyn)
         return tables[key]
 
+    def masked(mask, *args, **kwargs):
+        """``(out, stats)`` measuring only the groups set in ``mask`` (bool[groups])."""
+        if not groups:
+            raise ValueError("instrument: masked() needs groups > 0")
+        if getattr(mask, "shape", None) != (groups,):
+            raise ValueError(
+                f"instrument: the mask must have shape ({groups},), got "
+                f"{getattr(mask, 'shape', type(mask).__name__)}"
+            )
+        out, stats, _ = run(*flatten_args(args, kwargs), mask=jax.numpy.asarray(mask, bool))
+        return out, stats
+
     instrumented.op_table = op_table
+    instrumented.masked = masked
+    instrumented.groups = groups
     instrumented.fallbacks = []
     instrumented.formats = tuple(f.name for f in spec.formats)
     instrumented.histograms = spec.histograms

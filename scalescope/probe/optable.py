@@ -33,6 +33,8 @@ class OpRecord:
     a cond branch (``in_cond``) a row is NaN with count 0 when the branch did not run.
     ``cast_to`` names the format (``e4m3``, ``e5m2``, ``fp16``, ``bf16``) a later op
     rounds this value to (a ``convert_element_type`` that loses precision), or "".
+    ``group``: the value group a masked recording switches this op's statistics with
+    (see `instrument`'s ``groups``), -1 when not recorded or not grouped.
     """
 
     name: str
@@ -51,6 +53,7 @@ class OpRecord:
     in_while: bool = False
     in_cond: bool = False
     cast_to: str = ""
+    group: int = -1
     alias_of: OpRecord | None = field(default=None, repr=False)
 
     @property
@@ -80,6 +83,7 @@ class OpRecord:
             "in_while": self.in_while,
             "in_cond": self.in_cond,
             "cast_to": self.cast_to,
+            "group": self.group,
         }
 
 
@@ -98,6 +102,14 @@ class OpTable:
     stat_names: tuple[str, ...]
     formats: tuple[str, ...]
     hist_columns: tuple[str, ...] | None
+    n_groups: int = 0
+    group_elements: tuple[int, ...] = ()
+
+    @property
+    def row_group(self) -> np.ndarray:
+        """The group of each row (-1 where statistics are not grouped)."""
+        groups = np.array([op.group for op in self.ops], np.int32)
+        return groups[self.row_op] if len(groups) else np.zeros(0, np.int32)
 
     def __len__(self) -> int:
         return len(self.ops)

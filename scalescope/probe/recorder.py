@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Literal
 
 from ..core import formats as _formats
@@ -114,12 +116,38 @@ class _Scope:
                 rows += inner
         return rows
 
-    def raw(self, spec: kernel.StatSpec) -> dict[str, Any]:
-        parts = [kernel.values_raw(self.values, spec)]
+    def raw(self, spec: kernel.StatSpec, mask: Any = None) -> dict[str, Any]:
+        if mask is None:
+            parts = [kernel.values_raw(self.values, spec)]
+        else:
+            parts = [_masked_raw(seg, g, mask, spec) for g, seg in self._segments()]
         for e in self.entries:
             if isinstance(e, _Block):
                 parts.append(kernel.unstack_scan(e.raw) if e.kind == "scan" else e.raw)
         return kernel.concat_raw(parts, spec)
+
+    def _segments(self) -> list[tuple[int, list[tuple[Any, Any]]]]:
+        """Runs of consecutive values of one group: ``(group, values)``."""
+        out: list[tuple[int, list[tuple[Any, Any]]]] = []
+        for rec, value in zip(self.recorded, self.values, strict=True):
+            if not out or out[-1][0] != rec.group:
+                out.append((rec.group, []))
+            out[-1][1].append(value)
+        return out
+
+
+def _masked_raw(values: list[tuple[Any, Any]], group: int, mask: Any, spec) -> dict[str, Any]:
+    """Raw rows of ``values``, computed only where ``mask[group]`` is set (a `lax.cond`:
+    the untaken branch costs nothing on CPU); zero rows (count 0: NaN statistics) else."""
+
+    def measure(vals):
+        return kernel.values_raw(vals, spec)
+
+    def skip(vals):
+        shapes = jax.eval_shape(measure, vals)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    return lax.cond(mask[group], measure, skip, values)
 
 
 @dataclass(eq=False)
@@ -129,6 +157,10 @@ class _Shared:
     spec: kernel.StatSpec
     select: Callable[[OpRecord], bool] | None
     pass_scopes: tuple[str, ...] = PASS_SCOPES
+    groups: int = 0  # value groups a mask switches (0: not grouped)
+    group_size: float = 0.0  # elements (times loop iterations) per group
+    mask: Any = None  # traced bool[groups]: which groups to measure
+    weight: float = 0.0  # elements (times loop iterations) recorded so far
     info: dict[int, _Info] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)  # keeps ids in `info` from being reused
 
@@ -143,10 +175,11 @@ class _Shared:
 class Recorder(Observer):
     """Records values of one scope; `nested` gives the recorder of a body."""
 
-    def __init__(self, shared: _Shared, scope: _Scope, prefix: Scope):
+    def __init__(self, shared: _Shared, scope: _Scope, prefix: Scope, mult: int = 1):
         self.shared = shared
         self.scope = scope
         self.prefix = prefix
+        self.mult = mult  # iterations of the enclosing scans: rows per recorded value
 
     @classmethod
     def root(
@@ -154,18 +187,23 @@ class Recorder(Observer):
         spec: kernel.StatSpec,
         select: Callable[[OpRecord], bool] | None = None,
         pass_scopes: Sequence[str] = PASS_SCOPES,
+        groups: int = 0,
+        group_size: float = 0.0,
+        mask: Any = None,
     ) -> Recorder:
-        return cls(_Shared(spec, select, tuple(pass_scopes)), _Scope(), Scope())
+        shared = _Shared(spec, select, tuple(pass_scopes), groups, group_size, mask)
+        return cls(shared, _Scope(), Scope())
 
     # -- Observer ------------------------------------------------------------------------
 
     def nested(self, eqn: Any, kind: str) -> Recorder:
         prefix = self.prefix.join(parse(eqn.source_info.name_stack))
         scope = self.scope if kind == "call" else _Scope()
-        return Recorder(self.shared, scope, prefix)
+        mult = self.mult * (int(eqn.params.get("length", 1)) if kind == "scan" else 1)
+        return Recorder(self.shared, scope, prefix, mult)
 
     def body_outputs(self) -> dict[str, Any]:
-        return self.scope.raw(self.shared.spec)
+        return self.scope.raw(self.shared.spec, self.shared.mask)
 
     def accumulate(self, acc: Any, new: Any) -> Any:
         return kernel.accumulate(acc, new)
@@ -236,6 +274,7 @@ class Recorder(Observer):
         elif self.shared.select is not None and not self.shared.select(rec):
             rec.note = "unselected"
         else:
+            self._assign_group(rec, int(np.prod(shape)))
             self.scope.values.append((data, value.scale if scaled else None))
             self.scope.recorded.append(rec)
         if rec.note not in ("", "alias"):
@@ -243,6 +282,16 @@ class Recorder(Observer):
         self.scope.entries.append(rec)
         self.shared.remember(value, info)
         return rec
+
+    def _assign_group(self, rec: OpRecord, size: int) -> None:
+        """Contiguous groups of about equal cost, in order of recording."""
+        sh = self.shared
+        if sh.spec.sample is not None:
+            size = min(size, sh.spec.sample)
+        if sh.groups:
+            g = int(sh.weight // sh.group_size) if sh.group_size > 0 else 0
+            rec.group = min(g, sh.groups - 1)
+        sh.weight += size * self.mult
 
     @staticmethod
     def _mark_cast(src: _Info, new_dtype: Any) -> None:
@@ -295,7 +344,7 @@ class Recorder(Observer):
         for i, rec in enumerate(records):
             rec.id = i
         rows = self.scope.rows()
-        raw = self.scope.raw(spec)
+        raw = self.scope.raw(spec, self.shared.mask)
         order = sorted(range(len(rows)), key=lambda r: (rows[r][0].id, rows[r][1]))
         row_op = np.array([rows[r][0].id for r in order], np.int32)
         row_iter = np.array(
@@ -328,5 +377,16 @@ class Recorder(Observer):
             stat_names=spec.stat_names(),
             formats=tuple(f.name for f in spec.formats),
             hist_columns=kernel.HIST_COLUMNS if spec.histograms else None,
+            n_groups=self.shared.groups,
+            group_elements=_group_elements(records, self.shared.groups),
         )
         return table, stats
+
+
+def _group_elements(records: list[OpRecord], groups: int) -> tuple[int, ...]:
+    """Elements measured per group (all rows), the cost a mask switches on."""
+    out = [0] * groups
+    for rec in records:
+        if rec.recorded and rec.group >= 0:
+            out[rec.group] += int(np.prod(rec.shape)) * rec.n_rows
+    return tuple(out)

@@ -42,6 +42,7 @@ from ..probe import instrument
 from ..probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
 from ..probe.optable import OpTable
 from ..scalify import scalify as _scalify
+from . import budget as _budget
 from . import layout as L
 
 try:  # advisory lock so two writers never share a process slot; absent on Windows
@@ -135,8 +136,11 @@ class _Writer:
         self.flush_steps, self.flush_s = flush_steps, flush_s
         self.queue: queue.Queue = queue.Queue(maxsize=flush_steps)
         self.error: BaseException | None = None
-        self.layout: tuple[np.ndarray, np.ndarray, tuple[str, ...], bool] | None = None
-        self.stats_buf: list[tuple[int, dict[str, np.ndarray]]] = []
+        self.layout: dict[str, Any] | None = None
+        # (step, statistics, rows measured or None for all)
+        self.stats_buf: list[tuple[int, dict[str, np.ndarray], np.ndarray | None]] = []
+        self.on_findings: Callable[[set[int]], None] | None = None  # budget feedback
+        self.hot: set[int] = set()
         self.scalar_buf: list[tuple[int, str, float]] = []
         self.oldest: float | None = None
         self.parts = 0
@@ -209,8 +213,15 @@ class _Writer:
         if self.oldest is None:
             self.oldest = time.monotonic()
         if kind == "stats":
-            _, step, stats = item
-            self.stats_buf.append((step, {k: _to_host(v) for k, v in stats.items()}))
+            _, step, stats, mask = item
+            host = {k: _to_host(v) for k, v in stats.items()}
+            rows = None
+            if mask is not None:
+                if self.layout is None:
+                    raise L.RunError("statistics arrived before the op table")
+                rows = np.asarray(mask, bool)[self.layout["row_group"]]
+                self._feedback(host, rows, np.asarray(mask, bool))
+            self.stats_buf.append((step, host, rows))
             if len(self.stats_buf) >= self.flush_steps:
                 self._flush()
         elif kind == "scalars":
@@ -219,6 +230,17 @@ class _Writer:
                 self.scalar_buf.append((step, name, float(_to_host(value))))
             if len(self.scalar_buf) >= _SCALAR_FLUSH_ROWS:
                 self._flush()
+
+    def _feedback(self, host: dict[str, np.ndarray], rows: np.ndarray, mask: np.ndarray) -> None:
+        """Tell the budget which groups showed findings (they get measured more often)."""
+        if self.on_findings is None:
+            return
+        lay = self.layout
+        found = _budget.hot_groups(
+            host, lay["row_group"], rows, lay["row_cast"], lay["row_scaled"], lay["prev_log2"]
+        )
+        self.hot = (self.hot - set(np.flatnonzero(mask).tolist())) | found
+        self.on_findings(set(self.hot))
 
     def _flush(self) -> None:
         if self.stats_buf:
@@ -247,19 +269,27 @@ class _Writer:
     def _stats_table(self) -> pa.Table:
         if self.layout is None:
             raise L.RunError("statistics arrived before the op table")
-        row_op, row_iter, stat_names, hist = self.layout
-        n, k = len(row_op), len(self.stats_buf)
-        steps = np.array([s for s, _ in self.stats_buf], np.int64)
+        lay = self.layout
+        row_op, row_iter = lay["row_op"].astype(np.int32), lay["row_iter"].astype(np.int32)
+        n = len(row_op)
+        # Rows a budgeted step did not measure are left out: no row, no value (a blank).
+        keep = [np.ones(n, bool) if rows is None else rows for _, _, rows in self.stats_buf]
+        counts = [int(k.sum()) for k in keep]
+        total = sum(counts)
         cols: dict[str, Any] = {
-            "step": np.repeat(steps, n),
-            "op": np.tile(row_op.astype(np.int32), k),
-            "iteration": np.tile(row_iter.astype(np.int32), k),
-            "process": np.full(n * k, self.process, np.int32),
+            "step": np.repeat(np.array([s for s, _, _ in self.stats_buf], np.int64), counts),
+            "op": np.concatenate([row_op[k] for k in keep]),
+            "iteration": np.concatenate([row_iter[k] for k in keep]),
+            "process": np.full(total, self.process, np.int32),
         }
-        for name in stat_names:
-            cols[name] = np.concatenate([b[name].reshape(-1) for _, b in self.stats_buf])
-        if hist:
-            h = np.concatenate([b["hist"] for _, b in self.stats_buf]).astype(np.int32)
+        for name in lay["stat_names"]:
+            cols[name] = np.concatenate(
+                [b[name].reshape(-1)[k] for (_, b, _), k in zip(self.stats_buf, keep, strict=True)]
+            )
+        if lay["hist"]:
+            h = np.concatenate(
+                [b["hist"][k] for (_, b, _), k in zip(self.stats_buf, keep, strict=True)]
+            ).astype(np.int32)
             for i, col in enumerate(L.hist_column_names(h.shape[1])):
                 cols[col] = h[:, i]
         return pa.table(cols)
@@ -273,13 +303,19 @@ class Run:
     """A run directory being recorded (see DESIGN.md, "The run store").
 
     ``every``: tracked functions record every ``every``-th call (steps 0, every, 2·every…).
-    ``formats``, ``histograms``, ``select``, ``sample``, ``isolate``, ``fallback``: passed
-    to `instrument`. ``config``: any JSON-able dict kept in the metadata (model sizes,
-    precision, seed). ``flush_steps`` / ``flush_seconds``: when the writer writes a part
-    (see the module docstring for the crash bound). ``start_step``: the first step number
-    of tracked functions; by default 0, or one past the last step already in the run when
-    appending. ``process_index``: this writer's JAX process (default
-    `jax.process_index()`); only process 0 writes the metadata and the op table.
+    ``budget``: instead, keep the time spent recording at or under this fraction of the
+    training time (0.05: 5 %): each recorded step measures a rotating subset of the
+    values, split into ``groups`` groups of about equal cost, and values with findings
+    are measured more often (see `budget`); ``every`` is then the shortest gap between
+    two recorded steps. Statistics stay exact; a value simply has no row at the steps
+    that did not measure it. ``formats``, ``histograms``, ``select``, ``sample``,
+    ``isolate``, ``fallback``: passed to `instrument`. ``config``: any JSON-able dict kept
+    in the metadata (model sizes, precision, seed). ``flush_steps`` / ``flush_seconds``:
+    when the writer writes a part (see the module docstring for the crash bound).
+    ``start_step``: the first step number of tracked functions; by default 0, or one past
+    the last step already in the run when appending. ``process_index``: this writer's JAX
+    process (default `jax.process_index()`); only process 0 writes the metadata and the op
+    table.
 
     Opening an existing run appends to it when it records the same formats and, at the
     first recorded step, the same op table; otherwise it refuses with `RunMismatchError`.
@@ -296,6 +332,8 @@ class Run:
         sample: int | None = None,
         isolate: bool = True,
         fallback: str = "raise",
+        budget: float | None = None,
+        groups: int = 16,
         config: Mapping[str, Any] | None = None,
         flush_steps: int = 10,
         flush_seconds: float = 2.0,
@@ -308,6 +346,16 @@ class Run:
             raise ValueError(f"Run: flush_seconds must be positive, got {flush_seconds!r}")
         if start_step is not None:
             _check_int("start_step", start_step, 0)
+        if budget is not None and not (
+            isinstance(budget, int | float) and not isinstance(budget, bool) and 0 < budget < 1
+        ):
+            raise ValueError(
+                f"Run: budget must be a fraction of the training time in (0, 1) (0.05 for "
+                f"5 %), got {budget!r}"
+            )
+        _check_int("groups", groups, 1)
+        self.budget = None if budget is None else float(budget)
+        self.groups = groups
         if isinstance(formats, str):
             formats = (formats,)
         self.path = Path(path)
@@ -390,6 +438,8 @@ class Run:
             "stat_names": list(self.stat_names),
             "select": None if self.select is None else repr(self.select),
             "sample": self.sample,
+            "statistics": "exact" if self.sample is None else "sampled",
+            "budget": self.budget,
             "isolate": self.isolate,
             "graph": None,
         }
@@ -479,8 +529,21 @@ class Run:
                 self._meta["graph"] = self._graph
                 L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
             self._ops = frame
+        row_op = np.asarray(table.row_op)
         self._writer.put(
-            ("layout", (table.row_op, table.row_iter, tuple(table.stat_names), self.histograms))
+            (
+                "layout",
+                {
+                    "row_op": row_op,
+                    "row_iter": np.asarray(table.row_iter),
+                    "stat_names": tuple(table.stat_names),
+                    "hist": self.histograms,
+                    "row_group": table.row_group,
+                    "row_cast": [table.ops[o].cast_to for o in row_op],
+                    "row_scaled": np.array([table.ops[o].scaled for o in row_op], bool),
+                    "prev_log2": np.full(len(row_op), np.nan),
+                },
+            )
         )
 
     # -- public ---------------------------------------------------------------------
@@ -523,9 +586,9 @@ class Run:
             _start_copy(values)
             self._writer.put(("scalars", int(step), values))
 
-    def _submit(self, step: int, stats: dict[str, jax.Array]) -> None:
+    def _submit(self, step: int, stats: dict[str, jax.Array], mask: Any = None) -> None:
         _start_copy(stats)
-        self._writer.put(("stats", step, stats))
+        self._writer.put(("stats", step, stats, mask))
 
     def flush(self) -> None:
         """Block until everything recorded so far is written to parts on disk."""
@@ -573,12 +636,14 @@ class Tracked:
     """What `Run.track` returns: call it like the step function it wraps.
 
     ``step`` is the number the next call gets; calls whose number is a multiple of
-    ``every`` run the recording variant.
+    ``every`` run the recording variant (under a budget, the `budget.BudgetController`
+    decides instead, and ``controller`` holds its state).
     """
 
     def __init__(self, run: Run, fn: Callable[..., Any], *, scalify: bool, every: int) -> None:
         self.run, self.every, self.scalify = run, every, scalify
         self.step = run.start_step
+        self.budgeted = run.budget is not None
         self.instrumented = instrument(
             fn,
             scalify=scalify,
@@ -588,39 +653,89 @@ class Tracked:
             sample=run.sample,
             isolate=run.isolate,
             fallback=run.fallback,
+            groups=run.groups if self.budgeted else 0,
         )
-        self._recording = jax.jit(self.instrumented)
+        if self.budgeted:
+            self._recording = jax.jit(self.instrumented.masked)
+        else:
+            self._recording = jax.jit(self.instrumented)
         self._plain = jax.jit(_scalify(fn, fallback=run.fallback) if scalify else fn)
         self._registered = False
+        self.controller: _budget.BudgetController | None = None
+        self._warm: set[str] = set()  # variants already compiled (their first call is not timed)
         functools.update_wrapper(self, fn)
 
     def records(self, step: int) -> bool:
-        """Whether call number ``step`` records statistics."""
+        """Whether call number ``step`` records statistics (every-``every`` mode)."""
         return step % self.every == 0
+
+    def _register(self, args: tuple, kwargs: dict) -> None:
+        # Trace (no compile) and check the graph against the run before anything of this
+        # call reaches the directory, recorded step or not.
+        t0 = time.perf_counter()
+        table = self.instrumented.op_table(*args, **kwargs)
+        self.run._register(table, self.scalify)
+        self._registered = True
+        if self.budgeted:
+            self.controller = _budget.BudgetController(
+                self.run.budget,
+                table.group_elements,
+                every=self.every,
+                fixed_share=1.0 if self.run.isolate else 0.1,
+            )
+            self.run._writer.on_findings = self.controller.observe_findings
+        log.info(
+            "scalescope: recording %d ops (%d rows) %s into %s (traced in %.1f s; the "
+            "recording step compiles at its first use)",
+            len(table),
+            table.n_rows,
+            f"under a {self.run.budget:.0%} budget in {table.n_groups} groups"
+            if self.budgeted
+            else f"every {self.every} steps",
+            self.run.path,
+            time.perf_counter() - t0,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.run._check_open()
         if not self._registered:
-            # Trace (no compile) and check the graph against the run before anything of
-            # this call reaches the directory, recorded step or not.
-            t0 = time.perf_counter()
-            table = self.instrumented.op_table(*args, **kwargs)
-            self.run._register(table, self.scalify)
-            self._registered = True
-            log.info(
-                "scalescope: recording %d ops (%d rows) every %d steps into %s (traced in "
-                "%.1f s; the recording step compiles at its first use)",
-                len(table),
-                table.n_rows,
-                self.every,
-                self.run.path,
-                time.perf_counter() - t0,
-            )
+            self._register(args, kwargs)
         step, self.step = self.step, self.step + 1
+        if self.budgeted:
+            return self._budgeted_call(step, args, kwargs)
         if not self.records(step):
             return self._plain(*args, **kwargs)
         out, stats = self._recording(*args, **kwargs)
         self.run._submit(step, stats)
+        return out
+
+    def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """Run ``fn`` alone on the device and time it; None on its first (compiling) call."""
+        jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        elapsed = time.perf_counter() - t0
+        first = variant not in self._warm
+        self._warm.add(variant)
+        return out, (None if first else elapsed)
+
+    def _budgeted_call(self, step: int, args: tuple, kwargs: dict) -> Any:
+        ctrl = self.controller
+        mask = ctrl.plan(step)
+        if mask is None:
+            if ctrl.ready and ctrl.steps % 8:
+                return self._plain(*args, **kwargs)
+            # Time a plain step now and then: the budget is a fraction of it.
+            out, seconds = self._timed("plain", lambda *a: self._plain(*a, **kwargs), *args)
+            if seconds is not None:
+                ctrl.observe_plain(seconds)
+            return out
+        (out, stats), seconds = self._timed(
+            "recording", lambda *a: self._recording(mask, *a, **kwargs), *args
+        )
+        if seconds is not None:
+            ctrl.observe_record(seconds - float(ctrl.t_plain), mask)
+        self.run._submit(step, stats, mask)
         return out
 
 

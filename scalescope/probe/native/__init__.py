@@ -36,6 +36,7 @@ log = logging.getLogger("scalescope")
 TARGET = "scalescope_stats"
 SOURCE = Path(__file__).with_name("stats.cc")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+_NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -131,8 +132,16 @@ def value_raw(
         ),
         vmap_method="sequential",
     )
+    data = jnp.ravel(data)
+    dtype = np.dtype(data.dtype)
+    lut = np.zeros((0,), np.float32)
+    if dtype.itemsize == 1 and jax.dtypes.issubdtype(dtype, np.floating):
+        lut = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    elif dtype not in _NATIVE_DTYPES:
+        data = data.astype(jnp.float32)
     return call(
-        jnp.ravel(data).astype(jnp.float32),
+        data,
+        lut=lut,
         mantissa=np.array([f.mantissa_bits for f in formats], np.int64),
         fmax=np.array([f.max for f in formats], np.float32),
         min_normal=np.array([f.min_normal for f in formats], np.float32),

@@ -13,7 +13,8 @@
 // three counts exponents. Chunk sums go into double totals; the result is expressed in
 // units of the value's abs-max power of two, as the pure-XLA kernel does.
 //
-// Like XLA on CPU, float32 subnormal inputs count as zero.
+// Inputs are float32, float16, bfloat16 or any 8-bit float type (widened through a
+// 256-entry table). Like XLA on CPU, float32 subnormal inputs count as zero.
 
 #include <algorithm>
 #include <cmath>
@@ -161,16 +162,47 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
   for (int e = 0; e < 256; ++e) t.hist[e] += h[0][e] + h[1][e] + h[2][e] + h[3][e];
 }
 
-void range_stats(const float* x, int64_t n, const Fmt* fmts, int nf, Totals& t) {
-  int64_t i = 0;
-  for (; i + kChunk <= n; i += kChunk) chunk_stats(x + i, kChunk, fmts, nf, t);
-  if (i < n) {  // the tail, padded with zeros that are taken back out of the zero count
-    float tail[kChunk] = {};
-    int64_t rest = n - i;
-    std::memcpy(tail, x + i, rest * 4);
-    int64_t n8 = (rest + 7) / 8 * 8;
-    chunk_stats(tail, n8, fmts, nf, t);
-    t.hist[0] -= n8 - rest;
+// Widening of the stored element type to float32, one chunk at a time.
+struct Loader {
+  ffi::DataType dtype;
+  const void* data;
+  const float* lut;  // 8-bit types: the float32 value of each of the 256 bit patterns
+
+  void load(int64_t start, int64_t count, float* out) const {
+    switch (dtype) {
+      case ffi::DataType::F16: {
+        const _Float16* p = static_cast<const _Float16*>(data) + start;
+        for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(p[i]);
+        break;
+      }
+      case ffi::DataType::BF16: {
+        const uint16_t* p = static_cast<const uint16_t*>(data) + start;
+        uint32_t* o = reinterpret_cast<uint32_t*>(out);
+        for (int64_t i = 0; i < count; ++i) o[i] = static_cast<uint32_t>(p[i]) << 16;
+        break;
+      }
+      case ffi::DataType::F32:
+        std::memcpy(out, static_cast<const float*>(data) + start, count * 4);
+        break;
+      default: {  // 8-bit float types
+        const uint8_t* p = static_cast<const uint8_t*>(data) + start;
+        for (int64_t i = 0; i < count; ++i) out[i] = lut[p[i]];
+      }
+    }
+  }
+};
+
+void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int nf,
+                 Totals& t) {
+  alignas(32) float buf[kChunk];
+  for (int64_t i = lo; i < hi; i += kChunk) {
+    int64_t count = std::min(kChunk, hi - i);
+    int64_t n8 = (count + 7) / 8 * 8;
+    in.load(i, count, buf);
+    // A partial chunk is padded with zeros that are taken back out of the zero count.
+    std::fill(buf + count, buf + n8, 0.0f);
+    chunk_stats(buf, n8, fmts, nf, t);
+    t.hist[0] -= n8 - count;
   }
 }
 
@@ -187,7 +219,7 @@ void merge(Totals& into, const Totals& t, int nf) {
   into.amax = std::max(into.amax, t.amax);
 }
 
-ffi::Error StatsImpl(ffi::Buffer<ffi::F32> x, ffi::Span<const int64_t> mantissa,
+ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<const int64_t> mantissa,
                      ffi::Span<const float> fmax, ffi::Span<const float> min_normal,
                      ffi::Span<const float> min_subnormal, int64_t hist_lo, int64_t hist_hi,
                      int64_t threads, ffi::ResultBuffer<ffi::F32> out_f,
@@ -215,19 +247,26 @@ ffi::Error StatsImpl(ffi::Buffer<ffi::F32> x, ffi::Span<const int64_t> mantissa,
     std::memcpy(&F.max_bits, &F.max, 4);
   }
 
-  const float* data = x.typed_data();
+  const ffi::DataType dtype = x.element_type();
+  const bool byte = ffi::ByteWidth(dtype) == 1;
+  if (!(dtype == ffi::DataType::F32 || dtype == ffi::DataType::F16 ||
+        dtype == ffi::DataType::BF16 || byte) ||
+      (byte && lut.size() != 256)) {
+    return ffi::Error::InvalidArgument("scalescope_stats: unsupported input type");
+  }
+  const Loader in{dtype, x.untyped_data(), lut.begin()};
   const int64_t n = static_cast<int64_t>(x.element_count());
   Totals total;
   int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads, n / kParallelMin));
   if (n_threads <= 1) {
-    range_stats(data, n, fmts, nf, total);
+    range_stats(in, 0, n, fmts, nf, total);
   } else {
     std::vector<Totals> parts(n_threads);
     std::vector<std::thread> pool;
     int64_t per = (n / n_threads) / kChunk * kChunk;
     for (int64_t p = 0; p < n_threads; ++p) {
       int64_t lo = p * per, hi = p + 1 == n_threads ? n : lo + per;
-      pool.emplace_back([=, &parts, &fmts] { range_stats(data + lo, hi - lo, fmts, nf, parts[p]); });
+      pool.emplace_back([=, &in, &parts, &fmts] { range_stats(in, lo, hi, fmts, nf, parts[p]); });
     }
     for (auto& th : pool) th.join();
     for (const auto& t : parts) merge(total, t, nf);
@@ -268,7 +307,8 @@ ffi::Error StatsImpl(ffi::Buffer<ffi::F32> x, ffi::Span<const int64_t> mantissa,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStats, StatsImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const float>>("lut")
                                   .Attr<ffi::Span<const int64_t>>("mantissa")
                                   .Attr<ffi::Span<const float>>("fmax")
                                   .Attr<ffi::Span<const float>>("min_normal")

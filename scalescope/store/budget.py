@@ -1,0 +1,204 @@
+"""The overhead budget: which steps record, and which value groups they measure.
+
+`Run(path, budget=0.05)` keeps the time spent recording at or under 5 % of the time spent
+training. The recorded values are split into groups of about equal cost
+(`instrument`'s ``groups``); each recorded step measures a few groups, switched by a
+runtime mask in one compiled program. This module only decides; `writer.Tracked` times
+the steps and runs them.
+
+The cost of a recorded step is modelled as ``fixed + per_element * elements``: the fixed
+part is what any recorded step pays (with ``isolate``, a second evaluation of the step),
+the rest grows with the elements measured. A step records when the overhead spent so far
+plus the expected cost of this one stays within ``budget`` times the training time so far
+(measured plain steps times their count), so a slow recorded step is paid back by a longer
+gap before the next. Groups are measured round-robin, so every value is measured within
+a bounded period (`coverage_period`); every other recorded step instead goes to a *hot*
+group, one where the last measurement showed non-finite values, drift from unit scale, a
+growing trend, or under/overflow in the format the value is cast to.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+#: Findings that make a group hot (measured more often): |log2 rms| beyond this...
+DRIFT_LOG2 = 4.0
+#: ...or grown by this much since the op's previous measurement...
+TREND_LOG2 = 1.0
+#: ...or underflow in the cast format above this fraction, or any overflow or non-finite.
+UNDERFLOW = 0.01
+
+
+class BudgetController:
+    """Plans recorded steps under an overhead budget (fraction of training time)."""
+
+    def __init__(
+        self,
+        budget: float,
+        group_elements: Sequence[int],
+        *,
+        every: int = 1,
+        fixed_share: float = 1.0,
+    ) -> None:
+        if not (isinstance(budget, int | float) and 0 < budget < 1):
+            raise ValueError(f"Run: budget must be a fraction in (0, 1), got {budget!r}")
+        self.budget = float(budget)
+        self.elements = np.asarray(group_elements, np.float64)
+        self.groups = len(self.elements)
+        if self.groups == 0:
+            raise ValueError("Run: the budget needs at least one recorded value")
+        self.every = every
+        self.t_plain: float | None = None  # seconds per plain step (smoothed)
+        self.fixed: float | None = None  # fixed seconds per recorded step (prior: shares)
+        self.fixed_share = fixed_share  # prior for fixed cost, in plain steps
+        self.per_element: float | None = None
+        self.spent = 0.0  # overhead seconds spent recording
+        self.steps = 0  # steps seen (recorded or not)
+        self.last_record = -(10**9)
+        self.next_group = 0
+        self.slot = 0  # recorded steps so far (alternates round-robin and hot)
+        self.measured_at = np.full(self.groups, -1, np.int64)  # last step each group ran
+        self.first_full_cover: int | None = None
+        self._hot: frozenset[int] = frozenset()
+        self._hot_next = 0
+        self._lock = threading.Lock()
+
+    # -- timings ----------------------------------------------------------------------
+
+    def observe_plain(self, seconds: float) -> None:
+        """A plain step took ``seconds`` (compilation excluded)."""
+        self.t_plain = seconds if self.t_plain is None else 0.7 * self.t_plain + 0.3 * seconds
+        if self.fixed is None:
+            self.fixed = self.fixed_share * self.t_plain
+
+    def observe_record(self, overhead: float, mask: np.ndarray) -> None:
+        """A recorded step measuring ``mask`` cost ``overhead`` seconds more than a plain
+        step."""
+        overhead = max(0.0, overhead)
+        self.spent += overhead
+        fixed = self.fixed or 0.0
+        elements = float(self.elements[mask].sum())
+        if elements > 0:
+            rate = max(0.0, overhead - fixed) / elements
+            if overhead < fixed:  # the fixed part was overestimated
+                self.fixed = 0.5 * fixed + 0.5 * overhead
+            self.per_element = (
+                rate if self.per_element is None else 0.5 * self.per_element + 0.5 * rate
+            )
+
+    def observe_findings(self, hot_groups: set[int]) -> None:
+        """Groups whose latest measurement had findings (called from the writer)."""
+        with self._lock:
+            self._hot = frozenset(int(g) for g in hot_groups)
+
+    # -- plans ------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.t_plain is not None
+
+    def groups_per_record(self) -> int:
+        """Groups measured together: enough that the measuring cost is about the fixed
+        cost of a recorded step (fewer, slower records would only lengthen the period
+        between two measurements of a hot group; more would lengthen it for all)."""
+        if not self.per_element or not self.fixed:
+            return 1
+        mean = float(self.elements.mean()) or 1.0
+        return int(min(self.groups, max(1, round(self.fixed / (self.per_element * mean)))))
+
+    def expected_cost(self, mask: np.ndarray) -> float:
+        fixed = self.fixed or 0.0
+        per = self.per_element if self.per_element is not None else 0.0
+        return fixed + per * float(self.elements[mask].sum())
+
+    def plan(self, step: int) -> np.ndarray | None:
+        """The mask of groups to measure at ``step``, or None for a plain step. Call once
+        per step, in order."""
+        self.steps += 1
+        if not self.ready or step - self.last_record < self.every:
+            return None
+        mask = self._next_mask()
+        allowed = self.budget * self.steps * float(self.t_plain)
+        if self.spent + self.expected_cost(mask) > allowed:
+            return None
+        self._commit(step, mask)
+        return mask
+
+    def _next_mask(self) -> np.ndarray:
+        mask = np.zeros(self.groups, bool)
+        k = self.groups_per_record()
+        with self._lock:
+            hot = sorted(self._hot)
+        if hot and self.slot % 2 == 1:
+            for i in range(min(k, len(hot))):
+                mask[hot[(self._hot_next + i) % len(hot)]] = True
+        else:
+            for i in range(k):
+                mask[(self.next_group + i) % self.groups] = True
+        return mask
+
+    def _commit(self, step: int, mask: np.ndarray) -> None:
+        k = int(mask.sum())
+        with self._lock:
+            hot = sorted(self._hot)
+        if hot and self.slot % 2 == 1:
+            self._hot_next = (self._hot_next + k) % max(1, len(hot))
+        else:
+            self.next_group = (self.next_group + k) % self.groups
+        self.slot += 1
+        self.last_record = step
+        self.measured_at[mask] = step
+        if self.first_full_cover is None and (self.measured_at >= 0).all():
+            self.first_full_cover = step
+
+    def coverage_period(self) -> float:
+        """Steps between two measurements of the same value, at the current cost
+        estimates (round-robin only; hot groups come round more often)."""
+        if not self.ready:
+            return math.inf
+        k = self.groups_per_record()
+        mask = np.zeros(self.groups, bool)
+        mask[:k] = True
+        per_record = self.expected_cost(mask) / (self.budget * float(self.t_plain))
+        interval = max(self.every, per_record)
+        # Half the recorded steps go round-robin when some group is hot.
+        rounds = math.ceil(self.groups / k) * (2 if self._hot else 1)
+        return rounds * interval
+
+
+def hot_groups(
+    stats: dict[str, np.ndarray],
+    row_group: np.ndarray,
+    measured: np.ndarray,
+    cast_to: Sequence[str],
+    scaled: np.ndarray,
+    previous_log2: np.ndarray,
+) -> set[int]:
+    """Groups with a row showing a finding in this measurement (see the module doc).
+
+    ``measured``: rows measured at this step; ``cast_to``/``scaled``: per row, the format
+    the value is cast to ("" for none) and whether it is a scaled value;
+    ``previous_log2``: per row, log2 rms at its previous measurement (NaN if none),
+    updated in place."""
+    rms = np.asarray(stats["rms"], np.float64).reshape(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log2 = np.where(rms > 0, np.log2(rms), np.nan)
+    bad = np.asarray(stats["frac_nonfinite"]).reshape(-1) > 0
+    bad |= scaled & (np.abs(log2) > DRIFT_LOG2)
+    grown = np.abs(log2) - np.abs(previous_log2) >= TREND_LOG2
+    bad |= np.nan_to_num(grown, nan=0).astype(bool)
+    for fmt in {c for c in cast_to if c}:
+        rows = np.array([c == fmt for c in cast_to])
+        over = stats.get(f"overflow_{fmt}")
+        under = stats.get(f"underflow_{fmt}")
+        if over is not None:
+            bad |= rows & (np.nan_to_num(np.asarray(over).reshape(-1)) > 0)
+        if under is not None:
+            bad |= rows & (np.nan_to_num(np.asarray(under).reshape(-1)) > UNDERFLOW)
+    bad &= measured
+    previous_log2[measured] = log2[measured]
+    return {int(g) for g in np.unique(row_group[bad]) if g >= 0}
