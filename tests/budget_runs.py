@@ -45,6 +45,7 @@ def sparsify(
     if budget is not None:
         meta["budget"] = budget
     meta["sample"] = sample
+    meta["name"] = Path(dst).name
     L.write_json_atomic(dst / L.RUN_FILE, meta)
     if group:
         ops = pd.read_parquet(dst / L.OPS_FILE)
