@@ -6,6 +6,12 @@ RMS / abs-max over steps, exponent histogram, SNR per format), advisor table, fo
 what-if, and the comparison of two runs. Every figure comes from `scalescope.viz`, every
 frame from `scalescope.analysis` (through `RunData`'s cache). A periodic callback reads
 new parts of the run; views showing data older than the run are redrawn when visible.
+
+Every view computed from statistics (overview, heatmap, op detail, advisor, formats)
+opens with a note when its numbers are estimates (a run recorded with ``sample=``) or when
+ops were measured in turns under an overhead budget (``budget=``); the op tables show
+when each op was last measured, and heatmap cells of an op not measured at a step are
+blank.
 """
 
 from __future__ import annotations
@@ -61,9 +67,36 @@ def _table(
     )
 
 
+#: Views whose figures are computed from statistics: they carry the statistics note.
+NOTED_VIEWS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats")
+
+
+def _statistics_note(notes: list[str]) -> str:
+    """The note on sampled statistics / ops measured in turns ("" when there is none)."""
+    if not notes:
+        return ""
+    items = " &nbsp;·&nbsp; ".join(html.escape(n) for n in notes)
+    return (
+        "<div class='ss-statistics-note' style='color:#8a5a00;background:#fff6e0;"
+        f"padding:3px 8px;border-left:3px solid #e0a000'>{items}</div>"
+    )
+
+
 def _message(text: str, kind: str = "info") -> str:
     colors = {"info": "#555", "warn": "#a15c00", "error": "#b00020"}
     return f'<div class="ss-msg ss-{kind}" style="color:{colors[kind]}">{html.escape(text)}</div>'
+
+
+def _when_text(when: pd.Series, n_recorded: int) -> str:
+    """``step L (n of N recorded steps, every ~K)`` for an op's row of `RunData.measured`."""
+    if pd.isna(when["last_measured"]):
+        return "never"
+    text = f"step {int(when['last_measured'])} ({int(when['n_measured'])} of {n_recorded} "
+    text += "recorded steps"
+    gap = when["gap"]
+    if pd.notna(gap) and gap > 1:
+        text += f", every ~{gap:g}"
+    return text + ")"
 
 
 class Dashboard:
@@ -78,12 +111,26 @@ class Dashboard:
         self.status = pn.pane.HTML("", sizing_mode="stretch_width")
         self._muted = False  # True while several widgets change for one redraw
         self.versions: dict[str, int] = {}  # view -> RunData.version it shows
+        self.notes = {
+            view: pn.pane.HTML(
+                "", sizing_mode="stretch_width", name=f"statistics-note-{view.lower()}"
+            )
+            for view in NOTED_VIEWS
+        }
         self._build_overview()
         self._build_heatmap()
         self._build_detail()
         self._build_advisor()
         self._build_formats()
         self._build_compare()
+        for view, column in (
+            ("Overview", self.overview),
+            ("Heatmap", self.heatmap_view),
+            ("Op detail", self.detail),
+            ("Advisor", self.advisor),
+            ("Formats", self.formats),
+        ):
+            column.insert(0, self.notes[view])
         self.tabs = pn.Tabs(
             ("Overview", self.overview),
             ("Heatmap", self.heatmap_view),
@@ -177,6 +224,11 @@ class Dashboard:
             meta, steps = data.reader.meta, data.steps
             n_ops = int(data.stats["op"].nunique()) if len(steps) else 0
             scalars = data.scalars
+            note = _statistics_note(data.notes())
+            statistics = data.reader.statistics
+        for pane in self.notes.values():
+            if pane.object != note:
+                pane.object = note
         last = int(steps[-1]) if len(steps) else None
         loss_step = int(scalars.index.max()) if len(scalars) else None
         parts = [
@@ -188,6 +240,7 @@ class Dashboard:
             f"last logged step: {loss_step if loss_step is not None else '-'}",
             f"ops: {n_ops}",
             f"scalify: {bool((meta.get('graph') or {}).get('scalify', False))}",
+            f"statistics: <span class='ss-statistics'>{html.escape(statistics)}</span>",
         ]
         text = " &nbsp;·&nbsp; ".join(parts)
         if not len(steps):
@@ -260,7 +313,13 @@ class Dashboard:
             self.worst_table.value = pd.DataFrame({"ops": ["no recorded op yet"]})
             return
         worst = analysis.worst_ops(summary, by, n=20)
-        cols = ["label", "pass", "primitive", by, "source"]
+        cols = ["label", "pass", "primitive", by, "last_measured", "source"]
+        data = self.data
+        if data is not None:
+            with data.lock:
+                worst = worst.assign(last_measured=data.last_measured(worst.index).to_numpy())
+        else:
+            worst = worst.assign(last_measured=worst["last_step"])
         self.worst_table.value = worst.reset_index()[["op", *dict.fromkeys(cols)]]
 
     @staticmethod
@@ -345,20 +404,27 @@ class Dashboard:
                 self.heatmap_msg.object = _message("no op matches the filters", "warn")
                 return
             mat = data.matrix(metric, ops)
+            measured = data.measured_matrix(ops)
             labels = data.labels
         n_steps = len(data.steps)
         note = f"{len(mat)} ops x {mat.shape[1]} columns"
         if mat.shape[1] < n_steps:
-            note += f" ({n_steps} recorded steps merged into windows, worst value kept)"
+            note += f" ({n_steps} recorded steps merged into windows, worst measured value kept)"
+        if not measured.to_numpy().all():
+            note += "; blank (hatched): not measured there, grey: NaN"
         note += "; click a cell to open that op at that step"
         # One message for the note, colour range and image: the browser would otherwise
         # re-colour the old image once per property change before the new one arrives.
         with pn.io.hold():
             self.heatmap_msg.object = _message(note)
             fig = self._heatmap_fig
-            if fig is not None and not force and viz.update_heatmap(fig, mat, metric=metric):
+            if (
+                fig is not None
+                and not force
+                and viz.update_heatmap(fig, mat, metric=metric, measured=measured)
+            ):
                 return
-            fig = viz.heatmap(mat, metric=metric, labels=labels)
+            fig = viz.heatmap(mat, metric=metric, labels=labels, measured=measured)
             fig.on_event(Tap, self._on_tap)
             self._heatmap_fig = fig
             self.heatmap_pane.object = fig
@@ -427,6 +493,8 @@ class Dashboard:
             info = data.ops.loc[op]
             label = data.labels.get(op, f"op {op}")
             findings = data.findings()
+            recorded = data.steps
+            when = data.measured().reindex([op]).iloc[0]
         steps = sorted(int(s) for s in rows["step"].unique())
         step = self._pending_step if self._pending_step in steps else (steps[-1] if steps else None)
         self._pending_step = None
@@ -440,6 +508,7 @@ class Dashboard:
             "scaled": bool(info["scaled"]),
             "cast to": info.get("cast_to", "") or "-",
             "source": info.get("source", "") or "-",
+            "last measured": _when_text(when, len(recorded)),
         }
         cells = "".join(
             f"<tr><th style='text-align:left;padding-right:1em'>{k}</th>"
@@ -448,7 +517,9 @@ class Dashboard:
         )
         self.op_info.object = f"<table class='ss-op-info'>{cells}</table>"
         per_step = rows.groupby("step")[["scale", "rms", "absmax"]].max()
-        self.series_pane.object = viz.timeseries(per_step, title=f"{label}: scale, rms, abs-max")
+        self.series_pane.object = viz.timeseries(
+            per_step, title=f"{label}: scale, rms, abs-max", recorded=recorded
+        )
         mine = findings[findings["op"] == op]
         self.op_findings.value = (
             mine[[c for c in _FINDING_COLUMNS if c != "label"]].reset_index(drop=True)
@@ -512,7 +583,11 @@ class Dashboard:
         self.advisor_msg.object = _message(
             f"{len(findings)} findings ({text}). Click a row to open the op."
         )
-        self.advisor_table.value = findings[["op", *_FINDING_COLUMNS]]
+        with data.lock:
+            last = data.last_measured(findings["op"]).to_numpy()
+        table = findings[["op", *_FINDING_COLUMNS]].copy()
+        table.insert(table.columns.get_loc("steps") + 1, "last_measured", last)
+        self.advisor_table.value = table
 
     def _on_finding_click(self, event: Any) -> None:
         if self._findings.empty or event.row is None or event.row >= len(self._findings):
@@ -547,6 +622,8 @@ class Dashboard:
         self.verdicts.value = analysis.verdict_counts(whatif, ops, as_text=True).reset_index()
         flat = pd.DataFrame(index=whatif.index)
         flat["label"] = labels.reindex(whatif.index).to_numpy()
+        with data.lock:
+            flat["last measured"] = data.last_measured(whatif.index).to_numpy()
         for fmt in dict.fromkeys(whatif.columns.get_level_values(0)):
             flat[f"{fmt} safe"] = whatif[(fmt, "safe")]
             flat[f"{fmt} snr"] = whatif[(fmt, "snr")].round(1)

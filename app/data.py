@@ -134,6 +134,34 @@ class RunData:
 
         return self.cached(key, build)
 
+    def measured_matrix(self, ops: np.ndarray, max_steps: int = 500) -> pd.DataFrame:
+        """Where each of ``ops`` was measured, aligned with `matrix` (True: a row at that
+        step or window): the heatmap draws the other NaN cells blank."""
+        key = ("measured_matrix", ops.tobytes(), max_steps)
+
+        def build() -> pd.DataFrame:
+            stats = self.stats
+            if len(ops) < stats["op"].nunique():
+                stats = stats[np.isin(stats["op"].to_numpy(), ops)]
+            return analysis.measured_matrix(stats, max_steps=max_steps)
+
+        return self.cached(key, build)
+
+    def measured(self) -> pd.DataFrame:
+        """Per op: first/last measured step, number of steps measured, median gap
+        (`scalescope.store.RunReader.measured`)."""
+        return self.cached("measured", lambda: self.reader.measured())
+
+    def last_measured(self, ops: Any) -> pd.Series:
+        """Last measured step of each op id in ``ops`` (nullable ints, for tables)."""
+        last = self.measured()["last_measured"].reindex(np.asarray(ops, np.int64))
+        return last.astype("Int64")
+
+    def notes(self) -> list[str]:
+        """What every view computed from statistics says next to its figures: sampled
+        statistics, ops measured in turns (`scalescope.analysis.measurement_notes`)."""
+        return self.cached("notes", lambda: analysis.measurement_notes(self.reader))
+
     def findings(self) -> pd.DataFrame:
         return self.cached("findings", lambda: analysis.advise_run(self.reader))
 

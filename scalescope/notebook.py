@@ -328,20 +328,43 @@ class HeatmapView:
 
     ``matrix``: the data (`scalescope.analysis.matrix`: index op id, columns step);
     ``labels``: op id -> readable label; ``figure``: the Bokeh figure
-    (`scalescope.viz.heatmap`).
+    (`scalescope.viz.heatmap`). ``measured``: where each op has rows
+    (`scalescope.analysis.measured_matrix`, same index and columns; None: unknown): NaN
+    cells of ops not measured there are drawn blank, measured NaN cells grey. ``notes``:
+    what the figure's numbers are (sampled statistics, ops measured in turns), shown above
+    it.
     """
 
-    def __init__(self, matrix: pd.DataFrame, metric: str, labels: pd.Series, title: str):
+    def __init__(
+        self,
+        matrix: pd.DataFrame,
+        metric: str,
+        labels: pd.Series,
+        title: str,
+        measured: pd.DataFrame | None = None,
+        notes: Sequence[str] = (),
+    ):
         self.matrix, self.metric, self.labels, self.title = matrix, metric, labels, title
+        self.measured, self.notes = measured, list(notes)
 
     @property
     def figure(self) -> Any:
         from . import viz
 
-        return viz.heatmap(self.matrix, metric=self.metric, labels=self.labels, title=self.title)
+        return viz.heatmap(
+            self.matrix,
+            metric=self.metric,
+            labels=self.labels,
+            title=self.title,
+            measured=self.measured,
+        )
 
     def to_html(self) -> str:
-        return figure_html(self.figure)
+        notes = "".join(
+            _note(f'<span class="scalescope-statistics-note">{html.escape(n)}</span>')
+            for n in self.notes
+        )
+        return notes + figure_html(self.figure)
 
     def __repr__(self) -> str:
         n_ops, n_steps = self.matrix.shape
@@ -377,9 +400,19 @@ def run_heatmap(
     ids = None if ops is None else reader.resolve_ops(ops)
     if ids is not None and len(ids) == 0:
         raise KeyError(f"heatmap: no recorded op matches {ops!r} in {reader.path}")
-    matrix = A.matrix_run(reader, metric, ops=ids, iterations=iterations, max_steps=max_steps)
+    sources = A.DERIVED_METRICS[metric][0] if metric in A.DERIVED_METRICS else (metric,)
+    stats = reader.stats(list(sources), wide=True)
+    matrix = A.matrix(stats, metric, ops=ids, iterations=iterations, max_steps=max_steps)
+    measured = A.measured_matrix(stats, ops=ids, max_steps=max_steps)
+    if iterations == "all":  # rows (op, iteration): an iteration is measured with its op
+        ops = matrix.index.get_level_values("op")
+        measured = measured.reindex(index=ops, columns=matrix.columns, fill_value=False)
+        measured.index = matrix.index
+    else:
+        measured = measured.reindex(index=matrix.index, columns=matrix.columns, fill_value=False)
     title = f"{reader.name}: {metric}"
-    return HeatmapView(matrix, metric, A.op_labels(reader.ops), title)
+    notes = A.measurement_notes(reader)
+    return HeatmapView(matrix, metric, A.op_labels(reader.ops), title, measured, notes)
 
 
 # -- comparison ---------------------------------------------------------------------------

@@ -14,14 +14,22 @@
   histogram at the op's worst step), ``report-loss`` (loss
   curve; both runs with ``--compare``), ``report-compare`` (with ``--compare``) and
   ``report-metadata``. The file stays a few MB for thousands of ops (measured in the
-  tests).
+  tests). When the run's statistics are estimates (recorded with ``sample=``) or its ops
+  were measured in turns under an overhead budget, every section computed from
+  statistics carries a note saying so (``class="stat-note"``); heatmap cells of an op not
+  measured at a step are blank (hatched), measured NaN cells grey.
 * **JSON** (plain JSON: no NaN or Infinity, ``null`` instead), schema
   ``"scalescope-report"`` version 1::
 
     {
       "schema": "scalescope-report", "version": 1, "generated": ISO time,
+      "statistics": "exact" | "sampled",   # sampled: estimates from <= sample elements/value
+      "budget": null | float,              # overhead budget: ops measured in turns
+      "sample": null | int,                # the per-value element cap
+      "measurement_period": null | float,  # median recorded steps between two measurements
+      "notes": [str],                      # what the HTML says next to each figure
       "run": {name, path, status, created, closed, config, formats, format_info, device,
-              versions, graph, every, histograms,
+              versions, graph, every, histograms, sample, budget, statistics,
               "steps": {count, first, last}, "ops": {total, with_stats}},
       "thresholds": {drift_log2, underflow, overflow, nonfinite, snr_db: {fmt: dB},
                      trend_min_points, trend_min_r2, mask_min_steps},
@@ -32,6 +40,8 @@
                                 first_step, worst}]}},
       "ops": [   # one per op with statistics (aliases and constants have none), by id
         {op, label, name, pass, primitive, shape: [int], dtype, scaled, source, cast_to,
+         last_measured,         # last step with a row of the op
+         n_measured,            # number of recorded steps with a row of the op
          nonfinite,             # worst fraction of NaN/inf values over the recorded steps
          first_nonfinite_step,  # null if never
          mask,                  # constant non-finite fraction: a mask, not a failure
@@ -44,6 +54,7 @@
         {rule, metric, scope, operator, threshold, value, tripped, op, label, step,
          op_value, note}],
       "compare": null | {run, path, names: [a, b], matched, unmatched,
+                         statistics, budget, notes,             # of the other run
                          verdicts: {fmt: {safe, total}},        # of the other run
                          largest_differences: [{op_a, op_b, label, pass, primitive,
                                                 step, rms_a, rms_b, log2_ratio}]}
@@ -293,6 +304,8 @@ class _RunData:
     findings: pd.DataFrame
     masks: np.ndarray
     thresholds: A.Thresholds
+    measured: pd.DataFrame  # per op: first/last measured step, n_measured, gap
+    notes: list[str]  # sampled statistics / ops measured in turns (empty: exact, in full)
     css: Any = None  # the page's one InlineStyleSheet (every Div renders in a shadow root)
 
 
@@ -356,6 +369,8 @@ def _collect(reader: Any, thresholds: A.Thresholds) -> _RunData:
         findings=A.advise(stats, reader.ops, meta=reader.meta, thresholds=thresholds),
         masks=_masks(nonfinite, thresholds.mask_min_steps),
         thresholds=thresholds,
+        measured=reader.measured(),
+        notes=A.measurement_notes(reader),
     )
 
 
@@ -540,6 +555,9 @@ def _ops_json(data: _RunData) -> list[dict[str, Any]]:
         .reindex(ids)
     )
     drift = _worst(data.per_step["log2_rms"], "abs").reindex(ids)
+    when = data.measured.reindex(ids)
+    last_measured = when["last_measured"].tolist()
+    n_measured = when["n_measured"].fillna(0).astype(np.int64).tolist()
     cols = {
         fmt: {
             field: data.whatif[(fmt, field)].reindex(ids).to_numpy()
@@ -571,6 +589,8 @@ def _ops_json(data: _RunData) -> list[dict[str, Any]]:
                 "scaled": scaled[i],
                 "source": text["source"][i],
                 "cast_to": text["cast_to"][i],
+                "last_measured": None if np.isnan(last_measured[i]) else int(last_measured[i]),
+                "n_measured": n_measured[i],
                 "nonfinite": worst_nf[i],
                 "first_nonfinite_step": first_nf[i],
                 "mask": op in masks,
@@ -602,6 +622,7 @@ def _run_json(reader: Any, data: _RunData) -> dict[str, Any]:
         "histograms",
     )
     out = {k: meta.get(k) for k in keys}
+    out |= {"sample": reader.sample, "budget": reader.budget, "statistics": reader.statistics}
     out["name"] = reader.name
     out["path"] = str(Path(reader.path).resolve())
     out["steps"] = {
@@ -636,6 +657,8 @@ td.safe-none { background: #fcbba1; }
 code, pre { font-family: monospace; font-size: 12px; }
 pre { background: #f7f7f7; padding: 2px 4px; margin: 2px 0; white-space: pre-wrap; }
 .note { color: #666; font-style: italic; }
+.stat-note { color: #8a5a00; background: #fff6e0; border-left: 3px solid #e0a000;
+  padding: 2px 8px; margin: 4px 0; }
 .scroll { max-height: 640px; overflow: auto; }
 """
 
@@ -680,6 +703,14 @@ def _num(value: Any, spec: str = ".3g") -> str:
     return format(f, spec)
 
 
+def _stat_note(data: _RunData) -> str:
+    """The note on sampled statistics / ops measured in turns, for a section computed from
+    statistics ("" for exact statistics measured in full)."""
+    if not data.notes:
+        return ""
+    return f'<div class="stat-note">{_e(" · ".join(data.notes))}</div>'
+
+
 # ---------------------------------------------------------------------------------------
 # sections
 
@@ -702,6 +733,7 @@ def _title_html(reader: Any, data: _RunData, compare: Any) -> str:
         f"{'under scalify' if scalified else 'not under scalify'}; status "
         f"{_e(reader.status)}.</div>",
         f"<div><b>{len(f)} findings</b> ({_e(sev)}). <b>{_e(safe)}</b>.</div>",
+        _stat_note(data),
     ]
     if compare is not None:
         lines.append(f"<div>Compared with run <b>{_e(compare.name)}</b>.</div>")
@@ -753,13 +785,14 @@ def _summary_html(data: _RunData) -> str:
         f"{pct(data.thresholds.underflow)} of its non-zero values to zero, keeps its "
         f"quantisation SNR above the threshold ({_e(snr)}) and holds no NaN/inf. "
         "Every op is audited against every format, whether or not the run casts it.</div>"
+        + _stat_note(data)
         + _table(["pass", *formats], rows)
     )
 
 
 def _findings_html(data: _RunData) -> str:
     f = data.findings
-    head = "<h2>Advisor findings: where dynamic rescaling is needed</h2>"
+    head = "<h2>Advisor findings: where dynamic rescaling is needed</h2>" + _stat_note(data)
     if f.empty:
         return head + "<div>No findings: every op stays within the advisor's thresholds.</div>"
     summary = A.summary_by_rule(f)
@@ -787,6 +820,7 @@ def _findings_html(data: _RunData) -> str:
                 _td(r["pass"]),
                 _td(r["primitive"]),
                 _td(r["first_step"], "num"),
+                _td(_last_measured(data, r["op"]), "num"),
                 _td(r["evidence"]),
                 f"<td>{_source_html(r['source'])}</td>",
                 f"<td><code>{_e(r['fix'])}</code></td>",
@@ -799,7 +833,7 @@ def _findings_html(data: _RunData) -> str:
             "first); the JSON report (--json) holds all of them.</div>"
         )
     header = ["severity", "rule", "format", "op", "pass", "primitive", "first step"]
-    header += ["evidence", "source", "fix"]
+    header += ["last measured", "evidence", "source", "fix"]
     return (
         head
         + _table(
@@ -811,12 +845,25 @@ def _findings_html(data: _RunData) -> str:
     )
 
 
+def _last_measured(data: _RunData, op: int) -> str:
+    last = data.measured["last_measured"].get(int(op), np.nan)
+    return "-" if pd.isna(last) else str(int(last))
+
+
 def _merge_rows(
-    mat: pd.DataFrame, labels: pd.Series, metric: str, max_ops: int
+    mat: pd.DataFrame,
+    labels: pd.Series,
+    metric: str,
+    max_ops: int,
+    measured: pd.DataFrame | None = None,
 ) -> tuple[pd.DataFrame, pd.Series, int]:
     """At most ``max_ops`` rows: groups of consecutive ops merged in the metric's worse
     direction (a NaN in a group stays NaN); each group is labelled by its first and last
-    op and indexed by its first op id."""
+    op and indexed by its first op id.
+
+    ``measured`` (`scalescope.analysis.measured_matrix`, aligned with ``mat``): cells of
+    ops not measured at a step are left out of their group's cell, which is NaN only when
+    no op of the group was measured there (a measured NaN still makes it NaN)."""
     n = len(mat)
     if n <= max_ops:
         return mat, labels.reindex(mat.index), 1
@@ -826,11 +873,20 @@ def _merge_rows(
     values = pd.Series(mat.to_numpy(np.float64).ravel())
     rows = pd.Series(np.repeat(group, n_cols))
     cols = pd.Series(np.tile(np.arange(n_cols), n))
-    merged = reduce_groups(values, [rows, cols], A.metric_direction(metric)).unstack()
+    if measured is not None:
+        keep = measured.reindex(index=mat.index, columns=mat.columns, fill_value=False)
+        keep = keep.to_numpy(bool).ravel()
+        values, rows, cols = values[keep], rows[keep], cols[keep]
+    cells = reduce_groups(values, [rows, cols], A.metric_direction(metric))
+    grid = np.full((math.ceil(n / width), n_cols), np.nan)
+    grid[
+        cells.index.get_level_values(0).to_numpy(np.int64),
+        cells.index.get_level_values(1).to_numpy(np.int64),
+    ] = cells.to_numpy(np.float64)
     ids = mat.index.to_numpy()
     first = ids[::width]
     last = ids[np.minimum(np.arange(len(first)) * width + width - 1, n - 1)]
-    out = pd.DataFrame(merged.to_numpy(), index=pd.Index(first, name="op"), columns=mat.columns)
+    out = pd.DataFrame(grid, index=pd.Index(first, name="op"), columns=mat.columns)
     names = [
         f"{labels.get(a, a)} ... {labels.get(b, b)} ({int(min(width, n - i * width))} ops)"
         if a != b
@@ -838,6 +894,20 @@ def _merge_rows(
         for i, (a, b) in enumerate(zip(first, last))
     ]
     return out, pd.Series(names, index=out.index), width
+
+
+def _merge_measured(measured: pd.DataFrame, width: int) -> pd.DataFrame:
+    """`_merge_rows`'s groups of ``width`` ops of a measured matrix: measured when any op
+    of the group was."""
+    if width <= 1:
+        return measured
+    grid = measured.to_numpy(bool)
+    group = np.arange(len(grid)) // width
+    merged = np.zeros((int(group.max()) + 1 if len(grid) else 0, grid.shape[1]), bool)
+    np.logical_or.at(merged, group, grid)
+    return pd.DataFrame(
+        merged, index=pd.Index(measured.index[::width], name="op"), columns=measured.columns
+    )
 
 
 def _heatmap_metrics(data: _RunData) -> list[str]:
@@ -877,16 +947,21 @@ def _heatmaps(data: _RunData, max_ops: int, max_steps: int) -> list[Any]:
             text="<h2>Heatmaps: op x step</h2><div>One row per op (id order), one column per "
             "recorded step. Where there are more ops or steps than fit, neighbouring ops and "
             "steps are merged, keeping the worse value (max of a fraction, min of an SNR, "
-            "larger magnitude of a log2); grey: no value (NaN data). Hover for names.</div>",
+            "larger magnitude of a log2) of the cells measured; grey: no value (NaN data); "
+            "blank (hatched): the op was not measured at that step. Hover for names.</div>"
+            + _stat_note(data),
             name="report-heatmaps",
             width=_WIDTH,
             stylesheets=[data.css],
         )
     ]
+    measured_all = A.measured_matrix(data.stats, max_steps=max_steps)
     for metric in _heatmap_metrics(data):
         mat = A.matrix(data.stats, metric, iterations="worst", max_steps=max_steps)
+        measured = measured_all.reindex(index=mat.index, columns=mat.columns, fill_value=False)
         n_ops, n_steps = len(mat), len(data.reader.steps)
-        mat, labels, width = _merge_rows(mat, data.labels, metric, max_ops)
+        mat, labels, width = _merge_rows(mat, data.labels, metric, max_ops, measured)
+        measured = _merge_measured(measured, width)
         mat = mat.astype(np.float32)
         title = f"{metric}: {n_ops} ops"
         if width > 1:
@@ -896,7 +971,12 @@ def _heatmaps(data: _RunData, max_ops: int, max_steps: int) -> list[Any]:
             title += f" (windows of {math.ceil(n_steps / max(mat.shape[1], 1))})"
         models.append(
             viz.heatmap(
-                mat, metric=metric, labels=labels, title=title, name=f"report-heatmap-{metric}"
+                mat,
+                metric=metric,
+                labels=labels,
+                title=title,
+                name=f"report-heatmap-{metric}",
+                measured=measured,
             )
         )
     return models
@@ -970,6 +1050,7 @@ def _op_detail_html(data: _RunData, k: int, op: int, why: str, step: int | None)
         ("scaled", "yes" if row["scaled"] else "no"),
         ("cast to", row["cast_to"] or "-"),
         ("worst step", "-" if step is None else step),
+        ("last measured", _last_measured(data, op)),
     ]
     cells = "".join(f"<b>{_e(a)}</b> {_e(b)} &nbsp; " for a, b in info)
     verdicts = [
@@ -1011,7 +1092,7 @@ def _worst_op_models(data: _RunData, n_worst: int) -> list[Any]:
         "<h2>Worst ops</h2><div>The ops of the most severe findings (then the worst in the "
         "heatmaps' format metric), each with its exponent histogram at its worst step: "
         "bars are log2|x| bins, shaded boxes each format's normal and subnormal range, "
-        "dashed lines their max.</div>"
+        "dashed lines their max.</div>" + _stat_note(data)
     )
     if not reader.hist_columns:
         intro += '<div class="note">This run was recorded without histograms.</div>'
@@ -1020,8 +1101,9 @@ def _worst_op_models(data: _RunData, n_worst: int) -> list[Any]:
     ]
     fmt_info = _format_info(reader, data.formats)
     for k, (op, why, step) in enumerate(picks):
-        if step is None:
-            step = int(reader.steps[-1])
+        if step is None:  # no finite value: the op's last measured step (it has a row there)
+            last = data.measured["last_measured"].get(op, np.nan)
+            step = int(last) if pd.notna(last) else int(reader.steps[-1])
         models.append(
             Div(
                 text=_op_detail_html(data, k, op, why, step),
@@ -1125,6 +1207,9 @@ def _compare_data(data: _RunData, other: Any) -> dict[str, Any]:
             "unmatched": int(len(unmatched)),
             "verdicts": verdicts,
             "largest_differences": rows,
+            "statistics": other.statistics,
+            "budget": other.budget,
+            "notes": A.measurement_notes(other),
         }
     )
 
@@ -1159,7 +1244,9 @@ def _compare_html(data: _RunData, cmp: dict[str, Any]) -> str:
         f"<h2>Comparison: {_e(a)} (this run) vs {_e(b)}</h2>"
         f"<div>{cmp['matched']} ops matched by (pass, name, primitive, shape); "
         f"{cmp['unmatched']} without a partner (casts and rescales one run adds).</div>"
-        "<h3>Safe ops, all passes</h3>"
+        + _stat_note(data)
+        + "".join(f'<div class="stat-note">{_e(b)}: {_e(n)}</div>' for n in cmp["notes"])
+        + "<h3>Safe ops, all passes</h3>"
         + _table(["format", a, b], vrows)
         + f"<h3>Largest differences of data RMS (log2 {_e(b)}/{_e(a)}), worst step per op</h3>"
     )
@@ -1274,6 +1361,11 @@ def _build_quiet(reader, compare, thresholds, rules, max_ops, max_steps, worst, 
         "schema": REPORT_SCHEMA,
         "version": REPORT_VERSION,
         "generated": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "statistics": reader.statistics,
+        "budget": reader.budget,
+        "sample": reader.sample,
+        "measurement_period": reader.measurement_period(),
+        "notes": list(data.notes),
         "run": _run_json(reader, data),
         "thresholds": _thresholds_dict(thresholds),
         "summary": {

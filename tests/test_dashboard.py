@@ -268,3 +268,96 @@ def test_matrix_of_the_page_matches_the_reader(runs):
     wide = ss.open_run(runs / "scalified").stats(wide=True)
     ref = wide.groupby(["op", "step"])["frac_zero"].max().unstack("step")
     np.testing.assert_allclose(mat.to_numpy(), ref.loc[mat.index].to_numpy(np.float32))
+
+
+# ---------------------------------------------------------------------------------------
+# sampled statistics, ops measured in turns (overhead budget)
+
+SAMPLED_NOTE = "sampled statistics: estimates from at most 256 elements per value"
+NOTED = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats")
+
+
+@pytest.fixture(scope="module")
+def budget_root(runs, tmp_path_factory) -> Path:
+    """A folder with one run: the naive run as a budget would have recorded it (each op
+    every 3rd recorded step, statistics from at most 256 elements per value)."""
+    from budget_runs import sparsify
+
+    root = tmp_path_factory.mktemp("budget")
+    sparsify(
+        runs / "naive",
+        root / "budget",
+        period=3,
+        statistics="sampled",
+        budget=0.05,
+        sample=256,
+    )
+    return root
+
+
+def test_page_model_notes_sampled_statistics_and_last_measured(budget_root, runs):
+    from app import Dashboard, RunSet
+
+    dash = Dashboard(RunSet(budget_root), run="budget", poll_ms=0)
+    for i, view in enumerate(TABS):
+        dash.tabs.active = i
+        assert view in dash.versions, view
+    # every view computed from statistics says the numbers are estimates, measured in turns
+    columns = (dash.overview, dash.heatmap_view, dash.detail, dash.advisor, dash.formats)
+    for view, column in zip(NOTED, columns):
+        note = dash.notes[view]
+        assert note in column.objects, view
+        assert SAMPLED_NOTE in note.object, view
+        assert "ops measured every ~3 recorded steps" in note.object, view
+    assert "ss-statistics'>sampled<" in dash.status.object
+    reader = ss.open_run(budget_root / "budget")
+    last = reader.last_measured()
+    # op tables: when each op was last measured
+    advisor = dash.advisor_table.value
+    assert (advisor["last_measured"].to_numpy() == last.loc[advisor["op"]].to_numpy()).all()
+    worst = dash.worst_table.value
+    assert (worst["last_measured"].to_numpy() == last.loc[worst["op"]].to_numpy()).all()
+    whatif = dash.whatif_table.value
+    assert (whatif["last measured"].to_numpy() == last.loc[whatif["op"]].to_numpy()).all()
+    op = dash.op_select.value
+    assert f"step {int(last[op])} (2 of 6 recorded steps, every ~3)" in dash.op_info.object
+    # the op's lines: a marker per measurement, dashed between them
+    series = dash.series_pane.object
+    assert any("measured at 2 of 6 recorded steps" in getattr(t, "text", "") for t in series.below)
+    # heatmap: cells of unmeasured ops blank (NaN over a hatch), the rest the rows' values
+    fig = dash._heatmap_fig
+    assert fig.select_one({"name": "heatmap-blank"}) is not None
+    image = np.asarray(fig.select_one({"name": "heatmap-image"}).data_source.data["image"][0])
+    data = RunSet(budget_root).get("budget")
+    ops = data.filtered_ops((), (), "")
+    measured = data.measured_matrix(ops).to_numpy()
+    assert image.shape == measured.shape and np.isnan(image[~measured]).all()
+    assert "blank (hatched): not measured there" in dash.heatmap_msg.object
+
+    # an exact run measured in full shows no such note
+    exact = Dashboard(RunSet(runs), run="scalified", poll_ms=0)
+    for i in range(len(TABS)):
+        exact.tabs.active = i
+    assert all(exact.notes[view].object == "" for view in NOTED)
+    assert "ss-statistics'>exact<" in exact.status.object
+    assert exact._heatmap_fig.select_one({"name": "heatmap-blank"}) is None
+
+
+@pytest.mark.browser
+def test_budget_run_page_shows_the_note_and_blank_cells_offline(browser, budget_root):
+    with _server(budget_root) as url, _page(browser, url) as (page, blocked, errors):
+        _open(page, "Heatmap")
+        page.wait_for_function(
+            "() => Bokeh.documents[0].get_model_by_name('heatmap-blank') != null", timeout=30_000
+        )
+        _idle(page)
+        note = page.locator(".ss-statistics-note").filter(visible=True).first
+        note.wait_for(timeout=30_000)
+        assert SAMPLED_NOTE in note.inner_text()
+        _open(page, "Op detail")
+        page.wait_for_function(
+            "() => Bokeh.documents[0].get_model_by_name('timeseries') != null", timeout=30_000
+        )
+        _idle(page)
+        assert "last measured" in page.locator(".ss-op-info").first.inner_text()
+        assert not blocked and not errors, (blocked, errors)

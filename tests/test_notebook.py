@@ -191,6 +191,34 @@ def test_heatmap_carries_the_analysis_matrix(runs):
     _assert_inline_figure(fwd._repr_mimebundle_(), "heatmap")
 
 
+def test_heatmap_of_a_budget_run_leaves_unmeasured_cells_blank(runs, tmp_path):
+    from budget_runs import sparsify
+
+    reader = ss.open_run(
+        sparsify(
+            runs[1].path,
+            tmp_path / "budget",
+            period=2,
+            statistics="sampled",
+            budget=0.05,
+            sample=64,
+        )
+    )
+    view = reader.heatmap("log2_rms")
+    stats = reader.stats(wide=True)
+    pd.testing.assert_frame_equal(view.matrix, A.matrix(stats, "log2_rms"))
+    assert view.measured.equals(A.measured_matrix(stats))
+    assert np.isnan(view.matrix.to_numpy()[~view.measured.to_numpy()]).all()
+    assert view.figure.select_one({"name": "heatmap-blank"}) is not None
+    html = view.to_html()
+    assert "sampled statistics: estimates from at most 64 elements per value" in html
+    assert "rotating subset (budget 5%): ops measured every ~2 recorded steps" in html
+    # a run measured in full, exact: nothing blank, no note
+    full = runs[1].heatmap("log2_rms")
+    assert full.measured.to_numpy().all() and full.notes == []
+    assert "scalescope-statistics-note" not in full.to_html()
+
+
 def test_heatmap_bad_arguments_name_them(runs):
     with pytest.raises(KeyError, match="unknown metric 'rmss'.*log2_rms"):
         runs[0].heatmap("rmss")

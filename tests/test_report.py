@@ -453,3 +453,113 @@ def test_merged_heatmap_rows_keep_the_worst_value():
     np.testing.assert_array_equal(out.to_numpy()[1], [0.9, 0.3])
     assert np.isnan(out.to_numpy()[0, 1]) and out.to_numpy()[0, 0] == 0.5
     assert names.tolist() == ["op10 ... op12 (3 ops)", "op13 ... op14 (2 ops)"]
+
+
+# ---------------------------------------------------------------------------------------
+# sampled statistics, ops measured in turns (overhead budget)
+
+SAMPLED_NOTE = "sampled statistics: estimates from at most 256 elements per value"
+
+
+@pytest.fixture(scope="module")
+def budget_run(runs) -> Path:
+    """The failing run as a budget would have recorded it: each op measured every 3rd
+    recorded step, statistics estimated from at most 256 elements per value."""
+    from budget_runs import sparsify
+
+    return sparsify(
+        runs / "naive",
+        runs / "naive-budget",
+        period=3,
+        statistics="sampled",
+        budget=0.05,
+        sample=256,
+    )
+
+
+def test_report_of_a_sampled_budget_run_says_so(budget_run, runs, tmp_path):
+    reader = ss.open_run(budget_run)
+    page, doc = report.build_report(reader, compare=ss.open_run(runs / "clean"))
+    assert doc["statistics"] == "sampled" and doc["budget"] == 0.05 and doc["sample"] == 256
+    assert doc["measurement_period"] == 3.0
+    assert doc["notes"] == [
+        SAMPLED_NOTE,
+        "rotating subset (budget 5%): ops measured every ~3 recorded steps",
+    ]
+    assert doc["run"]["statistics"] == "sampled" and doc["compare"]["statistics"] == "exact"
+    # per op: when it was last measured, from the reader
+    last = reader.last_measured()
+    measured = reader.measured()
+    for o in doc["ops"]:
+        assert o["last_measured"] == int(last[o["op"]]) and o["n_measured"] == 2, o["op"]
+        assert o["n_measured"] == measured.loc[o["op"], "n_measured"]
+    # the note sits in every section computed from statistics: title, verdicts,
+    # findings, heatmaps, worst ops, comparison
+    assert page.count(SAMPLED_NOTE) == 6, page.count(SAMPLED_NOTE)
+    assert page.count("ops measured every ~3 recorded steps") == 6
+    assert "last measured" in page
+    # heatmaps leave the cells of unmeasured ops blank over a hatch
+    assert '"name":"report-heatmap-log2_rms-blank"' in page.replace(" ", "")
+    json.dumps(doc, allow_nan=False)  # plain JSON
+
+
+def test_report_of_an_exact_run_has_no_note(runs):
+    page, doc = report.build_report(ss.open_run(runs / "clean"))
+    assert doc["statistics"] == "exact" and doc["budget"] is None and doc["notes"] == []
+    assert doc["measurement_period"] == 1.0
+    assert "sampled statistics" not in page and "rotating subset" not in page
+    assert "-blank" not in page  # every op measured at every step: nothing blank
+    assert all(o["n_measured"] == 6 and o["last_measured"] == 5 for o in doc["ops"])
+
+
+def test_merged_heatmap_rows_skip_unmeasured_cells():
+    mat = pd.DataFrame(
+        [[0.1, np.nan, np.nan], [np.nan, np.nan, 0.2], [0.3, np.nan, np.nan]],
+        index=pd.Index([0, 1, 2], name="op"),
+        columns=pd.Index([0, 1, 2], name="step"),
+    )
+    measured = pd.DataFrame(
+        [[True, False, False], [False, True, True], [True, False, False]],
+        index=mat.index,
+        columns=mat.columns,
+    )
+    labels = pd.Series(["a", "b", "c"], index=mat.index)
+    out, _, width = report._merge_rows(mat, labels, "overflow_e4m3", 1, measured)
+    assert width == 3
+    # step 0: the worst of the two measured ops; step 1: op 1 was measured and is NaN
+    # (non-finite data), which stays NaN; step 2: op 1's value, not NaN from the others
+    np.testing.assert_array_equal(out.to_numpy()[0], [0.3, np.nan, 0.2])
+    merged = report._merge_measured(measured, width)
+    assert merged.to_numpy().tolist() == [[True, True, True]]
+    nothing = measured & False
+    out, _, _ = report._merge_rows(mat, labels, "overflow_e4m3", 1, nothing)
+    assert np.isnan(out.to_numpy()).all()  # no op measured: blank, not 0
+
+
+@pytest.mark.browser
+def test_budget_report_opens_offline_with_notes_and_blank_cells(browser, budget_run, tmp_path):
+    html_path = tmp_path / "budget.html"
+    assert report.write_report(budget_run, html_path, quiet=True) == 0
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    blocked, errors, _ = watch_offline(page, LOCAL)
+    try:
+        page.goto(html_path.as_uri())
+        page.wait_for_function(
+            "() => window.Bokeh && Bokeh.documents.length > 0 && Bokeh.documents[0].is_idle",
+            timeout=60_000,
+        )
+        blank = page.evaluate(
+            """() => {
+            const m = Bokeh.documents[0].get_model_by_name('report-heatmap-log2_rms-image');
+            const a = m.data_source.data.image[0];
+            let nan = 0; for (const v of a) if (Number.isNaN(v)) nan++;
+            const q = Bokeh.documents[0].get_model_by_name('report-heatmap-log2_rms-blank');
+            return [nan, a.length, q != null];
+        }"""
+        )
+        assert blank[2] and blank[0] >= blank[1] * 2 // 3, blank  # 2 of 3 cells unmeasured
+        assert page.get_by_text(SAMPLED_NOTE).count() >= 5
+        assert not blocked, blocked
+        assert not errors, errors
+    finally:
+        page.close()

@@ -26,6 +26,7 @@ from .frames import (
     log2_scale,
     matrix,
     matrix_run,
+    measured_matrix,
     metric_direction,
     metric_values,
     op_labels,
@@ -33,6 +34,7 @@ from .frames import (
     step_windows,
     with_derived,
 )
+from .measured import budget_note, measurement_notes, sampled_note
 from .summary import op_summary, op_summary_run, worst_ops
 from .whatif import format_whatif, format_whatif_run, verdict_counts
 
@@ -47,6 +49,7 @@ __all__ = [
     "Thresholds",
     "advise",
     "advise_run",
+    "budget_note",
     "compare_readers",
     "compare_runs",
     "fix_line",
@@ -56,14 +59,17 @@ __all__ = [
     "log2_rms",
     "log2_scale",
     "match_ops",
+    "measurement_notes",
     "matrix",
     "matrix_run",
+    "measured_matrix",
     "metric_direction",
     "metric_values",
     "op_labels",
     "op_summary",
     "op_summary_run",
     "recorded_formats",
+    "sampled_note",
     "snr_from_mantissa",
     "step_windows",
     "summary_by_rule",

@@ -300,6 +300,11 @@ def matrix(
     min for snr_*, the value of larger magnitude for log2_*, mean otherwise), so a single
     spike survives downsampling; the column is labelled with the window's first step.
     NaN (non-finite data) in a window or over iterations is kept as NaN.
+
+    Nothing is filled in: a cell (or a whole window) in which the op has no row -- it was
+    not measured there, e.g. under an overhead budget -- is NaN, never a neighbour's value;
+    a window in which it was measured at some steps aggregates those steps only.
+    `measured_matrix` tells the two kinds of NaN apart.
     """
     stats = check_stats(stats)
     if iterations not in ("max", "min", "mean", "worst", "all"):
@@ -337,6 +342,47 @@ def matrix(
     out = out.sort_index().sort_index(axis=1).astype(np.float64)
     out.columns = pd.Index(out.columns.astype(np.int64), name="step")
     return out
+
+
+def measured_matrix(
+    stats: pd.DataFrame,
+    *,
+    ops: int | Sequence[int] | None = None,
+    max_steps: int = 500,
+) -> pd.DataFrame:
+    """Op x step boolean matrix: True where the op has at least one row at that step
+    (or, when steps are merged into windows as in `matrix`, at one step of the window).
+
+    Same index (op id) and columns (recorded steps or window starts) as
+    ``matrix(stats, metric, ops=ops, max_steps=max_steps)``: a heatmap draws a NaN cell
+    of that matrix blank when it is False here (the op was not measured: a run under an
+    overhead budget measures a rotating subset of ops per recorded step) and grey when it
+    is True (measured, but the statistic is NaN: non-finite data)."""
+    stats = check_stats(stats)
+    op = stats["op"].to_numpy(np.int64)
+    step = stats["step"].to_numpy(np.int64)
+    if ops is not None:
+        ids = [ops] if isinstance(ops, int | np.integer) else list(ops)
+        keep = np.isin(op, np.asarray(ids, np.int64))
+        op, step = op[keep], step[keep]
+    if not len(op):
+        step_windows(step, max_steps)  # checks max_steps
+        return pd.DataFrame(
+            np.zeros((0, 0), bool),
+            index=pd.Index([], dtype=np.int64, name="op"),
+            columns=pd.Index([], dtype=np.int64, name="step"),
+        )
+    op_codes, op_ids = _int_codes(op)
+    step_codes, steps = _int_codes(step)
+    windows = step_windows(steps, max_steps).to_numpy()
+    firsts, win_of_step = np.unique(windows, return_inverse=True)
+    grid = np.zeros((len(op_ids), len(firsts)), bool)
+    grid[op_codes, win_of_step[step_codes]] = True
+    return pd.DataFrame(
+        grid,
+        index=pd.Index(op_ids, name="op"),
+        columns=pd.Index(firsts.astype(np.int64), name="step"),
+    )
 
 
 def _int_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,12 @@ The reader keeps the scalar statistics of every part it has read in memory (hist
 stay on disk and are read per request), and `RunReader.refresh` reads only the parts
 that appeared since the last call. A part that cannot be read is skipped with a warning
 naming the file; the rest of the run stays readable.
+
+Not every op has a row at every recorded step: a run recorded under an overhead budget
+(``ss.Run(path, budget=0.05)``) measures a rotating subset of ops at each recorded step.
+`RunReader.measured` says, per op, when it was last measured and how often; the views
+leave the other (op, step) cells blank. `RunReader.statistics` says whether the numbers
+are exact or estimates from element subsampling (``sample=``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class RunReader:
         self._stats_parts: list[tuple[Path, pd.DataFrame]] = []
         self._scalar_parts: list[pd.DataFrame] = []
         self._stats_cache: pd.DataFrame | None = None
+        self._measured_cache: dict[Any, pd.DataFrame] = {}
         self._scalars_cache: pd.DataFrame | None = None
         self._ops: pd.DataFrame | None = None
         self.refresh()
@@ -72,6 +79,29 @@ class RunReader:
         return tuple(self.meta.get("hist_columns", ()))
 
     @property
+    def statistics(self) -> str:
+        """``"exact"`` or ``"sampled"`` (each value measured on a subset of at most
+        `sample` elements: the statistics are estimates). Runs recorded before the
+        metadata said so: ``"sampled"`` when they were recorded with ``sample=``."""
+        value = self.meta.get("statistics")
+        if value in ("exact", "sampled"):
+            return str(value)
+        return "sampled" if self.meta.get("sample") is not None else "exact"
+
+    @property
+    def sample(self) -> int | None:
+        """The per-value element cap the run was recorded with (None: every element)."""
+        value = self.meta.get("sample")
+        return None if value is None else int(value)
+
+    @property
+    def budget(self) -> float | None:
+        """The overhead budget the run was recorded under (e.g. 0.05: a rotating subset
+        of ops measured per recorded step), or None (every op at every recorded step)."""
+        value = self.meta.get("budget")
+        return None if value is None else float(value)
+
+    @property
     def ops(self) -> pd.DataFrame:
         """The op table, indexed by op id (empty until the first recorded step)."""
         if self._ops is None:
@@ -94,6 +124,7 @@ class RunReader:
             warnings.warn(f"{err}; keeping the previous metadata", RunWarning, stacklevel=2)
         if self._ops is None and (self.path / L.OPS_FILE).is_file():
             self._ops = self._read_ops()
+            self._measured_cache.clear()
         new = 0
         for part in L.list_parts(self.path / L.STATS_DIR):
             if str(part) in self._seen:
@@ -103,6 +134,7 @@ class RunReader:
             if frame is not None:
                 self._stats_parts.append((part, frame))
                 self._stats_cache = None
+                self._measured_cache.clear()
                 new += 1
         for part in L.list_parts(self.path / L.SCALARS_DIR):
             if str(part) in self._seen:
@@ -154,6 +186,93 @@ class RunReader:
                     | {c: pd.Series(dtype="float32") for c in self.stat_names}
                 )
         return self._stats_cache
+
+    # -- when each op was measured -------------------------------------------------------
+
+    def measured(self, process: int | None = 0) -> pd.DataFrame:
+        """When each op was measured: one row per op of the op table (index: op id;
+        aliases get the rows of the op they alias), columns ``first_measured`` and
+        ``last_measured`` (step numbers as float, NaN for an op never measured),
+        ``n_measured`` (number of recorded steps with a row of the op) and ``gap`` (median
+        number of recorded steps between two consecutive measurements: 1 when the op is
+        measured at every recorded step, ~K under a budget that measures it every K-th;
+        NaN with fewer than two measurements).
+
+        Computed from the rows already in memory and cached until `refresh` reads new
+        parts. ``process``: rows of that JAX process (None: all)."""
+        key = ("measured", process)
+        if key not in self._measured_cache:
+            self._measured_cache[key] = self._measured(process)
+        return self._measured_cache[key]
+
+    def last_measured(self, process: int | None = 0) -> pd.Series:
+        """Per op id, the last step at which the op has a row (NaN: never measured).
+        See `measured`."""
+        return self.measured(process)["last_measured"]
+
+    def measurement_period(self, process: int | None = 0) -> float | None:
+        """Median number of recorded steps between two consecutive measurements of an op,
+        over all ops (1.0 when every op is measured at every recorded step; ~K when a
+        budget measures each op every K-th recorded step); None before any op has been
+        measured twice."""
+        key = ("period", process)
+        if key not in self._measured_cache:
+            gaps = self._measured_pairs(process)[2]
+            self._measured_cache[key] = float(np.median(gaps)) if len(gaps) else None
+        return self._measured_cache[key]
+
+    def _measured_pairs(self, process: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(op, step index, gaps)``: the distinct (op, recorded-step index) pairs sorted
+        by op then step, and the index gaps between consecutive pairs of one op."""
+        key = ("pairs", process)
+        if key in self._measured_cache:
+            return self._measured_cache[key]
+        frame = self._frame()
+        op = frame["op"].to_numpy(np.int64)
+        step = frame["step"].to_numpy(np.int64)
+        if process is not None:
+            keep = frame["process"].to_numpy() == process
+            op, step = op[keep], step[keep]
+        steps = np.unique(step)
+        index = np.searchsorted(steps, step)
+        order = np.lexsort((index, op))
+        op, index = op[order], index[order]
+        new = np.ones(len(op), bool)
+        new[1:] = (op[1:] != op[:-1]) | (index[1:] != index[:-1])
+        op, index = op[new], index[new]
+        same = op[1:] == op[:-1]
+        gaps = (index[1:] - index[:-1])[same]
+        out = (op, index, gaps)
+        self._measured_cache[key] = out
+        self._measured_cache[("steps", process)] = steps
+        return out
+
+    def _measured(self, process: int | None) -> pd.DataFrame:
+        op, index, gaps = self._measured_pairs(process)
+        steps = self._measured_cache[("steps", process)]
+        ids, starts, counts = np.unique(op, return_index=True, return_counts=True)
+        per_op = pd.DataFrame(
+            {
+                "first_measured": steps[index[starts]].astype(np.float64),
+                "last_measured": steps[index[starts + counts - 1]].astype(np.float64),
+                "n_measured": counts.astype(np.int64),
+            },
+            index=pd.Index(ids, name="op"),
+        )
+        gap_op = op[1:][op[1:] == op[:-1]]
+        per_op["gap"] = pd.Series(gaps, dtype=np.float64).groupby(gap_op).median()
+        table = self.ops
+        if len(table) and "stats_op" in table.columns:
+            src = table["stats_op"].to_numpy(np.int64)
+            out = per_op.reindex(src)
+            out.index = pd.Index(table.index.to_numpy(np.int64), name="op")
+            extra = per_op.index.difference(out.index)  # rows of ops the table lacks
+            if len(extra):
+                out = pd.concat([out, per_op.loc[extra]]).sort_index()
+        else:
+            out = per_op
+        out["n_measured"] = out["n_measured"].fillna(0).astype(np.int64)
+        return out[["first_measured", "last_measured", "n_measured", "gap"]]
 
     # -- queries ------------------------------------------------------------------------
 

@@ -14,6 +14,16 @@ in ``fig.tags`` -- no round trip to the browser is needed.
 Hover uses the same mapping in the browser: ``CustomJSHover`` formatters round ``$x`` /
 ``$y`` to the nearest integer and look the step / op label up in arrays passed as
 ``args``; the value comes from ``@image`` (Bokeh resolves it through the image index).
+
+Cells without a value
+---------------------
+Given ``measured`` (`scalescope.analysis.measured_matrix`), a NaN cell is drawn in one of
+two ways: *blank* (transparent over a faintly hatched background) where the op was not
+measured at that step -- a run under an overhead budget measures ops in turns -- and
+grey (`theme.NAN_COLOR`) where it was measured but the statistic is NaN (non-finite
+data), from a second, small ``uint8`` image (``<name>-nan``) drawn only when such cells
+exist. Hover says "not measured" or "NaN (non-finite data)". Nothing is interpolated.
+Without ``measured`` every NaN cell is grey ("no data").
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from bokeh.models import (
     LinearColorMapper,
     Range1d,
     TapTool,
+    Title,
 )
 from bokeh.plotting import figure
 
@@ -60,7 +71,14 @@ _JS_OP = (
 )
 
 _JS_VALUE = """
-if (value == null || Number.isNaN(value)) return 'no data';
+if (value == null || Number.isNaN(value)) {
+  if (!measured) return 'no data';
+  if (nan != null) {
+    const c = Math.floor(special_vars.x + 0.5), r = Math.floor(special_vars.y + 0.5);
+    if (nan.data.image[0][r * n_cols + c]) return 'NaN (non-finite data)';
+  }
+  return 'not measured';
+}
 if (!Number.isFinite(value)) return value > 0 ? 'inf' : '-inf';
 const a = Math.abs(value);
 return (a != 0 && (a < 1e-3 || a >= 1e5)) ? value.toExponential(3) : String(+value.toPrecision(4));
@@ -110,12 +128,26 @@ def _figure_height(n_rows: int) -> int:
     return 640
 
 
-def _hover(metric: str, ops: list[int], steps: list[int], labels: list[str]) -> HoverTool:
-    """Tooltip with op label, op id, step and value, resolved per pixel in the browser."""
+def _hover(
+    metric: str,
+    ops: list[int],
+    steps: list[int],
+    labels: list[str],
+    renderer: Any,
+    measured: bool,
+    nan: Any,
+) -> HoverTool:
+    """Tooltip with op label, op id, step and value, resolved per pixel in the browser
+    (over the value image only; ``nan``: the source of the NaN-cell image, or None)."""
     op_fmt = CustomJSHover(args={"ops": ops, "labels": labels}, code=_JS_OP)
     step_fmt = CustomJSHover(args={"steps": steps}, code=_JS_STEP)
-    value_fmt = CustomJSHover(code=_JS_VALUE)
+    value_fmt = CustomJSHover(
+        args={"measured": measured, "nan": nan, "n_cols": len(steps)},
+        code=_JS_VALUE,
+        name="heatmap-value-format",
+    )
     return HoverTool(
+        renderers=[renderer],
         tooltips=[
             ("op", "$y{label}"),
             ("op id", "$y{id}"),
@@ -143,6 +175,48 @@ def _label_axes(fig, steps: list[int], labels: list[str]) -> None:
         fig.yaxis.axis_label = f"op ({n} rows; hover for names)"
 
 
+def _measured_mask(matrix: pd.DataFrame, measured: Any) -> np.ndarray | None:
+    """``measured`` as a bool array of ``matrix``'s shape (a frame is aligned on the
+    matrix's ops and steps; absent cells count as not measured)."""
+    if measured is None:
+        return None
+    if isinstance(measured, pd.DataFrame):
+        measured = measured.reindex(index=matrix.index, columns=matrix.columns)
+        return measured.fillna(False).to_numpy(dtype=bool)
+    mask = np.asarray(measured, dtype=bool)
+    if mask.shape != matrix.shape:
+        raise ValueError(f"measured: shape {mask.shape} differs from the matrix's {matrix.shape}")
+    return mask
+
+
+def _nan_cells(values: np.ndarray, mask: np.ndarray | None) -> np.ndarray | None:
+    """uint8 image: 1 where a measured cell holds NaN (None when there is none)."""
+    if mask is None or not values.size:
+        return None
+    cells = np.isnan(values) & mask
+    return cells.astype(np.uint8) if cells.any() else None
+
+
+def _blank_background(fig, n_rows: int, n_cols: int, name: str) -> None:
+    """A faint hatch behind the image: it shows through the transparent cells of ops that
+    were not measured at a step, so they read as "no measurement", not as a value. (A
+    hatched quad: Bokeh 3.9 fails to draw a plot's own ``background_hatch_pattern``.)"""
+    quad = fig.quad(
+        left=[-0.5],
+        right=[n_cols - 0.5],
+        bottom=[-0.5],
+        top=[n_rows - 0.5],
+        fill_alpha=0.0,
+        line_alpha=0.0,
+        hatch_pattern=theme.UNMEASURED_HATCH,
+        hatch_color=theme.UNMEASURED_HATCH_COLOR,
+        hatch_scale=8,
+        hatch_weight=0.6,
+        name=f"{name}-blank",
+    )
+    quad.nonselection_glyph = quad.glyph.clone()
+
+
 def heatmap(
     matrix: pd.DataFrame,
     *,
@@ -153,6 +227,7 @@ def heatmap(
     high: float | None = None,
     title: str | None = None,
     name: str = "heatmap",
+    measured: pd.DataFrame | np.ndarray | None = None,
 ) -> figure:
     """Op x step heatmap of ``metric``: one ``image`` glyph, colour bar, hover and tap.
 
@@ -164,6 +239,10 @@ def heatmap(
     is float32 (half the bytes). A single ``image`` (not one rect per cell) keeps a
     2000 x 1000 matrix fast to draw. See the module docstring for how ``(x, y)`` maps to
     ``(op, step)``; `heatmap_cell` does that mapping in Python.
+
+    ``measured``: where each op was measured (`scalescope.analysis.measured_matrix`, or a
+    bool array of the matrix's shape): NaN cells not measured are drawn blank, measured
+    NaN cells grey (see the module docstring). None: every NaN cell grey.
     """
     ops = [int(op) for op in matrix.index]
     steps = [int(step) for step in matrix.columns]
@@ -172,13 +251,14 @@ def heatmap(
     dtype = np.float32 if (matrix.dtypes == np.float32).all() and matrix.size else np.float64
     values = matrix.to_numpy(dtype=dtype, copy=True) if matrix.size else np.zeros((0, 0))
     n_rows, n_cols = len(ops), len(steps)
+    mask = _measured_mask(matrix, measured)
 
     auto_low, auto_high = color_range(metric, values)
     mapper = LinearColorMapper(
         palette=list(palette or theme.palette_for(metric)),
         low=auto_low if low is None else low,
         high=auto_high if high is None else high,
-        nan_color=theme.NAN_COLOR,
+        nan_color=theme.NAN_COLOR if mask is None else theme.BLANK_COLOR,
     )
     fig = figure(
         name=name,
@@ -190,7 +270,7 @@ def heatmap(
         tools=_PAN_ZOOM_TOOLS,
         toolbar_location="above",
     )
-    fig.tags = [{TAG: {"metric": metric, "ops": ops, "steps": steps}}]
+    fig.tags = [{TAG: {"metric": metric, "ops": ops, "steps": steps, "measured": mask is not None}}]
     fig.grid.visible = False
     _label_axes(fig, steps, names)
     fig.add_layout(ColorBar(color_mapper=mapper, title=metric, width=12), "right")
@@ -198,6 +278,8 @@ def heatmap(
     if n_rows == 0 or n_cols == 0:
         fig.add_layout(Label(x=0, y=0, text="no data", text_align="center"))
         return fig
+    if mask is not None and not mask.all():
+        _blank_background(fig, n_rows, n_cols, name)
     renderer = fig.image(
         image=[values],
         x=-0.5,
@@ -208,8 +290,35 @@ def heatmap(
         name=f"{name}-image",
     )
     renderer.nonselection_glyph = renderer.glyph.clone()  # a tap must not fade the image
-    fig.add_tools(_hover(metric, ops, steps, names), TapTool(behavior="inspect"))
+    nan = _nan_cells(values, mask)
+    nan_source = None
+    if nan is not None:
+        nan_source = _nan_image(fig, nan, name).data_source
+    fig.add_tools(
+        _hover(metric, ops, steps, names, renderer, mask is not None, nan_source),
+        TapTool(behavior="inspect"),
+    )
+    if mask is not None and not mask.all():
+        _note(fig, f"hatched: not measured at that step ({int((~mask).sum())} cells)")
     return fig
+
+
+def _nan_image(fig, cells: np.ndarray, name: str) -> Any:
+    """The grey cells of measured NaN statistics, over the value image."""
+    mapper = LinearColorMapper(palette=[theme.BLANK_COLOR, theme.NAN_COLOR], low=0, high=1)
+    n_rows, n_cols = cells.shape
+    nan = fig.image(
+        image=[cells], x=-0.5, y=-0.5, dw=n_cols, dh=n_rows, color_mapper=mapper, name=f"{name}-nan"
+    )
+    nan.nonselection_glyph = nan.glyph.clone()
+    return nan
+
+
+def _note(fig, text: str) -> None:
+    fig.add_layout(
+        Title(text=text, text_font_size="8pt", text_font_style="italic", name="heatmap-note"),
+        "below",
+    )
 
 
 def _cell_axes(fig_or_matrix: Any) -> tuple[list[int], list[int]]:
@@ -248,13 +357,16 @@ def update_heatmap(
     low: float | None = None,
     high: float | None = None,
     title: str | None = None,
+    measured: pd.DataFrame | np.ndarray | None = None,
 ) -> bool:
     """Show ``matrix`` (another metric of the same ops and steps) in an existing heatmap
     figure, in place: only the image values, colour range, palette and titles change, so
     a live dashboard sends one array instead of a new figure.
 
     Returns False, changing nothing, when the figure's ops or steps differ from the
-    matrix's (or it is empty): build a new figure with `heatmap` then.
+    matrix's (or it is empty), when ``measured`` is given for a figure built without it
+    (or the reverse), or when measured NaN cells appear in a figure that has no image for
+    them: build a new figure with `heatmap` then.
     """
     ops, steps = _cell_axes(fig)
     if [int(i) for i in matrix.index] != ops or [int(c) for c in matrix.columns] != steps:
@@ -262,8 +374,19 @@ def update_heatmap(
     renderers = [r for r in fig.renderers if getattr(r, "name", "") == f"{fig.name}-image"]
     if not renderers or not matrix.size:
         return False
+    tag = next(t[TAG] for t in fig.tags if isinstance(t, dict) and TAG in t)
+    mask = _measured_mask(matrix, measured)
+    if bool(tag.get("measured")) != (mask is not None):
+        return False
     dtype = np.float32 if (matrix.dtypes == np.float32).all() else np.float64
     values = matrix.to_numpy(dtype=dtype, copy=True)
+    nan = _nan_cells(values, mask)
+    nan_images = [r for r in fig.renderers if getattr(r, "name", "") == f"{fig.name}-nan"]
+    if nan is not None and not nan_images:
+        return False
+    for r in nan_images:
+        cells = nan if nan is not None else np.zeros(values.shape, np.uint8)
+        r.data_source.data = {"image": [cells]}
     image = renderers[0]
     mapper = image.glyph.color_mapper
     auto_low, auto_high = color_range(metric, values)

@@ -27,19 +27,44 @@ def _series_source(steps: np.ndarray, values: np.ndarray, series: str) -> Column
     )
 
 
+def _gaps(steps: np.ndarray, recorded: np.ndarray | None) -> tuple[np.ndarray, float]:
+    """Gaps between consecutive points, in recorded steps when ``recorded`` (the run's
+    recorded steps) is given, else in step numbers; and their median (1 with < 2 points)."""
+    pos = np.searchsorted(recorded, steps).astype(float) if recorded is not None else steps
+    gaps = np.diff(pos)
+    return gaps, float(np.median(gaps)) if len(gaps) else 1.0
+
+
+def _break_at(steps: np.ndarray, values: np.ndarray, cut: np.ndarray):
+    """Insert a NaN point after each index where ``cut`` holds (a line breaks there)."""
+    if not cut.any():
+        return steps, values
+    at = np.flatnonzero(cut) + 1
+    mid = (steps[at - 1] + steps[at]) / 2
+    return np.insert(steps, at, mid), np.insert(values, at, np.nan)
+
+
 def timeseries(
     frame: pd.DataFrame,
     *,
     title: str | None = None,
     log_y: bool = True,
     name: str = "timeseries",
+    recorded: Sequence[int] | np.ndarray | None = None,
 ) -> figure:
     """Metrics of one op over steps (e.g. scale, rms, absmax): a line + markers per column.
 
-    ``frame``: index = step, one column per metric. With ``log_y`` (default, since scale
-    and RMS span many octaves) values <= 0 cannot be drawn: they are dropped (the line
-    breaks there) and a note under the plot says how many. Click a legend entry to hide
-    its series.
+    ``frame``: index = the steps the op was measured at, one column per metric. With
+    ``log_y`` (default, since scale and RMS span many octaves) values <= 0 cannot be drawn:
+    they are dropped (the line breaks there) and a note under the plot says how many.
+    Click a legend entry to hide its series.
+
+    An op measured at only some steps (a run under an overhead budget measures ops in
+    turns) gets a marker at every measured step and no line across long gaps: the line
+    breaks where two measurements are more than twice the op's median gap apart, gaps
+    counted in ``recorded`` steps (the run's recorded steps; without them every point is
+    joined, as for an op measured at every step). When the op skipped recorded steps, the
+    line is dashed (it joins measurements, not values seen in between) and a note says so.
     """
     fig = figure(
         name=name,
@@ -52,6 +77,10 @@ def timeseries(
     )
     fig.xaxis.axis_label = "step"
     steps = np.asarray(frame.index, dtype=float)
+    rec = None if recorded is None else np.unique(np.asarray(recorded, dtype=float))
+    gaps, typical = _gaps(steps, rec)
+    cut = (gaps > 2 * typical) if rec is not None else np.zeros(len(gaps), bool)
+    sparse = rec is not None and (typical > 1 or cut.any())
     dropped = 0
     for i, column in enumerate(frame.columns):
         values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=float, copy=True)
@@ -59,20 +88,40 @@ def timeseries(
             bad = ~(values > 0)  # also NaN, which is dropped anyway
             dropped += int(np.count_nonzero(bad & ~np.isnan(values)))
             values[bad] = np.nan
-        source = _series_source(steps, values, str(column))
         color = theme.series_color(i)
+        line_steps, line_values = _break_at(steps, values, cut)
         fig.line(
-            "step", "value", source=source, color=color, line_width=2, legend_label=str(column)
+            x=line_steps,
+            y=line_values,
+            color=color,
+            line_width=2,
+            line_dash="dashed" if sparse else "solid",
+            legend_label=str(column),
+            name=f"{name}-line-{column}",
         )
+        source = _series_source(steps, values, str(column))
         fig.scatter("step", "value", source=source, color=color, size=5, legend_label=str(column))
     fig.add_tools(
-        HoverTool(tooltips=[("", "@series"), ("step", "@step{0}"), ("value", "@value{0.[000]e0}")])
+        HoverTool(
+            tooltips=[("", "@series"), ("step", "@step{0}"), ("value", "@value{0.[000]e0}")],
+            renderers=[
+                r
+                for r in fig.renderers
+                if isinstance(r.data_source, ColumnDataSource) and "series" in r.data_source.data
+            ],
+        )
     )
     if len(frame.columns):
         fig.legend.click_policy = "hide"
         fig.legend.location = "top_left"
     if dropped:
         _note(fig, f"{dropped} value(s) <= 0 not drawn on the log axis")
+    if sparse:
+        text = f"measured at {len(steps)} of {len(rec)} recorded steps (markers)"
+        text += "; dashed: joins measurements across unmeasured steps"
+        if cut.any():
+            text += f"; broken over gaps > {2 * typical:g} steps"
+        _note(fig, text)
     return fig
 
 

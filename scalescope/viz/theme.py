@@ -23,8 +23,15 @@ FORMAT_COLORS: dict[str, str] = {
 #: Colours for series without a fixed colour (runs, metrics of one op).
 SERIES_COLORS: tuple[str, ...] = tuple(Category10_10)
 
-#: Colour of heatmap cells with no value (op not recorded at that step, NaN statistic).
+#: Colour of heatmap cells with no value: a NaN statistic (non-finite data), or, when the
+#: heatmap is not told where ops were measured, an op not recorded at that step.
 NAN_COLOR = "#d9d9d9"
+
+#: Colour of heatmap cells of an op not measured at that step (transparent: blank).
+BLANK_COLOR = "rgba(0, 0, 0, 0)"
+#: Hatch behind a heatmap, seen through its blank cells.
+UNMEASURED_HATCH = "/"
+UNMEASURED_HATCH_COLOR = "#d0d0d0"
 
 #: Colour of markers that flag a non-finite value (NaN/inf loss).
 ALARM_COLOR = "#e31a1c"
