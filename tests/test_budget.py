@@ -1,0 +1,192 @@
+"""The overhead budget: masked groups in one program, the controller's plan, and a real
+budgeted run whose rows are exact where measured and absent elsewhere."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scalescope as ss
+from scalescope.store.budget import BudgetController, hot_groups
+
+
+def _step(w, x):
+    def loss(w):
+        h = jnp.tanh(x @ w)
+        for _ in range(3):
+            h = jnp.tanh(h @ w) + h
+        return jnp.mean(h * h)
+
+    value, g = jax.value_and_grad(loss)(w)
+    return w - 0.01 * g, value
+
+
+W = jax.random.normal(jax.random.key(0), (32, 32)) / 6
+X = jax.random.normal(jax.random.key(1), (16, 32))
+
+
+def test_masked_groups_measure_exactly_the_groups_asked_for():
+    inst = ss.instrument(_step, scalify=False, groups=4)
+    table = inst.op_table(W, X)
+    assert table.n_groups == 4
+    groups = table.row_group
+    assert set(groups.tolist()) == {0, 1, 2, 3}
+    assert np.all(np.diff(groups) >= 0), "groups are consecutive in order of computation"
+    # Groups are of comparable cost.
+    elements = np.array(table.group_elements)
+    assert elements.min() > 0 and elements.max() < 4 * elements.mean()
+    _, full = jax.jit(inst)(W, X)
+    masked = jax.jit(inst.masked)
+    for mask in ([True, False, False, False], [False, True, False, True]):
+        _, stats = masked(np.array(mask), W, X)
+        on = np.array(mask)[groups]
+        count = np.asarray(stats["count"])
+        assert np.all(count[on] == np.asarray(full["count"])[on])
+        assert np.all(count[~on] == 0)
+        for name in ("rms", "absmax", "snr_e4m3", "underflow_e5m2"):
+            # The same values, computed in a differently fused program: last-bit agreement.
+            np.testing.assert_allclose(
+                np.asarray(stats[name])[on], np.asarray(full[name])[on], rtol=1e-5
+            )
+            assert np.all(np.isnan(np.asarray(stats[name])[~on]))
+    with pytest.raises(ValueError, match="shape"):
+        masked(np.array([True, False]), W, X)
+    with pytest.raises(ValueError, match="groups"):
+        ss.instrument(_step, groups=-1)
+
+
+def test_masked_groups_inside_a_scan():
+    def f(x):
+        def body(c, _):
+            return jnp.sin(c) * 1.5 + c, None
+
+        c, _ = jax.lax.scan(body, x, None, length=5)
+        return jnp.sum(c * c)
+
+    inst = ss.instrument(jax.grad(f), scalify=False, groups=3)
+    x = jnp.linspace(-1, 1, 64)
+    table = inst.op_table(x)
+    _, full = jax.jit(inst)(x)
+    for g in range(3):
+        mask = np.arange(3) == g
+        _, stats = jax.jit(inst.masked)(mask, x)
+        on = table.row_group == g
+        assert on.any()
+        np.testing.assert_allclose(
+            np.asarray(stats["rms"])[on], np.asarray(full["rms"])[on], rtol=1e-5
+        )
+        assert np.all(np.asarray(stats["count"])[~on] == 0)
+
+
+def _simulate(ctrl: BudgetController, steps: int, t_plain: float, cost) -> list[int]:
+    """Drive the controller with synthetic timings; returns the recorded steps."""
+    recorded = []
+    ctrl.observe_plain(t_plain)
+    for step in range(steps):
+        mask = ctrl.plan(step)
+        if mask is not None:
+            ctrl.observe_record(cost(mask), mask)
+            recorded.append(step)
+    return recorded
+
+
+def test_controller_keeps_the_overhead_within_budget_and_covers_every_group():
+    elements = [1000, 1200, 800, 1000, 1000, 900, 1100, 1000]
+    ctrl = BudgetController(0.05, elements, fixed_share=1.0)
+    t = 0.1
+    # A recorded step costs one step (the shadow copy) plus 1 step per 4000 elements.
+    cost = lambda m: t + t * np.asarray(elements)[m].sum() / 4000
+    recorded = _simulate(ctrl, 3000, t, cost)
+    assert recorded
+    assert ctrl.spent <= 0.05 * 3000 * t + 1e-9
+    assert ctrl.spent >= 0.03 * 3000 * t, "the budget is used, not left idle"
+    # Every group measured, within the period the controller predicts.
+    assert ctrl.first_full_cover is not None
+    assert ctrl.first_full_cover <= 1.5 * ctrl.coverage_period()
+    # Measuring more than one group per record once the fixed cost is known.
+    assert ctrl.groups_per_record() > 1
+
+
+def test_hot_groups_are_measured_more_often():
+    elements = [1000] * 8
+    ctrl = BudgetController(0.05, elements, fixed_share=0.1)
+    ctrl.observe_findings({5})
+    counts = np.zeros(8, int)
+
+    def cost(mask):
+        counts[mask] += 1
+        return 0.01 + 0.02 * mask.sum()  # measuring dominates: one group per record
+
+    _simulate(ctrl, 4000, 0.1, cost)
+    assert ctrl.groups_per_record() == 1
+    others = np.delete(counts, 5)
+    assert counts[5] > 4 * others.max()
+    assert others.min() > 0, "cold groups still come round"
+
+
+def test_controller_rejects_bad_budgets():
+    for bad in (0, 1, -0.1, 1.5, "5%"):
+        with pytest.raises(ValueError, match="budget"):
+            BudgetController(bad, [1])
+    with pytest.raises(ValueError, match="budget"):
+        ss.Run("/nonexistent/never-created", budget=2.0)
+
+
+def test_hot_groups_from_findings():
+    n = 6
+    stats = {
+        "rms": np.array([1.0, 1.0, 100.0, 1.0, 1.0, 1.0]),
+        "frac_nonfinite": np.array([0, 0.5, 0, 0, 0, 0.0]),
+        "overflow_e4m3": np.array([0, 0, 0, 0.01, 0, 0.0]),
+        "underflow_e5m2": np.array([0, 0, 0, 0, 0.5, 0.0]),
+    }
+    row_group = np.arange(n)
+    measured = np.ones(n, bool)
+    measured[4] = False  # an unmeasured row never counts
+    prev = np.full(n, np.nan)
+    cast = ["", "", "", "e4m3", "e5m2", ""]
+    scaled = np.array([True, True, True, False, False, True])
+    assert hot_groups(stats, row_group, measured, cast, scaled, prev) == {1, 2, 3}
+    # A growing trend: rms up by 2x (1 in log2) since the last measurement.
+    stats["rms"] = np.array([2.0, 1.0, 100.0, 1.0, 1.0, 1.0])
+    stats["frac_nonfinite"] = np.zeros(n)
+    assert 0 in hot_groups(stats, row_group, measured, cast, scaled, prev)
+
+
+def test_budgeted_run_writes_only_measured_rows(tmp_path):
+    path = tmp_path / "run"
+    w = W
+    with ss.Run(path, budget=0.3, groups=4) as run:
+        step = run.track(_step, scalify=False)
+        for _ in range(150):
+            w, _ = step(w, X)
+        ctrl = step.controller
+    assert ctrl.first_full_cover is not None, "every group measured within 150 steps"
+    reader = ss.open_run(path)
+    assert reader.budget == 0.3 and reader.statistics == "exact"
+    stats = reader.stats(wide=True)
+    groups = reader.ops["group"]
+    rows_per_step = stats.groupby("step").op.nunique()
+    recorded_ops = (groups >= 0).sum()
+    assert (rows_per_step < recorded_ops).any(), "some steps measured a subset"
+    # Each step's rows are whole groups.
+    for _, frame in stats.groupby("step"):
+        measured_groups = set(groups.loc[frame.op.unique()])
+        whole = set(groups[groups.isin(measured_groups)].index)
+        assert set(frame.op.unique()) == whole
+    last = reader.last_measured()
+    assert last.loc[groups[groups >= 0].index].notna().all()
+    # The rows are exact: equal to an instrumented call on the same inputs.
+    w0 = W
+    inst = ss.instrument(_step, scalify=False)
+    first = int(stats.step.min())
+    for _ in range(first):
+        w0, _ = _step(w0, X)
+    _, exact = jax.jit(inst)(w0, X)
+    table = inst.op_table(w0, X)
+    got = stats[stats.step == first].set_index("op")["rms"]
+    want = np.asarray(exact["rms"])
+    for op, value in got.items():
+        np.testing.assert_allclose(value, want[table.rows(op)][0], rtol=1e-5)

@@ -1,0 +1,152 @@
+"""The probe's two kernels (native CPU custom call, pure XLA) against the independent
+NumPy + ml_dtypes reference, on the values where rounding is hardest: every format's
+subnormals, ties at each rounding boundary, values straddling each format's max, every
+stored dtype the native kernel reads directly, and values long enough to be split
+across threads."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from probe_reference import FORMATS, reference
+from test_probe import _check
+
+from scalescope.core import formats as F
+from scalescope.probe import kernel, native
+
+SPEC = kernel.StatSpec(tuple(F.get(n) for n in FORMATS), histograms=True)
+
+
+def _grid(dtype) -> np.ndarray:
+    """Every finite positive value of an 8-bit format, or a spread of a wider one."""
+    info = ml_dtypes.finfo(dtype)
+    if np.dtype(dtype).itemsize == 1:
+        v = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    else:
+        e = np.arange(int(np.log2(info.smallest_subnormal)), int(np.log2(info.max)) + 1)
+        m = np.linspace(1, 2, 9, endpoint=False)
+        with np.errstate(over="ignore"):
+            v = (np.ldexp(1.0, e)[:, None] * m[None, :]).ravel().astype(dtype)
+        v = v.astype(np.float32)
+    v = v[np.isfinite(v) & (v > 0)]
+    return np.unique(v)
+
+
+def _hard_values() -> np.ndarray:
+    """Ties between neighbours of each format, one float32 ulp either side, the max and
+    past it, and the subnormal range, with both signs."""
+    vals = []
+    for dtype, fmax in FORMATS.values():
+        g = _grid(dtype).astype(np.float64)
+        mid = ((g[:-1] + g[1:]) / 2).astype(np.float32)  # exact ties in float32
+        for v in (mid, np.float32(g[0]) / 2, np.float32(fmax)):
+            v = np.atleast_1d(np.asarray(v, np.float32))
+            vals += [v, np.nextafter(v, np.float32(0)), np.nextafter(v, np.float32(np.inf))]
+        with np.errstate(over="ignore"):
+            vals.append(np.float32(fmax) * np.float32([1.001, 1.5, 2.0]))
+        vals.append(g.astype(np.float32))
+    v = np.concatenate(vals)
+    v = v[np.abs(v) >= np.finfo(np.float32).tiny]
+    return np.concatenate([v, -v])
+
+
+def _stats(values: list[np.ndarray], which: str) -> list[dict]:
+    def fn(*xs):
+        vals = [(x, None) for x in xs]
+        raw = kernel._native_raw(vals, SPEC) if which == "native" else kernel.group_raw(vals, SPEC)
+        return kernel.finalize(raw, SPEC)
+
+    out = jax.jit(fn)(*[jnp.asarray(v) for v in values])
+    return [{k: np.asarray(v)[i] for k, v in out.items()} for i in range(len(values))]
+
+
+needs_native = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="the native kernel is the CPU path"
+)
+
+
+@needs_native
+def test_native_kernel_builds():
+    assert native.available(), "the native kernel must build on a machine with g++"
+
+
+@pytest.mark.parametrize("which", ["native", "xla"])
+def test_rounding_boundaries_match_reference(which):
+    if which == "native" and not native.available():
+        pytest.fail("native kernel unavailable")
+    hard = _hard_values()
+    rng = np.random.default_rng(3)
+    pieces = {
+        "hard": hard,
+        "hard_shuffled_odd_length": rng.permutation(hard)[: (hard.size // 2) * 2 - 3],
+        "one": np.array([0.3], np.float32),
+        "seven": rng.normal(size=7).astype(np.float32),
+        "special": np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-30, 3e38], np.float32),
+    }
+    got = _stats(list(pieces.values()), which)
+    for (name, data), g in zip(pieces.items(), got, strict=True):
+        _check(g, reference(data), f"{which}:{name}")
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float64]
+)
+def test_native_reads_stored_dtypes(dtype):
+    """f16/bf16 are widened in the kernel, 8-bit floats through a table, others by XLA."""
+    rng = np.random.default_rng(4)
+    data = (rng.normal(size=1001) * 3).astype(np.float32)
+    data[:5] = [0.0, np.nan, 1e-6, -500.0, 448.0]
+    stored = np.asarray(jnp.asarray(data, dtype) if dtype != jnp.float64 else data)
+    (got,) = _stats([stored], "native")
+    _check(got, reference(stored.astype(np.float32)), str(dtype))
+
+
+@needs_native
+def test_native_large_value_split_across_threads():
+    """A value above the threads' threshold (2**20 elements), not a multiple of a chunk."""
+    rng = np.random.default_rng(5)
+    data = (rng.standard_t(3, size=(1 << 21) + 77) * 0.01).astype(np.float32)
+    data[::1000] = 0
+    (got,) = _stats([data], "native")
+    _check(got, reference(data), "large")
+
+
+def test_kernels_agree_on_wide_ranges():
+    rng = np.random.default_rng(6)
+    values = [
+        (rng.normal(size=3000) * np.exp2(rng.uniform(-60, 60, 3000))).astype(np.float32),
+        (rng.normal(size=(17, 33)) * 1e-20).astype(np.float32),
+        (rng.normal(size=513) * 1e30).astype(np.float32),
+    ]
+    ref = [reference(v) for v in values]
+    for which in ("xla", "native") if native.available() else ("xla",):
+        for v, g, r in zip(values, _stats(values, which), ref, strict=True):
+            _check(g, r, f"{which}:{v.shape}")
+
+
+def test_xla_kernel_groups_stay_bounded(monkeypatch):
+    """The pure-XLA kernel never concatenates more than GROUP_ELEMENTS elements (plus one
+    value larger than that) into one buffer."""
+    monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 1000)
+    monkeypatch.setattr(native, "use_native", lambda: False)
+    sizes = [300, 300, 300, 300, 2500, 10, 990]
+    seen = []
+    real = kernel.group_raw
+
+    def spy(values, spec):
+        seen.append(sum(int(np.size(d)) for d, _ in values))
+        return real(values, spec)
+
+    monkeypatch.setattr(kernel, "group_raw", spy)
+    rng = np.random.default_rng(7)
+    values = [rng.normal(size=n).astype(np.float32) for n in sizes]
+    out = jax.jit(
+        lambda *xs: kernel.finalize(kernel.values_raw([(x, None) for x in xs], SPEC), SPEC)
+    )(*values)
+    assert seen == [900, 300, 2500, 1000]
+    for i, v in enumerate(values):
+        _check({k: np.asarray(a)[i] for k, a in out.items()}, reference(v), f"value {i}")
