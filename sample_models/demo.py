@@ -36,7 +36,7 @@ class DemoError(Exception):
 @dataclass
 class DemoOptions:
     steps: int = 200
-    every: int = 20
+    every: int = 10
     batch: int = 16
     seed: int = 0
     out: str | None = None  # default: runs/demo/<timestamp>

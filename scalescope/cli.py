@@ -32,10 +32,18 @@ def _add_train(sub) -> None:
     p.add_argument(
         "--every",
         type=int,
-        default=50,
+        default=10,
         metavar="K",
-        help="record every K steps (default 50: on a CPU, one recorded step of the sample GPT "
-        "with exact statistics costs as much as tens of plain steps)",
+        help="record every K steps (default 10); with --budget, the shortest gap between two "
+        "recorded steps",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="F",
+        help="keep recording at or under this fraction of the training time (0.05: 5 %%) by "
+        "measuring a rotating subset of the values each recorded step (exact statistics)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=None, help="default: 32 (gpt), 128 (mlp)")
@@ -79,6 +87,8 @@ def _train(args, parser) -> int:
 
     if args.every < 1:
         parser.error("--every must be >= 1")
+    if args.budget is not None and not 0 < args.budget < 1:
+        parser.error(f"--budget must be a fraction in (0, 1), e.g. 0.05; got {args.budget}")
     heads = 4 if args.d_model % 4 == 0 else 1
     cfg = TrainConfig(
         model=args.model,
@@ -107,6 +117,7 @@ def _train(args, parser) -> int:
             cfg,
             args.run,
             every=args.every,
+            budget=args.budget,
             sample=args.sample,
             histograms=not args.no_histograms,
             stop_on_nan=not args.keep_going,
@@ -184,7 +195,7 @@ def _add_demo(sub) -> None:
         "keeping what was recorded.",
     )
     p.add_argument("--steps", type=int, default=200, help="training steps per run (200)")
-    p.add_argument("--every", type=int, default=20, metavar="K", help="record every K steps")
+    p.add_argument("--every", type=int, default=10, metavar="K", help="record every K steps")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

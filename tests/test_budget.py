@@ -190,3 +190,21 @@ def test_budgeted_run_writes_only_measured_rows(tmp_path):
     want = np.asarray(exact["rms"])
     for op, value in got.items():
         np.testing.assert_allclose(value, want[table.rows(op)][0], rtol=1e-5)
+
+
+def test_train_cli_budget(tmp_path, capsys):
+    from scalescope.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "gpt", "--budget", "5", "--run", str(tmp_path / "x")])
+    assert "--budget must be a fraction" in capsys.readouterr().err
+    run = tmp_path / "gpt"
+    argv = ["train", "gpt", "--precision", "fp8", "--steps", "30", "--budget", "0.5"]
+    argv += ["--layers", "1", "--d-model", "16", "--seq-len", "8", "--batch", "2"]
+    argv += ["--data", "vendored", "--every", "1", "--run", str(run), "--quiet"]
+    assert main(argv) == 0
+    reader = ss.open_run(run)
+    assert reader.budget == 0.5 and reader.config["budget"] == 0.5
+    assert len(reader.steps) >= 2, "a generous budget records several steps"
+    last = reader.last_measured()
+    assert last.notna().any()
