@@ -79,7 +79,8 @@ class BudgetController:
         """A recorded step measuring ``mask`` cost ``overhead`` seconds more than a plain
         step."""
         overhead = max(0.0, overhead)
-        self.spent += overhead
+        with self._lock:
+            self.spent += overhead
         fixed = self.fixed or 0.0
         elements = float(self.elements[mask].sum())
         if elements > 0:
@@ -89,6 +90,12 @@ class BudgetController:
             self.per_element = (
                 rate if self.per_element is None else 0.5 * self.per_element + 0.5 * rate
             )
+
+    def observe_writer(self, seconds: float) -> None:
+        """The writer thread spent ``seconds`` on a recorded step's statistics (copy,
+        findings, Parquet): counted as overhead too, since it shares the machine."""
+        with self._lock:
+            self.spent += max(0.0, seconds)
 
     def observe_findings(self, hot_groups: set[int]) -> None:
         """Groups whose latest measurement had findings (called from the writer)."""

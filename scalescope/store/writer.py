@@ -140,6 +140,7 @@ class _Writer:
         # (step, statistics, rows measured or None for all)
         self.stats_buf: list[tuple[int, dict[str, np.ndarray], np.ndarray | None]] = []
         self.on_findings: Callable[[set[int]], None] | None = None  # budget feedback
+        self.on_cost: Callable[[float], None] | None = None  # seconds spent per item
         self.hot: set[int] = set()
         self.scalar_buf: list[tuple[int, str, float]] = []
         self.oldest: float | None = None
@@ -194,7 +195,10 @@ class _Writer:
                 if kind == "close":
                     return
                 continue
+            t0 = time.perf_counter()
             self._guarded(self._take, item)
+            if self.on_cost is not None and kind == "stats":
+                self.on_cost(time.perf_counter() - t0)
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         if self.error is not None:
@@ -684,6 +688,7 @@ class Tracked:
                 fixed_share=1.0 if self.run.isolate else 0.1,
             )
             self.run._writer.on_findings = self.controller.observe_findings
+            self.run._writer.on_cost = self.controller.observe_writer
         log.info(
             "scalescope: recording %d ops (%d rows) %s into %s (traced in %.1f s; the "
             "recording step compiles at its first use)",
@@ -709,6 +714,20 @@ class Tracked:
         self.run._submit(step, stats)
         return out
 
+    def warmup(self, *args: Any, **kwargs: Any) -> None:
+        """Compile both variants now (each runs once on these arguments; nothing is
+        recorded and the step counter does not move), so no training step pays for it."""
+        self.run._check_open()
+        if not self._registered:
+            self._register(args, kwargs)
+        jax.block_until_ready(self._plain(*args, **kwargs))
+        if self.budgeted:
+            mask = np.ones(self.instrumented.groups, bool)
+            jax.block_until_ready(self._recording(mask, *args, **kwargs))
+        else:
+            jax.block_until_ready(self._recording(*args, **kwargs))
+        self._warm |= {"plain", "recording"}
+
     def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         """Run ``fn`` alone on the device and time it; None on its first (compiling) call."""
         jax.block_until_ready(args)
@@ -723,7 +742,7 @@ class Tracked:
         ctrl = self.controller
         mask = ctrl.plan(step)
         if mask is None:
-            if ctrl.ready and ctrl.steps % 8:
+            if ctrl.ready and ctrl.steps % 32:
                 return self._plain(*args, **kwargs)
             # Time a plain step now and then: the budget is a fraction of it.
             out, seconds = self._timed("plain", lambda *a: self._plain(*a, **kwargs), *args)
