@@ -648,6 +648,11 @@ class Tracked:
         self.run, self.every, self.scalify = run, every, scalify
         self.step = run.start_step
         self.budgeted = run.budget is not None
+        # The recorded values come from a program of their own (the step evaluated again,
+        # with statistics): a recorded step runs the plain program for its outputs, so
+        # they are bit for bit those of an unrecorded step, and the two programs never
+        # hold their temporaries at once. isolate=False records inside one program that
+        # also gives the outputs (cheaper; outputs may differ in the last bits).
         self.instrumented = instrument(
             fn,
             scalify=scalify,
@@ -655,14 +660,16 @@ class Tracked:
             histograms=run.histograms,
             select=run.select,
             sample=run.sample,
-            isolate=run.isolate,
+            isolate=False,
             fallback=run.fallback,
             groups=run.groups if self.budgeted else 0,
         )
-        if self.budgeted:
-            self._recording = jax.jit(self.instrumented.masked)
+        self.separate = run.isolate
+        inst = self.instrumented.masked if self.budgeted else self.instrumented
+        if self.separate:
+            self._recording = jax.jit(lambda *a, **k: inst(*a, **k)[1])
         else:
-            self._recording = jax.jit(self.instrumented)
+            self._recording = jax.jit(inst)
         self._plain = jax.jit(_scalify(fn, fallback=run.fallback) if scalify else fn)
         self._registered = False
         self.controller: _budget.BudgetController | None = None
@@ -710,9 +717,18 @@ class Tracked:
             return self._budgeted_call(step, args, kwargs)
         if not self.records(step):
             return self._plain(*args, **kwargs)
-        out, stats = self._recording(*args, **kwargs)
+        out, stats = self._record(None, args, kwargs)
         self.run._submit(step, stats)
         return out
+
+    def _record(self, mask: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """``(outputs, statistics)`` of a recorded step (``mask``: the groups to measure,
+        under a budget)."""
+        lead = () if mask is None else (mask,)
+        if self.separate:
+            out = self._plain(*args, **kwargs)
+            return out, self._recording(*lead, *args, **kwargs)
+        return self._recording(*lead, *args, **kwargs)
 
     def warmup(self, *args: Any, **kwargs: Any) -> None:
         """Compile both variants now (each runs once on these arguments; nothing is
@@ -721,11 +737,8 @@ class Tracked:
         if not self._registered:
             self._register(args, kwargs)
         jax.block_until_ready(self._plain(*args, **kwargs))
-        if self.budgeted:
-            mask = np.ones(self.instrumented.groups, bool)
-            jax.block_until_ready(self._recording(mask, *args, **kwargs))
-        else:
-            jax.block_until_ready(self._recording(*args, **kwargs))
+        mask = np.ones(self.instrumented.groups, bool) if self.budgeted else None
+        jax.block_until_ready(self._record(mask, args, kwargs))
         self._warm |= {"plain", "recording"}
 
     def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -750,7 +763,7 @@ class Tracked:
                 ctrl.observe_plain(seconds)
             return out
         (out, stats), seconds = self._timed(
-            "recording", lambda *a: self._recording(mask, *a, **kwargs), *args
+            "recording", lambda *a: self._record(mask, a, kwargs), *args
         )
         if seconds is not None:
             ctrl.observe_record(seconds - float(ctrl.t_plain), mask)

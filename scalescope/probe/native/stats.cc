@@ -35,7 +35,7 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 
 constexpr int kMaxFormats = 8;
 constexpr int64_t kChunk = 256;               // elements per chunk (a multiple of 8)
-constexpr int64_t kParallelMin = int64_t{1} << 20;  // values this big use several threads
+constexpr int64_t kParallelMin = int64_t{1} << 17;  // values this big use several threads
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kMinNormalBits = 0x00800000u;  // FLT_MIN
 constexpr uint32_t kInfBits = 0x7f800000u;
@@ -47,13 +47,18 @@ struct Fmt {
   uint32_t keep;     // ~((1 << shift) - 1)
   float max, min_normal, magic;  // magic: min_subnormal * 2^23 (subnormal-range rounding)
   uint32_t max_bits;
+  // |x| above `nonzero` rounds to a non-zero value (min_subnormal / 2 ties to 0); |x| at
+  // or above `normal` rounds to a normal one (min_normal - min_subnormal / 2 ties up).
+  float nonzero, normal;
 };
 
 struct Totals {
   double sum = 0, sumsq = 0;
   double err2[kMaxFormats] = {};
-  int64_t under[kMaxFormats] = {}, sub[kMaxFormats] = {}, over[kMaxFormats] = {};
+  int64_t nonzero_q[kMaxFormats] = {}, normal_q[kMaxFormats] = {}, over[kMaxFormats] = {};
+  int64_t nan = 0;
   int64_t hist[256] = {};  // by float32 exponent field: 0 zero (or flushed), 255 non-finite
+  uint32_t lanes[8][256] = {};  // hist being counted: 8 interleaved copies (no store stalls)
   float amax = 0;
 };
 
@@ -107,7 +112,8 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
   // Pass two: sums, rounding errors and range flags of every format.
   v8f s1 = {}, s2 = {};
   v8f e2[kMaxFormats] = {};
-  v8i cu[kMaxFormats] = {}, cs[kMaxFormats] = {}, co[kMaxFormats] = {};
+  v8i c_nz[kMaxFormats] = {}, c_norm[kMaxFormats] = {}, c_over[kMaxFormats] = {};
+  v8i c_nan = {};
   for (int64_t i = 0; i < n8; i += 8) {
     v8f v;
     std::memcpy(&v, x + i, 32);
@@ -118,6 +124,7 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     v8f xs = as_f(xb & keep_bits) * u;         // x in units of 2^k
     s1 += xs;
     s2 += xs * xs;
+    c_nan += (v8i)(ab > kInfBits);
     for (int f = 0; f < nf; ++f) {
       const Fmt& F = fmts[f];
       const v8f fmax = F.max - v8f{};
@@ -132,34 +139,38 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
       }
       v8f err = (a - q) * u;
       e2[f] += err * err;
-      cu[f] += (v8i)((a > 0.0f) & (q == 0.0f));
-      cs[f] += (v8i)((q > 0.0f) & (q < F.min_normal));
-      co[f] += (v8i)((ab > F.max_bits) & (ab <= kInfBits));  // inf overflows, NaN not
+      c_nz[f] += (v8i)(a > F.nonzero);
+      c_norm[f] += (v8i)(a >= F.normal);
+      c_over[f] += (v8i)(ab > F.max_bits);  // inf too; NaN is taken back out at the end
     }
   }
   double unit_back = std::ldexp(1.0, k);
   t.sum += hsum(s1) * unit_back;
   t.sumsq += hsum(s2) * unit_back * unit_back;
+  t.nan += hcount(c_nan);
   for (int f = 0; f < nf; ++f) {
     t.err2[f] += hsum(e2[f]) * unit_back * unit_back;
-    t.under[f] += hcount(cu[f]);
-    t.sub[f] += hcount(cs[f]);
-    t.over[f] += hcount(co[f]);
+    t.nonzero_q[f] += hcount(c_nz[f]);
+    t.normal_q[f] += hcount(c_norm[f]);
+    t.over[f] += hcount(c_over[f]);
   }
 
   // Pass three: exponent field counts (zero and flushed subnormals in 0, non-finite 255).
-  int64_t h[4][256] = {};
   uint32_t bits[kChunk];
   std::memcpy(bits, x, n8 * 4);
-  int64_t i = 0;
-  for (; i + 4 <= n8; i += 4) {
-    ++h[0][(bits[i] >> 23) & 0xff];
-    ++h[1][(bits[i + 1] >> 23) & 0xff];
-    ++h[2][(bits[i + 2] >> 23) & 0xff];
-    ++h[3][(bits[i + 3] >> 23) & 0xff];
+  for (int64_t i = 0; i < n8; i += 8) {  // n8 is a multiple of 8
+    for (int j = 0; j < 8; ++j) ++t.lanes[j][(bits[i + j] >> 23) & 0xff];
   }
-  for (; i < n8; ++i) ++h[0][(bits[i] >> 23) & 0xff];
-  for (int e = 0; e < 256; ++e) t.hist[e] += h[0][e] + h[1][e] + h[2][e] + h[3][e];
+}
+
+// Fold the interleaved counts into the histogram (before their 32 bits could wrap).
+void fold_lanes(Totals& t) {
+  for (int e = 0; e < 256; ++e) {
+    for (int j = 0; j < 8; ++j) {
+      t.hist[e] += t.lanes[j][e];
+      t.lanes[j][e] = 0;
+    }
+  }
 }
 
 // Widening of the stored element type to float32, one chunk at a time.
@@ -195,7 +206,12 @@ struct Loader {
 void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int nf,
                  Totals& t) {
   alignas(32) float buf[kChunk];
+  int64_t since_fold = 0;
   for (int64_t i = lo; i < hi; i += kChunk) {
+    if ((since_fold += kChunk) >= (int64_t{1} << 30)) {
+      fold_lanes(t);
+      since_fold = 0;
+    }
     int64_t count = std::min(kChunk, hi - i);
     int64_t n8 = (count + 7) / 8 * 8;
     in.load(i, count, buf);
@@ -204,15 +220,17 @@ void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int 
     chunk_stats(buf, n8, fmts, nf, t);
     t.hist[0] -= n8 - count;
   }
+  fold_lanes(t);
 }
 
 void merge(Totals& into, const Totals& t, int nf) {
   into.sum += t.sum;
   into.sumsq += t.sumsq;
+  into.nan += t.nan;
   for (int f = 0; f < nf; ++f) {
     into.err2[f] += t.err2[f];
-    into.under[f] += t.under[f];
-    into.sub[f] += t.sub[f];
+    into.nonzero_q[f] += t.nonzero_q[f];
+    into.normal_q[f] += t.normal_q[f];
     into.over[f] += t.over[f];
   }
   for (int e = 0; e < 256; ++e) into.hist[e] += t.hist[e];
@@ -245,6 +263,10 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
     F.min_normal = min_normal[f];
     F.magic = std::ldexp(min_subnormal[f], 23);
     std::memcpy(&F.max_bits, &F.max, 4);
+    // Thresholds in float32: sub/2 is a power of two; normal - sub/2 is exact when the
+    // format is narrower than float32, and float32 itself has nothing to round.
+    F.nonzero = F.round ? 0.5f * min_subnormal[f] : 0.0f;
+    F.normal = F.round ? min_normal[f] - 0.5f * min_subnormal[f] : min_normal[f];
   }
 
   const ffi::DataType dtype = x.element_type();
@@ -285,10 +307,12 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
   oi[0] = static_cast<int32_t>(n);
   oi[1] = static_cast<int32_t>(total.hist[0]);
   oi[2] = static_cast<int32_t>(total.hist[255]);
+  // Non-zero finite elements (flushed subnormals are zeros).
+  const int64_t nonzero = n - total.hist[0] - total.hist[255];
   for (int f = 0; f < nf; ++f) {
-    oi[3 + 3 * f] = static_cast<int32_t>(total.under[f]);
-    oi[4 + 3 * f] = static_cast<int32_t>(total.sub[f]);
-    oi[5 + 3 * f] = static_cast<int32_t>(total.over[f]);
+    oi[3 + 3 * f] = static_cast<int32_t>(nonzero - total.nonzero_q[f]);
+    oi[4 + 3 * f] = static_cast<int32_t>(total.nonzero_q[f] - total.normal_q[f]);
+    oi[5 + 3 * f] = static_cast<int32_t>(total.over[f] - total.nan);
   }
   if (n_hist) {
     int32_t* h = oi + 3 + 3 * nf;
