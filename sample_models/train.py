@@ -230,7 +230,8 @@ def train(
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg.model`` in ``cfg.precision`` for ``cfg.steps`` steps, recording every
-    ``every`` steps into ``run_dir`` (or under an overhead ``budget``, see `ss.Run`). Returns a summary: final train and validation loss,
+    ``every`` steps into ``run_dir`` (or under an overhead ``budget``, see `ss.Run`).
+    Returns a summary: final train and validation loss,
     steps done, speed, and the first step whose loss was not finite (or None)."""
     task = make_task(cfg)
     scalified = cfg.precision in SCALIFIED
@@ -246,7 +247,14 @@ def train(
         params = ss.as_scaled_array(params, "rms")
         opt_state = ss.as_scaled_array(opt_state, "rms")
     eval_every = cfg.eval_every or max(1, cfg.steps // 10)
-    config = {**asdict(cfg), "every": every, "budget": budget, "sample": sample, "scalify": scalified, **task.info}
+    config = {
+        **asdict(cfg),
+        "every": every,
+        "budget": budget,
+        "sample": sample,
+        "scalify": scalified,
+        **task.info,
+    }
     bar = Progress(cfg.steps, f"{cfg.model} {cfg.precision}", stream) if progress else None
 
     def evaluate() -> dict[str, float]:

@@ -110,6 +110,17 @@ def available() -> bool:
         return bool(_state["ok"])
 
 
+def clock() -> tuple[float, int]:
+    """(seconds spent inside the native kernel, calls) since it was loaded: benchmarks
+    compare it with the step time to see what the kernel itself costs."""
+    lib = _state.get("lib")
+    if lib is None:
+        return 0.0, 0
+    lib.scalescope_stats_nanos.restype = ctypes.c_uint64
+    lib.scalescope_stats_calls.restype = ctypes.c_uint64
+    return lib.scalescope_stats_nanos() * 1e-9, int(lib.scalescope_stats_calls())
+
+
 def use_native() -> bool:
     """Whether traced statistics should call the native kernel: on CPU, when built."""
     return jax.default_backend() == "cpu" and available()
@@ -121,6 +132,8 @@ def value_raw(
     """Raw statistics of one value: ``(floats, ints)`` where floats are ``[sum, sumsq,
     err2 per format..., absmax]`` (sums in units of the abs-max's power of two) and ints
     are ``[n, zero, nonfinite, (under, sub, over) per format..., histogram...]``."""
+    if not available():
+        raise NativeBuildError("the native probe kernel is not available on this machine")
     nf = len(formats)
     lo, hi = hist_range if hist_range is not None else (0, -1)
     n_hist = hi - lo + 5 if hist_range is not None else 0

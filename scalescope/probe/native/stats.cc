@@ -17,6 +17,8 @@
 // 256-entry table). Like XLA on CPU, float32 subnormal inputs count as zero.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +30,9 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// Wall time spent in the kernel and calls made, for benchmarks (scalescope_stats_clock).
+std::atomic<uint64_t> g_nanos{0}, g_calls{0};
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -269,6 +274,7 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
     F.normal = F.round ? min_normal[f] - 0.5f * min_subnormal[f] : min_normal[f];
   }
 
+  const auto started = std::chrono::steady_clock::now();
   const ffi::DataType dtype = x.element_type();
   const bool byte = ffi::ByteWidth(dtype) == 1;
   if (!(dtype == ffi::DataType::F32 || dtype == ffi::DataType::F16 ||
@@ -324,10 +330,18 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
       h[col] += static_cast<int32_t>(total.hist[e]);
     }
   }
+  g_nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now() - started)
+                 .count();
+  g_calls += 1;
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// Total wall nanoseconds spent in the kernel, and the number of calls, since loading.
+extern "C" uint64_t scalescope_stats_nanos() { return g_nanos.load(); }
+extern "C" uint64_t scalescope_stats_calls() { return g_calls.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStats, StatsImpl,
                               ffi::Ffi::Bind()
