@@ -114,40 +114,57 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
   float unit = std::ldexp(1.0f, -k);
   const v8f u = unit - v8f{};
 
-  // Pass two: sums, rounding errors and range flags of every format.
+  // Pass two: sums. Then one pass per format over the (L1-resident) chunk, so each
+  // format's constants and accumulators stay in registers: rounding error, range flags.
   v8f s1 = {}, s2 = {};
-  v8f e2[kMaxFormats] = {};
-  v8i c_nz[kMaxFormats] = {}, c_norm[kMaxFormats] = {}, c_over[kMaxFormats] = {};
   v8i c_nan = {};
+  alignas(32) float abs_buf[kChunk];     // |x|, finite and normal, else 0
+  alignas(32) uint32_t bits_buf[kChunk];  // |x| as bits, inf and NaN included
   for (int64_t i = 0; i < n8; i += 8) {
     v8f v;
     std::memcpy(&v, x + i, 32);
     v8u xb = as_u(v);
     v8u ab = xb & kAbsMask;
     v8u keep_bits = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
-    v8f a = as_f(ab & keep_bits);              // |x|, finite and normal, else 0
-    v8f xs = as_f(xb & keep_bits) * u;         // x in units of 2^k
+    v8f xs = as_f(xb & keep_bits) * u;  // x in units of 2^k; non-finite and flushed: 0
     s1 += xs;
     s2 += xs * xs;
     c_nan += (v8i)(ab > kInfBits);
-    for (int f = 0; f < nf; ++f) {
-      const Fmt& F = fmts[f];
-      const v8f fmax = F.max - v8f{};
+    v8u af = ab & keep_bits;
+    std::memcpy(abs_buf + i, &af, 32);
+    std::memcpy(bits_buf + i, &ab, 32);
+  }
+  v8f e2[kMaxFormats] = {};
+  v8i c_nz[kMaxFormats] = {}, c_norm[kMaxFormats] = {}, c_over[kMaxFormats] = {};
+  for (int f = 0; f < nf; ++f) {
+    const Fmt& F = fmts[f];
+    const v8f fmax = F.max - v8f{}, magic = F.magic - v8f{}, mn = F.min_normal - v8f{};
+    const v8f nonzero = F.nonzero - v8f{}, normal = F.normal - v8f{};
+    v8f acc = {};
+    v8i nz = {}, norm = {}, over = {};
+    for (int64_t i = 0; i < n8; i += 8) {
+      v8f a;
+      v8u ab;
+      std::memcpy(&a, abs_buf + i, 32);
+      std::memcpy(&ab, bits_buf + i, 32);
       v8f ac = a < fmax ? a : fmax;
       v8f q = ac;
       if (F.round) {
         v8u b = as_u(ac);
         v8u r = (b + F.half_m1 + ((b >> F.shift) & 1u)) & F.keep;
-        const v8f magic = F.magic - v8f{};
         v8f qs = (ac + magic) - magic;
-        q = ac >= (F.min_normal - v8f{}) ? as_f(r) : qs;
+        q = ac >= mn ? as_f(r) : qs;
       }
       v8f err = (a - q) * u;
-      e2[f] += err * err;
-      c_nz[f] += (v8i)(a > F.nonzero);
-      c_norm[f] += (v8i)(a >= F.normal);
-      c_over[f] += (v8i)(ab > F.max_bits);  // inf too; NaN is taken back out at the end
+      acc += err * err;
+      nz += (v8i)(a > nonzero);
+      norm += (v8i)(a >= normal);
+      over += (v8i)(ab > F.max_bits);  // inf too; NaN is taken back out at the end
     }
+    e2[f] = acc;
+    c_nz[f] = nz;
+    c_norm[f] = norm;
+    c_over[f] = over;
   }
   double unit_back = std::ldexp(1.0, k);
   t.sum += hsum(s1) * unit_back;
@@ -161,10 +178,8 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
   }
 
   // Pass three: exponent field counts (zero and flushed subnormals in 0, non-finite 255).
-  uint32_t bits[kChunk];
-  std::memcpy(bits, x, n8 * 4);
   for (int64_t i = 0; i < n8; i += 8) {  // n8 is a multiple of 8
-    for (int j = 0; j < 8; ++j) ++t.lanes[j][(bits[i + j] >> 23) & 0xff];
+    for (int j = 0; j < 8; ++j) ++t.lanes[j][bits_buf[i + j] >> 23];
   }
 }
 
