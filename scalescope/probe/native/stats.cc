@@ -98,42 +98,53 @@ inline int exponent_of(float a) {
 
 // One chunk of n8 elements (a multiple of 8, n8 <= kChunk) into totals.
 void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t) {
-  // Pass one: abs-max of the finite (flushed) elements.
-  v8f vmax = {};
-  for (int64_t i = 0; i < n8; i += 8) {
-    v8f v;
-    std::memcpy(&v, x + i, 32);
-    v8u ab = as_u(v) & kAbsMask;
-    ab = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : ab;
-    v8f a = as_f(ab);
-    vmax = a > vmax ? a : vmax;
-  }
-  float amax = hmax(vmax);
-  t.amax = std::max(t.amax, amax);
-  int k = exponent_of(amax);
-  float unit = std::ldexp(1.0f, -k);
-  const v8f u = unit - v8f{};
-
-  // Pass two: sums. Then one pass per format over the (L1-resident) chunk, so each
-  // format's constants and accumulators stay in registers: rounding error, range flags.
-  v8f s1 = {}, s2 = {};
+  // Pass one: sums, abs-max, NaN count; |x| (finite, normal, else 0) and its bits (all)
+  // kept for the format passes. While the chunk's abs-max lies in [1, 2^60) (unit-scaled
+  // data) squares need no scaling: neither overflows, and what flushes to zero is below
+  // 2^-126 of the abs-max squared, as in units of its power of two. Otherwise the sums are
+  // taken again in units of the chunk's power of two.
+  v8f s1 = {}, s2 = {}, vmax = {};
   v8i c_nan = {};
-  alignas(32) float abs_buf[kChunk];     // |x|, finite and normal, else 0
-  alignas(32) uint32_t bits_buf[kChunk];  // |x| as bits, inf and NaN included
+  alignas(32) float abs_buf[kChunk];
+  alignas(32) uint32_t bits_buf[kChunk];
   for (int64_t i = 0; i < n8; i += 8) {
     v8f v;
     std::memcpy(&v, x + i, 32);
     v8u xb = as_u(v);
     v8u ab = xb & kAbsMask;
     v8u keep_bits = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
-    v8f xs = as_f(xb & keep_bits) * u;  // x in units of 2^k; non-finite and flushed: 0
-    s1 += xs;
-    s2 += xs * xs;
+    v8f xf = as_f(xb & keep_bits);  // non-finite and flushed: 0
+    s1 += xf;
+    s2 += xf * xf;
     c_nan += (v8i)(ab > kInfBits);
-    v8u af = ab & keep_bits;
+    v8f af = as_f(ab & keep_bits);
+    vmax = af > vmax ? af : vmax;
     std::memcpy(abs_buf + i, &af, 32);
     std::memcpy(bits_buf + i, &ab, 32);
   }
+  float amax = hmax(vmax);
+  t.amax = std::max(t.amax, amax);
+  int k = 0;
+  if (amax > 0 && (amax >= 0x1p60f || amax < 1.0f)) {
+    k = exponent_of(amax);
+    const v8f u = std::ldexp(1.0f, -k) - v8f{};
+    s1 = v8f{};
+    s2 = v8f{};
+    for (int64_t i = 0; i < n8; i += 8) {
+      v8f v;
+      std::memcpy(&v, x + i, 32);
+      v8u xb = as_u(v);
+      v8u ab = xb & kAbsMask;
+      v8u keep_bits = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
+      v8f xs = as_f(xb & keep_bits) * u;
+      s1 += xs;
+      s2 += xs * xs;
+    }
+  }
+  const v8f u = std::ldexp(1.0f, -k) - v8f{};
+
+  // Then one pass per format over the (L1-resident) chunk, so each format's constants and
+  // accumulators stay in registers: rounding error (in units of 2^k) and range flags.
   v8f e2[kMaxFormats] = {};
   v8i c_nz[kMaxFormats] = {}, c_norm[kMaxFormats] = {}, c_over[kMaxFormats] = {};
   for (int f = 0; f < nf; ++f) {
