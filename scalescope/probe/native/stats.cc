@@ -27,6 +27,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -214,7 +218,14 @@ struct Loader {
     switch (dtype) {
       case ffi::DataType::F16: {
         const _Float16* p = static_cast<const _Float16*>(data) + start;
-        for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(p[i]);
+        int64_t i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= count; i += 8) {
+          __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+          _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+        }
+#endif
+        for (; i < count; ++i) out[i] = static_cast<float>(p[i]);
         break;
       }
       case ffi::DataType::BF16: {
