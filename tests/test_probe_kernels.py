@@ -107,9 +107,9 @@ def test_native_reads_stored_dtypes(dtype):
 
 @needs_native
 def test_native_large_value_split_across_threads():
-    """A value above the threads' threshold (2**20 elements), not a multiple of a chunk."""
+    """A value above the threads' threshold (2**22 elements), not a multiple of a chunk."""
     rng = np.random.default_rng(5)
-    data = (rng.standard_t(3, size=(1 << 21) + 77) * 0.01).astype(np.float32)
+    data = (rng.standard_t(3, size=(1 << 23) + 77) * 0.01).astype(np.float32)
     data[::1000] = 0
     (got,) = _stats([data], "native")
     _check(got, reference(data), "large")

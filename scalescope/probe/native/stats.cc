@@ -44,7 +44,9 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 
 constexpr int kMaxFormats = 8;
 constexpr int64_t kChunk = 256;               // elements per chunk (a multiple of 8)
-constexpr int64_t kParallelMin = int64_t{1} << 17;  // values this big use several threads
+// Values this big use several threads. XLA already runs independent custom calls side by
+// side on its own threads, so only values large enough to leave those idle are split.
+constexpr int64_t kParallelMin = int64_t{1} << 22;
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kMinNormalBits = 0x00800000u;  // FLT_MIN
 constexpr uint32_t kInfBits = 0x7f800000u;
