@@ -38,9 +38,13 @@ namespace {
 // Wall time spent in the kernel and calls made, for benchmarks (scalescope_stats_clock).
 std::atomic<uint64_t> g_nanos{0}, g_calls{0};
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+// Lanes per vector: 16 (AVX-512 where the CPU has it; two AVX2 or four SSE operations
+// each elsewhere, as the compiler splits them).
+constexpr int kLanes = 16;
+constexpr int kVecBytes = 4 * kLanes;
+typedef float v8f __attribute__((vector_size(kVecBytes)));
+typedef int32_t v8i __attribute__((vector_size(kVecBytes)));
+typedef uint32_t v8u __attribute__((vector_size(kVecBytes)));
 
 constexpr int kMaxFormats = 8;
 constexpr int64_t kChunk = 256;               // elements per chunk (a multiple of 8)
@@ -78,19 +82,19 @@ inline v8f as_f(v8u v) { return (v8f)v; }
 
 inline float hmax(v8f v) {
   float m = v[0];
-  for (int j = 1; j < 8; ++j) m = std::max(m, v[j]);
+  for (int j = 1; j < kLanes; ++j) m = std::max(m, v[j]);
   return m;
 }
 
 inline double hsum(v8f v) {
   double s = 0;
-  for (int j = 0; j < 8; ++j) s += v[j];
+  for (int j = 0; j < kLanes; ++j) s += v[j];
   return s;
 }
 
 inline int64_t hcount(v8i v) {  // lanes hold negated counts (masks are -1)
   int64_t s = 0;
-  for (int j = 0; j < 8; ++j) s -= v[j];
+  for (int j = 0; j < kLanes; ++j) s -= v[j];
   return s;
 }
 
@@ -102,7 +106,7 @@ inline int exponent_of(float a) {
   return std::clamp(int(b >> 23) - 127, -126, 126);
 }
 
-// One chunk of n8 elements (a multiple of 8, n8 <= kChunk) into totals.
+// One chunk of n8 elements (a multiple of kLanes, n8 <= kChunk) into totals.
 void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t) {
   // Pass one: sums, abs-max, NaN count; |x| (finite, normal, else 0) and its bits (all)
   // kept for the format passes. While the chunk's abs-max lies in [1, 2^60) (unit-scaled
@@ -111,11 +115,11 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
   // taken again in units of the chunk's power of two.
   v8f s1 = {}, s2 = {}, vmax = {};
   v8i c_nan = {};
-  alignas(32) float abs_buf[kChunk];
-  alignas(32) uint32_t bits_buf[kChunk];
-  for (int64_t i = 0; i < n8; i += 8) {
+  alignas(64) float abs_buf[kChunk];
+  alignas(64) uint32_t bits_buf[kChunk];
+  for (int64_t i = 0; i < n8; i += kLanes) {
     v8f v;
-    std::memcpy(&v, x + i, 32);
+    std::memcpy(&v, x + i, kVecBytes);
     v8u xb = as_u(v);
     v8u ab = xb & kAbsMask;
     v8u keep_bits = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
@@ -125,8 +129,8 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     c_nan += (v8i)(ab > kInfBits);
     v8f af = as_f(ab & keep_bits);
     vmax = af > vmax ? af : vmax;
-    std::memcpy(abs_buf + i, &af, 32);
-    std::memcpy(bits_buf + i, &ab, 32);
+    std::memcpy(abs_buf + i, &af, kVecBytes);
+    std::memcpy(bits_buf + i, &ab, kVecBytes);
   }
   float amax = hmax(vmax);
   t.amax = std::max(t.amax, amax);
@@ -136,9 +140,9 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     const v8f u = std::ldexp(1.0f, -k) - v8f{};
     s1 = v8f{};
     s2 = v8f{};
-    for (int64_t i = 0; i < n8; i += 8) {
+    for (int64_t i = 0; i < n8; i += kLanes) {
       v8f v;
-      std::memcpy(&v, x + i, 32);
+      std::memcpy(&v, x + i, kVecBytes);
       v8u xb = as_u(v);
       v8u ab = xb & kAbsMask;
       v8u keep_bits = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
@@ -159,11 +163,11 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     const v8f nonzero = F.nonzero - v8f{}, normal = F.normal - v8f{};
     v8f acc = {};
     v8i nz = {}, norm = {}, over = {};
-    for (int64_t i = 0; i < n8; i += 8) {
+    for (int64_t i = 0; i < n8; i += kLanes) {
       v8f a;
       v8u ab;
-      std::memcpy(&a, abs_buf + i, 32);
-      std::memcpy(&ab, bits_buf + i, 32);
+      std::memcpy(&a, abs_buf + i, kVecBytes);
+      std::memcpy(&ab, bits_buf + i, kVecBytes);
       v8f ac = a < fmax ? a : fmax;
       v8f q = ac;
       if (F.round) {
@@ -249,7 +253,7 @@ struct Loader {
 
 void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int nf,
                  Totals& t) {
-  alignas(32) float buf[kChunk];
+  alignas(64) float buf[kChunk];
   int64_t since_fold = 0;
   for (int64_t i = lo; i < hi; i += kChunk) {
     if ((since_fold += kChunk) >= (int64_t{1} << 30)) {
@@ -257,7 +261,7 @@ void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int 
       since_fold = 0;
     }
     int64_t count = std::min(kChunk, hi - i);
-    int64_t n8 = (count + 7) / 8 * 8;
+    int64_t n8 = (count + kLanes - 1) / kLanes * kLanes;
     in.load(i, count, buf);
     // A partial chunk is padded with zeros that are taken back out of the zero count.
     std::fill(buf + count, buf + n8, 0.0f);
