@@ -106,6 +106,17 @@ inline int exponent_of(float a) {
   return std::clamp(int(b >> 23) - 127, -126, 126);
 }
 
+// kLanes elements at p: x with non-finite and subnormal elements set to 0; `ab` gets the
+// bits of |x| (inf and NaN included), `keep` the mask of the elements kept.
+inline v8f finite_lanes(const float* p, v8u& ab, v8u& keep) {
+  v8f v;
+  std::memcpy(&v, p, kVecBytes);
+  v8u xb = as_u(v);
+  ab = xb & kAbsMask;
+  keep = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
+  return as_f(xb & keep);
+}
+
 // One chunk of n8 elements (a multiple of kLanes, n8 <= kChunk) into totals.
 void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t) {
   // Pass one: sums, abs-max, NaN count; |x| (finite, normal, else 0) and its bits (all)
@@ -118,16 +129,12 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
   alignas(64) float abs_buf[kChunk];
   alignas(64) uint32_t bits_buf[kChunk];
   for (int64_t i = 0; i < n8; i += kLanes) {
-    v8f v;
-    std::memcpy(&v, x + i, kVecBytes);
-    v8u xb = as_u(v);
-    v8u ab = xb & kAbsMask;
-    v8u keep_bits = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
-    v8f xf = as_f(xb & keep_bits);  // non-finite and flushed: 0
+    v8u ab, keep;
+    v8f xf = finite_lanes(x + i, ab, keep);
     s1 += xf;
     s2 += xf * xf;
     c_nan += (v8i)(ab > kInfBits);
-    v8f af = as_f(ab & keep_bits);
+    v8f af = as_f(ab & keep);
     vmax = af > vmax ? af : vmax;
     std::memcpy(abs_buf + i, &af, kVecBytes);
     std::memcpy(bits_buf + i, &ab, kVecBytes);
@@ -141,12 +148,8 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     s1 = v8f{};
     s2 = v8f{};
     for (int64_t i = 0; i < n8; i += kLanes) {
-      v8f v;
-      std::memcpy(&v, x + i, kVecBytes);
-      v8u xb = as_u(v);
-      v8u ab = xb & kAbsMask;
-      v8u keep_bits = (ab < kMinNormalBits || ab >= kInfBits) ? 0u : 0xffffffffu;
-      v8f xs = as_f(xb & keep_bits) * u;
+      v8u ab, keep;
+      v8f xs = finite_lanes(x + i, ab, keep) * u;
       s1 += xs;
       s2 += xs * xs;
     }
