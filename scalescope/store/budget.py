@@ -11,10 +11,11 @@ part is what any recorded step pays (with ``isolate``, a second evaluation of th
 the rest grows with the elements measured. A step records when the overhead spent so far
 plus the expected cost of this one stays within ``budget`` times the training time so far
 (measured plain steps times their count), so a slow recorded step is paid back by a longer
-gap before the next. Groups are measured round-robin, so every value is measured within
-a bounded period (`coverage_period`); every other recorded step instead goes to a *hot*
-group, one where the last measurement showed non-finite values, drift from unit scale, a
-growing trend, or under/overflow in the format the value is cast to.
+gap before the next. Each recorded step measures every *hot* group (one where the last
+measurement showed non-finite values, drift from unit scale, a growing trend, or
+under/overflow in the format the value is cast to) and the next few cold groups in
+round-robin order, so every value is measured within a bounded period
+(`coverage_period`) and values with findings at every recorded step.
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ class BudgetController:
         self.steps = 0  # steps seen (recorded or not)
         self.last_record = -(10**9)
         self.next_group = 0
-        self.slot = 0  # recorded steps so far (alternates round-robin and hot)
+        self._advance = 0
+        self.slot = 0  # recorded steps so far
         self.measured_at = np.full(self.groups, -1, np.int64)  # last step each group ran
         self.first_full_cover: int | None = None
         self._hot: frozenset[int] = frozenset()
-        self._hot_next = 0
         self._lock = threading.Lock()
 
     # -- timings ----------------------------------------------------------------------
@@ -109,13 +110,14 @@ class BudgetController:
         return self.t_plain is not None
 
     def groups_per_record(self) -> int:
-        """Groups measured together: enough that the measuring cost is about the fixed
-        cost of a recorded step (fewer, slower records would only lengthen the period
-        between two measurements of a hot group; more would lengthen it for all)."""
+        """Cold groups measured together: enough that measuring costs about twice the
+        fixed cost of a recorded step (with few groups per record, most of the budget
+        would go to the fixed cost; with all of them, no recorded step could be cheap)."""
         if not self.per_element or not self.fixed:
             return 1
         mean = float(self.elements.mean()) or 1.0
-        return int(min(self.groups, max(1, round(self.fixed / (self.per_element * mean)))))
+        k = round(2 * self.fixed / (self.per_element * mean))
+        return int(min(self.groups, max(1, k)))
 
     def expected_cost(self, mask: np.ndarray) -> float:
         fixed = self.fixed or 0.0
@@ -136,26 +138,23 @@ class BudgetController:
         return mask
 
     def _next_mask(self) -> np.ndarray:
-        mask = np.zeros(self.groups, bool)
-        k = self.groups_per_record()
+        """Every hot group, and the next cold groups in round-robin order."""
         with self._lock:
-            hot = sorted(self._hot)
-        if hot and self.slot % 2 == 1:
-            for i in range(min(k, len(hot))):
-                mask[hot[(self._hot_next + i) % len(hot)]] = True
-        else:
-            for i in range(k):
-                mask[(self.next_group + i) % self.groups] = True
+            hot = np.zeros(self.groups, bool)
+            hot[sorted(self._hot)] = True
+        mask = hot.copy()
+        taken, i = 0, 0
+        while taken < self.groups_per_record() and i < self.groups:
+            g = (self.next_group + i) % self.groups
+            if not hot[g]:
+                mask[g] = True
+                taken += 1
+            i += 1
+        self._advance = i
         return mask
 
     def _commit(self, step: int, mask: np.ndarray) -> None:
-        k = int(mask.sum())
-        with self._lock:
-            hot = sorted(self._hot)
-        if hot and self.slot % 2 == 1:
-            self._hot_next = (self._hot_next + k) % max(1, len(hot))
-        else:
-            self.next_group = (self.next_group + k) % self.groups
+        self.next_group = (self.next_group + self._advance) % self.groups
         self.slot += 1
         self.last_record = step
         self.measured_at[mask] = step
@@ -168,13 +167,14 @@ class BudgetController:
         if not self.ready:
             return math.inf
         k = self.groups_per_record()
+        with self._lock:
+            hot = len(self._hot)
         mask = np.zeros(self.groups, bool)
-        mask[:k] = True
+        mask[: min(self.groups, k + hot)] = True
         per_record = self.expected_cost(mask) / (self.budget * float(self.t_plain))
         interval = max(self.every, per_record)
-        # Half the recorded steps go round-robin when some group is hot.
-        rounds = math.ceil(self.groups / k) * (2 if self._hot else 1)
-        return rounds * interval
+        cold = max(1, self.groups - hot)
+        return math.ceil(cold / k) * interval
 
 
 def hot_groups(
