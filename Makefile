@@ -18,8 +18,10 @@ venv: $(VENV)/.installed
 demo: venv
 	$(BIN)/scalescope demo
 
+# Whole test modules to each of the 2 workers (tests of a module share fixtures and
+# compiled steps), slowest modules first (tests/conftest.py orders them).
 test: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

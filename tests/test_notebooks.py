@@ -6,11 +6,12 @@ every network request blocked.
 
 The notebooks are stored with their outputs cleared; their first code cell reads
 ``SCALESCOPE_NB_STEPS`` (the GPT notebook runs a few steps here). Compiled XLA
-programs are cached in pytest's cache directory, so re-runs compile much less."""
+programs are cached in pytest's cache directory (conftest), so re-runs compile much less."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,11 +66,9 @@ def _execute(name: str, tmp: Path, cache: Path) -> object:
     return book
 
 
-def _jax_cache(request, tmp_path_factory) -> Path:
-    cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider
-    if cache is not None:
-        return Path(cache.mkdir("scalescope-notebooks-jax-cache"))
-    return tmp_path_factory.mktemp("jax-cache")
+def _jax_cache() -> Path:
+    """The session's JAX compilation cache (conftest), shared with the other tests."""
+    return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def _outputs(book) -> list[dict]:
@@ -111,11 +110,11 @@ def test_notebooks_are_stored_without_outputs():
 
 
 @pytest.fixture(scope="module")
-def quickstart(request, tmp_path_factory):
+def quickstart(tmp_path_factory):
     """The executed quickstart, run once per session (shared by the xdist workers)."""
     import nbformat
 
-    cache = _jax_cache(request, tmp_path_factory)
+    cache = _jax_cache()
 
     def build(root: Path) -> None:
         nbformat.write(_execute("quickstart.ipynb", root, cache), root / "executed.ipynb")
@@ -165,8 +164,8 @@ def test_quickstart_outputs_render_offline_in_chromium(quickstart, browser, tmp_
 
 
 @pytest.mark.slow
-def test_fp8_gpt_notebook_runs_offline(request, tmp_path, tmp_path_factory):
-    book = _execute("fp8_gpt.ipynb", tmp_path, _jax_cache(request, tmp_path_factory))
+def test_fp8_gpt_notebook_runs_offline(tmp_path):
+    book = _execute("fp8_gpt.ipynb", tmp_path, _jax_cache())
     _check_outputs(book, min_figures=7)
     streams = "".join(o.get("text", "") for o in _outputs(book) if o["output_type"] == "stream")
     for precision in ("fp8-naive", "fp8-static", "fp8"):
