@@ -131,6 +131,17 @@ def watch_offline(page, allowed: tuple[str, ...]) -> tuple[list[str], list[str],
             r.abort()
 
     page.route("**/*", route)
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+
+    def console(m) -> None:
+        if m.type != "error":
+            return
+        url = (m.location or {}).get("url", "")
+        # Chromium may look for /favicon.ico next to a file: page on its own; the page
+        # itself never asks for it, so that miss says nothing about the page.
+        if url.startswith("file:") and url.endswith("/favicon.ico"):
+            return
+        errors.append(f"{m.text} ({url})" if url else m.text)
+
+    page.on("console", console)
     page.on("pageerror", lambda e: errors.append(str(e)))
     return blocked, errors, requests

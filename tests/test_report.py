@@ -541,7 +541,7 @@ def test_budget_report_opens_offline_with_notes_and_blank_cells(browser, budget_
     html_path = tmp_path / "budget.html"
     assert report.write_report(budget_run, html_path, quiet=True) == 0
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    blocked, errors, _ = watch_offline(page, LOCAL)
+    blocked, errors, requests = watch_offline(page, LOCAL)
     try:
         page.goto(html_path.as_uri())
         page.wait_for_function(
@@ -560,6 +560,6 @@ def test_budget_report_opens_offline_with_notes_and_blank_cells(browser, budget_
         assert blank[2] and blank[0] >= blank[1] * 2 // 3, blank  # 2 of 3 cells unmeasured
         assert page.get_by_text(SAMPLED_NOTE).count() >= 5
         assert not blocked, blocked
-        assert not errors, errors
+        assert not errors, (errors, [r for r in requests if not r.startswith("data:")])
     finally:
         page.close()
