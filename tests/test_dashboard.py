@@ -243,7 +243,13 @@ def test_live_run_shows_new_steps_without_reload(browser, tmp_path):
     run = tmp_path / "live"
     _write(run, "--steps", "2")
     with _server(run) as url, _page(browser, url) as (page, blocked, errors):
-        first = int(page.locator(".ss-step-count").first.inner_text())
+        # The count is filled in once the page's first update arrives (the locator
+        # reaches into Panel's shadow roots; a plain querySelector would not).
+        count = page.locator(".ss-step-count").first
+        deadline = time.time() + 60
+        while not count.inner_text().strip() and time.time() < deadline:
+            time.sleep(0.2)
+        first = int(count.inner_text())
         assert first == 2
         writer = _write(run, "--steps", "40", "--delay", "0.3", background=True)
         try:
