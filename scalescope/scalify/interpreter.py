@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
@@ -80,6 +83,7 @@ class Context:
     observer: Observer | None = None
     check: bool = True
     scaling: bool = True  # False: a plain interpretation (no rule turns plain into scaled)
+    check_scales: bool = False  # assert every rule's scales (see `check_scale_invariant`)
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         return eval_jaxpr(self, jaxpr, consts, args)
@@ -186,11 +190,59 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
         outvals = _apply(ctx, eqn, invals)
         if ctx.check:
             _check_outputs(eqn, outvals)
+        if ctx.check_scales:
+            check_scale_invariant(eqn, outvals)
         if ctx.observer is not None:
             ctx.observer.on_eqn(ctx, eqn, invals, outvals)
         for v, out in zip(eqn.outvars, outvals):
             env[v] = out
     return [_read(env, v) for v in jaxpr.outvars]
+
+
+# -- the consistency check -------------------------------------------------------------
+
+CHECK_ENV = "SCALESCOPE_SCALIFY_CHECK"
+
+
+def check_default() -> bool:
+    """Default of ``scalify(check=...)``: the environment flag ``SCALESCOPE_SCALIFY_CHECK``."""
+    return os.environ.get(CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _scale_problem(scale: float, data_absmax: float) -> str | None:
+    """Why a (scale, max |data|) pair breaks the invariant, or None when it holds:
+    a scale is finite and positive, or zero with all-zero data."""
+    if not math.isfinite(scale):
+        return f"a non-finite scale ({scale})"
+    if scale < 0:
+        return f"a negative scale ({scale})"
+    if scale == 0 and data_absmax != 0:
+        return f"scale 0 with non-zero data (max |data| = {data_absmax:g})"
+    return None
+
+
+def _raise_scale_problem(where: str, scale: Any, data_absmax: Any) -> None:
+    problem = _scale_problem(float(scale), float(data_absmax))
+    if problem is not None:
+        raise ScalifyError(f"scalify check: {where} produced {problem}")
+
+
+def check_scale_invariant(eqn: Any, outvals: Sequence[Any]) -> None:
+    """Assert the scale invariant on every scaled output of ``eqn``.
+
+    Concrete values are checked at once; traced ones through a host callback that raises
+    `ScalifyError` (wrapped by JAX's runtime error) naming the primitive and source line.
+    """
+    for i, out in enumerate(outvals):
+        if not isinstance(out, ScaledArray):
+            continue
+        where = f"'{eqn.primitive.name}' (output {i}, at {format_source(eqn.source_info)})"
+        data = jnp.asarray(out.data)
+        absmax = jnp.max(jnp.abs(data.astype(jnp.float32))) if data.size else jnp.float32(0)
+        if isinstance(out.scale, jax.core.Tracer) or isinstance(absmax, jax.core.Tracer):
+            jax.debug.callback(functools.partial(_raise_scale_problem, where), out.scale, absmax)
+        else:
+            _raise_scale_problem(where, out.scale, absmax)
 
 
 # -- the transform ----------------------------------------------------------------------
@@ -267,7 +319,9 @@ def trace_flat(fn, leaves, treedef, avals):
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
-def scalify(fn: Callable[..., Any], *, fallback: str = "raise") -> Callable[..., Any]:
+def scalify(
+    fn: Callable[..., Any], *, fallback: str = "raise", check: bool | None = None
+) -> Callable[..., Any]:
     """Transform ``fn`` so that it runs on `ScaledArray` inputs with scale propagation.
 
     ``fn`` is traced on the data avals (shape and dtype of each `ScaledArray`'s data) and
@@ -279,11 +333,17 @@ def scalify(fn: Callable[..., Any], *, fallback: str = "raise") -> Callable[...,
     ``"unscale"`` runs such a primitive on the unscaled values instead and lists it in
     the wrapped function's ``fallbacks`` attribute (reset on every call).
 
+    ``check=True`` (default: the ``SCALESCOPE_SCALIFY_CHECK`` environment flag) asserts
+    after every rule that each output scale is finite and positive, or zero with all-zero
+    data, and raises `ScalifyError` naming the primitive and the user's source line when
+    not. It is a debugging mode: one host callback per scaled value.
+
     The traced jaxpr is cached per input signature (tree structure, shapes, dtypes,
     which leaves are scaled, static leaves). Non-array leaves are static.
     """
     if fallback not in FALLBACK_POLICIES:
         raise ValueError(f"scalify: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}")
+    check = check_default() if check is None else bool(check)
     cache: dict[Any, tuple[Any, Any]] = {}
 
     @functools.wraps(fn)
@@ -295,7 +355,7 @@ def scalify(fn: Callable[..., Any], *, fallback: str = "raise") -> Callable[...,
             if not has_tracer(entry[0].consts):
                 cache[key] = entry
         closed, out_tree = entry
-        ctx = Context(fallback=fallback)
+        ctx = Context(fallback=fallback, check_scales=check)
         outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
         scalified.fallbacks = list(ctx.fallbacks)
         for fb in ctx.fallbacks:
