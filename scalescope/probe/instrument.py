@@ -20,6 +20,7 @@ from ..scalify.interpreter import (
     flatten_args,
     has_tracer,
     is_array_like,
+    normalize_inputs,
     trace_flat,
 )
 from .kernel import DEFAULT_BLOCK, StatSpec
@@ -175,6 +176,8 @@ def instrument(
                 traces[key] = entry
         closed, out_tree = entry
         outs = None
+        if scalify:
+            dyn = normalize_inputs(dyn)
         observed = list(dyn)
         if isolate:
             plain = Context(fallback=fallback, check=False, scaling=scalify)

@@ -1,7 +1,15 @@
 """The scalify engine: a jaxpr interpreter with one scaled rule per primitive."""
 
 from . import rules_control, rules_elementwise, rules_reduce, rules_shape  # noqa: F401
-from .interpreter import Context, Fallback, ScalifyError, eval_jaxpr, scalify, trace_to_jaxpr
+from .interpreter import (
+    Context,
+    Fallback,
+    ScalifyError,
+    eval_jaxpr,
+    normalize_input,
+    scalify,
+    trace_to_jaxpr,
+)
 from .registry import (
     RULES,
     Rule,
@@ -23,6 +31,7 @@ __all__ = [
     "format_source",
     "get_rule",
     "has_rule",
+    "normalize_input",
     "primitives_in",
     "register_rule",
     "registered_primitives",

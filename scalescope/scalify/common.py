@@ -123,6 +123,76 @@ def align(xs: list[Any], dtype: Any = None, scale: Any = None) -> tuple[list[Any
     return datas, scale
 
 
+# Scales are kept within float32's normal range; a product of scales beyond it moves the
+# excess into the data (exact for powers of two), which is where float32 would have had
+# to hold the value anyway.
+SCALE_MIN = 2.0**-126
+SCALE_MAX = 2.0**127
+
+
+def _is_one(x: Any) -> bool:
+    c = concrete_scalar(x)
+    return c is not None and c == 1.0
+
+
+def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any, Any]:
+    """``scale * factor`` (or ``scale / factor``) as ``(new_scale, data_factor)``.
+
+    ``new_scale`` is the product clamped to float32's normal range, and
+    ``data_factor`` the exact remainder (1 when the product is in range) that the data
+    must be multiplied by: ``new_scale * data_factor == scale * factor`` without the
+    product ever over- or underflowing. A zero scale (an all-zero tensor) gives the
+    smallest normal scale and a zero factor, so scale 0 never meets non-zero data.
+    """
+    op = lax.div if divide else lax.mul
+    scale = jnp.asarray(scale, SCALE_DTYPE)
+    factor = jnp.asarray(factor, SCALE_DTYPE)
+    exact = op(scale, factor)
+    new = lax.clamp(jnp.asarray(SCALE_MIN, SCALE_DTYPE), exact, jnp.asarray(SCALE_MAX, SCALE_DTYPE))
+    rest = op(scale / new, factor)
+    # in range: exactly 1 (also for scales that are not powers of two); NaN stays NaN
+    rest = lax.select(lax.eq(exact, new), jnp.ones_like(rest), rest)
+    return new, rest
+
+
+def product_scaled(
+    data: Any, scale: Any, *factors: Any, divisors: tuple = (), data_factor: float = 1.0
+) -> ScaledArray:
+    """``ScaledArray(data * data_factor, scale * prod(factors) / prod(divisors))`` with
+    the scale kept in float32's normal range (see `scale_product`): the data is also
+    multiplied by the remainder, which is exactly 1 unless the scale left the range.
+    One rescale of the data at most (``data_factor`` is static)."""
+    rest = None
+    for f, divide in [(f, False) for f in factors] + [(d, True) for d in divisors]:
+        if _is_one(f):
+            continue
+        scale, r = scale_product(scale, f, divide=divide)
+        rest = r if rest is None else rest * r
+    if rest is not None:
+        data = rescale_data(data, rest if data_factor == 1.0 else rest * data_factor)
+    elif data_factor != 1.0:
+        data = rescale_data(data, data_factor)
+    return make_scaled(data, scale)
+
+
+def renormalized(x: ScaledArray, norm: Any, band: int) -> ScaledArray:
+    """``x`` with data divided by the power of two of ``norm`` (a scalar measured on the
+    data) and the scale multiplied by it, when that power of two is beyond 2^±band;
+    ``x`` unchanged (bit for bit) otherwise. The value is the same either way."""
+    p2 = pow2_round_down(jnp.asarray(norm, SCALE_DTYPE))
+    keep = (p2 >= 2.0**-band) & (p2 <= 2.0**band) | (p2 == 0) | ~jnp.isfinite(p2)
+    p2 = lax.select(keep, jnp.ones_like(p2), p2)
+    scale, rest = scale_product(x.scale, p2)
+    return make_scaled(rescale_data(x.data, rest / p2), scale)
+
+
+def data_absmax(data: Any) -> jax.Array:
+    """Largest finite |element| of ``data``, in float32 (0 for an empty array)."""
+    wide = jnp.asarray(data).astype(wide_dtype(data.dtype))
+    finite = jnp.where(jnp.isfinite(wide), jnp.abs(wide), jnp.zeros_like(wide))
+    return jnp.max(finite, initial=0.0).astype(SCALE_DTYPE)
+
+
 def pow2_sqrt_static(n: float) -> float:
     """Power of two (rounded down) of ``sqrt(n)``, as a Python float known at trace time."""
     return 1.0 if n <= 1 else static_pow2_round_down(math.sqrt(n))

@@ -199,6 +199,49 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
     return [_read(env, v) for v in jaxpr.outvars]
 
 
+# -- inputs ------------------------------------------------------------------------------
+
+# Data dtypes with float32's exponent range: a power-of-two shift of them is exact.
+_NORMALIZED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(jnp.bfloat16))
+
+
+# Data whose RMS is within 2^±NORMALIZE_BAND is left as passed.
+NORMALIZE_BAND = 8
+
+
+def normalize_input(x: Any) -> Any:
+    """A scaled input whose float32/float64/bfloat16 data is far from unit RMS,
+    re-expressed with data of RMS in [1, 2) (a power-of-two shift moved into the scale;
+    the value is unchanged).
+
+    The rules follow unit scaling: they assume data near unit RMS and let scales carry
+    magnitude. Data passed far from it (``as_scaled_array(x, scale=2**-24)`` holds
+    ``x * 2**24``) would drift further at every product and leave float32's range.
+    Data whose RMS is within 2^±8 (unit-RMS data, weights initialised at std 0.02, a
+    one-hot batch) is left bit-identical; FP8/FP16 data is the user's chosen
+    representation and is never touched. The RMS is computed so that it cannot
+    overflow: from the sum of squares where that is a normal float32, else the abs-max.
+    """
+    if not isinstance(x, ScaledArray) or np.dtype(x.dtype) not in _NORMALIZED_DTYPES:
+        return x
+    data = jnp.asarray(x.data)
+    if data.size == 0:
+        return x
+    from .common import renormalized
+
+    wide = data.astype(jnp.float32) if data.dtype == jnp.bfloat16 else data
+    finite = jnp.where(jnp.isfinite(wide), wide, jnp.zeros_like(wide))
+    mean_sq = jnp.mean(finite * finite)
+    tiny = np.finfo(mean_sq.dtype).tiny
+    ok = (mean_sq >= tiny) & jnp.isfinite(mean_sq)
+    norm = jnp.where(ok, jnp.sqrt(mean_sq), jnp.max(jnp.abs(finite)))
+    return renormalized(x, norm, NORMALIZE_BAND)
+
+
+def normalize_inputs(values: Sequence[Any]) -> list[Any]:
+    return [normalize_input(v) for v in values]
+
+
 # -- the consistency check -------------------------------------------------------------
 
 CHECK_ENV = "SCALESCOPE_SCALIFY_CHECK"
@@ -320,7 +363,11 @@ def trace_flat(fn, leaves, treedef, avals):
 
 
 def scalify(
-    fn: Callable[..., Any], *, fallback: str = "raise", check: bool | None = None
+    fn: Callable[..., Any],
+    *,
+    fallback: str = "raise",
+    check: bool | None = None,
+    normalize: bool = True,
 ) -> Callable[..., Any]:
     """Transform ``fn`` so that it runs on `ScaledArray` inputs with scale propagation.
 
@@ -332,6 +379,13 @@ def scalify(
     the user's source line when a primitive with scaled inputs has no rule;
     ``"unscale"`` runs such a primitive on the unscaled values instead and lists it in
     the wrapped function's ``fallbacks`` attribute (reset on every call).
+
+    ``normalize=True`` (default) re-expresses a scaled float32/bfloat16 input whose data
+    RMS is beyond 2^±8 with data of RMS in [1, 2) before interpreting
+    (`normalize_input`): the value is unchanged, data near unit is untouched, and data
+    passed far from unit (``as_scaled_array(x, scale=2**k)`` for large ``|k|``) no
+    longer drifts out of range through the step. ``normalize=False`` interprets the
+    data exactly as passed.
 
     ``check=True`` (default: the ``SCALESCOPE_SCALIFY_CHECK`` environment flag) asserts
     after every rule that each output scale is finite and positive, or zero with all-zero
@@ -356,6 +410,8 @@ def scalify(
                 cache[key] = entry
         closed, out_tree = entry
         ctx = Context(fallback=fallback, check_scales=check)
+        if normalize:
+            dyn = normalize_inputs(dyn)
         outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
         scalified.fallbacks = list(ctx.fallbacks)
         for fb in ctx.fallbacks:

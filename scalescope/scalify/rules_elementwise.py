@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..core.pow2 import pow2_round_down
@@ -22,11 +23,14 @@ from ..core.scaled_array import SCALE_DTYPE
 from .common import (
     align,
     concrete_scalar,
+    data_absmax,
     is_scaled,
     make_scaled,
     on_unscaled,
     positive_or_one,
     pow2_norm_scale,
+    product_scaled,
+    renormalized,
     rescale_data,
     split_pow2,
     unit_scale,
@@ -46,9 +50,27 @@ def _pow2_constant(x) -> tuple[float, float] | None:
 # -- binary linear ----------------------------------------------------------------------
 
 
+def _plain_magnitude(c) -> Any:
+    """Power of two of a plain scalar operand's magnitude (None for arrays, 0 and ±inf):
+    an add of a scaled value and ``eps`` must not express ``eps`` in a scale far below
+    it (the data would leave unit range), so it takes part in the output scale."""
+    split = _pow2_constant(c)
+    if split is not None:
+        return abs(split[1])
+    if getattr(c, "size", None) == 1 and jnp.issubdtype(jnp.asarray(c).dtype, jnp.floating):
+        p2 = pow2_round_down(jnp.abs(jnp.asarray(c, SCALE_DTYPE)).reshape(()))
+        return lax.select(jnp.isfinite(p2), p2, jnp.zeros_like(p2))
+    return None
+
+
 def _additive(prim):
     def rule(a, b, **params):
-        scale = pow2_norm_scale(a.scale, b.scale) if is_scaled(a) and is_scaled(b) else None
+        if is_scaled(a) and is_scaled(b):
+            scale = pow2_norm_scale(a.scale, b.scale)
+        else:
+            x, c = (a, b) if is_scaled(a) else (b, a)
+            mag = _plain_magnitude(c)
+            scale = None if mag is None else pow2_norm_scale(x.scale, jnp.asarray(mag, SCALE_DTYPE))
         (da, db), s = align([a, b], scale=scale)
         return make_scaled(prim.bind(da, db, **params), s)
 
@@ -97,23 +119,24 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any]:
 
 def scaled_mul(a, b, **params):
     if is_scaled(a) and is_scaled(b):
-        return make_scaled(lax.mul_p.bind(a.data, b.data, **params), a.scale * b.scale)
+        return product_scaled(lax.mul_p.bind(a.data, b.data, **params), a.scale, b.scale)
     x, c = (a, b) if is_scaled(a) else (b, a)
     mant, p2 = _split_plain(c, x.dtype, at_most_one=True)
     data = x.data if mant is None else lax.mul_p.bind(x.data, mant, **params)
-    return make_scaled(data, x.scale * p2)
+    return product_scaled(data, x.scale, p2)
 
 
 def scaled_div(a, b, **params):
     if is_scaled(a) and is_scaled(b):
-        return make_scaled(lax.div_p.bind(a.data, b.data, **params), a.scale / b.scale)
+        data = lax.div_p.bind(a.data, b.data, **params)
+        return product_scaled(data, a.scale, divisors=(b.scale,))
     if is_scaled(a):
         mant, p2 = _split_plain(b, a.dtype, at_most_one=False)
         data = a.data if mant is None else lax.div_p.bind(a.data, mant, **params)
-        return make_scaled(data, a.scale / p2)
+        return product_scaled(data, a.scale, divisors=(p2,))
     mant, p2 = _split_plain(a, b.dtype, at_most_one=True)
     num = jnp.ones((), b.dtype) if mant is None else mant
-    return make_scaled(lax.div_p.bind(num, b.data, **params), p2 / b.scale)
+    return product_scaled(lax.div_p.bind(num, b.data, **params), p2, divisors=(b.scale,))
 
 
 def _aligned(prim, *, scaled_out: bool = True):
@@ -163,24 +186,44 @@ scaled_abs = _scale_preserving(lax.abs_p)
 
 
 def scaled_sign(x, **params):
-    return make_scaled(lax.sign_p.bind(x.data, **params), unit_scale())
+    # sign(data * scale): NaN where the scale is NaN (a positive scale changes nothing)
+    sign = lax.sign_p.bind(x.data, **params)
+    return make_scaled(sign, lax.sign(x.scale))
 
 
 def scaled_is_finite(x, **params):
-    return lax.is_finite_p.bind(x.data, **params)
+    # the value is data * scale: a NaN or infinite scale makes every element non-finite
+    return lax.bitwise_and(lax.is_finite_p.bind(x.data, **params), lax.is_finite(x.scale))
+
+
+# A power y multiplies the data's distance from unit (in octaves) by y: data that has
+# drifted beyond 2^±SQUARE_BAND (a gradient through a LayerNorm backward can reach 2^-56
+# while its value is 0.1) is first brought back to unit abs-max, or its square would
+# leave float32's range while the value's square is fine.
+SQUARE_BAND = 16
+
+
+def _before_power(x):
+    if np.dtype(x.dtype).itemsize == 1:  # FP8 data is the user's representation
+        return x
+    return renormalized(x, data_absmax(x.data), SQUARE_BAND)
 
 
 def scaled_square(x, **params):
-    return make_scaled(lax.square_p.bind(x.data, **params), x.scale * x.scale)
+    x = _before_power(x)
+    return product_scaled(lax.square_p.bind(x.data, **params), x.scale, x.scale)
 
 
 def scaled_integer_pow(x, *, y, **params):
-    out_scale = jnp.ones((), SCALE_DTYPE)
-    for _ in range(abs(y)):
-        out_scale = out_scale * x.scale
-    if y < 0:
-        out_scale = 1.0 / out_scale
-    return make_scaled(lax.integer_pow_p.bind(x.data, y=y, **params), out_scale)
+    if abs(y) >= 2:
+        x = _before_power(x)
+    data = lax.integer_pow_p.bind(x.data, y=y, **params)
+    if y == 0:
+        return make_scaled(data, unit_scale())
+    scales = (x.scale,) * abs(y)
+    if y > 0:
+        return product_scaled(data, scales[0], *scales[1:])
+    return product_scaled(data, 1.0, divisors=scales)
 
 
 def _even_pow2_split(scale):

@@ -14,39 +14,47 @@ from jax import lax
 
 from .common import (
     is_scaled,
-    make_scaled,
     on_unscaled,
     pow2_sqrt_static,
-    rescale_data,
+    product_scaled,
     unit_scale,
 )
 from .registry import register_rule
 
 
-def _sum_like(data, scale, n: int):
+def _sum_like(data, n: int, *scales):
+    """A sum of ``n`` terms: the power of two of sqrt(n) moves from the data into the
+    scale (the product of ``scales``), which is kept in range (`product_scaled`)."""
     factor = pow2_sqrt_static(n)
-    if factor != 1.0:
-        data = rescale_data(data, 1.0 / factor)
-    return make_scaled(data, scale * factor)
+    return product_scaled(data, *scales, factor, data_factor=1.0 / factor)
 
 
 def scaled_reduce_sum(x, *, axes, **params):
     n = math.prod(x.shape[a] for a in axes)
-    return _sum_like(lax.reduce_sum_p.bind(x.data, axes=axes, **params), x.scale, n)
+    return _sum_like(lax.reduce_sum_p.bind(x.data, axes=axes, **params), n, x.scale)
 
 
 def scaled_cumsum(x, *, axis, **params):
     out = lax.cumsum_p.bind(x.data, axis=axis, **params)
-    return _sum_like(out, x.scale, x.shape[axis])
+    return _sum_like(out, x.shape[axis], x.scale)
 
 
 def _on_data(prim):
-    """Index-valued reductions: a positive scale does not change the argmax."""
+    """Index-valued reductions: a positive scale does not change the argmax; a NaN scale
+    makes every value NaN, whose argmax/argmin is the first index."""
 
     def rule(x, **params):
-        return prim.bind(x.data, **params)
+        out = prim.bind(x.data, **params)
+        return lax.select(lax.ne(x.scale, x.scale), lax.full_like(out, 0), out)
 
     return rule
+
+
+def _scales(lhs, rhs):
+    """The operands' scales, 1 for a plain operand."""
+    return (lhs.scale if is_scaled(lhs) else unit_scale()), (
+        rhs.scale if is_scaled(rhs) else unit_scale()
+    )
 
 
 def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
@@ -55,10 +63,7 @@ def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
     rhs_data = rhs.data if is_scaled(rhs) else rhs
     k = math.prod(lhs_data.shape[d] for d in lhs_contract)
     out = lax.dot_general_p.bind(lhs_data, rhs_data, dimension_numbers=dimension_numbers, **params)
-    scale = (lhs.scale if is_scaled(lhs) else unit_scale()) * (
-        rhs.scale if is_scaled(rhs) else unit_scale()
-    )
-    return _sum_like(out, scale, k)
+    return _sum_like(out, k, *_scales(lhs, rhs))
 
 
 def scaled_conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
@@ -69,10 +74,7 @@ def scaled_conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
     out = lax.conv_general_dilated_p.bind(
         lhs_data, rhs_data, dimension_numbers=dimension_numbers, **params
     )
-    scale = (lhs.scale if is_scaled(lhs) else unit_scale()) * (
-        rhs.scale if is_scaled(rhs) else unit_scale()
-    )
-    return _sum_like(out, scale, k)
+    return _sum_like(out, k, *_scales(lhs, rhs))
 
 
 RULES = {
