@@ -105,6 +105,12 @@ def check_collectives(check_vma: bool) -> None:
         ),
         "all_to_all": (lambda v: lax.all_to_all(v, "d", 0, 0, tiled=True), P("d"), a2a),
     }
+    if check_vma:
+        cases["all_gather invariant"] = (
+            lambda v: lax.all_gather(v, "d", tiled=True, to="invarying"),
+            P(),
+            x,
+        )
     for name, (op, spec, want) in cases.items():
 
         def body(xs, op=op, name=name):
@@ -115,9 +121,9 @@ def check_collectives(check_vma: bool) -> None:
             return out.to_array(jnp.float32), out.scale[None]
 
         out_spec = (spec, P("d"))
-        if check_vma and spec == P():
-            # all_gather's result is typed varying; every device holds the same value
-            out_spec = (P("d") if name.startswith("all_gather") else spec, P("d"))
+        if check_vma and name in ("all_gather", "all_gather tiled"):
+            # the result is typed varying, though every device holds the same value
+            out_spec = (P("d"), P("d"))
         fn = jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=out_spec, check_vma=check_vma)
         )
@@ -394,9 +400,17 @@ def check_probe_semantics(check_vma: bool) -> None:
             value = np.sin(xs.astype(np.float64)) * 2.0 ** np.arange(N)[:, None, None]
             top = 2.0 ** np.floor(np.log2(np.max(np.abs(value))))
             expect(f"rescaled per device {what}", got, value, top)
-    print(
-        f"probe statistics inside shard_map are those of the whole values (check_vma={check_vma})"
-    )
+        if not scalify:
+            # groups: a masked recording measures the selected groups only, inside the body
+            grouped = ss.instrument(
+                fn, scalify=False, formats=("e4m3",), histograms=False, groups=2
+            )
+            _, part = jax.jit(grouped.masked)(jnp.array([False, True]), *mesh_args)
+            groups = grouped.op_table(*args).row_group
+            got, full = np.asarray(part["count"]), np.asarray(stats["count"])
+            if np.any(got[groups == 0] != 0) or np.any(got[groups == 1] != full[groups == 1]):
+                fail(f"probe {what}: a masked recording inside shard_map got counts {got}")
+    print(f"probe statistics inside shard_map are whole values (check_vma={check_vma})")
 
 
 def check_probe() -> None:

@@ -26,15 +26,29 @@ from scalescope.scalify import has_rule, primitives_in
 CHECK = Path(__file__).with_name("collectives_check.py")
 
 
-@pytest.mark.slow
-def test_collectives_on_8_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+def _run_check(*checks: str, **env_vars: str) -> None:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", **env_vars)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(CHECK), *checks],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all collective checks passed" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_collectives_on_8_devices():
+    _run_check()
+
+
+@pytest.mark.slow
+def test_probe_inside_shard_map_with_the_xla_kernel():
+    """The pure-XLA statistics kernel (the GPU path) inside a shard_map body."""
+    _run_check("probe-semantics", SCALESCOPE_PROBE_KERNEL="xla")
 
 
 def _collectives(x):
@@ -88,3 +102,29 @@ def test_psum_agrees_on_one_scale_under_vmap():
     np.testing.assert_allclose(np.asarray(top), np.broadcast_to(x.max(0), (4, 3)), rtol=1e-6)
     # the largest scale (8) times pow2(sqrt(4)) = 2 for the sum of 4 terms
     np.testing.assert_array_equal(np.asarray(out_scales), np.full(4, 16.0, np.float32))
+
+
+def test_collectives_of_an_exact_zero():
+    """Scale 0 marks an all-zero tensor: collectives keep it exactly zero (no 0/0)."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    fn = jax.shard_map(_collectives, mesh=mesh, in_specs=P("d"), out_specs=(P("d"),) * 4)
+    zero = ss.as_scaled_array(jnp.zeros((4, 2)), "rms")
+    assert float(zero.scale) == 0.0
+    for out in ss.scalify(fn)(zero):
+        np.testing.assert_array_equal(np.asarray(out.to_array()), 0.0)
+        assert np.isfinite(float(out.scale))
+
+
+def test_pbroadcast_sends_the_scale_with_the_data():
+    """pbroadcast has no CPU lowering: check the scalified trace broadcasts both."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+
+    def body(x):
+        s = jnp.exp2(lax.axis_index("d").astype(jnp.float32))  # a scale per device
+        out = ss.scalify(lambda v: lax.pbroadcast(v, "d", 0))(ScaledArray(x / s, s))
+        return out.data, out.scale[None]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d")))
+    inner = jax.make_jaxpr(fn)(jnp.ones((4, 2))).jaxpr.eqns[0].params["jaxpr"]
+    shapes = [e.outvars[0].aval.shape for e in inner.eqns if e.primitive.name == "pbroadcast"]
+    assert sorted(shapes) == [(), (4, 2)], shapes

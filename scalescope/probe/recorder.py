@@ -41,7 +41,7 @@ from ..core.scaled_array import ScaledArray
 from ..scalify.common import positive_or_one, rescale_data
 from ..scalify.interpreter import Observer
 from ..scalify.registry import get_rule
-from ..scalify.rules_collective import check_vma_of, manual_axes, varying_axes
+from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
 from ..scalify.source import format_source
 from . import kernel
 from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
@@ -153,12 +153,16 @@ def _masked_raw(values: list[tuple[Any, Any]], group: int, mask: Any, spec) -> d
     """Raw rows of ``values``, computed only where ``mask[group]`` is set (a `lax.cond`:
     the untaken branch costs nothing on CPU); zero rows (count 0: NaN statistics) else."""
 
+    # Inside shard_map both branches must be typed varying along the same manual axes:
+    # those of the values measured.
+    axes = tuple(sorted(set().union(*(varying_axes(v) for v in jax.tree.leaves(values)))))
+
     def measure(vals):
-        return kernel.values_raw(vals, spec)
+        return jax.tree.map(lambda r: to_varying(r, axes), kernel.values_raw(vals, spec))
 
     def skip(vals):
         shapes = jax.eval_shape(measure, vals)
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return jax.tree.map(lambda s: to_varying(jnp.zeros(s.shape, s.dtype), axes), shapes)
 
     return lax.cond(mask[group], measure, skip, values)
 

@@ -25,9 +25,15 @@ moves into the scale exactly.
 
 **Moving data.** ``ppermute`` and ``pbroadcast`` deliver another device's data: the scale
 travels with it (the same collective on the scale). Devices that receive nothing get zero
-data and scale 0, the exact-zero marker. ``pvary`` (an invariant-to-varying cast) keeps
-the scale. ``axis_index`` has no inputs and is never scaled; it is listed so coverage sees
-a rule.
+data (and, where the scale travels, scale 0: the exact-zero marker). ``pvary`` (an
+invariant-to-varying cast) keeps the scale. ``axis_index`` has no inputs and is never
+scaled; it is listed so coverage sees a rule.
+
+**shard_map** is a higher-order rule: the body is interpreted inside a new
+`jax.shard_map` on the same mesh, a `ScaledArray` operand entering as its data (with the
+operand's spec) and its scale (replicated, ``P()``). A scaled result leaves the same way,
+its scale first made the same on every device (``pmax`` over the manual axes it may vary
+along, the data rescaled to it).
 
 Every rule re-binds the primitive with its own ``**params``: their parameters change
 between JAX releases.
@@ -88,26 +94,24 @@ def _tracked(data: Any, axes: tuple) -> bool:
     return bool(set(axes) & varying_axes(data))
 
 
-def _to_varying(x: Any, axes: tuple) -> Any:
-    """``x`` typed as varying along ``axes`` (a no-op where typing is off)."""
+def to_varying(x: Any, axes: tuple) -> Any:
+    """``x`` typed as varying along ``axes`` (a no-op where typing is off, and along axes
+    ``x`` already varies over)."""
     missing = tuple(a for a in axes if a not in varying_axes(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def agree_scale(x: Any, axes: Any, groups: Any = None) -> Any:
-    """One scale for ``x`` on every device along ``axes``: the largest per-device scale
-    (scale 0, an exact-zero shard, never wins over a positive one; all zero gives 1)."""
+def _common(x: Any, axes: Any, groups: Any = None, divide: float = 1.0) -> tuple[Any, Any]:
+    """``x``'s data expressed in one scale shared by every device along ``axes`` (and
+    divided by ``divide``), and that scale: the largest per-device scale (scale 0, an
+    exact-zero shard, never wins over a positive one; all zero gives 1). A scale typed
+    invariant along ``axes`` is already everyone's: no collective, no rescale."""
     axes = _axes(axes)
     if _tracked(x.data, axes) and not set(axes) & varying_axes(x.scale):
-        return x.scale
-    return positive_or_one(lax.pmax(x.scale, axes, axis_index_groups=groups))
-
-
-def _common(x: Any, axes: Any, groups: Any = None, divide: float = 1.0) -> tuple[Any, Any]:
-    """``x``'s data expressed in the agreed scale (divided by ``divide`` as well)."""
-    s = agree_scale(x, axes, groups)
-    factor = x.scale / s if divide == 1.0 else (x.scale / s) * (1.0 / divide)
-    return rescale_data(x.data, factor), s
+        data = x.data if divide == 1.0 else rescale_data(x.data, 1.0 / divide)
+        return data, x.scale
+    s = positive_or_one(lax.pmax(x.scale, axes, axis_index_groups=groups))
+    return rescale_data(x.data, (x.scale / s) * (1.0 / divide)), s
 
 
 # -- reductions --------------------------------------------------------------------------
@@ -184,7 +188,7 @@ def _moves(name):
         axes = _axes(axis_name)
         scale = x.scale
         if not _tracked(x.data, axes) or set(axes) & varying_axes(scale):
-            scale = prim.bind(_to_varying(scale, axes), axis_name=axis_name, **params)
+            scale = prim.bind(to_varying(scale, axes), axis_name=axis_name, **params)
         return make_scaled(data, scale)
 
     return rule
@@ -194,9 +198,13 @@ scaled_ppermute = _moves("ppermute")
 scaled_pbroadcast = _moves("pbroadcast")
 
 
-def scaled_pvary(x, **params):
-    """Invariant -> varying cast: the data is cast, the (invariant) scale is kept."""
-    return make_scaled(_find("pvary").bind(x.data, **params), x.scale)
+def scaled_pvary(x, *, axes, **params):
+    """Invariant -> varying cast: the data is cast, the (invariant) scale is kept. Data
+    already typed varying along an axis (rescaled by a scale that varies) is not cast
+    along it again."""
+    missing = tuple(a for a in _axes(axes) if a not in varying_axes(x.data))
+    data = _find("pvary").bind(x.data, axes=missing, **params) if missing else x.data
+    return make_scaled(data, x.scale)
 
 
 def scaled_axis_index(**params):
