@@ -111,6 +111,30 @@ def accumulate(acc: dict[str, jax.Array], new: dict[str, jax.Array]) -> dict[str
     return out
 
 
+def across_devices(
+    raw: dict[str, jax.Array], keep: jax.Array | None, axes: tuple[str, ...]
+) -> dict[str, jax.Array]:
+    """Combine per-device raw rows over the manual mesh ``axes`` (inside ``shard_map``):
+    counts and histograms add, maxima and scales take the largest, sums are re-expressed
+    in the units of the global abs-max before adding. ``keep`` (bool[rows] or None)
+    drops a device's contribution to a row (a value replicated along an axis is counted
+    on one device of it). The result is the same on every device."""
+    if keep is not None:
+        k = keep[:, None]
+        raw = {name: jnp.where(k, v, jnp.zeros_like(v)) for name, v in raw.items()}
+    top = lax.pmax(raw["max"], axes)
+    k_own, k_top = _row_exponent(raw["max"][:, 0]), _row_exponent(top[:, 0])
+    out = {
+        "sum": lax.psum(_rescale_sums(raw["sum"], k_own, k_top), axes),
+        "cnt": lax.psum(raw["cnt"], axes),
+        "max": top,
+        "last": lax.pmax(raw["last"], axes),
+    }
+    if "hist" in raw:
+        out["hist"] = lax.psum(raw["hist"], axes)
+    return out
+
+
 def concat_raw(parts: Sequence[dict[str, jax.Array]], spec: StatSpec) -> dict[str, jax.Array]:
     parts = [p for p in parts if p["sum"].shape[0]]
     if not parts:

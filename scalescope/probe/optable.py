@@ -35,6 +35,11 @@ class OpRecord:
     rounds this value to (a ``convert_element_type`` that loses precision), or "".
     ``group``: the value group a masked recording switches this op's statistics with
     (see `instrument`'s ``groups``), -1 when not recorded or not grouped.
+
+    Inside a ``shard_map`` body ``shape`` is one device's shape and ``varying`` names the
+    manual mesh axes along which the value differs between devices: its statistics cover
+    every device's piece along those axes, and one copy along the others (where the value
+    is the same on every device).
     """
 
     name: str
@@ -54,6 +59,7 @@ class OpRecord:
     in_cond: bool = False
     cast_to: str = ""
     group: int = -1
+    varying: tuple[str, ...] = ()
     alias_of: OpRecord | None = field(default=None, repr=False)
 
     @property

@@ -11,6 +11,17 @@ Values whose statistics are known without a reduction are not recorded: data mov
 and exact widening casts point at their source (``alias``), values computed from
 constants only are skipped (XLA would constant-fold their statistics at great compile
 cost), as are integer and boolean values.
+
+Inside a ``shard_map`` body each device sees its shard of a value. The body is a scope of
+its own; its raw statistics are reduced across the manual mesh axes before they leave the
+body (`kernel.across_devices`), so every row describes the whole (global) value. A value
+that JAX types as invariant along an axis (``check_vma``: the same on every device) is
+counted once, from the devices at index 0 of that axis; a scaled value whose scale
+differs between devices is first re-expressed in the largest scale (exact powers of
+two), as the collective rules do. Without ``check_vma`` typing nothing tells replicated
+values apart: every value is taken as varying along every manual axis, so counts (and
+histogram counts) of replicated values are multiplied by the number of copies, while
+moments, maxima and fractions are unaffected.
 """
 
 from __future__ import annotations
@@ -27,8 +38,10 @@ from jax.extend.core import Literal
 
 from ..core import formats as _formats
 from ..core.scaled_array import ScaledArray
+from ..scalify.common import positive_or_one, rescale_data
 from ..scalify.interpreter import Observer
 from ..scalify.registry import get_rule
+from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
 from ..scalify.source import format_source
 from . import kernel
 from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
@@ -140,12 +153,16 @@ def _masked_raw(values: list[tuple[Any, Any]], group: int, mask: Any, spec) -> d
     """Raw rows of ``values``, computed only where ``mask[group]`` is set (a `lax.cond`:
     the untaken branch costs nothing on CPU); zero rows (count 0: NaN statistics) else."""
 
+    # Inside shard_map both branches must be typed varying along the same manual axes:
+    # those of the values measured.
+    axes = tuple(sorted(set().union(*(varying_axes(v) for v in jax.tree.leaves(values)))))
+
     def measure(vals):
-        return kernel.values_raw(vals, spec)
+        return jax.tree.map(lambda r: to_varying(r, axes), kernel.values_raw(vals, spec))
 
     def skip(vals):
         shapes = jax.eval_shape(measure, vals)
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return jax.tree.map(lambda s: to_varying(jnp.zeros(s.shape, s.dtype), axes), shapes)
 
     return lax.cond(mask[group], measure, skip, values)
 
@@ -172,14 +189,32 @@ class _Shared:
         self.keep.append(value)
 
 
+@dataclass(frozen=True)
+class _Devices:
+    """The manual mesh axes of the innermost enclosing ``shard_map`` body."""
+
+    axes: tuple[str, ...]
+    check_vma: bool
+
+
 class Recorder(Observer):
     """Records values of one scope; `nested` gives the recorder of a body."""
 
-    def __init__(self, shared: _Shared, scope: _Scope, prefix: Scope, mult: int = 1):
+    def __init__(
+        self,
+        shared: _Shared,
+        scope: _Scope,
+        prefix: Scope,
+        mult: int = 1,
+        devices: _Devices | None = None,
+        reduce_devices: bool = False,
+    ):
         self.shared = shared
         self.scope = scope
         self.prefix = prefix
         self.mult = mult  # iterations of the enclosing scans: rows per recorded value
+        self.devices = devices  # inside a shard_map body: its manual axes
+        self.reduce_devices = reduce_devices  # the body scope of a shard_map
 
     @classmethod
     def root(
@@ -200,10 +235,39 @@ class Recorder(Observer):
         prefix = self.prefix.join(parse(eqn.source_info.name_stack))
         scope = self.scope if kind == "call" else _Scope()
         mult = self.mult * (int(eqn.params.get("length", 1)) if kind == "scan" else 1)
-        return Recorder(self.shared, scope, prefix, mult)
+        devices, reduce_devices = self.devices, False
+        if kind == "shard_map":
+            devices = _Devices(manual_axes(eqn.params), check_vma_of(eqn.params))
+            reduce_devices = True
+        return Recorder(self.shared, scope, prefix, mult, devices, reduce_devices)
 
     def body_outputs(self) -> dict[str, Any]:
-        return self.scope.raw(self.shared.spec, self.shared.mask)
+        raw = self.scope.raw(self.shared.spec, self.shared.mask)
+        if self.reduce_devices:
+            raw = self._across_devices(raw)
+        return raw
+
+    def _across_devices(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """Raw rows of this shard_map body, per device -> of the whole values: each
+        device's rows are combined over the manual axes; along an axis a value does not
+        vary over, only the device at index 0 contributes."""
+        axes = self.devices.axes
+        rows = self.scope.rows()
+        if not rows or not axes:
+            return raw
+        keep = None
+        for a in axes:
+            varies = np.array([a in rec.varying for rec, _ in rows])
+            if varies.all():
+                continue
+            k = jnp.logical_or(jnp.asarray(varies), lax.axis_index(a) == 0)
+            keep = k if keep is None else keep & k
+        return kernel.across_devices(raw, keep, axes)
+
+    def same_value(self, src: Any, dst: Any) -> None:
+        info = self.shared.lookup(src)
+        if info is not None and self.shared.lookup(dst) is None:
+            self.shared.remember(dst, info)
 
     def accumulate(self, acc: Any, new: Any) -> Any:
         return kernel.accumulate(acc, new)
@@ -257,6 +321,8 @@ class Recorder(Observer):
         dtype = getattr(aval, "dtype", None)
         shape = tuple(getattr(aval, "shape", ()))
         rec = OpRecord(name, pass_, prim, shape, str(dtype), scaled, source)
+        if self.devices is not None:
+            rec.varying = self._varying(aval)
         grad = pass_ != "fwd" and pass_ != "input"
         info = _Info(rec, const=const, grad=grad)
         src_dtype = None if src is None or src.record is None else src.record.dtype
@@ -275,13 +341,39 @@ class Recorder(Observer):
             rec.note = "unselected"
         else:
             self._assign_group(rec, int(np.prod(shape)))
-            self.scope.values.append((data, value.scale if scaled else None))
+            scale = value.scale if scaled else None
+            if self.devices is not None:
+                data, scale = self._on_devices(data, scale)
+            self.scope.values.append((data, scale))
             self.scope.recorded.append(rec)
         if rec.note not in ("", "alias"):
             info.record = None
         self.scope.entries.append(rec)
         self.shared.remember(value, info)
         return rec
+
+    def _varying(self, aval: Any) -> tuple[str, ...]:
+        """Manual axes along which a value of the shard_map body differs between devices:
+        from the jaxpr's typing (``check_vma``), else all of them (nothing is known)."""
+        devices = self.devices
+        if not devices.check_vma:
+            return devices.axes
+        mat = getattr(aval, "mat", None)
+        varies = frozenset(getattr(mat, "varying", getattr(aval, "vma", ())))
+        return tuple(a for a in devices.axes if a in varies)
+
+    def _on_devices(self, data: Any, scale: Any):
+        """Inside a shard_map body: a scaled value whose scale differs between devices is
+        re-expressed in the largest one (exact powers of two), as the collectives do."""
+        devices = self.devices
+        if scale is not None:
+            axes = devices.axes
+            if devices.check_vma:
+                axes = tuple(a for a in axes if a in varying_axes(scale))
+            if axes:
+                common = positive_or_one(lax.pmax(scale, axes))
+                data, scale = rescale_data(data, scale / common), common
+        return data, scale
 
     def _assign_group(self, rec: OpRecord, size: int) -> None:
         """Contiguous groups of about equal cost, in order of recording."""

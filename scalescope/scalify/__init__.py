@@ -1,6 +1,12 @@
 """The scalify engine: a jaxpr interpreter with one scaled rule per primitive."""
 
-from . import rules_control, rules_elementwise, rules_reduce, rules_shape  # noqa: F401
+from . import (  # noqa: F401
+    rules_collective,
+    rules_control,
+    rules_elementwise,
+    rules_reduce,
+    rules_shape,
+)
 from .interpreter import (
     Context,
     Fallback,

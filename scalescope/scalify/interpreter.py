@@ -50,6 +50,11 @@ class Observer:
     (``body_outputs``, traced inside it): a scan stacks them per iteration, a while loop
     folds them with ``accumulate``, a cond returns the taken branch's (zeros of the same
     structure for the others). The rule then gives them back to the parent with ``adopt``.
+    A ``shard_map`` body (kind ``"shard_map"``) runs once per device: its body outputs
+    leave the body replicated, so the observer must combine them across the manual mesh
+    axes itself (the probe does, see `scalescope.probe.recorder`). ``same_value`` tells
+    that a rule made a new value with the same elements (a sharding constraint, the
+    per-device pieces of a shard_map operand or result).
     """
 
     def on_eqn(self, ctx: Context, eqn: Any, invals: Sequence[Any], outvals: Sequence[Any]):
@@ -66,6 +71,9 @@ class Observer:
 
     def adopt(self, child: Observer, outputs: Any, kind: str) -> None:
         pass
+
+    def same_value(self, src: Any, dst: Any) -> None:
+        """``dst`` holds exactly ``src``'s elements (a rule added a sharding constraint)."""
 
 
 @dataclass
@@ -93,7 +101,7 @@ class Context:
 
     def nested(self, eqn: Any, kind: str) -> Context:
         """The context for a body of the higher-order ``eqn`` (kind: call, scan, while,
-        cond, or silent for a while loop's predicate, which records nothing)."""
+        cond, shard_map, or silent for a while loop's predicate, which records nothing)."""
         if self.observer is None:
             return self
         if kind == "silent":
@@ -297,20 +305,38 @@ def is_array_like(x: Any) -> bool:
     )
 
 
+def _manual_type(x: Any) -> tuple[dict, frozenset]:
+    """Inside `jax.shard_map`, the varying manual axes JAX types ``x`` with: the trace
+    must see them, or collectives would be traced for invariant values (an extra
+    ``pvary``, rejected at run time). Returns ShapeDtypeStruct keyword arguments and the
+    axes (for the cache key)."""
+    if not isinstance(x, jax.core.Tracer):
+        return {}, frozenset()
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is None or not mat.varying:
+        return {}, frozenset()
+    return {"manual_axis_type": mat, "sharding": aval.sharding}, frozenset(mat.varying)
+
+
 def _signature(leaves: Sequence[Any]) -> tuple[list[Any], list[Any], tuple[Any, ...]]:
     """Split flat leaves into dynamic values, their abstract values, and a cache key."""
     dyn, avals, key = [], [], []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, ScaledArray):
             shape, dtype = tuple(np.shape(leaf.data)), np.dtype(leaf.data.dtype)
+            mat, varying = _manual_type(leaf.data)
             dyn.append(leaf)
-            avals.append(jax.ShapeDtypeStruct(shape, dtype))
-            key.append(("scaled", shape, dtype))
+            avals.append(jax.ShapeDtypeStruct(shape, dtype, **mat))
+            key.append(("scaled", shape, dtype, varying))
         elif is_array_like(leaf):
             aval = jax.typeof(leaf)
+            mat, varying = _manual_type(leaf)
             dyn.append(leaf)
-            avals.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type))
-            key.append(("array", tuple(aval.shape), np.dtype(aval.dtype), aval.weak_type))
+            avals.append(
+                jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, **mat)
+            )
+            key.append(("array", tuple(aval.shape), np.dtype(aval.dtype), aval.weak_type, varying))
         else:
             try:
                 hash(leaf)
@@ -343,7 +369,8 @@ def flatten_args(args: tuple, kwargs: dict):
         (args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray)
     )
     dyn, avals, key = _signature(leaves)
-    return leaves, treedef, dyn, avals, (treedef, key)
+    # Inside shard_map the trace depends on the mesh (axis sizes of collectives).
+    return leaves, treedef, dyn, avals, (treedef, key, jax.sharding.get_abstract_mesh())
 
 
 def trace_flat(fn, leaves, treedef, avals):

@@ -58,9 +58,34 @@ def _scope(name: str | None):
 # -- calls -----------------------------------------------------------------------------
 
 
+def _constrain(ctx, values, shardings):
+    """Apply a jit's explicit ``in_shardings``/``out_shardings`` to inlined values as
+    sharding constraints: the data of a `ScaledArray` gets it, its scalar scale stays
+    replicated. Unspecified (and AUTO) entries are not `Sharding` objects: left alone."""
+    if not shardings:
+        return list(values)
+    out = []
+    for v, s in zip(values, shardings, strict=True):
+        src = v
+        if isinstance(s, jax.sharding.Sharding):
+            if is_scaled(v):
+                v = make_scaled(jax.lax.with_sharding_constraint(v.data, s), v.scale)
+            elif isinstance(v, jax.Array) or hasattr(v, "ndim"):
+                v = jax.lax.with_sharding_constraint(v, s)
+            if ctx.observer is not None and v is not src:
+                ctx.observer.same_value(src, v)
+        out.append(v)
+    return out
+
+
 def scaled_jit(ctx, eqn, invals):
-    with _scope(eqn.params.get("name")):
-        return ctx.nested(eqn, "call").eval_closed(eqn.params["jaxpr"], invals)
+    """Inline the jit body. Explicit in/out shardings are kept as sharding constraints
+    (inlining would otherwise drop them)."""
+    p = eqn.params
+    with _scope(p.get("name")):
+        invals = _constrain(ctx, invals, p.get("in_shardings"))
+        outs = ctx.nested(eqn, "call").eval_closed(p["jaxpr"], invals)
+        return _constrain(ctx, outs, p.get("out_shardings"))
 
 
 def scaled_custom_call(ctx, eqn, invals):
