@@ -175,15 +175,26 @@ def product_scaled(
     return make_scaled(data, scale)
 
 
-def renormalized(x: ScaledArray, norm: Any, band: int) -> ScaledArray:
-    """``x`` with data divided by the power of two of ``norm`` (a scalar measured on the
-    data) and the scale multiplied by it, when that power of two is beyond 2^±band;
-    ``x`` unchanged (bit for bit) otherwise. The value is the same either way."""
-    p2 = pow2_round_down(jnp.asarray(norm, SCALE_DTYPE))
-    keep = (p2 >= 2.0**-band) & (p2 <= 2.0**band) | (p2 == 0) | ~jnp.isfinite(p2)
-    p2 = lax.select(keep, jnp.ones_like(p2), p2)
-    scale, rest = scale_product(x.scale, p2)
-    return make_scaled(rescale_data(x.data, rest / p2), scale)
+def renormalized(x: ScaledArray, amax: Any, band: int) -> ScaledArray:
+    """``x`` with data divided by the power of two of ``amax`` (its abs-max, measured)
+    and the scale multiplied by it, when that power of two is beyond 2^±band; ``x``
+    unchanged (bit for bit) otherwise. The value is the same either way.
+
+    Integer work on the float32 exponent field (a dozen scalar ops): the chain is pulled
+    into every fusion that reads the data, so it is kept short.
+    """
+    bits = lax.bitwise_and(
+        lax.bitcast_convert_type(jnp.asarray(amax, SCALE_DTYPE), jnp.int32),
+        jnp.int32(0x7F800000),
+    )
+    biased = lax.shift_right_logical(bits, jnp.int32(23))
+    far = lax.gt(lax.abs(biased - jnp.int32(127)), jnp.int32(band))
+    usable = lax.bitwise_and(lax.gt(biased, jnp.int32(0)), lax.lt(biased, jnp.int32(254)))
+    one_bits = jnp.int32(127 << 23)
+    p2_bits = lax.select(lax.bitwise_and(far, usable), bits, one_bits)
+    p2 = lax.bitcast_convert_type(p2_bits, SCALE_DTYPE)
+    inverse = lax.bitcast_convert_type(jnp.int32(254 << 23) - p2_bits, SCALE_DTYPE)
+    return make_scaled(rescale_data(x.data, inverse), x.scale * p2)
 
 
 def data_absmax(data: Any) -> jax.Array:

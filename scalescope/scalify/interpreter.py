@@ -213,37 +213,29 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
 _NORMALIZED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(jnp.bfloat16))
 
 
-# Data whose RMS is within 2^±NORMALIZE_BAND is left as passed.
-NORMALIZE_BAND = 8
+# Data whose abs-max is within 2^±NORMALIZE_BAND is left as passed.
+NORMALIZE_BAND = 4
 
 
 def normalize_input(x: Any) -> Any:
-    """A scaled input whose float32/float64/bfloat16 data is far from unit RMS,
-    re-expressed with data of RMS in [1, 2) (a power-of-two shift moved into the scale;
-    the value is unchanged).
+    """A scaled input whose float32/float64/bfloat16 data is far from unit, re-expressed
+    with data of abs-max in [1, 2) (a power-of-two shift moved into the scale; the value
+    is unchanged).
 
-    The rules follow unit scaling: they assume data near unit RMS and let scales carry
+    The rules follow unit scaling: they assume data near unit and let scales carry
     magnitude. Data passed far from it (``as_scaled_array(x, scale=2**-24)`` holds
     ``x * 2**24``) would drift further at every product and leave float32's range.
-    Data whose RMS is within 2^±8 (unit-RMS data, weights initialised at std 0.02, a
-    one-hot batch) is left bit-identical; FP8/FP16 data is the user's chosen
-    representation and is never touched. The RMS is computed so that it cannot
-    overflow: from the sum of squares where that is a normal float32, else the abs-max.
+    Data whose abs-max is within 2^±4 (unit-RMS data, LayerNorm gains, a one-hot
+    batch) is left bit-identical; FP8/FP16 data is the user's chosen
+    representation and is never touched.
     """
     if not isinstance(x, ScaledArray) or np.dtype(x.dtype) not in _NORMALIZED_DTYPES:
         return x
-    data = jnp.asarray(x.data)
-    if data.size == 0:
+    if np.size(x.data) == 0:
         return x
-    from .common import renormalized
+    from .common import data_absmax, renormalized
 
-    wide = data.astype(jnp.float32) if data.dtype == jnp.bfloat16 else data
-    finite = jnp.where(jnp.isfinite(wide), wide, jnp.zeros_like(wide))
-    mean_sq = jnp.mean(finite * finite)
-    tiny = np.finfo(mean_sq.dtype).tiny
-    ok = (mean_sq >= tiny) & jnp.isfinite(mean_sq)
-    norm = jnp.where(ok, jnp.sqrt(mean_sq), jnp.max(jnp.abs(finite)))
-    return renormalized(x, norm, NORMALIZE_BAND)
+    return renormalized(x, data_absmax(x.data), NORMALIZE_BAND)
 
 
 def normalize_inputs(values: Sequence[Any]) -> list[Any]:
@@ -408,7 +400,7 @@ def scalify(
     the wrapped function's ``fallbacks`` attribute (reset on every call).
 
     ``normalize=True`` (default) re-expresses a scaled float32/bfloat16 input whose data
-    RMS is beyond 2^±8 with data of RMS in [1, 2) before interpreting
+    abs-max is beyond 2^±4 with data of abs-max in [1, 2) before interpreting
     (`normalize_input`): the value is unchanged, data near unit is untouched, and data
     passed far from unit (``as_scaled_array(x, scale=2**k)`` for large ``|k|``) no
     longer drifts out of range through the step. ``normalize=False`` interprets the
