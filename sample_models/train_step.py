@@ -33,12 +33,6 @@ def make_optimizer(
     return optax.adamw(lr, eps=eps, weight_decay=weight_decay)
 
 
-def _recentre(leaf: Any) -> Any:
-    if jnp.issubdtype(jnp.result_type(leaf), jnp.floating) and jnp.ndim(leaf) > 0:
-        return dynamic_rescale_l2(leaf)
-    return leaf
-
-
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) -> TrainStep:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
@@ -48,10 +42,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
     Under scalify, the gradients' data are re-centred to unit RMS before the optimizer
     (`dynamic_rescale_l2`): static scale propagation through the backward pass leaves them
     far from unit scale, and AdamW's ``(1 - b2) * g**2`` then underflows FP16 data,
-    zeroing the second moment. The optimizer state and the parameters are re-centred
-    after the update too: the static scale of an EMA, or of weights that weight decay
-    shrinks, cannot follow the value over thousands of steps. Outside scalify all of these
-    are identities.
+    zeroing the second moment. Outside scalify this is the identity.
+
+    The optimizer state and the parameters are not re-centred here: the static scale of
+    an EMA, or of weights that weight decay shrinks, drifts slowly from the value over
+    thousands of steps, and scalify's input normalisation (``normalize=True``, the
+    default) re-centres any input whose data has left 2^±4 at the start of the next
+    step. Doing it here as well cost a reduction and a rescale of every parameter and
+    moment per step.
     """
 
     def step(params: Any, opt_state: optax.OptState, batch: Any):
@@ -60,8 +58,6 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
             grads = jax.tree.map(dynamic_rescale_l2, grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            opt_state = jax.tree.map(_recentre, opt_state)
-            params = jax.tree.map(_recentre, params)
         return params, opt_state, loss
 
     return step

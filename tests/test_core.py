@@ -104,3 +104,21 @@ def test_pow2_rounding_against_numpy(v):
 def test_pow2_rounding_special_values():
     vals = jnp.array([0.0, jnp.inf, -8.0, 3.0], jnp.float32)
     np.testing.assert_array_equal(np.asarray(pow2_round_down(vals)), [0.0, np.inf, 8.0, 2.0])
+
+
+def test_pow2_reciprocal_and_even_sqrt_are_exact_against_numpy():
+    """The bit-level reciprocal and square root of powers of two equal float64's, traced
+    and static (NumPy in, NumPy out), over float32's whole normal range."""
+    from scalescope.core.pow2 import is_static, pow2_reciprocal, pow2_sqrt_even
+
+    p = np.ldexp(np.float32(1), np.arange(-126, 128)).astype(np.float32)
+    ref = (1.0 / p.astype(np.float64)).astype(np.float32)  # 2^-127 is subnormal
+    np.testing.assert_array_equal(np.asarray(jax.jit(pow2_reciprocal)(p)), ref)
+    even = np.concatenate([np.ldexp(np.float32(1), np.arange(-126, 127, 2)), [0.0]])
+    even = even.astype(np.float32)
+    ref_sqrt = np.sqrt(even.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(pow2_sqrt_even)(even)), ref_sqrt)
+    for e in (-126, -3, 0, 5, 127):
+        r = pow2_reciprocal(np.float32(2.0**e))
+        assert is_static(r) and float(r) == 2.0**-e
+    assert is_static(pow2_round_down(3.0)) and float(pow2_round_down(np.float32(3.0))) == 2.0

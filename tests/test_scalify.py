@@ -252,3 +252,52 @@ def test_dynamic_rescale_of_all_zero_data_gives_scale_zero():
         return g / (jnp.sqrt(g * g) + 1e-6)
 
     np.testing.assert_array_equal(np.asarray(ss.asarray(ss.scalify(adam_like)(x))), np.zeros(4))
+
+
+def test_scales_known_at_trace_time_emit_no_operations():
+    """After a non-linear op (scale 1, static) the scale arithmetic of mul, add, sum and
+    division by constants is folded at trace time: the scalified jaxpr holds no more
+    equations than the plain one plus the unscaling of the output, and the values match
+    NumPy."""
+    x = np.linspace(-2.0, 2.0, 64, dtype=np.float32).reshape(8, 8)
+
+    def f(v):
+        t = jnp.tanh(v)
+        return jnp.sum(t * 3.0 + 0.5, axis=0) / 4.0
+
+    plain = jax.make_jaxpr(f)(x)
+    # normalize=False: the input's own normalisation reads its data (not folded)
+    scaled = jax.make_jaxpr(ss.scalify(f, normalize=False))(ss.as_scaled_array(x))
+    # the plain ops, one rescale of the data per op at most, and no scalar work
+    assert len(scaled.eqns) <= 2 * len(plain.eqns), scaled
+    scalar_ops = [
+        e for e in scaled.eqns if all(getattr(v.aval, "shape", None) == () for v in e.outvars)
+    ]
+    assert len(scalar_ops) <= 2, scalar_ops
+    out = ss.scalify(f)(ss.as_scaled_array(x))
+    ref = np.sum(np.tanh(x.astype(np.float64)) * 3.0 + 0.5, axis=0) / 4.0
+    np.testing.assert_allclose(np.asarray(ss.asarray(out)), ref, rtol=1e-6)
+    assert isinstance(out.scale, jax.Array)  # static scales leave scalify as JAX arrays
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2", "max"])
+def test_dynamic_rescale_recentres_data_at_a_power_of_two(norm):
+    """dynamic_rescale_* keeps the value, moves a power of two into the scale and leaves
+    data whose norm lies in [1, 2) (the l2 root is taken on the exponent bits)."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((32, 16)) * 3e-5).astype(np.float32)
+    fn = {
+        "l1": ss.ops.dynamic_rescale_l1,
+        "l2": ss.ops.dynamic_rescale_l2,
+        "max": ss.ops.dynamic_rescale_max,
+    }[norm]
+    out = jax.jit(ss.scalify(fn))(ss.as_scaled_array(x, scale=2.0**-3))
+    data = np.asarray(out.data, np.float64)
+    n = {"l1": np.mean(np.abs(data)), "l2": np.sqrt(np.mean(data**2)), "max": np.max(np.abs(data))}[
+        norm
+    ]
+    assert 1.0 <= n < 2.0, n
+    assert np.log2(float(out.scale)).is_integer()
+    np.testing.assert_array_equal(np.asarray(ss.asarray(out)), x)
+    zero = jax.jit(ss.scalify(fn))(ss.as_scaled_array(np.zeros(8, np.float32), scale=4.0))
+    assert float(zero.scale) == 0.0 and not np.any(np.asarray(zero.data))

@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Pow2Round(enum.Enum):
     DOWN = "down"
     UP = "up"
     NEAREST = "nearest"
+
+
+def is_static(x: Any) -> bool:
+    """True for a value known at trace time (NumPy or Python number): scale arithmetic
+    on such values is done in NumPy and emits no operation at all."""
+    return isinstance(x, (np.ndarray, np.generic, float, int)) and not isinstance(x, bool)
+
+
+def _static_f32(x: Any) -> np.ndarray:
+    return np.asarray(x, np.float32)
 
 
 def _as_float(x) -> jax.Array:
@@ -35,7 +47,11 @@ def pow2_round_down(x) -> jax.Array:
 
     Three cheap ops (bitcast, and, bitcast), so the rule table can call it on every
     scale without bloating the compiled graph. 0 and subnormals give 0, inf gives inf.
+    A static scalar (NumPy or Python) gives a NumPy float32 scalar: no operation.
     """
+    if is_static(x) and np.ndim(x) == 0:
+        bits = _static_f32(x).view(np.int32) & np.int32(0x7F800000)
+        return np.asarray(bits.view(np.float32))
     x = _as_float(x)
     if x.dtype.itemsize not in _EXPONENT_MASK:
         x = x.astype(jnp.float32)
@@ -43,6 +59,42 @@ def pow2_round_down(x) -> jax.Array:
     bits = jax.lax.bitcast_convert_type(x, _INT_OF[size])
     mask = jnp.asarray(_EXPONENT_MASK[size], _INT_OF[size])
     return jax.lax.bitcast_convert_type(bits & mask, x.dtype)
+
+
+_F32_BITS_254 = 254 << 23  # exponent field of 2^127
+_F32_HALF_MIN_SUBNORMAL = 1 << 22  # bits of 2^-127
+
+
+def pow2_reciprocal(p) -> jax.Array:
+    """Exactly ``1 / p`` for a positive power of two ``p`` (float32, normal range).
+
+    Integer work on the exponent field: XLA counts a float divide as expensive and
+    gives a scalar one a kernel of its own, while these ops fuse into their consumers.
+    The result for anything but a positive normal power of two is meaningless
+    (callers pass scales made positive, e.g. by ``positive_or_one``).
+    """
+    if is_static(p) and np.ndim(p) == 0:
+        return _static_f32(1.0 / np.float64(p))
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(p, jnp.float32), jnp.int32)
+    top = jnp.int32(_F32_BITS_254)
+    tiny = jax.lax.full_like(bits, _F32_HALF_MIN_SUBNORMAL)
+    inv = jax.lax.select(bits >= jax.lax.full_like(bits, _F32_BITS_254), tiny, top - bits)
+    return jax.lax.bitcast_convert_type(inv, jnp.float32)
+
+
+def pow2_sqrt_even(p) -> jax.Array:
+    """Exactly ``sqrt(p)`` for ``p`` 0 or an even power of two (float32): halves the
+    exponent field instead of calling sqrt (expensive to XLA, see `pow2_reciprocal`)."""
+    if is_static(p) and np.ndim(p) == 0:
+        return _static_f32(np.sqrt(np.float64(p)))
+    p = jnp.asarray(p, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(p, jnp.int32)
+    biased = jax.lax.shift_right_logical(bits, jnp.int32(23))
+    half = jax.lax.shift_left(
+        jax.lax.shift_right_logical(biased + 127, jnp.int32(1)), jnp.int32(23)
+    )
+    root = jax.lax.bitcast_convert_type(half, jnp.float32)
+    return jax.lax.select(p > 0, root, p)
 
 
 def pow2_round_up(x) -> jax.Array:
@@ -78,9 +130,12 @@ def static_pow2_round_down(x: float) -> float:
 
 __all__ = [
     "Pow2Round",
+    "is_static",
     "pow2_round",
     "pow2_round_down",
     "pow2_round_up",
     "pow2_round_nearest",
+    "pow2_reciprocal",
+    "pow2_sqrt_even",
     "static_pow2_round_down",
 ]

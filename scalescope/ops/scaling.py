@@ -12,12 +12,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ..core.pow2 import pow2_round_down
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray
-from ..scalify.common import make_scaled, rescale_data, unscale
+from ..scalify.common import make_scaled, rescale_data, unit_scale, unscale
 from ..scalify.registry import register_rule
 
 NORMS = ("l1", "l2", "max")
@@ -124,24 +124,44 @@ def stop_scaling(x):
 
 
 def _norm(data, norm: str):
+    """The norm of the data: the mean square for ``l2`` (its root is taken on the
+    exponent bits, see `_pow2_of`), else the mean or largest absolute value."""
     d = data.astype(jnp.promote_types(data.dtype, SCALE_DTYPE))
     if norm == "l1":
         return jnp.mean(jnp.abs(d))
     if norm == "l2":
-        return jnp.sqrt(jnp.mean(d * d))
+        return jnp.mean(d * d)
     return jnp.max(jnp.abs(d))
+
+
+def _pow2_of(n, *, root: bool):
+    """``(2^k, 2^-k, usable)`` for the power of two 2^k at or below ``n`` (or below
+    ``sqrt(n)`` when ``root``), by integer work on the float32 exponent field: no
+    sqrt or divide, which XLA would give scalar kernels of their own. ``usable`` is
+    false for an infinite or NaN norm (the value is then left as it is)."""
+    bits = lax.bitcast_convert_type(jnp.asarray(n, SCALE_DTYPE), jnp.int32)
+    biased = lax.shift_right_logical(bits, jnp.int32(23))  # n >= 0: no sign bit
+    usable = lax.lt(biased, jnp.int32(255))
+    k = biased - jnp.int32(127)
+    if root:
+        k = lax.shift_right_arithmetic(k, jnp.int32(1))  # floor(k / 2)
+    k = lax.clamp(jnp.int32(-126), k, jnp.int32(126))
+    p2 = lax.bitcast_convert_type(lax.shift_left(k + 127, jnp.int32(23)), SCALE_DTYPE)
+    inv = lax.bitcast_convert_type(lax.shift_left(127 - k, jnp.int32(23)), SCALE_DTYPE)
+    return p2, inv, usable
 
 
 def scaled_dynamic_rescale(x, *, norm: str):
     if not isinstance(x, ScaledArray):
-        x = make_scaled(x, jnp.ones((), SCALE_DTYPE))
+        x = make_scaled(x, unit_scale())
     n = _norm(x.data, norm)
+    p2, inv, usable = _pow2_of(n, root=norm == "l2")
+    one = jnp.ones((), SCALE_DTYPE)
+    factor, inverse = lax.select(usable, p2, one), lax.select(usable, inv, one)
     # All-zero data gets scale 0 (exactly zero), so a stale huge or tiny scale does not
     # reach later sums: adding eps to it would underflow eps and turn 0/(0+eps) into 0/0.
-    ok = jnp.isfinite(n) & (n > 0)
-    factor = jnp.where(ok, pow2_round_down(n), 1.0).astype(SCALE_DTYPE)
-    scale = jnp.where(n == 0, jnp.zeros_like(x.scale), x.scale * factor)
-    return make_scaled(rescale_data(x.data, 1.0 / factor), scale)
+    scale = lax.select(lax.eq(n, jnp.zeros_like(n)), jnp.zeros((), SCALE_DTYPE), x.scale * factor)
+    return make_scaled(rescale_data(x.data, inverse), scale)
 
 
 def scaled_set_scaling(x, scale):

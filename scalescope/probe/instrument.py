@@ -16,6 +16,7 @@ from ..core.scaled_array import ScaledArray
 from ..scalify.interpreter import (
     FALLBACK_POLICIES,
     Context,
+    array_scales,
     eval_jaxpr,
     flatten_args,
     has_tracer,
@@ -212,7 +213,7 @@ def instrument(
             warnings.warn(
                 f"scalify: '{fb.primitive}' ran on unscaled values (at {fb.source})", stacklevel=3
             )
-        return jax.tree_util.tree_unflatten(out_tree, outs), stats, table
+        return jax.tree_util.tree_unflatten(out_tree, array_scales(outs)), stats, table
 
     @functools.wraps(fn)
     def instrumented(*args, **kwargs):

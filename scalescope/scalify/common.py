@@ -4,6 +4,11 @@ Rules see two kinds of inputs: `ScaledArray` and plain values (tracers, or liter
 the jaxpr such as ``0.0`` or ``-inf``). Plain literals are never given a scale of their
 own: a literal next to a scaled operand is expressed in that operand's scale, so ``0``
 and ``±inf`` stay exact and never poison a scale.
+
+A scale known at trace time (the scale 1 of a non-linear op's output, and whatever is
+computed from such scales and constants alone) is kept as a NumPy float32 scalar: its
+arithmetic is done here in NumPy and emits no operation into the compiled step. Traced
+scales take the ``lax`` path; every helper accepts both.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core.pow2 import pow2_round_down, static_pow2_round_down
+from ..core.pow2 import is_static, pow2_reciprocal, pow2_round_down, static_pow2_round_down
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray, wide_float
 
 
@@ -24,17 +29,35 @@ def is_scaled(x: Any) -> bool:
     return isinstance(x, ScaledArray)
 
 
+def static_scale(value: Any) -> np.ndarray:
+    """A scale known at trace time: a NumPy float32 scalar."""
+    return np.asarray(value, np.float32)
+
+
+def as_scale(scale: Any) -> Any:
+    """``scale`` as a float32 scalar: NumPy when known at trace time, else a JAX value
+    (returned as it is when it already is one, so a passed-through scale keeps its
+    identity)."""
+    if is_static(scale):
+        return static_scale(scale)
+    if getattr(scale, "dtype", None) == SCALE_DTYPE and np.ndim(scale) == 0:
+        return scale
+    return jnp.asarray(scale, SCALE_DTYPE)
+
+
 def make_scaled(data: Any, scale: Any) -> ScaledArray:
-    """A `ScaledArray` with a float32 scalar scale."""
-    return ScaledArray(data, jnp.asarray(scale, SCALE_DTYPE))
+    """A `ScaledArray` with a float32 scalar scale (NumPy when static, see `as_scale`)."""
+    return ScaledArray(data, as_scale(scale))
 
 
-def unit_scale() -> jax.Array:
-    return jnp.ones((), SCALE_DTYPE)
+def unit_scale() -> np.ndarray:
+    return static_scale(1.0)
 
 
-def positive_or_one(scale: jax.Array) -> jax.Array:
+def positive_or_one(scale: Any) -> Any:
     """``scale`` where positive, else 1 (scale 0 marks an exactly-zero tensor)."""
+    if is_static(scale):
+        return static_scale(scale if scale > 0 else 1.0)
     one = lax.full_like(scale, 1.0)
     return lax.select(lax.gt(scale, lax.full_like(scale, 0.0)), scale, one)
 
@@ -59,8 +82,10 @@ def rescale_data(data: Any, factor: Any) -> jax.Array:
     """``data * factor`` computed in at least float32 and returned in data's dtype.
 
     ``factor`` is a ratio of power-of-two scales, so this is exact unless the result
-    leaves the data format's range.
+    leaves the data format's range. A static factor of 1 emits nothing.
     """
+    if is_static(factor) and float(factor) == 1.0:
+        return jnp.asarray(data)
     data = jnp.asarray(data)
     wide = wide_dtype(data.dtype)
     return (data.astype(wide) * jnp.asarray(factor, wide)).astype(data.dtype)
@@ -80,14 +105,15 @@ def scale_of(x: Any) -> jax.Array:
 
 
 def lift(x: Any, scale: Any, dtype: Any) -> jax.Array:
-    """Data of plain value ``x`` expressed in ``scale`` (``x / scale``) as ``dtype``."""
+    """Data of plain value ``x`` expressed in the power-of-two ``scale`` (``x / scale``,
+    exact) as ``dtype``."""
     c = concrete_scalar(x)
     if c is not None and (c == 0.0 or not math.isfinite(c)):
         # 0 and ±inf (and NaN) are the same in every scale: never divide them.
         return jnp.asarray(c, dtype)
     x = jnp.asarray(x)
     wide = wide_dtype(x.dtype, dtype)
-    return (x.astype(wide) / jnp.asarray(scale, wide)).astype(dtype)
+    return (x.astype(wide) * pow2_reciprocal(scale).astype(wide)).astype(dtype)
 
 
 def common_scale(xs: list[Any]) -> jax.Array:
@@ -95,29 +121,40 @@ def common_scale(xs: list[Any]) -> jax.Array:
     scales = [x.scale for x in xs if is_scaled(x)]
     if not scales:
         return unit_scale()
+    return scale_max(*scales)
+
+
+def scale_max(*scales: Any) -> Any:
+    """The largest of ``scales`` (NumPy when all are static)."""
+    if all(is_static(s) for s in scales):
+        return static_scale(max(float(s) for s in scales))
     out = scales[0]
     for s in scales[1:]:
-        out = lax.max(out, s)
+        out = lax.max(as_scale(out), as_scale(s))
     return out
 
 
 def align(xs: list[Any], dtype: Any = None, scale: Any = None) -> tuple[list[Any], jax.Array]:
-    """Express every input in one common scale; returns the data list and the scale.
+    """Express every input in one common power-of-two scale; returns the data list and
+    the scale.
 
-    Scaled inputs are rescaled by the ratio of their scale to the common one (exact for
-    powers of two); plain inputs are lifted. ``dtype`` defaults to the first scaled
-    input's data dtype and is used for lifted plain values.
+    The common scale is ``scale`` (a power of two) or the power of two of the largest
+    input scale. Scaled inputs are rescaled by the ratio of their scale to it (exact
+    for power-of-two scales, and computed without a divide); plain inputs are lifted.
+    ``dtype`` defaults to the first scaled input's data dtype and is used for lifted
+    plain values.
     """
     if scale is None:
-        scale = common_scale(xs)
+        scale = pow2_round_down(common_scale(xs))
     # Scale 0 marks an exactly-zero tensor; if every input is one, express in scale 1.
     scale = positive_or_one(scale)
     if dtype is None:
         dtype = next(x.dtype for x in xs if is_scaled(x))
+    inverse = pow2_reciprocal(scale)
     datas = []
     for x in xs:
         if is_scaled(x):
-            datas.append(rescale_data(x.data, x.scale / scale))
+            datas.append(rescale_data(x.data, x.scale * inverse))
         else:
             datas.append(lift(x, scale, dtype))
     return datas, scale
@@ -130,11 +167,6 @@ SCALE_MIN = 2.0**-126
 SCALE_MAX = 2.0**127
 
 
-def _is_one(x: Any) -> bool:
-    c = concrete_scalar(x)
-    return c is not None and c == 1.0
-
-
 def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any, Any]:
     """``scale * factor`` (or ``scale / factor``) as ``(new_scale, data_factor)``.
 
@@ -144,15 +176,50 @@ def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any
     product ever over- or underflowing. A zero scale (an all-zero tensor) gives the
     smallest normal scale and a zero factor, so scale 0 never meets non-zero data.
     """
+    if is_static(scale) and is_static(factor):
+        return _static_product(float(scale), float(factor), divide)
+    static = concrete_scalar(factor)
+    if divide and static is not None and static != 0.0 and split_pow2(static)[0] == 1.0:
+        factor, divide, static = 1.0 / static, False, 1.0 / static  # multiply by the inverse
+    if not divide and static is not None and math.isfinite(static) and static > 0:
+        return _product_by_constant(jnp.asarray(scale, SCALE_DTYPE), static)
     op = lax.div if divide else lax.mul
     scale = jnp.asarray(scale, SCALE_DTYPE)
     factor = jnp.asarray(factor, SCALE_DTYPE)
     exact = op(scale, factor)
     new = lax.clamp(jnp.asarray(SCALE_MIN, SCALE_DTYPE), exact, jnp.asarray(SCALE_MAX, SCALE_DTYPE))
-    rest = op(scale / new, factor)
+    # where ``rest`` matters, ``new`` is one of the bounds: powers of two
+    rest = op(scale * pow2_reciprocal(new), factor)
     # in range: exactly 1 (also for scales that are not powers of two); NaN stays NaN
     rest = lax.select(lax.eq(exact, new), jnp.ones_like(rest), rest)
     return new, rest
+
+
+def _product_by_constant(scale: jax.Array, c: float) -> tuple[jax.Array, jax.Array]:
+    """`scale_product` of a traced scale and a positive constant: a product by ``c > 1``
+    can only overflow (to the top bound), by ``c < 1`` only underflow (to the bottom
+    one), so the remainder is ``scale`` times a constant known here: five ops."""
+    exact = scale * np.float32(c)
+    new = lax.clamp(np.float32(SCALE_MIN), exact, np.float32(SCALE_MAX))
+    # rest = scale * c / bound, in two steps that keep every intermediate normal
+    k1 = 2.0**-64 if c > 1.0 else 2.0**64
+    k2 = c / (SCALE_MAX if c > 1.0 else SCALE_MIN) / k1
+    rest = (scale * np.float32(k1)) * np.float32(k2)
+    return new, lax.select(lax.eq(exact, new), jnp.ones_like(exact), rest)
+
+
+def _static_product(scale: float, factor: float, divide: bool) -> tuple[Any, Any]:
+    """`scale_product` of two static scales, in float64 (exact for float32 inputs)."""
+    with np.errstate(all="ignore"):
+        exact = np.float64(scale) / factor if divide else np.float64(scale) * factor
+    if math.isnan(exact):
+        return static_scale(np.nan), static_scale(np.nan)
+    new = min(max(exact, SCALE_MIN), SCALE_MAX)
+    new32 = float(static_scale(new))
+    if new32 == exact:
+        return static_scale(new32), static_scale(1.0)
+    with np.errstate(all="ignore"):
+        return static_scale(new32), static_scale(exact / new32)
 
 
 def product_scaled(
@@ -162,17 +229,44 @@ def product_scaled(
     the scale kept in float32's normal range (see `scale_product`): the data is also
     multiplied by the remainder, which is exactly 1 unless the scale left the range.
     One rescale of the data at most (``data_factor`` is static)."""
-    rest = None
-    for f, divide in [(f, False) for f in factors] + [(d, True) for d in divisors]:
-        if _is_one(f):
-            continue
+    # static factors first, folded into one (their product is exact in float64)
+    steps = [(f, False) for f in factors] + [(d, True) for d in divisors]
+    static = 1.0
+    dynamic = []
+    for f, divide in steps:
+        c = concrete_scalar(f)
+        if c is not None and c != 0.0 and math.isfinite(c):
+            static = static / c if divide else static * c
+        else:
+            dynamic.append((f, divide))
+    if static != 1.0:
+        dynamic.insert(0, (static, False))
+    rest = static_scale(data_factor)
+    for f, divide in dynamic:
         scale, r = scale_product(scale, f, divide=divide)
-        rest = r if rest is None else rest * r
-    if rest is not None:
-        data = rescale_data(data, rest if data_factor == 1.0 else rest * data_factor)
-    elif data_factor != 1.0:
-        data = rescale_data(data, data_factor)
-    return make_scaled(data, scale)
+        rest = (
+            rest * r if is_static(rest) and is_static(r) else lax.mul(as_scale(rest), as_scale(r))
+        )
+    return make_scaled(rescale_data(data, rest), scale)
+
+
+_INF = np.float32(np.inf)
+
+
+def materialized(scale: Any) -> Any:
+    """``scale`` unchanged in value, computed once by XLA instead of in every fusion.
+
+    XLA duplicates cheap scalar producers into each fusion that consumes them, so a
+    scale that depends on a chain of rules would be recomputed, chain and all, inside
+    every array fusion downstream: compile time then grows with the square of the
+    depth. ``fmod(scale, inf)`` is ``scale`` for every finite scale (NaN stays NaN, an
+    infinite scale becomes NaN: non-finite either way) and XLA counts a floating
+    remainder as expensive, so it is never duplicated into a fusion that broadcasts it.
+    Concrete (non-traced) scales are returned as they are.
+    """
+    if not isinstance(scale, jax.core.Tracer):
+        return scale
+    return lax.rem(scale, jnp.asarray(_INF, scale.dtype))
 
 
 def renormalized(x: ScaledArray, amax: Any, band: int) -> ScaledArray:
@@ -194,7 +288,7 @@ def renormalized(x: ScaledArray, amax: Any, band: int) -> ScaledArray:
     p2_bits = lax.select(lax.bitwise_and(far, usable), bits, one_bits)
     p2 = lax.bitcast_convert_type(p2_bits, SCALE_DTYPE)
     inverse = lax.bitcast_convert_type(jnp.int32(254 << 23) - p2_bits, SCALE_DTYPE)
-    return make_scaled(rescale_data(x.data, inverse), x.scale * p2)
+    return make_scaled(rescale_data(x.data, materialized(inverse)), materialized(x.scale * p2))
 
 
 def data_absmax(data: Any) -> jax.Array:
@@ -217,9 +311,11 @@ def pow2_norm_scale(*scales: Any) -> jax.Array:
     for two terms), so it is computed as ``pow2_round_down(max)``: a couple of ops, and
     no squaring that could overflow float32 when scales have drifted.
     """
-    top = scales[0]
-    for s in scales[1:]:
-        top = lax.max(top, s)
+    top = scale_max(*scales)
+    if len(scales) > 2 and is_static(top):
+        safe = float(positive_or_one(top))
+        total = math.sqrt(sum((float(s) / safe) ** 2 for s in scales))
+        return static_scale(pow2_round_down(static_scale(total)) * top)
     if len(scales) > 2:
         # with n terms the sum can reach n * max**2: keep the unit-scaling rule exact
         safe = positive_or_one(top)

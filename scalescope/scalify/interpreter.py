@@ -92,6 +92,7 @@ class Context:
     check: bool = True
     scaling: bool = True  # False: a plain interpretation (no rule turns plain into scaled)
     check_scales: bool = False  # assert every rule's scales (see `check_scale_invariant`)
+    materialize: bool = True  # compute each rule's scale once (see `common.materialized`)
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         return eval_jaxpr(self, jaxpr, consts, args)
@@ -186,6 +187,33 @@ def _check_outputs(eqn: Any, outvals: Sequence[Any]) -> None:
             )
 
 
+def _materialize_scales(invals: Sequence[Any], outvals: list[Any]) -> list[Any]:
+    """Outputs whose scale a rule computed, with that scale materialised once
+    (`common.materialized`); scales passed through from an input are left alone."""
+    from .common import materialized
+
+    seen = {id(x.scale) for x in invals if isinstance(x, ScaledArray)}
+    out = []
+    for x in outvals:
+        if isinstance(x, ScaledArray) and id(x.scale) not in seen:
+            scale = materialized(x.scale)
+            seen.update((id(x.scale), id(scale)))
+            x = ScaledArray(x.data, scale)
+        out.append(x)
+    return out
+
+
+def array_scales(values: Sequence[Any]) -> list[Any]:
+    """``values`` with every static (NumPy) scale made a JAX array: what a transformed
+    function returns has JAX arrays as leaves, as its users expect."""
+    return [
+        ScaledArray(v.data, jnp.asarray(v.scale, SCALE_DTYPE))
+        if isinstance(v, ScaledArray) and not isinstance(v.scale, jax.Array)
+        else v
+        for v in values
+    ]
+
+
 def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Interpret ``jaxpr`` on values that may be `ScaledArray`."""
     env: dict[Any, Any] = {}
@@ -196,6 +224,8 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
         outvals = _apply(ctx, eqn, invals)
+        if ctx.materialize:
+            outvals = _materialize_scales(invals, outvals)
         if ctx.check:
             _check_outputs(eqn, outvals)
         if ctx.check_scales:
@@ -431,7 +461,7 @@ def scalify(
         ctx = Context(fallback=fallback, check_scales=check)
         if normalize:
             dyn = normalize_inputs(dyn)
-        outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
+        outs = array_scales(eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn))
         scalified.fallbacks = list(ctx.fallbacks)
         for fb in ctx.fallbacks:
             warnings.warn(

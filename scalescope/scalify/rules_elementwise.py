@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core.pow2 import pow2_round_down
+from ..core.pow2 import is_static, pow2_reciprocal, pow2_round_down, pow2_sqrt_even
 from ..core.scaled_array import SCALE_DTYPE
 from .common import (
     align,
+    as_scale,
     concrete_scalar,
     data_absmax,
     is_scaled,
@@ -33,8 +34,10 @@ from .common import (
     renormalized,
     rescale_data,
     split_pow2,
+    static_scale,
     unit_scale,
     unscale,
+    wide_dtype,
 )
 from .registry import register_rule
 
@@ -70,7 +73,7 @@ def _additive(prim):
         else:
             x, c = (a, b) if is_scaled(a) else (b, a)
             mag = _plain_magnitude(c)
-            scale = None if mag is None else pow2_norm_scale(x.scale, jnp.asarray(mag, SCALE_DTYPE))
+            scale = None if mag is None else pow2_norm_scale(x.scale, as_scale(mag))
         (da, db), s = align([a, b], scale=scale)
         return make_scaled(prim.bind(da, db, **params), s)
 
@@ -114,7 +117,7 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any]:
     p2 = jnp.where(jnp.isfinite(p2) & (p2 > 0), p2, jnp.ones_like(p2))
     if at_most_one:
         p2 = jnp.where(a > p2, p2 * 2.0, p2)
-    return (c32 / p2).astype(dtype), p2
+    return (c32 * pow2_reciprocal(p2)).astype(dtype), p2
 
 
 def scaled_mul(a, b, **params):
@@ -126,17 +129,35 @@ def scaled_mul(a, b, **params):
     return product_scaled(data, x.scale, p2)
 
 
+def _split_scale(scale):
+    """``scale == mantissa * p2`` with ``p2`` a positive power of two (1 for scale 0)
+    and the mantissa in [1, 2): dividing by a scale then needs only the exact
+    reciprocal of ``p2`` (see `pow2_reciprocal`), the mantissa going into the data."""
+    p2 = positive_or_one(pow2_round_down(scale))
+    return scale * pow2_reciprocal(p2), p2
+
+
+def _divided(num, den, mant, out_dtype, **params):
+    """``num / (den * mant)`` in at least float32, as ``out_dtype``: the divisor's
+    scale mantissa (1 for power-of-two scales) joins its data before the divide."""
+    wide = wide_dtype(out_dtype, den.dtype)
+    den = den.astype(wide) if is_static(mant) and float(mant) == 1.0 else den.astype(wide) * mant
+    return lax.div_p.bind(num.astype(wide), den, **params).astype(out_dtype)
+
+
 def scaled_div(a, b, **params):
-    if is_scaled(a) and is_scaled(b):
-        data = lax.div_p.bind(a.data, b.data, **params)
-        return product_scaled(data, a.scale, divisors=(b.scale,))
-    if is_scaled(a):
-        mant, p2 = _split_plain(b, a.dtype, at_most_one=False)
-        data = a.data if mant is None else lax.div_p.bind(a.data, mant, **params)
-        return product_scaled(data, a.scale, divisors=(p2,))
-    mant, p2 = _split_plain(a, b.dtype, at_most_one=True)
-    num = jnp.ones((), b.dtype) if mant is None else mant
-    return product_scaled(lax.div_p.bind(num, b.data, **params), p2, divisors=(b.scale,))
+    if is_scaled(b):
+        mant, p2 = _split_scale(b.scale)
+        if is_scaled(a):
+            num, scale = a.data, a.scale
+        else:
+            split, scale = _split_plain(a, b.dtype, at_most_one=True)
+            num = jnp.ones((), b.dtype) if split is None else split
+        data = _divided(jnp.asarray(num), b.data, mant, b.dtype, **params)
+        return product_scaled(data, scale, pow2_reciprocal(p2))
+    mant, p2 = _split_plain(b, a.dtype, at_most_one=False)
+    data = a.data if mant is None else lax.div_p.bind(a.data, mant, **params)
+    return product_scaled(data, a.scale, pow2_reciprocal(p2))
 
 
 def _aligned(prim, *, scaled_out: bool = True):
@@ -188,12 +209,15 @@ scaled_abs = _scale_preserving(lax.abs_p)
 def scaled_sign(x, **params):
     # sign(data * scale): NaN where the scale is NaN (a positive scale changes nothing)
     sign = lax.sign_p.bind(x.data, **params)
-    return make_scaled(sign, lax.sign(x.scale))
+    return make_scaled(sign, np.sign(x.scale) if is_static(x.scale) else lax.sign(x.scale))
 
 
 def scaled_is_finite(x, **params):
     # the value is data * scale: a NaN or infinite scale makes every element non-finite
-    return lax.bitwise_and(lax.is_finite_p.bind(x.data, **params), lax.is_finite(x.scale))
+    finite = lax.is_finite_p.bind(x.data, **params)
+    if is_static(x.scale):
+        return finite if np.isfinite(x.scale) else jnp.zeros_like(finite)
+    return lax.bitwise_and(finite, lax.is_finite(x.scale))
 
 
 # A power y multiplies the data's distance from unit (in octaves) by y: data that has
@@ -229,21 +253,30 @@ def scaled_integer_pow(x, *, y, **params):
 def _even_pow2_split(scale):
     """``scale == rest * s2`` with ``s2`` an even power of two and ``rest`` in [1, 4), so
     ``sqrt(s2)`` is an exact power of two. Reads the exponent bits of the float32 scale."""
+    if is_static(scale):
+        down = float(pow2_round_down(scale))
+        if down > 0 and math.isfinite(down) and math.frexp(down)[1] % 2 == 0:
+            down /= 2.0  # frexp(2^k) = (0.5, k + 1): k odd
+        rest = float(scale) * float(pow2_reciprocal(positive_or_one(down)))
+        return static_scale(rest), static_scale(down)
     down = pow2_round_down(scale)
     biased = lax.shift_right_logical(lax.bitcast_convert_type(down, jnp.int32), jnp.int32(23))
     odd = lax.ne(lax.bitwise_and(biased - jnp.int32(127), jnp.int32(1)), jnp.int32(0))
     s2 = lax.select(odd, down * 0.5, down)
-    return scale / positive_or_one(s2), s2
+    return scale * pow2_reciprocal(positive_or_one(s2)), s2
 
 
 def scaled_sqrt(x, **params):
     rest, s2 = _even_pow2_split(x.scale)
-    return make_scaled(lax.sqrt_p.bind(rescale_data(x.data, rest), **params), jnp.sqrt(s2))
+    return make_scaled(lax.sqrt_p.bind(rescale_data(x.data, rest), **params), pow2_sqrt_even(s2))
 
 
 def scaled_rsqrt(x, **params):
     rest, s2 = _even_pow2_split(x.scale)
-    return make_scaled(lax.rsqrt_p.bind(rescale_data(x.data, rest), **params), lax.rsqrt(s2))
+    root = pow2_sqrt_even(s2)
+    # 1/sqrt(0) is inf, as lax.rsqrt gives
+    inverse = lax.select(root > 0, pow2_reciprocal(root), jnp.full_like(root, np.inf))
+    return make_scaled(lax.rsqrt_p.bind(rescale_data(x.data, rest), **params), inverse)
 
 
 # -- non-linear: computed on the unscaled value --------------------------------------------

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from jax import lax
 
+from ..core.pow2 import is_static
 from .common import (
     is_scaled,
     on_unscaled,
@@ -45,6 +47,8 @@ def _on_data(prim):
 
     def rule(x, **params):
         out = prim.bind(x.data, **params)
+        if is_static(x.scale):
+            return lax.full_like(out, 0) if np.isnan(x.scale) else out
         return lax.select(lax.ne(x.scale, x.scale), lax.full_like(out, 0), out)
 
     return rule
