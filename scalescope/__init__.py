@@ -1,6 +1,6 @@
 """scalescope: see what low precision does to every primitive of a JAX training step."""
 
-from . import ops
+from . import ops, unit
 from .core import formats
 from .core.formats import Format
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
@@ -45,4 +45,5 @@ __all__ = [
     "scalify",
     "show",
     "stats_frame",
+    "unit",
 ]
