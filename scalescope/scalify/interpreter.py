@@ -187,6 +187,11 @@ def _check_outputs(eqn: Any, outvals: Sequence[Any]) -> None:
             )
 
 
+def _higher_order(prim: Any) -> bool:
+    rule = get_rule(prim)
+    return rule is not None and rule.higher_order
+
+
 def _materialize_scales(invals: Sequence[Any], outvals: list[Any]) -> list[Any]:
     """Outputs whose scale a rule computed, with that scale materialised once
     (`common.materialized`); scales passed through from an input are left alone."""
@@ -224,7 +229,9 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
         outvals = _apply(ctx, eqn, invals)
-        if ctx.materialize:
+        if ctx.materialize and not _higher_order(eqn.primitive):
+            # (a body's own rules materialise their scales; its outputs keep their
+            # identity, which the observer relies on)
             outvals = _materialize_scales(invals, outvals)
         if ctx.check:
             _check_outputs(eqn, outvals)
