@@ -409,8 +409,9 @@ def _param_like(g: _Graph, flags: Sequence[bool]) -> dict[Any, bool]:
     return out
 
 
-def _ancestors(g: _Graph) -> dict[Any, int]:
-    """Each variable's ancestors (itself included) as a bitset over variables."""
+def _ancestors(g: _Graph) -> tuple[dict[Any, int], dict[Any, int]]:
+    """Each variable's ancestors (itself included) as a bitset over variables, and each
+    variable's bit index."""
     index: dict[Any, int] = {}
     anc: dict[Any, int] = {}
     for v in [*g.jaxpr.constvars, *g.jaxpr.invars]:
@@ -424,7 +425,7 @@ def _ancestors(g: _Graph) -> dict[Any, int]:
         for v in eqn.outvars:
             index[v] = len(index)
             anc[v] = parents | (1 << index[v])
-    return {v: bits for v, bits in anc.items()} | {"__index__": index}  # type: ignore[dict-item]
+    return anc, index
 
 
 def _loss_mean(g: _Graph, out: Any, depth: int = 12) -> int | None:
@@ -518,8 +519,7 @@ def _analyse(jaxpr: Any, flags: Sequence[bool], opts: _Options, log: list[Rewrit
         scale_group(group, x, out, o, s)
         log.append(Rewrite(kind, prims, o, (s,), _where(first)))
 
-    anc = _ancestors(g)
-    index = anc.pop("__index__")
+    anc, index = _ancestors(g)
     for i, eqn in enumerate(g.eqns):
         name = eqn.primitive.name
         if i in plan.grouped or not eqn.outvars or not _is_float(eqn.outvars[0]):
