@@ -17,6 +17,7 @@ from .store import (
     list_runs,
     open_run,
 )
+from .unit import unit_scale
 
 __version__ = "0.1.0"
 
@@ -46,4 +47,5 @@ __all__ = [
     "show",
     "stats_frame",
     "unit",
+    "unit_scale",
 ]

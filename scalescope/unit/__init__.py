@@ -35,6 +35,7 @@ from .functional import (
     transformer_residual_scaling_rule,
 )
 from .scale import logarithmic_interpolation, scale_bwd, scale_fwd
+from .transform import Rewrite, unit_scale
 
 
 def __getattr__(name: str) -> Any:
@@ -46,6 +47,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CONSTRAINTS",
+    "Rewrite",
     "add",
     "apply_constraint",
     "constraints",
@@ -70,4 +72,5 @@ __all__ = [
     "silu_glu",
     "softmax",
     "transformer_residual_scaling_rule",
+    "unit_scale",
 ]

@@ -77,6 +77,49 @@ def _broadcast_shape(op: str, **shapes: tuple[int, ...]) -> tuple[int, ...]:
         raise ValueError(f"{op}: shapes are not broadcast-compatible; got {named}") from None
 
 
+# -- scale formulas (shared with `unit_scale`, which applies them to a jaxpr) -------------
+
+
+def gelu_scales(mult: float = 1.0) -> tuple[float, float]:
+    """``(output, input-gradient)`` scales of `gelu` before any constraint."""
+    alpha = _sigmoid_log(4 * mult**2)
+    output_scale = logarithmic_interpolation(alpha, 2.0, (2 / (1 - 1 / math.pi)) ** 0.5)
+    return output_scale, logarithmic_interpolation(alpha, 2.0, 2.0**0.5)
+
+
+def silu_scales(mult: float = 1.0) -> tuple[float, float]:
+    """``(output, input-gradient)`` scales of `silu` before any constraint."""
+    output_scale = logarithmic_interpolation(
+        _sigmoid_log(4 * mult**2), 2.0, (2 / (1 - 1 / math.pi)) ** 0.5
+    )
+    return output_scale, logarithmic_interpolation(_sigmoid_log(mult**2), 2.0, 2.0**0.5)
+
+
+def softmax_scales(n: int, mult: float = 1.0) -> tuple[float, float]:
+    """``(output, input-gradient)`` scales of `softmax` over an axis of size ``n``."""
+    alpha = _sigmoid_log(mult**2 / 4)
+    output_scale = logarithmic_interpolation(alpha, n, n**0.5)
+    return output_scale, logarithmic_interpolation(alpha, n / mult, (n / mult) ** 0.5)
+
+
+def dot_scales(k: int, lhs_free: int, rhs_free: int) -> tuple[float, float, float]:
+    """``(output, lhs-gradient, rhs-gradient)`` scales of a product contracting ``k``
+    elements: ``k^-1/2`` forward; each operand's gradient sums over the other operand's
+    free (non-contracted, non-batch) elements. `matmul` and `linear` are special cases."""
+    return k**-0.5, max(rhs_free, 1) ** -0.5, max(lhs_free, 1) ** -0.5
+
+
+def cross_entropy_grad_scale(vocab: int) -> float:
+    """The logits-gradient scale of `cross_entropy`: unit gradients at a flat softmax."""
+    return vocab / (vocab - 1) ** 0.5
+
+
+def residual_scales(tau: float) -> tuple[float, float]:
+    """``(residual, skip)`` weights of `residual_split`/`residual_add` for ``tau``."""
+    denom = (1 + tau**2) ** 0.5
+    return tau / denom, 1 / denom
+
+
 # -- activations -------------------------------------------------------------------------
 
 
@@ -93,9 +136,7 @@ def gelu(
     x = check_float(x, "gelu", "x")
     mult = _check_mult(mult, "gelu")
     validate_constraint(constraint, "gelu")
-    alpha = _sigmoid_log(4 * mult**2)
-    output_scale = logarithmic_interpolation(alpha, 2.0, (2 / (1 - 1 / math.pi)) ** 0.5)
-    grad_scale = logarithmic_interpolation(alpha, 2.0, 2.0**0.5)
+    output_scale, grad_scale = gelu_scales(mult)
 
     def f(v: Array) -> Array:
         if mult == 1:
@@ -114,10 +155,7 @@ def silu(x: Array, mult: float = 1.0, constraint: str | None = "to_output_scale"
     x = check_float(x, "silu", "x")
     mult = _check_mult(mult, "silu")
     validate_constraint(constraint, "silu")
-    output_scale = logarithmic_interpolation(
-        _sigmoid_log(4 * mult**2), 2.0, (2 / (1 - 1 / math.pi)) ** 0.5
-    )
-    grad_scale = logarithmic_interpolation(_sigmoid_log(mult**2), 2.0, 2.0**0.5)
+    output_scale, grad_scale = silu_scales(mult)
     return _scale_elementwise(
         lambda v: _silu(v, mult), x, output_scale, grad_scale, constraint, "silu"
     )
@@ -155,10 +193,7 @@ def softmax(
         raise ValueError("softmax: x must have at least one axis, got a scalar")
     mult = _check_mult(mult, "softmax")
     validate_constraint(constraint, "softmax")
-    n = x.shape[axis]
-    alpha = _sigmoid_log(mult**2 / 4)
-    output_scale = logarithmic_interpolation(alpha, n, n**0.5)
-    grad_scale = logarithmic_interpolation(alpha, n / mult, (n / mult) ** 0.5)
+    output_scale, grad_scale = softmax_scales(x.shape[axis], mult)
     return _scale_elementwise(
         lambda v: jax.nn.softmax(v * mult, axis=axis),
         x,
@@ -446,9 +481,8 @@ def residual_split(x: Array, tau: float = 1.0) -> tuple[Array, Array]:
     `residual_add` using the same ``tau``.
     """
     x = check_float(x, "residual_split", "x")
-    tau = _check_tau(tau, "residual_split")
-    denom = (1 + tau**2) ** 0.5
-    return scale_bwd(x, tau / denom), scale_bwd(x, 1 / denom)
+    residual_s, skip_s = residual_scales(_check_tau(tau, "residual_split"))
+    return scale_bwd(x, residual_s), scale_bwd(x, skip_s)
 
 
 def residual_add(residual: Array, skip: Array, tau: float = 1.0) -> Array:
@@ -463,9 +497,8 @@ def residual_add(residual: Array, skip: Array, tau: float = 1.0) -> Array:
             residual=residual,
             skip=skip,
         )
-    tau = _check_tau(tau, "residual_add")
-    denom = (1 + tau**2) ** 0.5
-    return scale_fwd(residual, tau / denom) + scale_fwd(skip, 1 / denom)
+    residual_s, skip_s = residual_scales(_check_tau(tau, "residual_add"))
+    return scale_fwd(residual, residual_s) + scale_fwd(skip, skip_s)
 
 
 def residual_apply(fn: Callable[[Array], Array], x: Array, tau: float = 1.0) -> Array:
@@ -522,7 +555,7 @@ def cross_entropy(logits: Array, labels: Array, mult: float = 1.0) -> Array:
         raise ValueError(f"cross_entropy: need at least 2 classes, got {vocab}")
     mult = _check_mult(mult, "cross_entropy")
     batch = max(labels.size, 1)
-    x = scale_fwd(scale_bwd(logits, vocab / (vocab - 1) ** 0.5), mult)
+    x = scale_fwd(scale_bwd(logits, cross_entropy_grad_scale(vocab)), mult)
     logp = jax.nn.log_softmax(x.astype(_compute_dtype(x.dtype)), axis=-1)
     picked = jnp.take_along_axis(logp, labels[..., None], axis=-1)
     return scale_fwd(-jnp.sum(picked), 1.0 / batch)
@@ -546,9 +579,12 @@ def mse_loss(input: Array, target: Array) -> Array:
 __all__ = [
     "add",
     "cross_entropy",
+    "cross_entropy_grad_scale",
+    "dot_scales",
     "dropout",
     "embedding",
     "gelu",
+    "gelu_scales",
     "layer_norm",
     "linear",
     "linear_readout",
@@ -556,11 +592,14 @@ __all__ = [
     "mse_loss",
     "residual_add",
     "residual_apply",
+    "residual_scales",
     "residual_split",
     "rms_norm",
     "scaled_dot_product_attention",
     "silu",
     "silu_glu",
+    "silu_scales",
     "softmax",
+    "softmax_scales",
     "transformer_residual_scaling_rule",
 ]

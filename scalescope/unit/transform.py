@@ -1,0 +1,783 @@
+"""`unit_scale(fn)`: unit scaling applied automatically to a JAX function's jaxpr.
+
+``fn`` is traced with `jax.make_jaxpr` and its jaxpr interpreted equation by equation.
+Before a (sub-)jaxpr is run, a pattern pass finds the ops to rewrite; running it then
+multiplies chosen operands by `scale_bwd` (gradient only) and chosen outputs by
+`scale_fwd` (value only), so the backward scales come from those custom_vjp functions
+and the result composes with `jax.jit` and `jax.grad`. docs/unit.md ("unit_scale")
+lists what is rewritten, how patterns are recognised and the limits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Literal
+
+from ..scalify.interpreter import bind_plain
+from .constraints import apply_constraint, validate_constraint
+from .functional import (
+    cross_entropy_grad_scale,
+    dot_scales,
+    gelu_scales,
+    residual_scales,
+    silu_scales,
+    softmax_scales,
+)
+from .scale import scale_bwd, scale_fwd
+
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+_GELU_CUBIC = 0.044715
+_INV_SQRT_2 = 2**-0.5
+
+
+def _gaussian_rms_scales(f: Callable, df: Callable) -> tuple[float, float]:
+    """``(1/rms(f(z)), 1/rms(f'(z)))`` for ``z ~ N(0, 1)`` (Gauss-Hermite quadrature):
+    the unit scales of an elementwise op the PyTorch library has no rule for."""
+    z, w = np.polynomial.hermite_e.hermegauss(80)
+    w = w / w.sum()
+    return float(np.sum(w * f(z) ** 2) ** -0.5), float(np.sum(w * df(z) ** 2) ** -0.5)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-z))
+
+
+#: ``(output, gradient)`` scales of the single-primitive non-linearities.
+ELEMENTWISE_SCALES: dict[str, tuple[float, float]] = {
+    "tanh": _gaussian_rms_scales(np.tanh, lambda z: 1 - np.tanh(z) ** 2),
+    "logistic": _gaussian_rms_scales(_sigmoid, lambda z: _sigmoid(z) * (1 - _sigmoid(z))),
+    "relu": (2**0.5, 2**0.5),  # E[relu(z)^2] = E[1{z>0}] = 1/2, exactly
+}
+
+_SHAPE_OPS = {
+    "reshape",
+    "broadcast_in_dim",
+    "transpose",
+    "convert_element_type",
+    "squeeze",
+    "expand_dims",
+    "slice",
+    "dynamic_slice",
+    "copy",
+    "copy_p",
+    "rev",
+    "reduce_precision",
+}
+_BROADCASTING_OPS = {"broadcast_in_dim", "add", "sub", "mul", "div", "max", "min"}
+_CALL_PRIMS = {"jit", "pjit", "closed_call", "core_call"}
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One op that `unit_scale` rewrote.
+
+    ``kind``: ``linear``, ``readout``, ``matmul``, ``gelu``, ``silu``, ``relu``, ``tanh``,
+    ``logistic``, ``softmax``, ``cross_entropy``, ``residual``, ``add``, ``embedding`` or
+    ``param_broadcast``. ``primitives``: the primitives the op spans (several for an
+    inlined activation). ``output_scale``/``grad_scales``: the constants applied.
+    ``where``: the JAX name stack of the op's first equation.
+    """
+
+    kind: str
+    primitives: tuple[str, ...]
+    output_scale: float
+    grad_scales: tuple[float, ...]
+    where: str = ""
+
+
+@dataclass
+class _Plan:
+    """What to scale while running one jaxpr (see `_analyse`)."""
+
+    operand: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    default_read: dict[Any, tuple[float, float]] = field(default_factory=dict)
+    output: dict[Any, float] = field(default_factory=dict)
+    loss_mean: dict[int, float] = field(default_factory=dict)
+    call_groups: set[int] = field(default_factory=set)
+    grouped: set[int] = field(default_factory=set)
+    param_like: dict[Any, bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Options:
+    tau: float
+    constraint: str | None
+    readout: bool
+
+
+# -- graph helpers -----------------------------------------------------------------------
+
+
+class _Graph:
+    """Producers and consumers of the variables of one jaxpr."""
+
+    def __init__(self, jaxpr: Any):
+        self.jaxpr = jaxpr
+        self.eqns = jaxpr.eqns
+        self.producer: dict[Any, int] = {}
+        self.consumers: dict[Any, list[tuple[int, int]]] = {}
+        for i, eqn in enumerate(self.eqns):
+            for pos, v in enumerate(eqn.invars):
+                if not isinstance(v, Literal):
+                    self.consumers.setdefault(v, []).append((i, pos))
+            for v in eqn.outvars:
+                self.producer[v] = i
+
+    def prod(self, v: Any, *prims: str) -> int | None:
+        """The index of ``v``'s producer when its primitive is one of ``prims``."""
+        if isinstance(v, Literal) or v not in self.producer:
+            return None
+        i = self.producer[v]
+        return i if self.eqns[i].primitive.name in prims else None
+
+    def sole_consumer(self, v: Any, *prims: str) -> tuple[int, int] | None:
+        uses = self.consumers.get(v, [])
+        if len(uses) != 1 or self.eqns[uses[0][0]].primitive.name not in prims:
+            return None
+        return uses[0]
+
+
+def _const(v: Any) -> float | None:
+    """The value of a scalar literal operand, else None."""
+    if not isinstance(v, Literal):
+        return None
+    val = np.asarray(v.val)
+    return float(val) if val.size == 1 and np.issubdtype(val.dtype, np.number) else None
+
+
+def _close(c: float | None, target: float) -> bool:
+    return c is not None and abs(c - target) <= 1e-4 * abs(target)
+
+
+def _with_const(g: _Graph, i: int, target: float) -> Any:
+    """For a binary equation with a literal ``≈ target`` operand, the other operand."""
+    a, b = g.eqns[i].invars
+    if _close(_const(a), target):
+        return b
+    if _close(_const(b), target):
+        return a
+    return None
+
+
+def _is_float(v: Any) -> bool:
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _size(v: Any) -> int:
+    return math.prod(getattr(v.aval, "shape", ()))
+
+
+def _where(eqn: Any) -> str:
+    return str(getattr(eqn.source_info, "name_stack", ""))
+
+
+# -- activation patterns -----------------------------------------------------------------
+
+
+def _half_x_tail(g: _Graph, s: Any, x: Any) -> tuple[list[int], Any] | None:
+    """Follow ``s`` through the multiplications by 0.5 and by ``x`` that end a GELU."""
+    eqns: list[int] = []
+    half = have_x = False
+    while not (half and have_x):
+        use = g.sole_consumer(s, "mul")
+        if use is None:
+            return None
+        j, pos = use
+        other = g.eqns[j].invars[1 - pos]
+        hx = g.prod(other, "mul")
+        if not half and _close(_const(other), 0.5):
+            half = True
+        elif not have_x and other is x:
+            have_x = True
+        elif not (half or have_x) and hx is not None and _with_const(g, hx, 0.5) is x:
+            half = have_x = True
+            eqns.append(hx)
+        else:
+            return None
+        eqns.append(j)
+        s = g.eqns[j].outvars[0]
+    return eqns, s
+
+
+def _cubed(g: _Graph, p: Any, x: Any) -> list[int] | None:
+    i = g.prod(p, "integer_pow", "pow")
+    if i is None or g.eqns[i].invars[0] is not x:
+        return None
+    eqn = g.eqns[i]
+    power = eqn.params.get("y", _const(eqn.invars[1]) if len(eqn.invars) > 1 else None)
+    return [i] if power == 3 else None
+
+
+def _match_gelu_tanh(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
+    """``x * 0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))`` around tanh ``i``."""
+    m = g.prod(g.eqns[i].invars[0], "mul")
+    v = None if m is None else _with_const(g, m, _SQRT_2_OVER_PI)
+    a = None if v is None else g.prod(v, "add")
+    if a is None:
+        return None
+    for x, u in (g.eqns[a].invars, g.eqns[a].invars[::-1]):
+        c = g.prod(u, "mul")
+        p = None if c is None else _with_const(g, c, _GELU_CUBIC)
+        cube = None if p is None else _cubed(g, p, x)
+        if cube is None:
+            continue
+        one = g.sole_consumer(g.eqns[i].outvars[0], "add")
+        if one is None or _with_const(g, one[0], 1.0) is None:
+            return None
+        tail = _half_x_tail(g, g.eqns[one[0]].outvars[0], x)
+        if tail is None:
+            return None
+        return {m, a, c, *cube, i, one[0], *tail[0]}, x, tail[1]
+    return None
+
+
+def _match_gelu_erf(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
+    """``0.5 x erfc(-x/sqrt 2)`` (erfc ``i``) or ``0.5 x (1 + erf(x/sqrt 2))`` (erf ``i``)."""
+    eqn = g.eqns[i]
+    m = g.prod(eqn.invars[0], "mul")
+    inner = None if m is None else _with_const(g, m, _INV_SQRT_2)
+    if inner is None:
+        return None
+    group = {m, i}
+    if eqn.primitive.name == "erfc":
+        n = g.prod(inner, "neg")
+        if n is None:
+            return None
+        x, s = g.eqns[n].invars[0], eqn.outvars[0]
+        group.add(n)
+    else:
+        x = inner
+        one = g.sole_consumer(eqn.outvars[0], "add")
+        if one is None or _with_const(g, one[0], 1.0) is None:
+            return None
+        s = g.eqns[one[0]].outvars[0]
+        group.add(one[0])
+    tail = _half_x_tail(g, s, x)
+    return None if tail is None else (group | set(tail[0]), x, tail[1])
+
+
+def _match_silu(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
+    """``x * logistic(x)`` around logistic ``i``."""
+    x = g.eqns[i].invars[0]
+    use = g.sole_consumer(g.eqns[i].outvars[0], "mul")
+    if use is None or g.eqns[use[0]].invars[1 - use[1]] is not x:
+        return None
+    return {i, use[0]}, x, g.eqns[use[0]].outvars[0]
+
+
+def _match_relu(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
+    """``max(x, 0)``."""
+    x = _with_const(g, i, 0.0)
+    if x is None or isinstance(x, Literal):
+        return None
+    return {i}, x, g.eqns[i].outvars[0]
+
+
+def _max_shift(g: _Graph, shifted: Any) -> tuple[set[int], Any, int] | None:
+    """``x - stop_gradient(max(x))``: the eqns, ``x`` and the reduced axis."""
+    s = g.prod(shifted, "sub")
+    if s is None:
+        return None
+    x, m = g.eqns[s].invars
+    group, v = {s}, m
+    while (j := g.prod(v, "stop_gradient", "broadcast_in_dim", "max", "reduce_max")) is not None:
+        group.add(j)
+        eqn = g.eqns[j]
+        if eqn.primitive.name == "reduce_max":
+            axes = eqn.params["axes"]
+            if eqn.invars[0] is not x or len(axes) != 1:
+                return None
+            return group, x, int(axes[0])
+        v = eqn.invars[1] if eqn.primitive.name == "max" and _const(eqn.invars[0]) else None
+        v = v if v is not None else eqn.invars[0]
+    return None
+
+
+def _match_softmax(g: _Graph, i: int) -> tuple[str, set[int], Any, Any, int] | None:
+    """Softmax (``exp / sum exp``) or log-softmax (``shifted - log sum exp``) at exp ``i``."""
+    shift = _max_shift(g, g.eqns[i].invars[0])
+    if shift is None:
+        return None
+    group, x, axis = shift
+    e = g.eqns[i].outvars[0]
+    r = next(
+        (j for j, _ in g.consumers.get(e, []) if g.eqns[j].primitive.name == "reduce_sum"),
+        None,
+    )
+    if r is None:
+        return None
+    total, group = g.eqns[r].outvars[0], group | {i, r}
+    b = g.sole_consumer(total, "broadcast_in_dim")
+    if b is not None:
+        group.add(b[0])
+        total = g.eqns[b[0]].outvars[0]
+    for j, pos in g.consumers.get(total, []):
+        eqn = g.eqns[j]
+        if eqn.primitive.name == "div" and pos == 1 and eqn.invars[0] is e:
+            return "softmax", group | {j}, x, eqn.outvars[0], axis
+        if eqn.primitive.name == "log":
+            use = g.sole_consumer(eqn.outvars[0], "sub")
+            shifted = g.eqns[i].invars[0]
+            if use is not None and use[1] == 1 and g.eqns[use[0]].invars[0] is shifted:
+                return "log_softmax", group | {j, use[0]}, x, g.eqns[use[0]].outvars[0], axis
+    return None
+
+
+def _call_kind(eqn: Any) -> str | None:
+    """The op a named call (``jax.nn`` wraps some activations in jit/custom_jvp) is."""
+    if eqn.primitive.name not in _CALL_PRIMS | {"custom_jvp_call"}:
+        return None
+    name = eqn.params.get("name", "")
+    inner = eqn.params.get("call_jaxpr")
+    if not name and inner is not None and len(inner.jaxpr.eqns) == 1:
+        name = inner.jaxpr.eqns[0].params.get("name", "")  # custom_jvp(jit(f)) as in relu
+    kinds = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu"}
+    kinds |= {"log_softmax": "log_softmax", "softmax": "softmax", "_softmax": "softmax"}
+    kind = kinds.get(name)
+    ok = len(eqn.outvars) == 1 and eqn.invars and _is_float(eqn.invars[0])
+    return kind if ok else None
+
+
+def _inner_axis(eqn: Any) -> int | None:
+    """The reduced axis of the first reduce_max in a call's body (a named softmax)."""
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    for inner in getattr(closed, "jaxpr", closed).eqns:
+        if inner.primitive.name == "reduce_max" and len(inner.params["axes"]) == 1:
+            return int(inner.params["axes"][0])
+    return None
+
+
+def _find_groups(g: _Graph) -> list[tuple[str, set[int], Any, Any, Any]]:
+    """Recognised activations, softmaxes and named calls: (kind, eqns, x, out, axis)."""
+    found: list[tuple[str, set[int], Any, Any, Any]] = []
+    taken: set[int] = set()
+
+    def add(kind: str, group: set[int], x: Any, out: Any, axis: Any = None) -> None:
+        if not group & taken:
+            found.append((kind, group, x, out, axis))
+            taken.update(group)
+
+    for i, eqn in enumerate(g.eqns):
+        name = eqn.primitive.name
+        if name == "tanh" and (m := _match_gelu_tanh(g, i)):
+            add("gelu", *m)
+        elif name in ("erf", "erfc") and (m := _match_gelu_erf(g, i)):
+            add("gelu", *m)
+        elif name == "exp" and (m := _match_softmax(g, i)):
+            add(*m)
+        elif (kind := _call_kind(eqn)) is not None:
+            axis = _inner_axis(eqn) if "softmax" in kind else None
+            if "softmax" not in kind or axis is not None:
+                add(kind, {i}, eqn.invars[0], eqn.outvars[0], axis)
+    for i, eqn in enumerate(g.eqns):  # after the composite patterns that contain them
+        if i in taken or not (eqn.outvars and _is_float(eqn.outvars[0])):
+            continue
+        name = eqn.primitive.name
+        if name == "logistic" and (m := _match_silu(g, i)):
+            add("silu", *m)
+        elif name in ("tanh", "logistic"):
+            add(name, {i}, eqn.invars[0], eqn.outvars[0])
+        elif name == "max" and (m := _match_relu(g, i)):
+            add("relu", *m)
+    return found
+
+
+# -- the analysis ------------------------------------------------------------------------
+
+
+def _param_like(g: _Graph, flags: Sequence[bool]) -> dict[Any, bool]:
+    """Variables that are inputs (or consts) seen through shape-only ops: parameters."""
+    out: dict[Any, bool] = {v: True for v in g.jaxpr.constvars}
+    out.update(zip(g.jaxpr.invars, flags, strict=True))
+    for eqn in g.eqns:
+        name = eqn.primitive.name
+        floats = [v for v in eqn.invars if not isinstance(v, Literal) and _is_float(v)]
+        like = name in _SHAPE_OPS and bool(floats) and all(out.get(v, False) for v in floats)
+        for v in eqn.outvars:
+            out[v] = like
+    return out
+
+
+def _ancestors(g: _Graph) -> tuple[dict[Any, int], dict[Any, int]]:
+    """Each variable's ancestors (itself included) as a bitset over variables, and each
+    variable's bit index."""
+    index: dict[Any, int] = {}
+    anc: dict[Any, int] = {}
+    for v in [*g.jaxpr.constvars, *g.jaxpr.invars]:
+        index[v] = len(index)
+        anc[v] = 1 << index[v]
+    for eqn in g.eqns:
+        parents = 0
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                parents |= anc.get(v, 0)
+        for v in eqn.outvars:
+            index[v] = len(index)
+            anc[v] = parents | (1 << index[v])
+    return anc, index
+
+
+def _loss_mean(g: _Graph, out: Any, depth: int = 12) -> int | None:
+    """Downstream of a log-softmax: ``div(reduce_sum(...) -> scalar, N)``, the mean."""
+    frontier, seen = [out], set()
+    for _ in range(depth):
+        nxt = []
+        for v in frontier:
+            for j, _pos in g.consumers.get(v, []):
+                if j in seen:
+                    continue
+                seen.add(j)
+                eqn = g.eqns[j]
+                num = eqn.invars[0]
+                c = _const(eqn.invars[1]) if len(eqn.invars) == 2 else None
+                if (
+                    eqn.primitive.name == "div"
+                    and c is not None
+                    and c > 0
+                    and g.prod(num, "reduce_sum") is not None
+                    and getattr(num.aval, "shape", None) == ()
+                ):
+                    return j
+                nxt.extend(eqn.outvars)
+        frontier = nxt
+    return None
+
+
+def _readout(g: _Graph, logits: Any) -> int | None:
+    """The dot_general whose output reaches ``logits`` through shape-only ops."""
+    v = logits
+    while (j := g.prod(v, *_SHAPE_OPS, "dot_general")) is not None:
+        if g.eqns[j].primitive.name == "dot_general":
+            return j
+        v = g.eqns[j].invars[0]
+    return None
+
+
+def _dot_dims(eqn: Any) -> tuple[int, int, int, bool, bool]:
+    """``(k, lhs_free, rhs_free, lhs_batched, rhs_batched)`` of a dot_general."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ls, rs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    k = math.prod(ls[d] for d in lc)
+    lhs_free = math.prod(ls) // max(k * math.prod(ls[d] for d in lb), 1)
+    rhs_free = math.prod(rs) // max(k * math.prod(rs[d] for d in rb), 1)
+    return k, lhs_free, rhs_free, bool(lb), bool(rb)
+
+
+def _analyse(jaxpr: Any, flags: Sequence[bool], opts: _Options, log: list[Rewrite]) -> _Plan:
+    """Find the ops of one jaxpr to rewrite and the constants to apply."""
+    g = _Graph(jaxpr)
+    plan = _Plan(param_like=_param_like(g, flags))
+    pl = plan.param_like
+    readouts: set[int] = set()
+
+    def scale_group(group: set[int], x: Any, out: Any, o: float, s: float) -> None:
+        for j in group:
+            for pos, v in enumerate(g.eqns[j].invars):
+                if v is x:
+                    plan.operand[(j, pos)] = (1.0, s)
+        if o != 1.0:
+            plan.output[out] = o
+
+    for kind, group, x, out, axis in _find_groups(g):
+        first = g.eqns[min(group)]
+        prims = tuple(g.eqns[j].primitive.name for j in sorted(group))
+        if len(group) == 1 and first.primitive.name in _CALL_PRIMS | {"custom_jvp_call"}:
+            plan.call_groups.add(min(group))
+        plan.grouped.update(group)
+        if kind == "log_softmax":
+            mean = _loss_mean(g, out)
+            if mean is None:
+                continue  # a log-softmax that is not a loss: run unchanged
+            vocab = x.aval.shape[axis]
+            s = cross_entropy_grad_scale(vocab)
+            scale_group(group, x, out, 1.0, s)
+            plan.loss_mean[mean] = 1.0 / _const(g.eqns[mean].invars[1])
+            log.append(Rewrite("cross_entropy", prims, 1.0, (s,), _where(first)))
+            if opts.readout and (r := _readout(g, x)) is not None:
+                readouts.add(r)
+            continue
+        if kind == "softmax":
+            o, s = softmax_scales(x.aval.shape[axis])
+        elif kind == "gelu":
+            o, s = gelu_scales()
+        elif kind == "silu":
+            o, s = silu_scales()
+        else:
+            o, s = ELEMENTWISE_SCALES[kind]
+        o, s = apply_constraint(opts.constraint, o, s, op=f"unit_scale({kind})")
+        scale_group(group, x, out, o, s)
+        log.append(Rewrite(kind, prims, o, (s,), _where(first)))
+
+    anc, index = _ancestors(g)
+    for i, eqn in enumerate(g.eqns):
+        name = eqn.primitive.name
+        if i in plan.grouped or not eqn.outvars or not _is_float(eqn.outvars[0]):
+            continue
+        if name == "dot_general":
+            _plan_dot(plan, eqn, i, i in readouts, opts, log)
+        elif name in ("add", "add_any") and not any(isinstance(v, Literal) for v in eqn.invars):
+            _plan_add(plan, eqn, i, anc, index, opts, log)
+        elif name == "gather" and pl.get(eqn.invars[0]) and _size(eqn.outvars[0]):
+            s = (_size(eqn.invars[0]) / _size(eqn.outvars[0])) ** 0.5
+            plan.operand[(i, 0)] = (1.0, s)
+            log.append(Rewrite("embedding", (name,), 1.0, (s,), _where(eqn)))
+        if name in _BROADCASTING_OPS:
+            for pos, v in enumerate(eqn.invars):
+                like = not isinstance(v, Literal) and pl.get(v)
+                copies = _size(eqn.outvars[0]) // max(_size(v), 1) if like else 1
+                if copies > 1 and (i, pos) not in plan.operand:
+                    plan.operand[(i, pos)] = (1.0, copies**-0.5)
+                    log.append(
+                        Rewrite("param_broadcast", (name,), 1.0, (copies**-0.5,), _where(eqn))
+                    )
+    return plan
+
+
+def _plan_dot(plan: _Plan, eqn: Any, i: int, readout: bool, opts: _Options, log: list) -> None:
+    """Unit-scaled matmul, linear (one operand a parameter) or readout."""
+    k, lhs_free, rhs_free, lb, rb = _dot_dims(eqn)
+    out_s, lhs_s, rhs_s = dot_scales(k, lhs_free, rhs_free)
+    lhs, rhs = eqn.invars
+    weight = 1 if plan.param_like.get(rhs) and not rb else None
+    if weight is None and plan.param_like.get(lhs) and not lb:
+        weight = 0
+    if weight is None:
+        kind = "matmul"
+        out_s, lhs_s, rhs_s = apply_constraint(opts.constraint, out_s, lhs_s, rhs_s, op=kind)
+    elif readout:
+        kind, out_s = "readout", 1.0 / k
+    else:
+        kind = "linear"
+        grads = [lhs_s, rhs_s]
+        out_s, grads[1 - weight] = apply_constraint(opts.constraint, out_s, grads[1 - weight])
+        lhs_s, rhs_s = grads
+    plan.operand[(i, 0)] = (1.0, lhs_s)
+    plan.operand[(i, 1)] = (1.0, rhs_s)
+    plan.output[eqn.outvars[0]] = out_s
+    log.append(Rewrite(kind, ("dot_general",), out_s, (lhs_s, rhs_s), _where(eqn)))
+
+
+def _plan_add(
+    plan: _Plan, eqn: Any, i: int, anc: dict, index: dict, opts: _Options, log: list
+) -> None:
+    """A residual add (one operand is an ancestor of the other) becomes
+    residual_split/residual_add; an add of two activations is U.add; a bias add stays."""
+    a, b = eqn.invars
+    for skip, res, skip_pos, res_pos in ((a, b, 0, 1), (b, a, 1, 0)):
+        if anc.get(res, 0) >> index[skip] & 1:
+            res_s, skip_s = residual_scales(opts.tau)
+            plan.operand[(i, skip_pos)] = (skip_s, skip_s)
+            plan.operand[(i, res_pos)] = (res_s, 1.0)
+            plan.default_read[skip] = (1.0, res_s)
+            log.append(
+                Rewrite("residual", (eqn.primitive.name,), 1.0, (res_s, skip_s), _where(eqn))
+            )
+            return
+    if plan.param_like.get(a) or plan.param_like.get(b):
+        return  # a bias (or other parameter) add keeps its value
+    s = 2**-0.5
+    plan.output[eqn.outvars[0]] = s
+    log.append(Rewrite("add", (eqn.primitive.name,), s, (1.0, 1.0), _where(eqn)))
+
+
+# -- the interpreter ---------------------------------------------------------------------
+
+
+def _scaled(x: Any, fwd: float, bwd: float) -> Any:
+    if bwd != 1.0:
+        x = scale_bwd(x, bwd)
+    if fwd != 1.0:
+        x = scale_fwd(x, fwd)
+    return x
+
+
+def _contains(jaxpr: Any, prim: str) -> bool:
+    """Whether ``prim`` occurs in ``jaxpr`` or any of its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == prim:
+            return True
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            if _contains(sub, prim):
+                return True
+    return False
+
+
+class _Interpreter:
+    """Runs jaxprs with the rewrites of `_analyse`; records them in ``log``."""
+
+    def __init__(self, opts: _Options):
+        self.opts = opts
+        self.log: list[Rewrite] = []
+
+    def run_closed(self, closed: Any, args: Sequence[Any], flags: Sequence[bool]) -> list[Any]:
+        return self.run(closed.jaxpr, closed.consts, args, flags)
+
+    def run(
+        self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], flags: Sequence[bool]
+    ) -> list[Any]:
+        plan = _analyse(jaxpr, flags, self.opts, self.log)
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        cache: dict[tuple[Any, tuple[float, float]], Any] = {}
+
+        def read(v: Any, i: int, pos: int) -> Any:
+            if isinstance(v, Literal):
+                return v.val
+            fb = plan.operand.get((i, pos), plan.default_read.get(v))
+            if fb is None or fb == (1.0, 1.0):
+                return env[v]
+            if (v, fb) not in cache:
+                cache[(v, fb)] = _scaled(env[v], *fb)
+            return cache[(v, fb)]
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            invals = [read(v, i, pos) for pos, v in enumerate(eqn.invars)]
+            if i in plan.loss_mean:
+                outvals = [scale_fwd(invals[0], plan.loss_mean[i])]
+            elif i in plan.call_groups:
+                outvals = bind_plain(eqn, invals)
+            else:
+                sub_flags = [
+                    not isinstance(v, Literal) and bool(plan.param_like.get(v)) for v in eqn.invars
+                ]
+                outvals = self.apply(eqn, invals, sub_flags)
+            for v, out in zip(eqn.outvars, outvals, strict=True):
+                env[v] = scale_fwd(out, plan.output[v]) if v in plan.output else out
+        return [read(v, -1, -1) for v in jaxpr.outvars]
+
+    def apply(self, eqn: Any, invals: list[Any], flags: list[bool]) -> list[Any]:
+        """Bind ``eqn``, recursing into the bodies of higher-order primitives."""
+        name, p = eqn.primitive.name, eqn.params
+        if name in _CALL_PRIMS:
+            closed = p.get("jaxpr", p.get("call_jaxpr"))
+            with jax.named_scope(p.get("name") or name):
+                if hasattr(closed, "consts"):
+                    return self.run_closed(closed, invals, flags)
+                return self.run(closed, [], invals, flags)
+        if name == "custom_jvp_call" and _contains(p["call_jaxpr"].jaxpr, "dot_general"):
+            return self.run_closed(p["call_jaxpr"], invals, flags)
+        if name in ("checkpoint", "remat2"):
+            body = functools.partial(self.run, p["jaxpr"], [], flags=flags)
+            remat = jax.checkpoint(
+                lambda *a: body(a), prevent_cse=p["prevent_cse"], policy=p["policy"]
+            )
+            return list(remat(*invals))
+        if name == "scan":
+            return self._scan(p, invals, flags)
+        if name == "while":
+            return self._while(p, invals, flags)
+        if name == "cond":
+            return self._cond(p, invals, flags)
+        return bind_plain(eqn, invals)
+
+    def _scan(self, p: dict, invals: list[Any], flags: list[bool]) -> list[Any]:
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+        body_flags = [*flags[:nc], *([False] * nk), *flags[nc + nk :]]
+
+        def step(carry: list, x: list) -> tuple[list, list]:
+            outs = self.run_closed(p["jaxpr"], [*consts, *carry, *x], body_flags)
+            return outs[:nk], outs[nk:]
+
+        carry, ys = lax.scan(
+            step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+        )
+        return [*carry, *ys]
+
+    def _while(self, p: dict, invals: list[Any], flags: list[bool]) -> list[Any]:
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cc, bc, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+        bflags = [*flags[nc : nc + nb], *([False] * len(init))]
+
+        def cond_fn(carry: list) -> Any:
+            return jax.extend.core.jaxpr_as_fun(p["cond_jaxpr"])(*cc, *carry)[0]
+
+        def body_fn(carry: list) -> list:
+            return self.run_closed(p["body_jaxpr"], [*bc, *carry], bflags)
+
+        return list(lax.while_loop(cond_fn, body_fn, list(init)))
+
+    def _cond(self, p: dict, invals: list[Any], flags: list[bool]) -> list[Any]:
+        index, ops = invals[0], invals[1:]
+        branches = [
+            functools.partial(lambda b, *a: self.run_closed(b, a, flags[1:]), b)
+            for b in p["branches"]
+        ]
+        return list(lax.switch(index, branches, *ops))
+
+
+# -- the public transform ----------------------------------------------------------------
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic) or hasattr(leaf, "aval")
+
+
+def unit_scale(
+    fn: Callable[..., Any],
+    *,
+    tau: float = 1.0,
+    constraint: str | None = "to_output_scale",
+    readout: bool = True,
+) -> Callable[..., Any]:
+    """Unit-scale ``fn`` automatically: the same function with unit-scaled ops.
+
+    ``fn`` is traced to a jaxpr on its array arguments (other leaves are static) and
+    interpreted: dot_generals become unit-scaled matmuls (linear when one operand is a
+    parameter, the u-μP readout when it produces the logits of a recognised loss), GELU,
+    SiLU, ReLU, tanh, sigmoid and softmax get their unit scales, a log-softmax followed
+    by a mean keeps its value and gets `U.cross_entropy`'s gradient scale, and an add
+    whose operands share an ancestor becomes residual_split/residual_add with ``tau``.
+    Weights are used as they are: initialise them with unit std. ``constraint`` ties
+    each op's output and input-gradient scales as in `scalescope.unit`; ``readout=False``
+    treats the logits projection as an ordinary linear.
+
+    The returned function has ``fn``'s signature and outputs, composes with `jax.jit`
+    and `jax.grad`, and has a ``rewrites`` attribute: the list of `Rewrite` made by its
+    latest trace.
+    """
+    if not callable(fn):
+        raise TypeError(f"unit_scale: fn must be callable, got {type(fn).__name__}")
+    if isinstance(tau, bool) or not (isinstance(tau, int | float) and math.isfinite(tau)):
+        raise ValueError(f"unit_scale: tau must be a finite number >= 0, got {tau!r}")
+    if tau < 0:
+        raise ValueError(f"unit_scale: tau must be a finite number >= 0, got {tau!r}")
+    validate_constraint(constraint, "unit_scale")
+    opts = _Options(float(tau), constraint, bool(readout))
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        dyn = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+
+        def flat_fn(*vals: Any) -> Any:
+            full = list(leaves)
+            for i, val in zip(dyn, vals, strict=True):
+                full[i] = val
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            return fn(*a, **k)
+
+        dyn_vals = [leaves[i] for i in dyn]
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
+        interp = _Interpreter(opts)
+        flags = [_is_float(v) for v in closed.jaxpr.invars]
+        outs = interp.run_closed(closed, dyn_vals, flags)
+        wrapped.rewrites = interp.log
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+    wrapped.rewrites = []
+    return wrapped
+
+
+__all__ = ["ELEMENTWISE_SCALES", "Rewrite", "unit_scale"]

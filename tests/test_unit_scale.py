@@ -1,0 +1,290 @@
+"""`ss.unit_scale`: the automatic unit-scaling transform on a jaxpr.
+
+Small models, jit once per module-scope fixture: the whole file runs in well under a
+minute on one CPU core.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scalescope as ss
+import scalescope.unit as U
+from sample_models.gpt import GPTConfig, gpt_forward, gpt_loss, init_gpt
+from sample_models.losses import cross_entropy
+
+WIDTHS = (512, 1024, 256, 512)
+BATCH = 256
+
+
+def _unit_normal_like(tree, seed=0):
+    """Weights (2-D and more) re-drawn with unit std; vectors (biases, norm gains) kept."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return treedef.unflatten(
+        [
+            jax.random.normal(k, x.shape, jnp.float32) if x.ndim >= 2 else x
+            for k, x in zip(keys, leaves, strict=True)
+        ]
+    )
+
+
+def _mlp(params, x):
+    for i, p in enumerate(params):
+        x = x @ p["w"] + p["b"]
+        if i < len(params) - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def _vjp_stats(fn, params, x, seed=1):
+    """Std of ``fn``'s output and of each parameter gradient for a unit-normal cotangent."""
+    out, vjp = jax.vjp(fn, params, x)
+    ct = jax.random.normal(jax.random.PRNGKey(seed), out.shape, out.dtype)
+    grads, _ = vjp(ct)
+    return jnp.std(out), [jnp.std(g) for g in jax.tree.leaves(grads)]
+
+
+@pytest.fixture(scope="module")
+def mlp_setup():
+    params = _unit_normal_like(
+        [{"w": jnp.zeros((a, b)), "b": jnp.zeros((b,))} for a, b in zip(WIDTHS, WIDTHS[1:])]
+    )
+    x = jax.random.normal(jax.random.PRNGKey(2), (BATCH, WIDTHS[0]))
+    return params, x
+
+
+def test_mlp_outputs_and_gradients_are_unit(mlp_setup):
+    """Unconstrained scales (``constraint=None``) make both passes unit for any widths;
+    the default ``"to_output_scale"`` uses ``fan_in^-1/2`` backward, off by
+    ``sqrt(fan_out / fan_in)`` when the widths differ (as here)."""
+    params, x = mlp_setup
+    scaled = ss.unit_scale(_mlp, constraint=None)
+    out_std, grad_stds = jax.jit(lambda p, x: _vjp_stats(scaled, p, x))(params, x)
+    grad_stds = [float(s) for s in grad_stds]
+    assert abs(out_std - 1) < 0.2
+    assert all(abs(s - 1) < 0.2 for s in grad_stds), grad_stds
+    # the plain MLP with the same unit weights is far from unit scale: the test discriminates
+    plain_out, plain_grads = jax.jit(lambda p, x: _vjp_stats(_mlp, p, x))(params, x)
+    assert float(plain_out) > 100
+    assert max(float(s) for s in plain_grads) > 100
+    kinds = [r.kind for r in scaled.rewrites]
+    assert kinds.count("linear") == 3 and kinds.count("relu") == 2
+    assert "residual" not in kinds
+
+
+def test_composes_with_jit_and_grad(mlp_setup):
+    params, x = mlp_setup
+    loss = ss.unit_scale(lambda p, x: jnp.mean(_mlp(p, x) ** 2))
+    g_eager = jax.grad(loss)(params, x)
+    g_jit = jax.jit(jax.grad(loss))(params, x)
+    for a, b in zip(jax.tree.leaves(g_eager), jax.tree.leaves(g_jit), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-5)
+    # the forward value is the unit-scaled one, not the plain one
+    assert jnp.isfinite(jax.jit(loss)(params, x))
+    assert float(jax.jit(loss)(params, x)) < 0.1 * float(jnp.mean(_mlp(params, x) ** 2))
+
+
+def test_gelu_is_one_op_not_a_residual_add():
+    def f(w, x):
+        return jax.nn.gelu(x @ w, approximate=True)
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (256, 256))
+    x = jax.random.normal(jax.random.PRNGKey(1), (128, 256))
+    scaled = ss.unit_scale(f)
+    y = scaled(w, x)
+    kinds = [r.kind for r in scaled.rewrites]
+    assert kinds.count("gelu") == 1
+    assert "residual" not in kinds and "add" not in kinds
+    gelu = next(r for r in scaled.rewrites if r.kind == "gelu")
+    assert "tanh" in gelu.primitives and "integer_pow" in gelu.primitives
+    assert len(gelu.primitives) >= 7
+    np.testing.assert_allclose(y, U.gelu(U.linear(x, w), approximate=True), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("act", "kind"),
+    [
+        (lambda v: jax.nn.gelu(v, approximate=False), "gelu"),
+        (jax.nn.silu, "silu"),
+        (jax.nn.relu, "relu"),
+        (jnp.tanh, "tanh"),
+        (jax.nn.sigmoid, "logistic"),
+        (lambda v: jax.nn.softmax(v, axis=-1), "softmax"),
+    ],
+)
+def test_activation_patterns(act, kind):
+    scaled = ss.unit_scale(act)
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, 32))
+    y = scaled(x)
+    assert [r.kind for r in scaled.rewrites] == [kind]
+    r = scaled.rewrites[0]
+    np.testing.assert_allclose(y, act(x) * r.output_scale, rtol=1e-5, atol=1e-6)
+
+
+def test_residual_add_is_split_and_scaled():
+    def f(w, x):
+        return x + jnp.tanh(x @ w)
+
+    scaled = ss.unit_scale(f, tau=1.0)
+    w = jax.random.normal(jax.random.PRNGKey(0), (128, 128))
+    x = jax.random.normal(jax.random.PRNGKey(1), (64, 128))
+    y = scaled(w, x)
+    res = next(r for r in scaled.rewrites if r.kind == "residual")
+    assert res.grad_scales == pytest.approx((2**-0.5, 2**-0.5))
+    branch = U.scale_fwd(jnp.tanh(U.linear(x, w)), U.transform.ELEMENTWISE_SCALES["tanh"][0])
+    np.testing.assert_allclose(y, U.residual_add(branch, x), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="callable"):
+        ss.unit_scale(3)
+    with pytest.raises(ValueError, match="tau"):
+        ss.unit_scale(jnp.sin, tau=-1.0)
+    with pytest.raises(ValueError, match="constraint"):
+        ss.unit_scale(jnp.sin, constraint="nope")
+
+
+# -- the sample GPT, unmodified -----------------------------------------------------------
+
+GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_heads=4, n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def gpt_run():
+    params = _unit_normal_like(init_gpt(jax.random.PRNGKey(0), GPT_CFG))
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (16, 16), 0, GPT_CFG.vocab_size)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+    loss = ss.unit_scale(lambda p, b: gpt_loss(p, b, GPT_CFG))
+    value, grads = jax.jit(jax.value_and_grad(loss))(params, batch)
+
+    def loss_and_logits(p, b):
+        logits = gpt_forward(p, b["inputs"], GPT_CFG)
+        return cross_entropy(logits, b["targets"]), logits
+
+    _, us_logits = jax.jit(ss.unit_scale(loss_and_logits))(params, batch)
+    plain_value, plain_grads = jax.jit(jax.value_and_grad(lambda p, b: gpt_loss(p, b, GPT_CFG)))(
+        params, batch
+    )
+    return {
+        "value": value,
+        "grads": grads,
+        "logits": us_logits,
+        "batch": batch,
+        "rewrites": loss.rewrites,
+        "plain_value": plain_value,
+        "plain_grads": plain_grads,
+    }
+
+
+def test_gpt_loss_value_is_the_standard_cross_entropy(gpt_run):
+    """The transform scales the forward pass (matmuls, activations, the readout), so the
+    loss differs from the plain model's; the loss reduction itself keeps its standard
+    value (only its gradient is scaled): it equals the standard mean cross entropy of
+    the unit-scaled logits. The u-μP readout (output scale 1/d) makes those logits small,
+    so the loss is close to log(vocab)."""
+    r = gpt_run
+    expected = cross_entropy(r["logits"], r["batch"]["targets"])
+    np.testing.assert_allclose(r["value"], expected, rtol=1e-5)
+    assert abs(float(r["value"]) - np.log(GPT_CFG.vocab_size)) < 0.5
+    assert float(r["plain_value"]) > 2 * np.log(GPT_CFG.vocab_size)
+
+
+def test_gpt_rewrites(gpt_run):
+    kinds = [r.kind for r in gpt_run["rewrites"]]
+    n = GPT_CFG.n_layers
+    assert kinds.count("gelu") == n and kinds.count("softmax") == n
+    assert kinds.count("residual") == 2 * n  # exactly the residual adds, not GELU's add
+    assert kinds.count("cross_entropy") == 1 and kinds.count("readout") == 1
+    assert kinds.count("linear") == 4 * n and kinds.count("matmul") == 2 * n
+    assert kinds.count("embedding") == 1
+
+
+def test_gpt_gradients_near_unit(gpt_run):
+    """Every parameter gradient of the unmodified sample GPT (unit-std weights, zero
+    biases, unit LayerNorm gains) has std within [0.25, 2.5], and the readout-side ones
+    (head, ln_f) 1 ± 0.2.
+
+    The ± 0.2 band of the MLP is not reachable for every GPT parameter, for reasons of
+    the unit-scaling rules themselves, not of the transform: the default
+    ``"to_output_scale"`` constraint gives linears a backward scale ``fan_in^-1/2``
+    instead of ``fan_out^-1/2`` (off by sqrt(3) for qkv, 1/2 for the MLP's down
+    projection, compounding with depth); at init the causal softmax is nearly flat, so
+    q/k gradients are small (as with U.scaled_dot_product_attention); and biases and
+    LayerNorm gains receive the residual stream's gradient, which the residual rule only
+    keeps unit on the sum of both branches. The plain model is far outside the band.
+    """
+    stds = {
+        jax.tree_util.keystr(k): float(jnp.std(v))
+        for k, v in jax.tree_util.tree_flatten_with_path(gpt_run["grads"])[0]
+    }
+    assert all(0.25 < s < 2.5 for s in stds.values()), stds
+    for name in ("['head']['w']", "['ln_f']['scale']", "['ln_f']['bias']"):
+        assert abs(stds[name] - 1) < 0.2, (name, stds[name])
+    plain = [float(jnp.std(v)) for v in jax.tree.leaves(gpt_run["plain_grads"])]
+    assert not all(0.25 < s < 2.5 for s in plain)
+
+
+# -- Flax ---------------------------------------------------------------------------------
+
+
+def test_flax_linen_mlp():
+    nn = pytest.importorskip("flax.linen")
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.gelu(nn.Dense(512)(x))
+            return nn.Dense(256)(x)
+
+    model = MLP()
+    x = jax.random.normal(jax.random.PRNGKey(0), (BATCH, 256))
+    variables = _unit_normal_like(model.init(jax.random.PRNGKey(1), x))
+    scaled = ss.unit_scale(model.apply)
+    out_std, grad_stds = jax.jit(lambda v, x: _vjp_stats(scaled, v, x))(variables, x)
+    grad_stds = [float(s) for s in grad_stds]
+    assert abs(out_std - 1) < 0.2
+    assert all(abs(s - 1) < 0.25 for s in grad_stds), grad_stds
+    kinds = [r.kind for r in scaled.rewrites]
+    assert kinds.count("linear") == 2 and kinds.count("gelu") == 1
+
+
+def test_flax_nnx_mlp():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(1.0)
+            self.fc = nnx.Linear(256, 512, kernel_init=init, rngs=rngs)
+            self.out = nnx.Linear(512, 256, kernel_init=init, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jax.nn.silu(self.fc(x)))
+
+    graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (BATCH, 256))
+    scaled = ss.unit_scale(apply)
+    out_std, grad_stds = jax.jit(lambda s, x: _vjp_stats(scaled, s, x))(state, x)
+    grad_stds = [float(s) for s in grad_stds]
+    assert abs(out_std - 1) < 0.2
+    assert all(abs(s - 1) < 0.25 for s in grad_stds), grad_stds
+    kinds = [r.kind for r in scaled.rewrites]
+    assert kinds.count("linear") == 2 and kinds.count("silu") == 1
+
+
+def test_scan_layers_gpt_is_transformed():
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_heads=2, n_layers=2, scan_layers=True)
+    params = _unit_normal_like(init_gpt(jax.random.PRNGKey(0), cfg))
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 8), 0, cfg.vocab_size)
+    loss = ss.unit_scale(lambda p, b: gpt_loss(p, b, cfg))
+    grads = jax.jit(jax.grad(loss))(params, {"inputs": tokens, "targets": tokens})
+    kinds = [r.kind for r in loss.rewrites]
+    assert kinds.count("residual") == 2 and kinds.count("gelu") == 1  # the body, once
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
