@@ -12,7 +12,11 @@ steps), validation loss, gap to fp32 in %, steps/s. Rows:
 - ``fp8-fp16-opt``: the same FP8 recipe with FP16 AdamW state (``scalescope train
   --precision fp8``);
 - ``fp8-naive``: the same FP8 casts on plain values, no scale propagation (FP32 weights and
-  state, so only the casts differ from fp32).
+  state, so only the casts differ from fp32);
+- ``unit-fp8``: static unit scaling instead of scalify: the same plain GPT transformed by
+  ``ss.unit_scale``, unit-std weights, the same FP8 casts, FP32 weights and state, peak
+  learning rate 0.1 (re-tuned, as the unit-scaling library does: see
+  `sample_models.precision`).
 
 Goal (the Scalify paper's bar: GPT-2 168M on WikiText-103, training loss FP32 2.87, FP8
 2.92-2.93, i.e. +1.7 to +2.1 %): scalified fp8 within 2 % of fp32, naive fp8 clearly worse.
@@ -60,6 +64,7 @@ ROWS: dict[str, Row] = {
         Row("fp8", "fp8", "float32", "fp16", "fp32", "scalified FP8 matmuls (E4M3 fwd, E5M2 bwd)"),
         Row("fp8-fp16-opt", "fp8", None, "fp16", "fp16", "scalified FP8, FP16 optimizer state"),
         Row("fp8-naive", "fp8-naive", None, "fp32", "fp32", "the same FP8 casts, no scalify"),
+        Row("unit-fp8", "unit-fp8", None, "fp32", "fp32", "unit-scaled model (static), FP8 casts"),
     )
 }
 DEFAULT_ROWS = tuple(ROWS)

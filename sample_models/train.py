@@ -11,6 +11,7 @@ propagation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -28,11 +29,11 @@ import scalescope as ss
 from sample_models import data as D
 from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
 from sample_models.mlp import MLPConfig, init_mlp, mlp_accuracy, mlp_loss
-from sample_models.precision import SCALIFIED, get_precision
+from sample_models.precision import SCALIFIED, get_precision, unit_init
 from sample_models.train_step import make_train_step, with_state_dtype
 
 MODELS = ("gpt", "mlp")
-PRECISION_NAMES = ("fp32", "fp16", "fp8", "fp8-static", "fp8-naive")
+PRECISION_NAMES = ("fp32", "fp16", "fp8", "fp8-static", "fp8-naive", "unit-fp8")
 OPT_STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -45,7 +46,7 @@ class TrainConfig:
     steps: int = 1000
     seed: int = 0
     batch: int = 32
-    learning_rate: float = 2e-3
+    learning_rate: float | None = None  # None: the recipe's (`Precision.learning_rate`)
     weight_decay: float = 0.01
     eval_every: int = 0  # 0: about ten evaluations per run
     eval_batches: int = 8
@@ -148,14 +149,38 @@ def _mlp_task(cfg: TrainConfig) -> Task:
 
 def make_task(cfg: TrainConfig) -> Task:
     cfg.check()
-    return _gpt_task(cfg) if cfg.model == "gpt" else _mlp_task(cfg)
+    task = _gpt_task(cfg) if cfg.model == "gpt" else _mlp_task(cfg)
+    if get_precision(cfg.precision).unit:
+        task = _unit_scaled(task, cfg.seed)
+    return task
+
+
+def _unit_scaled(task: Task, seed: int) -> Task:
+    """The task's model under static unit scaling: the plain loss (and metric) transformed
+    by `ss.unit_scale`, weights redrawn at unit standard deviation."""
+    metric = task.metric_fn
+    return dataclasses.replace(
+        task,
+        loss_fn=ss.unit_scale(task.loss_fn),
+        metric_fn=None if metric is None else ss.unit_scale(metric),
+        params=unit_init(task.params, jax.random.key(seed + 1)),
+        info={**task.info, "unit_scaled": True},
+    )
+
+
+def peak_learning_rate(cfg: TrainConfig) -> float:
+    """``cfg.learning_rate``, or the recipe's own when it is None (2e-3; 0.1 for the
+    statically unit-scaled recipe, whose weights have unit standard deviation)."""
+    if cfg.learning_rate is not None:
+        return float(cfg.learning_rate)
+    return get_precision(cfg.precision).learning_rate
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Cosine decay from ``learning_rate`` to zero over the run, after a short warm-up."""
     warmup = max(1, min(100, cfg.steps // 10))
     return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1)
+        0.0, peak_learning_rate(cfg), warmup, max(cfg.steps, warmup + 1)
     )
 
 
@@ -249,6 +274,7 @@ def train(
     eval_every = cfg.eval_every or max(1, cfg.steps // 10)
     config = {
         **asdict(cfg),
+        "learning_rate": peak_learning_rate(cfg),
         "every": every,
         "budget": budget,
         "sample": sample,

@@ -21,11 +21,15 @@ def _add_train(sub) -> None:
         help="train a sample model in one precision and record it into a run directory",
         description="Train the sample char GPT (Shakespeare) or MLP (Fashion-MNIST) and record "
         "statistics of every op every K steps into RUN. fp16/fp8 run under scalify; fp8-naive "
-        "applies the same FP8 casts without it.",
+        "applies the same FP8 casts without it; unit-fp8 applies them to the statically "
+        "unit-scaled model.",
     )
     p.add_argument("model", choices=("gpt", "mlp"))
     p.add_argument(
-        "--precision", choices=("fp32", "fp16", "fp8", "fp8-static", "fp8-naive"), default="fp32"
+        "--precision",
+        choices=("fp32", "fp16", "fp8", "fp8-static", "fp8-naive", "unit-fp8"),
+        default="fp32",
+        help="unit-fp8: the model unit-scaled by ss.unit_scale (static), FP8 casts, no scalify",
     )
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--run", required=True, metavar="DIR", help="run directory (created)")
@@ -47,7 +51,12 @@ def _add_train(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=None, help="default: 32 (gpt), 128 (mlp)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak AdamW learning rate (default: the recipe's, 2e-3; 0.1 for unit-fp8)",
+    )
     p.add_argument(
         "--data",
         choices=("auto", "full", "vendored"),

@@ -132,3 +132,37 @@ def test_train_config_opt_state_dtype_defaults_to_the_params_and_is_checked():
     assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {np.dtype("float32")}
     with pytest.raises(ValueError, match="opt_state_dtype"):
         TrainConfig(opt_state_dtype="fp8").check()
+
+
+@pytest.mark.slow
+def test_train_gpt_unit_fp8_is_the_unit_scaled_model_and_learns(tmp_path):
+    """`--precision unit-fp8`: the plain GPT transformed by `ss.unit_scale` (no scalify),
+    unit-std weights, FP8 casts, the recipe's own learning rate; it trains."""
+    run = _train(tmp_path, "gpt", "unit-fp8", [*TINY_GPT, "--data", "vendored"], steps=40, every=39)
+    reader = _check_run(run, "unit-fp8", 40, 39)
+    cfg = reader.config
+    assert cfg["unit_scaled"] is True and cfg["scalify"] is False
+    assert cfg["learning_rate"] == 0.1  # the recipe's default, recorded
+    assert (reader.ops["dtype"].str.startswith("float8")).any()  # the casts are there
+    weights = reader.stats("rms", ops=r"input/params/(?:wte|blocks/0/attn/qkv/w)$", steps=0)
+    assert len(weights) == 2, reader.ops["name"].head(12).tolist()
+    assert np.allclose(weights["value"], 1.0, atol=0.1)  # unit-std initial weights
+    loss = reader.scalars["loss"].to_numpy(np.float64)
+    assert np.isfinite(loss).all() and loss[-5:].mean() < loss[:5].mean() - 0.3
+
+
+def test_unit_init_redraws_weights_only():
+    import jax
+
+    from sample_models.gpt import GPTConfig, init_gpt
+    from sample_models.precision import unit_init
+
+    params = init_gpt(jax.random.key(0), GPTConfig(d_model=32, n_layers=1, scan_layers=True))
+    new = unit_init(params, jax.random.key(1))
+    assert 0.9 < float(np.std(np.asarray(new["wte"]))) < 1.1
+    assert 0.9 < float(np.std(np.asarray(new["blocks"]["mlp"]["fc"]["w"]))) < 1.1
+    np.testing.assert_array_equal(new["ln_f"]["scale"], params["ln_f"]["scale"])
+    np.testing.assert_array_equal(new["blocks"]["ln_1"]["scale"], params["blocks"]["ln_1"]["scale"])
+    np.testing.assert_array_equal(
+        new["blocks"]["attn"]["qkv"]["b"], params["blocks"]["attn"]["qkv"]["b"]
+    )
