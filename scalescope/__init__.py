@@ -5,7 +5,7 @@ from .core import formats
 from .core.formats import Format
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
 from .notebook import load_notebook, show
-from .probe import OpRecord, OpTable, instrument, stats_frame
+from .probe import OpRecord, OpTable, instrument, scale_graph, stats_frame
 from .scalify import ScalifyError, register_rule, scalify
 from .store import (
     NotARunError,
@@ -43,6 +43,7 @@ __all__ = [
     "open_run",
     "ops",
     "register_rule",
+    "scale_graph",
     "scalify",
     "show",
     "stats_frame",

@@ -17,6 +17,7 @@ from .kernel import (
 )
 from .names import PASS_SCOPES
 from .optable import NOTES, OpRecord, OpTable, stats_frame
+from .scale_graph import scale_graph
 
 __all__ = [
     "BASIC_STATS",
@@ -28,6 +29,7 @@ __all__ = [
     "NOTES",
     "PASS_SCOPES",
     "OpRecord",
+    "scale_graph",
     "OpTable",
     "StatSpec",
     "instrument",

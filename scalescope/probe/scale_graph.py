@@ -1,0 +1,142 @@
+"""The scale graph: every op's forward RMS and gradient RMS, on one log2 axis.
+
+Unit scaling's analysis plot. The gradient of a forward value is not in a differentiated
+step's jaxpr as such (after AD nothing links a value to its cotangent), so it is computed
+directly: the loss is evaluated equation by equation with a zero added to every floating
+output, and the gradient of the loss with respect to those zeros is each value's
+gradient, exactly (the perturbations do not change any value).
+
+``scale_graph(loss_fn, *args)`` returns one row per floating value the loss computes.
+Calls (``jit``) are entered; loops, branches and custom-derivative calls count as one op
+(their outputs are perturbed, not their insides, so their own derivative rules stay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pandas as pd
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from ..scalify.interpreter import bind_plain
+from ..scalify.source import format_source
+from .names import Scope, op_name, parse
+
+#: Call primitives whose body is entered (the others are one op each).
+_CALLS = ("jit", "pjit", "closed_call", "core_call")
+
+COLUMNS = ("name", "primitive", "shape", "dtype", "source", "fwd_log2_rms", "grad_log2_rms")
+
+
+def _is_float(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and aval.shape != ()
+
+
+def _body(eqn: Any) -> Jaxpr | None:
+    if eqn.primitive.name not in _CALLS:
+        return None
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return inner.jaxpr if isinstance(inner, ClosedJaxpr) else inner
+
+
+def _consts(eqn: Any) -> Sequence[Any]:
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return inner.consts if isinstance(inner, ClosedJaxpr) else ()
+
+
+def _walk(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], scope: Scope, hook) -> list:
+    """Evaluate ``jaxpr``; every floating non-scalar output of an op goes through
+    ``hook(value, eqn, var, scope)``, which returns the value to carry on with."""
+    env: dict[Any, Any] = {}
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        inner = scope.join(parse(eqn.source_info.name_stack))
+        body = _body(eqn)
+        if body is not None:
+            outs = _walk(body, _consts(eqn), invals, inner, hook)
+        else:
+            outs = bind_plain(eqn, invals)
+            outs = [
+                hook(out, eqn, var, inner) if _is_float(var.aval) else out
+                for var, out in zip(eqn.outvars, outs)
+            ]
+        for v, out in zip(eqn.outvars, outs):
+            env[v] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _describe(eqn: Any, var: Any, scope: Scope) -> dict[str, Any]:
+    return {
+        "name": op_name(scope, eqn.primitive.name),
+        "primitive": eqn.primitive.name,
+        "shape": tuple(var.aval.shape),
+        "dtype": str(var.aval.dtype),
+        "source": format_source(eqn.source_info),
+    }
+
+
+def _log2_rms(x: Any) -> float:
+    x = np.asarray(x, np.float64)
+    rms = float(np.sqrt(np.mean(x * x))) if x.size else 0.0
+    return float(np.log2(rms)) if rms > 0 and np.isfinite(rms) else float("nan")
+
+
+def scale_graph(loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
+    """One row per floating non-scalar value ``loss_fn(*args)`` computes: its op name
+    (scopes as the probe names them), primitive, shape, dtype, source line, and the log2
+    RMS of the value (``fwd_log2_rms``) and of the loss's gradient with respect to it
+    (``grad_log2_rms``). ``loss_fn`` must return one floating scalar. NaN where an RMS is
+    0 or not finite."""
+    if not callable(loss_fn):
+        raise TypeError(f"scale_graph: loss_fn must be callable, got {type(loss_fn).__name__}")
+    flat, tree = jax.tree_util.tree_flatten(args)
+    closed = jax.make_jaxpr(lambda *a: loss_fn(*jax.tree_util.tree_unflatten(tree, a)))(*flat)
+    out = closed.out_avals
+    if len(out) != 1 or out[0].shape != () or not jnp.issubdtype(out[0].dtype, jnp.floating):
+        got = [f"{a.dtype}{list(a.shape)}" for a in out]
+        raise ValueError(f"scale_graph: loss_fn must return one floating scalar, got {got}")
+
+    rows: list[dict[str, Any]] = []
+    shapes: list[Any] = []
+
+    def describe(value, eqn, var, scope):
+        rows.append(_describe(eqn, var, scope))
+        shapes.append(jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype))
+        return value
+
+    jax.eval_shape(lambda *a: _walk(closed.jaxpr, closed.consts, a, Scope(), describe), *flat)
+
+    def perturbed(perts, *a):
+        values: list[Any] = []
+
+        def add(value, eqn, var, scope):
+            values.append(value)
+            return value + perts[len(values) - 1]
+
+        (loss,) = _walk(closed.jaxpr, closed.consts, a, Scope(), add)
+        return jnp.asarray(loss, jnp.float32), values
+
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+    grad_fn = jax.jit(jax.value_and_grad(perturbed, has_aux=True))
+    (_, values), grads = grad_fn(zeros, *flat)
+    frame = pd.DataFrame(rows, columns=list(COLUMNS[:5]))
+    frame["fwd_log2_rms"] = [_log2_rms(v) for v in values]
+    frame["grad_log2_rms"] = [_log2_rms(g) for g in grads]
+    frame.index.name = "op"
+    return frame
+
+
+__all__ = ["COLUMNS", "scale_graph"]

@@ -1,0 +1,74 @@
+"""`ss.scale_graph`: every op's value and gradient RMS, against a NumPy forward/backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scalescope as ss
+from scalescope.viz.scale_graph import scale_graph_figure
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((32, 24)).astype(np.float32)
+W1 = (RNG.standard_normal((24, 48)) * 0.3).astype(np.float32)
+W2 = (RNG.standard_normal((48, 8)) * 0.05).astype(np.float32)
+
+
+def _loss(p, x):
+    with jax.named_scope("mlp"):
+        h = jax.nn.relu(x @ p["w1"])  # a custom_jvp call: one op
+        y = h @ p["w2"]
+    return jnp.mean(y * y)
+
+
+def _log2_rms(a):
+    return np.log2(np.sqrt(np.mean(np.asarray(a, np.float64) ** 2)))
+
+
+def test_scale_graph_matches_a_numpy_backward_pass():
+    frame = ss.scale_graph(_loss, {"w1": W1, "w2": W2}, X)
+    assert list(frame["primitive"]) == ["dot_general", "custom_jvp_call", "dot_general", "mul"]
+    assert all(name.startswith("mlp/") for name in frame["name"][:3])
+    x, w1, w2 = (a.astype(np.float64) for a in (X, W1, W2))
+    pre = x @ w1
+    h = np.maximum(pre, 0)
+    y = h @ w2
+    z = y * y
+    n = z.size
+    g_z = np.full_like(z, 1.0 / n)
+    g_y = 2 * y / n
+    g_h = g_y @ w2.T
+    g_pre = g_h * (pre > 0)
+    fwd = [_log2_rms(v) for v in (pre, h, y, z)]
+    grad = [_log2_rms(g) for g in (g_pre, g_h, g_y, g_z)]
+    np.testing.assert_allclose(frame["fwd_log2_rms"], fwd, atol=1e-4)
+    np.testing.assert_allclose(frame["grad_log2_rms"], grad, atol=1e-4)
+    # the gradients are far below the values here: what the plot is for
+    assert (frame["grad_log2_rms"] < frame["fwd_log2_rms"] - 3).all()
+
+
+def test_scale_graph_enters_jit_calls_and_rejects_bad_losses():
+    inner = jax.jit(lambda a: jnp.tanh(a) * 2.0)
+    frame = ss.scale_graph(lambda a: jnp.sum(inner(a) ** 2), X)
+    assert list(frame["primitive"]) == ["tanh", "mul", "integer_pow"]
+    with pytest.raises(ValueError, match="one floating scalar"):
+        ss.scale_graph(lambda a: a * 2.0, X)
+    with pytest.raises(TypeError, match="callable"):
+        ss.scale_graph(3, X)
+
+
+def test_scale_graph_figure_draws_every_op_and_the_format_ranges():
+    frame = ss.scale_graph(_loss, {"w1": W1, "w2": W2}, X)
+    fig = scale_graph_figure(frame, formats=("e4m3", "fp16"))
+    assert fig.name == "scale-graph"
+    assert (
+        list(fig.y_range.factors) == [f"{i} {n}" for i, n in zip(frame.index, frame["name"])][::-1]
+    )
+    sources = [r.data_source.data for r in fig.renderers if "fwd" in r.data_source.data]
+    assert sources and np.allclose(sources[0]["grad"], frame["grad_log2_rms"])
+    boxes = [a for a in fig.center if type(a).__name__ == "BoxAnnotation"]
+    assert sorted(round(b.right) for b in boxes) == [9, 16]  # log2 of 448 and 65504
+    with pytest.raises(ValueError, match="lacks columns"):
+        scale_graph_figure(frame.drop(columns=["grad_log2_rms"]))
