@@ -1,11 +1,13 @@
 """One dashboard page (one per browser session) over the runs of a `RunSet`.
 
-Six views in tabs: overview (loss curve, NaN/Inf alarms, worst ops, advisor summary),
+Seven views in tabs: overview (loss curve, NaN/Inf alarms, worst ops, advisor summary),
 heatmap (op x step of any metric, with filters; a click opens the op), op detail (scale /
 RMS / abs-max over steps, exponent histogram, SNR per format), advisor table, format
-what-if, and the comparison of two runs. Every figure comes from `scalescope.viz`, every
-frame from `scalescope.analysis` (through `RunData`'s cache). A periodic callback reads
-new parts of the run; views showing data older than the run are redrawn when visible.
+what-if, the comparison of two runs, and the scale graph (each op's value and gradient
+RMS at a step recorded with `Run.scale_graph`, with a step slider). Every figure comes
+from `scalescope.viz`, every frame from `scalescope.analysis` (through `RunData`'s
+cache). A periodic callback reads new parts of the run; views showing data older than
+the run are redrawn when visible.
 
 Every view computed from statistics (overview, heatmap, op detail, advisor, formats)
 opens with a note when its numbers are estimates (a run recorded with ``sample=``) or when
@@ -33,7 +35,7 @@ from .data import RunData, RunSet
 #: How often a page looks for new data (ms): new steps show within ~2 s of being written.
 POLL_MS = 1000
 
-TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare")
+TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare", "Scale graph")
 
 _FINDING_COLUMNS = [
     "severity",
@@ -123,6 +125,7 @@ class Dashboard:
         self._build_advisor()
         self._build_formats()
         self._build_compare()
+        self._build_scale_graph()
         for view, column in (
             ("Overview", self.overview),
             ("Heatmap", self.heatmap_view),
@@ -138,6 +141,7 @@ class Dashboard:
             ("Advisor", self.advisor),
             ("Formats", self.formats),
             ("Compare", self.compare),
+            ("Scale graph", self.scale_graph_view),
             dynamic=False,
             sizing_mode="stretch_width",
         )
@@ -205,6 +209,7 @@ class Dashboard:
             "Advisor": self._draw_advisor,
             "Formats": self._draw_formats,
             "Compare": self._draw_compare,
+            "Scale graph": self._draw_scale_graph,
         }[view]
         try:
             draw(data)
@@ -629,6 +634,57 @@ class Dashboard:
             flat[f"{fmt} snr"] = whatif[(fmt, "snr")].round(1)
             flat[f"{fmt} why"] = whatif[(fmt, "reason")]
         self.whatif_table.value = flat.reset_index()
+
+    # -- scale graph -----------------------------------------------------------------------
+
+    def _build_scale_graph(self) -> None:
+        self.scale_graph_step = pn.widgets.DiscreteSlider(
+            label="Step", options=[0], value=0, width=420, visible=False
+        )
+        self.scale_graph_note = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.scale_graph_pane = pn.pane.Bokeh(None)
+        self._scale_graph_run: str | None = None  # the run the slider's steps belong to
+        self.scale_graph_view = pn.Column(
+            pn.pane.HTML(
+                "<h3>Scale graph</h3><p>Each op's value (circle) and gradient (triangle) as "
+                "log2 RMS, with each format's normal range shaded and its subnormal floor "
+                "dashed: where a value or its gradient leaves a format's range.</p>"
+            ),
+            self.scale_graph_note,
+            self.scale_graph_step,
+            self.scale_graph_pane,
+            sizing_mode="stretch_width",
+        )
+        self.scale_graph_step.param.watch(
+            lambda e: self._muted or self.data is None or self._draw_scale_graph(self.data),
+            "value",
+        )
+
+    def _draw_scale_graph(self, data: RunData) -> None:
+        with data.lock:
+            steps = data.reader.scale_graph_steps
+        if not steps:
+            self.scale_graph_step.visible = False
+            self.scale_graph_pane.object = None
+            self.scale_graph_note.object = _message(
+                "no scale graph in this run: record one with run.scale_graph(step, loss_fn, *args)",
+                "warn",
+            )
+            return
+        with self._quiet():
+            self.scale_graph_step.options = steps
+            fresh = self._scale_graph_run != data.name
+            if fresh or self.scale_graph_step.value not in steps:
+                self.scale_graph_step.value = steps[-1]  # a run opens at its latest graph
+            self._scale_graph_run = data.name
+            self.scale_graph_step.visible = len(steps) > 1
+        step = self.scale_graph_step.value
+        with data.lock:
+            frame = data.reader.scale_graph(step)
+        self.scale_graph_note.object = f"<p>step {step}: {len(frame)} ops</p>"
+        self.scale_graph_pane.object = viz.scale_graph_figure(
+            frame, title=f"scale graph, step {step}"
+        )
 
     # -- compare ---------------------------------------------------------------------------
 

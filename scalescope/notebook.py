@@ -320,6 +320,41 @@ def advice_frame(findings: pd.DataFrame) -> Advice:
     return Advice(findings)
 
 
+class ScaleGraph(pd.DataFrame):
+    """A scale graph (`scalescope.scale_graph`: one row per op, value and gradient log2
+    RMS) that draws itself in Jupyter as `scalescope.viz.scale_graph_figure`. A plain
+    ``pd.DataFrame`` in every other respect. ``attrs["formats"]`` picks the ranges drawn,
+    ``attrs["step"]`` goes in the title."""
+
+    @property
+    def _constructor(self) -> type[pd.DataFrame]:
+        return pd.DataFrame
+
+    @property
+    def _constructor_sliced(self) -> type[pd.Series]:
+        return pd.Series
+
+    @property
+    def figure(self) -> Any:
+        """The scale graph figure (a new Bokeh figure at each access)."""
+        from . import viz
+
+        step = self.attrs.get("step")
+        title = "scale graph" if step is None else f"scale graph, step {step}"
+        formats = self.attrs.get("formats") or ("e4m3", "e5m2", "fp16", "bf16")
+        return viz.scale_graph_figure(pd.DataFrame(self), formats, title=title)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return _bundle(pd.DataFrame.__repr__(self), figure_html(self.figure))
+
+
+def scale_graph_frame(frame: pd.DataFrame, **attrs: Any) -> ScaleGraph:
+    """``frame`` as a `ScaleGraph` (same data); ``attrs`` (step, formats) into ``.attrs``."""
+    out = ScaleGraph(frame)
+    out.attrs.update(attrs)
+    return out
+
+
 # -- heatmap ------------------------------------------------------------------------------
 
 

@@ -12,7 +12,8 @@
   merged in their worse direction when there are more than ``max_ops`` / ``max_steps``),
   ``report-worst-ops`` then per op ``report-op-<k>`` and ``report-histogram-<k>`` (exponent
   histogram at the op's worst step), ``report-loss`` (loss
-  curve; both runs with ``--compare``), ``report-compare`` (with ``--compare``) and
+  curve; both runs with ``--compare``), ``report-scale-graph`` (the latest scale graph
+  recorded with `Run.scale_graph`, if any), ``report-compare`` (with ``--compare``) and
   ``report-metadata``. The file stays a few MB for thousands of ops (measured in the
   tests). When the run's statistics are estimates (recorded with ``sample=``) or its ops
   were measured in turns under an overhead budget, every section computed from
@@ -1413,12 +1414,35 @@ def _page(
     models += _heatmaps(data, max_ops, max_steps)
     models += _worst_op_models(data, worst)
     models += _loss_models(data, compare)
+    models += _scale_graph_models(data)
     if cmp is not None:
         models.append(div(_compare_html(data, cmp), "report-compare"))
     models.append(div(_metadata_html(reader, data), "report-metadata"))
     return viz.standalone_html(
         column(*models, name="report"), title=f"scalescope audit: {reader.name}"
     )
+
+
+def _scale_graph_models(data: _RunData) -> list[Any]:
+    """The latest scale graph recorded in the run (`Run.scale_graph`), if any."""
+    from bokeh.models import Div
+
+    from . import viz
+
+    steps = data.reader.scale_graph_steps
+    if not steps:
+        return []
+    step = steps[-1]
+    frame = data.reader.scale_graph(step)
+    text = (
+        f"<h2>Scale graph</h2><p>Each op's value (circle) and gradient (triangle) as log2 RMS "
+        f"at step {step} (recorded at steps {', '.join(map(str, steps))}), with each format's "
+        "normal range shaded and its subnormal floor dashed.</p>"
+    )
+    fig = viz.scale_graph_figure(frame, data.formats, title=f"scale graph, step {step}")
+    fig.name, fig.sizing_mode, fig.width = "report-scale-graph", "fixed", _WIDTH
+    head = Div(text=text, name="report-scale-graph-section", width=_WIDTH, stylesheets=[data.css])
+    return [head, fig]
 
 
 def _open(path: str | Path) -> Any:

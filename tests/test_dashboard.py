@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import free_port, watch_offline
@@ -22,7 +23,7 @@ import scalescope as ss
 HERE = Path(__file__).parent
 WRITER = HERE / "dashboard_writer.py"
 LOCAL = ("http://127.0.0.1", "ws://127.0.0.1", "file:", "data:", "blob:", "about:")
-TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare")
+TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare", "Scale graph")
 
 
 def _write(run: Path, *args: str, **kw) -> subprocess.Popen | None:
@@ -74,7 +75,23 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     _write(root / "naive", "--naive", "--steps", "6")
     _write(root / "scalified", "--steps", "6")
+    for name in ("naive", "scalified"):
+        _add_scale_graphs(root / name, steps=(0, 5))
     return root
+
+
+def _scale_graph_loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+
+def _add_scale_graphs(run: Path, steps) -> None:
+    """Scale graphs of a small loss at ``steps``, recorded into an existing run."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    with ss.Run(run) as r:
+        for i, step in enumerate(steps):
+            w = rng.standard_normal((8, 4)).astype(np.float32) * 2.0**i
+            r.scale_graph(step, _scale_graph_loss, w, x)
 
 
 def test_serve_rejects_bad_paths_with_a_message(tmp_path):
@@ -124,6 +141,13 @@ def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
     dash._on_tap(Tap())
     assert TABS[dash.tabs.active] == "Op detail"
     assert dash.op_select.value == ops[3] and dash.step_select.value == steps[2]
+    # the scale graph tab: the latest recorded step, a slider over the recorded ones
+    dash.tabs.active = TABS.index("Scale graph")
+    assert list(dash.scale_graph_step.options) == [0, 5] and dash.scale_graph_step.value == 5
+    fig = dash.scale_graph_pane.object
+    assert fig is not None and fig.name == "scale-graph" and "step 5" in fig.title.text
+    dash.scale_graph_step.value = 0
+    assert "step 0" in dash.scale_graph_pane.object.title.text
     # a run still being created (metadata only) is listed and explained, not an error
     with ss.Run(tmp_path / "new"):
         fresh = Dashboard(RunSet(tmp_path), poll_ms=0)
@@ -187,6 +211,7 @@ def test_every_view_renders_offline_without_console_errors(browser, runs):
         "Advisor": [],
         "Formats": [],
         "Compare": [],
+        "Scale graph": ["scale-graph"],
     }
     with _server(runs) as url, _page(browser, url) as (page, blocked, errors):
         for tab, models in expected.items():

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -36,6 +37,7 @@ SECTIONS = (
     "report-op-0",
     "report-histogram-0",
     "report-loss",
+    "report-scale-graph",
     "report-compare",
     "report-metadata",
 )
@@ -57,6 +59,10 @@ def runs(tmp_path_factory) -> Path:
     for name, extra in (("clean", []), ("naive", ["--naive"])):
         cmd = [sys.executable, str(WRITER), str(root / name), "--steps", "6", *extra]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    rng = np.random.default_rng(0)
+    x, w = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (8, 4)))
+    with ss.Run(root / "naive") as run:  # a scale graph in the failing run only
+        run.scale_graph(3, lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), w, x)
     return root
 
 
@@ -501,6 +507,13 @@ def test_report_of_a_sampled_budget_run_says_so(budget_run, runs, tmp_path):
     # heatmaps leave the cells of unmeasured ops blank over a hatch
     assert '"name":"report-heatmap-log2_rms-blank"' in page.replace(" ", "")
     json.dumps(doc, allow_nan=False)  # plain JSON
+
+
+def test_report_shows_the_latest_scale_graph_when_the_run_has_one(runs):
+    page, _ = report.build_report(ss.open_run(runs / "naive"))
+    assert "report-scale-graph" in page and "at step 3 (recorded at steps 3)" in page
+    clean, _ = report.build_report(ss.open_run(runs / "clean"))
+    assert "report-scale-graph" not in clean
 
 
 def test_report_of_an_exact_run_has_no_note(runs):

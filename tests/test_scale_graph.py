@@ -72,3 +72,40 @@ def test_scale_graph_figure_draws_every_op_and_the_format_ranges():
     assert sorted(round(b.right) for b in boxes) == [9, 16]  # log2 of 448 and 65504
     with pytest.raises(ValueError, match="lacks columns"):
         scale_graph_figure(frame.drop(columns=["grad_log2_rms"]))
+
+
+def test_run_records_scale_graphs_that_the_reader_returns(tmp_path):
+    """`run.scale_graph(step, loss_fn, *args)` writes the frame atomically; the reader
+    lists the steps and gives the frame back as computed."""
+    params = {"w1": W1, "w2": W2}
+    with ss.Run(tmp_path / "r") as run:
+        first = run.scale_graph(0, _loss, params, X)
+        later = run.scale_graph(7, _loss, {"w1": W1 * 4.0, "w2": W2}, X)
+    reader = ss.open_run(tmp_path / "r")
+    assert reader.scale_graph_steps == [0, 7]
+    back = reader.scale_graph(0)
+    np.testing.assert_allclose(back["grad_log2_rms"], first["grad_log2_rms"])
+    assert list(back["name"]) == list(first["name"]) and back["shape"][0] == (32, 48)
+    latest = reader.scale_graph()
+    np.testing.assert_allclose(latest["fwd_log2_rms"], later["fwd_log2_rms"])
+    # W1 four times larger: the first matmul's value is exactly 2 octaves up
+    assert latest["fwd_log2_rms"][0] == pytest.approx(back["fwd_log2_rms"][0] + 2.0, abs=1e-5)
+    assert not list((tmp_path / "r" / "scale_graph").glob(".*"))  # no stray temporaries
+    with pytest.raises(KeyError, match="recorded at steps"):
+        reader.scale_graph(3)
+    with ss.Run(tmp_path / "empty") as run:
+        pass
+    with pytest.raises(ss.RunError, match="no scale graph"):
+        ss.open_run(tmp_path / "empty").scale_graph()
+
+
+def test_reader_scale_graph_draws_inline_and_stays_a_frame(tmp_path):
+    with ss.Run(tmp_path / "r", formats=("e4m3", "bf16")) as run:
+        run.scale_graph(2, _loss, {"w1": W1, "w2": W2}, X)
+    graph = ss.open_run(tmp_path / "r").scale_graph(2)
+    bundle = graph._repr_mimebundle_()
+    assert "text/html" in bundle and "scale graph, step 2" in bundle["text/html"]
+    assert "cdn.bokeh.org" not in bundle["text/html"]
+    boxes = [a for a in graph.figure.center if type(a).__name__ == "BoxAnnotation"]
+    assert len(boxes) == 2  # the run's formats
+    assert type(graph.head(2)).__name__ == "DataFrame"  # selections are plain frames

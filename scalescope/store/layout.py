@@ -7,6 +7,8 @@ A run is a directory::
     stats/part-NNNNNN.parquet    statistics, one row per (step, op row); process k > 0
                                  writes part-NNNNNN-pK.parquet
     scalars/part-NNNNNN.parquet  logged scalars: step, name, value
+    scale_graph/step-NNNNNNNNN.parquet  `Run.scale_graph`: each op's value and gradient
+                                 log2 RMS at that step (`scalescope.scale_graph`)
 
 Every file is written under a hidden temporary name in its final directory and renamed
 into place, so a reader never sees half a file and a killed writer leaves at most a
@@ -34,6 +36,8 @@ RUN_FILE = "run.json"
 OPS_FILE = "ops.parquet"
 STATS_DIR = "stats"
 SCALARS_DIR = "scalars"
+SCALE_GRAPH_DIR = "scale_graph"
+SCALE_GRAPH_RE = re.compile(r"^step-(\d{9,})\.parquet$")
 PART_RE = re.compile(r"^part-(\d{6,})(?:-p(\d+))?\.parquet$")
 
 #: Leading columns of a stats part; then one column per statistic, then hist_00 ...
@@ -64,6 +68,23 @@ def parse_part_name(name: str) -> tuple[int, int] | None:
     if m is None:
         return None
     return int(m.group(1)), int(m.group(2) or 0)
+
+
+def scale_graph_name(step: int) -> str:
+    return f"step-{step:09d}.parquet"
+
+
+def list_scale_graphs(run: Path) -> dict[int, Path]:
+    """The recorded scale graphs of run ``run``: step -> file."""
+    directory = run / SCALE_GRAPH_DIR
+    if not directory.is_dir():
+        return {}
+    found = {}
+    for entry in os.scandir(directory):
+        m = SCALE_GRAPH_RE.match(entry.name)
+        if m is not None:
+            found[int(m.group(1))] = Path(entry.path)
+    return dict(sorted(found.items()))
 
 
 def list_parts(directory: Path) -> list[Path]:

@@ -114,6 +114,33 @@ class RunReader:
         frame = self._frame()
         return np.unique(frame["step"].to_numpy()) if len(frame) else np.zeros(0, np.int64)
 
+    @property
+    def scale_graph_steps(self) -> list[int]:
+        """Steps with a recorded scale graph (`Run.scale_graph`), ascending."""
+        return list(L.list_scale_graphs(self.path))
+
+    def scale_graph(self, step: int | None = None) -> pd.DataFrame:
+        """The scale graph recorded at ``step`` (default: the latest): one row per op,
+        with the log2 RMS of its value and of its gradient (`scalescope.scale_graph`)."""
+        graphs = L.list_scale_graphs(self.path)
+        if not graphs:
+            raise L.RunError(
+                f"{self.path}: no scale graph recorded; record one with "
+                "run.scale_graph(step, loss_fn, *args)"
+            )
+        if step is None:
+            step = max(graphs)
+        if step not in graphs:
+            raise KeyError(f"no scale graph at step {step}; recorded at steps {list(graphs)}")
+        frame = pd.read_parquet(graphs[step])
+        frame["shape"] = [tuple(int(d) for d in s) for s in frame["shape"]]
+        from scalescope.notebook import scale_graph_frame  # draws itself in Jupyter
+
+        formats = [f for f in self.formats if f != "fp32"]
+        return scale_graph_frame(
+            frame.drop(columns=["step"]).set_index("op"), step=step, formats=formats
+        )
+
     # -- incremental reading -----------------------------------------------------------
 
     def refresh(self) -> int:

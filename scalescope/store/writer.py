@@ -590,6 +590,24 @@ class Run:
             _start_copy(values)
             self._writer.put(("scalars", int(step), values))
 
+    def scale_graph(self, step: int, loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
+        """Record the scale graph at ``step``: each op of ``loss_fn(*args)`` (a scalar
+        loss) with the log2 RMS of its value and of its gradient (`scalescope.scale_graph`),
+        written at once as ``scale_graph/step-N.parquet``. It runs one forward and backward
+        pass of ``loss_fn`` of its own (compiled on each call): call it at the steps you
+        want to compare, not at every step. Returns the frame."""
+        self._check_open()
+        _check_int("step", step, 0)
+        from ..probe.scale_graph import scale_graph
+
+        frame = scale_graph(loss_fn, *args)
+        table = frame.reset_index()
+        table["shape"] = [list(s) for s in table["shape"]]
+        table.insert(0, "step", int(step))
+        path = self.path / L.SCALE_GRAPH_DIR / L.scale_graph_name(int(step))
+        L.write_parquet_atomic(path, pa.Table.from_pandas(table, preserve_index=False))
+        return frame
+
     def _submit(self, step: int, stats: dict[str, jax.Array], mask: Any = None) -> None:
         _start_copy(stats)
         self._writer.put(("stats", step, stats, mask))

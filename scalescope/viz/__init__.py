@@ -11,6 +11,7 @@ from .export import standalone_html
 from .heatmap import color_range, heatmap, heatmap_cell, update_heatmap
 from .histogram import exponent_histogram, format_bounds
 from .lines import loss_curve, timeseries
+from .scale_graph import scale_graph_figure
 from .snr import snr_chart
 from .theme import FORMAT_COLORS, metric_family, palette_for
 
@@ -24,6 +25,7 @@ __all__ = [
     "loss_curve",
     "metric_family",
     "palette_for",
+    "scale_graph_figure",
     "snr_chart",
     "standalone_html",
     "timeseries",
