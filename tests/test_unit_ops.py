@@ -599,3 +599,24 @@ def test_shape_and_dtype_errors():
         U.add(x, jnp.ones(3))
     with pytest.raises(ValueError, match="scale_fwd"):
         U.scale_fwd(x, jnp.ones(2))
+
+
+def test_the_probe_records_unit_scaled_ops_at_unit_scale():
+    """`ss.instrument` sees through `scale_fwd`/`scale_bwd` (custom_vjp): the matmul inside
+    `U.linear` is recorded at RMS ~sqrt(fan_in) and the scaled output right after it at ~1."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(U.linear(x, w) ** 2)
+
+    fn = ss.instrument(jax.value_and_grad(loss, argnums=1), scalify=False)
+    _, stats = fn(x, w)
+    frame = ss.stats_frame(fn.op_table(x, w), stats)
+    fwd = frame[frame["pass"] == "fwd"].reset_index(drop=True)
+    dot = fwd.index[fwd["primitive"] == "dot_general"][0]
+    assert fwd.loc[dot, "rms"] == pytest.approx(16.0, rel=0.1)  # sqrt(256)
+    assert fwd.loc[dot + 1, "primitive"] == "mul"  # scale_fwd's product
+    assert fwd.loc[dot + 1, "rms"] == pytest.approx(1.0, abs=0.1)
+    assert (frame["pass"] == "bwd").any()
