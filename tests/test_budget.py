@@ -160,10 +160,14 @@ def test_budgeted_run_writes_only_measured_rows(tmp_path):
     w = W
     with ss.Run(path, budget=0.3, groups=4) as run:
         step = run.track(_step, scalify=False)
-        for _ in range(150):
+        # the plan follows measured times: on a loaded machine covering every group takes
+        # more steps, so run until it does (bounded), then check what was written
+        for i in range(600):
             w, _ = step(w, X)
+            if i >= 150 and step.controller.first_full_cover is not None:
+                break
         ctrl = step.controller
-    assert ctrl.first_full_cover is not None, "every group measured within 150 steps"
+    assert ctrl.first_full_cover is not None, "every group measured within 600 steps"
     reader = ss.open_run(path)
     assert reader.budget == 0.3 and reader.statistics == "exact"
     stats = reader.stats(wide=True)
