@@ -280,10 +280,9 @@ def _table_html(
     )
 
 
-class Advice(pd.DataFrame):
-    """The advisor's findings (`scalescope.analysis.advise`), displayed in Jupyter as a
-    table coloured by severity. A plain ``pd.DataFrame`` in every other respect:
-    selections and arithmetic return plain DataFrames."""
+class _DisplayFrame(pd.DataFrame):
+    """A DataFrame that only adds a Jupyter display: selections and arithmetic return
+    plain DataFrames and Series."""
 
     @property
     def _constructor(self) -> type[pd.DataFrame]:
@@ -292,6 +291,12 @@ class Advice(pd.DataFrame):
     @property
     def _constructor_sliced(self) -> type[pd.Series]:
         return pd.Series
+
+
+class Advice(_DisplayFrame):
+    """The advisor's findings (`scalescope.analysis.advise`), displayed in Jupyter as a
+    table coloured by severity. A plain ``pd.DataFrame`` in every other respect:
+    selections and arithmetic return plain DataFrames."""
 
     def summary(self) -> pd.DataFrame:
         """Findings counted per rule and format (`scalescope.analysis.summary_by_rule`)."""
@@ -320,19 +325,11 @@ def advice_frame(findings: pd.DataFrame) -> Advice:
     return Advice(findings)
 
 
-class ScaleGraph(pd.DataFrame):
+class ScaleGraph(_DisplayFrame):
     """A scale graph (`scalescope.scale_graph`: one row per op, value and gradient log2
     RMS) that draws itself in Jupyter as `scalescope.viz.scale_graph_figure`. A plain
     ``pd.DataFrame`` in every other respect. ``attrs["formats"]`` picks the ranges drawn,
     ``attrs["step"]`` goes in the title."""
-
-    @property
-    def _constructor(self) -> type[pd.DataFrame]:
-        return pd.DataFrame
-
-    @property
-    def _constructor_sliced(self) -> type[pd.Series]:
-        return pd.Series
 
     @property
     def figure(self) -> Any:

@@ -92,7 +92,6 @@ class Context:
     check: bool = True
     scaling: bool = True  # False: a plain interpretation (no rule turns plain into scaled)
     check_scales: bool = False  # assert every rule's scales (see `check_scale_invariant`)
-    materialize: bool = True  # compute each rule's scale once (see `common.materialized`)
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         return eval_jaxpr(self, jaxpr, consts, args)
@@ -229,7 +228,7 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
         outvals = _apply(ctx, eqn, invals)
-        if ctx.materialize and not _higher_order(eqn.primitive):
+        if not _higher_order(eqn.primitive):
             # (a body's own rules materialise their scales; its outputs keep their
             # identity, which the observer relies on)
             outvals = _materialize_scales(invals, outvals)
