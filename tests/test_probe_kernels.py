@@ -14,6 +14,7 @@ import pytest
 from probe_reference import FORMATS, reference
 from test_probe import _check
 
+import scalescope as ss
 from scalescope.core import formats as F
 from scalescope.probe import kernel, native
 
@@ -150,3 +151,57 @@ def test_xla_kernel_groups_stay_bounded(monkeypatch):
     assert seen == [900, 300, 2500, 1000]
     for i, v in enumerate(values):
         _check({k: np.asarray(a)[i] for k, a in out.items()}, reference(v), f"value {i}")
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2]
+)
+def test_measure_through_hands_back_the_value_it_measured(dtype):
+    """The probe's at-once path: the kernel hands the value back in the same buffer
+    (consumers read it from there), bit for bit, with the reference's statistics."""
+    hard = _hard_values()
+    with np.errstate(over="ignore"):
+        stored = np.asarray(jnp.asarray(hard[: hard.size // 6 * 6].reshape(6, -1), dtype))
+    hist = (kernel.HIST_LO, kernel.HIST_HI)
+
+    def fn(x):
+        same, floats, ints = native.measure_through(x, SPEC.formats, hist)
+        raw = kernel._native_raw([kernel.Measured(floats, ints, None)], SPEC)
+        return same, kernel.finalize(raw, SPEC)
+
+    same, stats = jax.jit(fn)(stored)
+    assert same.shape == stored.shape and same.dtype == stored.dtype
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[stored.dtype.itemsize]
+    np.testing.assert_array_equal(np.asarray(same).view(width), stored.view(width))
+    got = {k: np.asarray(v)[0] for k, v in stats.items()}
+    _check(got, reference(stored.astype(np.float32).ravel()), f"through:{dtype}")
+    with pytest.raises(TypeError, match="dtype"):
+        native.measure_through(jnp.zeros(3, jnp.int32), SPEC.formats, hist)
+
+
+def test_values_measured_at_once_equal_values_measured_later():
+    """Statistics taken where each value is produced (the default on CPU) equal those of
+    the deferred path (a group mask), also for a value whose data a rule handed on with
+    only its scale changed (measured once, reported for both ops)."""
+
+    def fn(x, w):
+        h = jnp.tanh(x @ w)
+        h = ss.ops.dynamic_rescale_l2(h)  # new scale; data re-expressed
+        h = jax.nn.gelu(h)  # 0.5 * x: scalify moves the 0.5 into the scale, same data
+        return jnp.sum(jnp.exp(h) * h)
+
+    rng = np.random.default_rng(7)
+    x = ss.as_scaled_array(jnp.asarray(rng.normal(size=(16, 32)), jnp.float32), "rms")
+    w = ss.as_scaled_array(jnp.asarray(rng.normal(size=(32, 8)) / 6, jnp.float16), "rms")
+    at_once = ss.instrument(fn, isolate=False)
+    later = ss.instrument(fn, isolate=False, groups=1)
+    out_a, stats_a = jax.jit(at_once)(x, w)
+    out_b, stats_b = jax.jit(later.masked)(np.array([True]), x, w)
+    assert float(out_a.to_array()) == float(jax.jit(ss.scalify(fn))(x, w).to_array())
+    table = at_once.op_table(x, w)
+    assert len([op for op in table if op.recorded]) >= 10
+    for name in stats_a:
+        np.testing.assert_allclose(
+            np.asarray(stats_a[name]), np.asarray(stats_b[name]), rtol=1e-5, err_msg=name
+        )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -289,19 +289,30 @@ def values_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, j
     return concat_raw([group_raw(g, spec) for g in groups], spec)
 
 
-def _scales(values: Sequence[tuple[Any, Any]]) -> jax.Array:
+def _scales(values: Sequence[Any]) -> jax.Array:
     return jnp.stack(
-        [jnp.asarray(1.0 if sc is None else sc, _F32).reshape(()) for _, sc in values]
+        [jnp.asarray(1.0 if v[-1] is None else v[-1], _F32).reshape(()) for v in values]
     )[:, None]
 
 
-def _native_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
+class Measured(NamedTuple):
+    """A value the native kernel has already measured (`native.measure_through`): its
+    raw row and its scale, standing in for ``(data, scale)`` in `values_raw`."""
+
+    floats: jax.Array
+    ints: jax.Array
+    scale: Any
+
+
+def _native_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
     nf = len(spec.formats)
     hist = (HIST_LO, HIST_HI) if spec.histograms else None
     floats, ints = zip(
         *(
-            native.value_raw(_sample(jnp.ravel(data), spec.sample), spec.formats, hist)
-            for data, _ in values
+            value[:2]
+            if isinstance(value, Measured)
+            else native.value_raw(_sample(jnp.ravel(value[0]), spec.sample), spec.formats, hist)
+            for value in values
         ),
         strict=True,
     )

@@ -43,7 +43,7 @@ from ..scalify.interpreter import Observer
 from ..scalify.registry import get_rule
 from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
 from ..scalify.source import format_source
-from . import kernel
+from . import kernel, native
 from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
 from .optable import OpRecord, OpTable
 
@@ -180,6 +180,18 @@ class _Shared:
     weight: float = 0.0  # elements (times loop iterations) recorded so far
     info: dict[int, _Info] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)  # keeps ids in `info` from being reused
+    measured: dict[int, kernel.Measured] = field(default_factory=dict)  # by id of the data
+
+    @property
+    def at_once(self) -> bool:
+        """Measure each value where it is produced, with the native kernel handing it
+        back (`native.measure_through`): on CPU, exact, not masked by groups."""
+        return self.mask is None and self.spec.sample is None and native.use_native()
+
+    @property
+    def native_args(self) -> tuple[Any, Any]:
+        hist = (kernel.HIST_LO, kernel.HIST_HI) if self.spec.histograms else None
+        return self.spec.formats, hist
 
     def lookup(self, value: Any) -> _Info | None:
         return self.info.get(id(value))
@@ -305,17 +317,23 @@ class Recorder(Observer):
         source = format_source(eqn.source_info)
         if eqn.primitive.name == "convert_element_type" and ins and ins[0] is not None:
             self._mark_cast(ins[0], eqn.params.get("new_dtype"))
+        outs = []
         for k, (var, out) in enumerate(zip(eqn.outvars, outvals)):
             src = (
                 ins[k]
                 if eqn.primitive.name == "optimization_barrier"
                 else (ins[0] if ins else None)
             )
-            self._record(eqn.primitive.name, name, pass_, source, var.aval, out, const, src)
+            outs.append(
+                self._record(eqn.primitive.name, name, pass_, source, var.aval, out, const, src)
+            )
+        return outs
 
     # -- recording -----------------------------------------------------------------------
 
-    def _record(self, prim, name, pass_, source, aval, value, const, src: _Info | None):
+    def _record(
+        self, prim, name, pass_, source, aval, value, const, src: _Info | None, through=True
+    ):
         scaled = isinstance(value, ScaledArray)
         data = value.data if scaled else value
         dtype = getattr(aval, "dtype", None)
@@ -343,14 +361,26 @@ class Recorder(Observer):
             self._assign_group(rec, int(np.prod(shape)))
             scale = value.scale if scaled else None
             if self.devices is not None:
-                data, scale = self._on_devices(data, scale)
-            self.scope.values.append((data, scale))
+                self.scope.values.append(self._on_devices(data, scale))
+            elif (seen := self.shared.measured.get(id(data))) is not None:
+                # The same data as a value measured before (a rule changed only the
+                # scale): the same statistics of the data, no second read.
+                self.scope.values.append(seen._replace(scale=scale))
+            elif through and self.shared.at_once and native.passes_through(data.dtype):
+                data, floats, ints = native.measure_through(data, *self.shared.native_args)
+                measured = kernel.Measured(floats, ints, scale)
+                self.shared.measured[id(data)] = measured
+                self.shared.keep.append(data)
+                self.scope.values.append(measured)
+                value = ScaledArray(data, value.scale) if scaled else data
+            else:
+                self.scope.values.append((data, scale))
             self.scope.recorded.append(rec)
         if rec.note not in ("", "alias"):
             info.record = None
         self.scope.entries.append(rec)
         self.shared.remember(value, info)
-        return rec
+        return value
 
     def _varying(self, aval: Any) -> tuple[str, ...]:
         """Manual axes along which a value of the shard_map body differs between devices:
@@ -403,7 +433,9 @@ class Recorder(Observer):
 
     def record_input(self, path: str, value: Any) -> None:
         aval = jax.typeof(value.data if isinstance(value, ScaledArray) else value)
-        self._record("input", f"input/{path}", "input", "<input>", aval, value, False, None)
+        self._record(
+            "input", f"input/{path}", "input", "<input>", aval, value, False, None, through=False
+        )
 
     def mark_const(self, value: Any) -> None:
         self.shared.remember(value, _Info(None, const=True))

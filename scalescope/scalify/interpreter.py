@@ -57,8 +57,12 @@ class Observer:
     per-device pieces of a shard_map operand or result).
     """
 
-    def on_eqn(self, ctx: Context, eqn: Any, invals: Sequence[Any], outvals: Sequence[Any]):
-        pass
+    def on_eqn(
+        self, ctx: Context, eqn: Any, invals: Sequence[Any], outvals: Sequence[Any]
+    ) -> Sequence[Any] | None:
+        """May return replacements for ``outvals`` holding the same elements (the probe
+        hands back values its kernel measured); None keeps them."""
+        return None
 
     def nested(self, eqn: Any, kind: str) -> Observer:
         return self
@@ -237,7 +241,7 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
         if ctx.check_scales:
             check_scale_invariant(eqn, outvals)
         if ctx.observer is not None:
-            ctx.observer.on_eqn(ctx, eqn, invals, outvals)
+            outvals = ctx.observer.on_eqn(ctx, eqn, invals, outvals) or outvals
         for v, out in zip(eqn.outvars, outvals):
             env[v] = out
     return [_read(env, v) for v in jaxpr.outvars]

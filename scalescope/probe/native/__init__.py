@@ -24,6 +24,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from ...core.formats import Format
 log = logging.getLogger("scalescope")
 
 TARGET = "scalescope_stats"
+PASS_TARGET = "scalescope_stats_pass"
 SOURCE = Path(__file__).with_name("stats.cc")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
@@ -100,6 +102,9 @@ def available() -> bool:
             jax.ffi.register_ffi_target(
                 TARGET, jax.ffi.pycapsule(lib.ScalescopeStats), platform="cpu"
             )
+            jax.ffi.register_ffi_target(
+                PASS_TARGET, jax.ffi.pycapsule(lib.ScalescopeStatsPass), platform="cpu"
+            )
             _state["lib"] = lib
             _state["ok"] = True
         except (NativeBuildError, OSError) as err:
@@ -126,6 +131,34 @@ def use_native() -> bool:
     return jax.default_backend() == "cpu" and available()
 
 
+def _attrs(data: jax.Array, formats: Sequence[Format], hist_lo: int, hist_hi: int) -> dict:
+    dtype = np.dtype(data.dtype)
+    lut = np.zeros((0,), np.float32)
+    if dtype.itemsize == 1 and jax.dtypes.issubdtype(dtype, np.floating):
+        lut = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    return dict(
+        lut=lut,
+        mantissa=np.array([f.mantissa_bits for f in formats], np.int64),
+        fmax=np.array([f.max for f in formats], np.float32),
+        min_normal=np.array([f.min_normal for f in formats], np.float32),
+        min_subnormal=np.array([f.min_subnormal for f in formats], np.float32),
+        hist_lo=np.int64(hist_lo),
+        hist_hi=np.int64(hist_hi),
+        threads=np.int64(os.cpu_count() or 1),
+    )
+
+
+def _raw_shapes(formats: Sequence[Format], hist_range: tuple[int, int] | None):
+    nf = len(formats)
+    lo, hi = hist_range if hist_range is not None else (0, -1)
+    n_hist = hi - lo + 5 if hist_range is not None else 0
+    shapes = (
+        jax.ShapeDtypeStruct((3 + nf,), jnp.float32),
+        jax.ShapeDtypeStruct((3 + 3 * nf + n_hist,), jnp.int32),
+    )
+    return shapes, lo, hi
+
+
 def value_raw(
     data: jax.Array, formats: Sequence[Format], hist_range: tuple[int, int] | None
 ) -> tuple[jax.Array, jax.Array]:
@@ -134,32 +167,40 @@ def value_raw(
     are ``[n, zero, nonfinite, (under, sub, over) per format..., histogram...]``."""
     if not available():
         raise NativeBuildError("the native probe kernel is not available on this machine")
-    nf = len(formats)
-    lo, hi = hist_range if hist_range is not None else (0, -1)
-    n_hist = hi - lo + 5 if hist_range is not None else 0
-    call = jax.ffi.ffi_call(
-        TARGET,
-        (
-            jax.ShapeDtypeStruct((3 + nf,), jnp.float32),
-            jax.ShapeDtypeStruct((3 + 3 * nf + n_hist,), jnp.int32),
-        ),
-        vmap_method="sequential",
-    )
+    shapes, lo, hi = _raw_shapes(formats, hist_range)
     data = jnp.ravel(data)
-    dtype = np.dtype(data.dtype)
-    lut = np.zeros((0,), np.float32)
-    if dtype.itemsize == 1 and jax.dtypes.issubdtype(dtype, np.floating):
-        lut = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
-    elif dtype not in _NATIVE_DTYPES:
+    if np.dtype(data.dtype).itemsize != 1 and np.dtype(data.dtype) not in _NATIVE_DTYPES:
         data = data.astype(jnp.float32)
-    return call(
-        data,
-        lut=lut,
-        mantissa=np.array([f.mantissa_bits for f in formats], np.int64),
-        fmax=np.array([f.max for f in formats], np.float32),
-        min_normal=np.array([f.min_normal for f in formats], np.float32),
-        min_subnormal=np.array([f.min_subnormal for f in formats], np.float32),
-        hist_lo=np.int64(lo),
-        hist_hi=np.int64(hi),
-        threads=np.int64(os.cpu_count() or 1),
+    call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")
+    return call(data, **_attrs(data, formats, lo, hi))
+
+
+def passes_through(dtype: Any) -> bool:
+    """Whether `measure_through` takes values of this dtype as they are."""
+    dtype = np.dtype(dtype)
+    return (dtype.itemsize == 1 and jax.dtypes.issubdtype(dtype, np.floating)) or (
+        dtype in _NATIVE_DTYPES
     )
+
+
+def measure_through(
+    data: jax.Array, formats: Sequence[Format], hist_range: tuple[int, int] | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(data', floats, ints)``: `value_raw`'s statistics, and ``data`` handed back by
+    the kernel in the same buffer. Consumers that use ``data'`` read the value the kernel
+    measured, right after it was measured, instead of XLA recomputing it inside each of
+    their fusions (which it otherwise does for values it had fused away)."""
+    if not available():
+        raise NativeBuildError("the native probe kernel is not available on this machine")
+    if not passes_through(data.dtype):
+        raise TypeError(f"measure_through: unsupported dtype {data.dtype}")
+    shapes, lo, hi = _raw_shapes(formats, hist_range)
+    flat = jnp.ravel(data)
+    call = jax.ffi.ffi_call(
+        PASS_TARGET,
+        (jax.ShapeDtypeStruct(flat.shape, flat.dtype), *shapes),
+        vmap_method="sequential",
+        input_output_aliases={0: 0},
+    )
+    same, floats, ints = call(flat, **_attrs(flat, formats, lo, hi))
+    return same.reshape(data.shape), floats, ints

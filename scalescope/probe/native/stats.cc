@@ -383,6 +383,25 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
   return ffi::Error::Success();
 }
 
+// The same statistics, handing the value back as an output that aliases its buffer (the
+// caller sets input_output_aliases): consumers then read the value the kernel measured
+// instead of recomputing it inside their own fusions, and read it while it is in cache.
+ffi::Error StatsPassImpl(ffi::AnyBuffer x, ffi::Span<const float> lut,
+                         ffi::Span<const int64_t> mantissa, ffi::Span<const float> fmax,
+                         ffi::Span<const float> min_normal, ffi::Span<const float> min_subnormal,
+                         int64_t hist_lo, int64_t hist_hi, int64_t threads,
+                         ffi::Result<ffi::AnyBuffer> same, ffi::ResultBuffer<ffi::F32> out_f,
+                         ffi::ResultBuffer<ffi::S32> out_i) {
+  if (same->untyped_data() != x.untyped_data()) {
+    if (same->size_bytes() != x.size_bytes()) {
+      return ffi::Error::InvalidArgument("scalescope_stats_pass: output size differs");
+    }
+    std::memcpy(same->untyped_data(), x.untyped_data(), x.size_bytes());
+  }
+  return StatsImpl(x, lut, mantissa, fmax, min_normal, min_subnormal, hist_lo, hist_hi,
+                   threads, out_f, out_i);
+}
+
 }  // namespace
 
 // Total wall nanoseconds spent in the kernel, and the number of calls, since loading.
@@ -400,5 +419,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStats, StatsImpl,
                                   .Attr<int64_t>("hist_lo")
                                   .Attr<int64_t>("hist_hi")
                                   .Attr<int64_t>("threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStatsPass, StatsPassImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const float>>("lut")
+                                  .Attr<ffi::Span<const int64_t>>("mantissa")
+                                  .Attr<ffi::Span<const float>>("fmax")
+                                  .Attr<ffi::Span<const float>>("min_normal")
+                                  .Attr<ffi::Span<const float>>("min_subnormal")
+                                  .Attr<int64_t>("hist_lo")
+                                  .Attr<int64_t>("hist_hi")
+                                  .Attr<int64_t>("threads")
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
