@@ -35,7 +35,8 @@ from ...core.formats import Format
 log = logging.getLogger("scalescope")
 
 TARGET = "scalescope_stats"
-PASS_TARGET = "scalescope_stats_pass"
+ASYNC_TARGET = "scalescope_stats_async"
+SAME_TARGET = "scalescope_same"
 SOURCE = Path(__file__).with_name("stats.cc")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
@@ -103,7 +104,10 @@ def available() -> bool:
                 TARGET, jax.ffi.pycapsule(lib.ScalescopeStats), platform="cpu"
             )
             jax.ffi.register_ffi_target(
-                PASS_TARGET, jax.ffi.pycapsule(lib.ScalescopeStatsPass), platform="cpu"
+                ASYNC_TARGET, jax.ffi.pycapsule(lib.ScalescopeStatsAsync), platform="cpu"
+            )
+            jax.ffi.register_ffi_target(
+                SAME_TARGET, jax.ffi.pycapsule(lib.ScalescopeSame), platform="cpu"
             )
             _state["lib"] = lib
             _state["ok"] = True
@@ -186,21 +190,25 @@ def passes_through(dtype: Any) -> bool:
 def measure_through(
     data: jax.Array, formats: Sequence[Format], hist_range: tuple[int, int] | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(data', floats, ints)``: `value_raw`'s statistics, and ``data`` handed back by
-    the kernel in the same buffer. Consumers that use ``data'`` read the value the kernel
-    measured, right after it was measured, instead of XLA recomputing it inside each of
-    their fusions (which it otherwise does for values it had fused away)."""
+    """``(data', floats, ints)``: ``data`` handed back in its own buffer by a custom call,
+    and `value_raw`'s statistics of it, computed asynchronously on XLA's thread pool.
+
+    Consumers that use ``data'`` read the value from memory instead of XLA recomputing it
+    inside each of their fusions (which it does for values it had fused away), and they
+    do not wait for the statistics: only what reads ``floats``/``ints`` does, so the
+    kernel runs beside the program rather than on its critical path."""
     if not available():
         raise NativeBuildError("the native probe kernel is not available on this machine")
     if not passes_through(data.dtype):
         raise TypeError(f"measure_through: unsupported dtype {data.dtype}")
     shapes, lo, hi = _raw_shapes(formats, hist_range)
     flat = jnp.ravel(data)
-    call = jax.ffi.ffi_call(
-        PASS_TARGET,
-        (jax.ShapeDtypeStruct(flat.shape, flat.dtype), *shapes),
+    same = jax.ffi.ffi_call(
+        SAME_TARGET,
+        jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         vmap_method="sequential",
         input_output_aliases={0: 0},
-    )
-    same, floats, ints = call(flat, **_attrs(flat, formats, lo, hi))
+    )(flat)
+    stats = jax.ffi.ffi_call(ASYNC_TARGET, shapes, vmap_method="sequential")
+    floats, ints = stats(same, **_attrs(flat, formats, lo, hi))
     return same.reshape(data.shape), floats, ints

@@ -288,24 +288,39 @@ void merge(Totals& into, const Totals& t, int nf) {
   into.amax = std::max(into.amax, t.amax);
 }
 
-ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<const int64_t> mantissa,
-                     ffi::Span<const float> fmax, ffi::Span<const float> min_normal,
-                     ffi::Span<const float> min_subnormal, int64_t hist_lo, int64_t hist_hi,
-                     int64_t threads, ffi::ResultBuffer<ffi::F32> out_f,
-                     ffi::ResultBuffer<ffi::S32> out_i) {
+// One call's work, with everything it needs copied out of the call's attributes (an
+// asynchronous call runs it after the handler has returned).
+struct Job {
+  Loader in;
+  int64_t n = 0;
+  Fmt fmts[kMaxFormats];
+  int nf = 0;
+  int64_t n_hist = 0, hist_lo = 0;
+  int64_t threads = 1;
+  float* of = nullptr;
+  int32_t* oi = nullptr;
+};
+
+ffi::Error prepare(Job& job, ffi::AnyBuffer x, ffi::Span<const float> lut,
+                          ffi::Span<const int64_t> mantissa, ffi::Span<const float> fmax,
+                          ffi::Span<const float> min_normal,
+                          ffi::Span<const float> min_subnormal, int64_t hist_lo,
+                          int64_t hist_hi, int64_t threads, ffi::Result<ffi::Buffer<ffi::F32>> out_f,
+                          ffi::Result<ffi::Buffer<ffi::S32>> out_i) {
   const int nf = static_cast<int>(mantissa.size());
   if (nf > kMaxFormats || fmax.size() != mantissa.size() ||
       min_normal.size() != mantissa.size() || min_subnormal.size() != mantissa.size()) {
     return ffi::Error::InvalidArgument("scalescope_stats: bad format attributes");
   }
-  const int64_t n_hist = hist_hi >= hist_lo ? hist_hi - hist_lo + 5 : 0;
+  job.nf = nf;
+  job.n_hist = hist_hi >= hist_lo ? hist_hi - hist_lo + 5 : 0;
+  job.hist_lo = hist_lo;
   if (out_f->element_count() != static_cast<size_t>(3 + nf) ||
-      out_i->element_count() != static_cast<size_t>(3 + 3 * nf + n_hist)) {
+      out_i->element_count() != static_cast<size_t>(3 + 3 * nf + job.n_hist)) {
     return ffi::Error::InvalidArgument("scalescope_stats: bad output sizes");
   }
-  Fmt fmts[kMaxFormats];
   for (int f = 0; f < nf; ++f) {
-    Fmt& F = fmts[f];
+    Fmt& F = job.fmts[f];
     F.shift = 23 - static_cast<int>(mantissa[f]);
     F.round = F.shift > 0;
     F.half_m1 = F.round ? (1u << (F.shift - 1)) - 1u : 0u;
@@ -319,8 +334,6 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
     F.nonzero = F.round ? 0.5f * min_subnormal[f] : 0.0f;
     F.normal = F.round ? min_normal[f] - 0.5f * min_subnormal[f] : min_normal[f];
   }
-
-  const auto started = std::chrono::steady_clock::now();
   const ffi::DataType dtype = x.element_type();
   const bool byte = ffi::ByteWidth(dtype) == 1;
   if (!(dtype == ffi::DataType::F32 || dtype == ffi::DataType::F16 ||
@@ -328,10 +341,24 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
       (byte && lut.size() != 256)) {
     return ffi::Error::InvalidArgument("scalescope_stats: unsupported input type");
   }
-  const Loader in{dtype, x.untyped_data(), lut.begin()};
-  const int64_t n = static_cast<int64_t>(x.element_count());
+  // The 8-bit table lives in the call's attributes, which outlive an asynchronous run
+  // (they belong to the compiled program).
+  job.in = Loader{dtype, x.untyped_data(), lut.begin()};
+  job.n = static_cast<int64_t>(x.element_count());
+  job.threads = threads;
+  job.of = out_f->typed_data();
+  job.oi = out_i->typed_data();
+  return ffi::Error::Success();
+}
+
+void run_job(const Job& job) {
+  const auto started = std::chrono::steady_clock::now();
+  const int nf = job.nf;
+  const int64_t n = job.n, n_hist = job.n_hist, hist_lo = job.hist_lo;
+  const Loader& in = job.in;
+  const Fmt* fmts = job.fmts;
   Totals total;
-  int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads, n / kParallelMin));
+  int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(job.threads, n / kParallelMin));
   if (n_threads <= 1) {
     range_stats(in, 0, n, fmts, nf, total);
   } else {
@@ -340,7 +367,7 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
     int64_t per = (n / n_threads) / kChunk * kChunk;
     for (int64_t p = 0; p < n_threads; ++p) {
       int64_t lo = p * per, hi = p + 1 == n_threads ? n : lo + per;
-      pool.emplace_back([=, &in, &parts, &fmts] { range_stats(in, lo, hi, fmts, nf, parts[p]); });
+      pool.emplace_back([=, &in, &parts] { range_stats(in, lo, hi, fmts, nf, parts[p]); });
     }
     for (auto& th : pool) th.join();
     for (const auto& t : parts) merge(total, t, nf);
@@ -349,13 +376,13 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
   // Sums in units of the value's abs-max power of two (kernel._row_exponent).
   int k = exponent_of(total.amax);
   double lin = std::ldexp(1.0, -k), sq = lin * lin;
-  float* of = out_f->typed_data();
+  float* of = job.of;
   of[0] = static_cast<float>(total.sum * lin);
   of[1] = static_cast<float>(total.sumsq * sq);
   for (int f = 0; f < nf; ++f) of[2 + f] = static_cast<float>(total.err2[f] * sq);
   of[2 + nf] = total.amax;
 
-  int32_t* oi = out_i->typed_data();
+  int32_t* oi = job.oi;
   oi[0] = static_cast<int32_t>(n);
   oi[1] = static_cast<int32_t>(total.hist[0]);
   oi[2] = static_cast<int32_t>(total.hist[255]);
@@ -380,26 +407,59 @@ ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<con
                  std::chrono::steady_clock::now() - started)
                  .count();
   g_calls += 1;
+}
+
+ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Span<const float> lut, ffi::Span<const int64_t> mantissa,
+                     ffi::Span<const float> fmax, ffi::Span<const float> min_normal,
+                     ffi::Span<const float> min_subnormal, int64_t hist_lo, int64_t hist_hi,
+                     int64_t threads, ffi::ResultBuffer<ffi::F32> out_f,
+                     ffi::ResultBuffer<ffi::S32> out_i) {
+  Job job;
+  ffi::Error error = prepare(job, x, lut, mantissa, fmax, min_normal, min_subnormal, hist_lo,
+                             hist_hi, threads, out_f, out_i);
+  if (error.failure()) return error;
+  run_job(job);
   return ffi::Error::Success();
 }
 
-// The same statistics, handing the value back as an output that aliases its buffer (the
-// caller sets input_output_aliases): consumers then read the value the kernel measured
-// instead of recomputing it inside their own fusions, and read it while it is in cache.
-ffi::Error StatsPassImpl(ffi::AnyBuffer x, ffi::Span<const float> lut,
-                         ffi::Span<const int64_t> mantissa, ffi::Span<const float> fmax,
-                         ffi::Span<const float> min_normal, ffi::Span<const float> min_subnormal,
-                         int64_t hist_lo, int64_t hist_hi, int64_t threads,
-                         ffi::Result<ffi::AnyBuffer> same, ffi::ResultBuffer<ffi::F32> out_f,
-                         ffi::ResultBuffer<ffi::S32> out_i) {
-  if (same->untyped_data() != x.untyped_data()) {
-    if (same->size_bytes() != x.size_bytes()) {
-      return ffi::Error::InvalidArgument("scalescope_stats_pass: output size differs");
-    }
-    std::memcpy(same->untyped_data(), x.untyped_data(), x.size_bytes());
+// The same statistics, computed asynchronously on XLA's own thread pool: the call returns
+// at once and only what reads the statistics waits for them, so the kernel runs beside
+// the rest of the program instead of on its critical path.
+ffi::Future StatsAsyncImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Span<const float> lut,
+                           ffi::Span<const int64_t> mantissa, ffi::Span<const float> fmax,
+                           ffi::Span<const float> min_normal,
+                           ffi::Span<const float> min_subnormal, int64_t hist_lo,
+                           int64_t hist_hi, int64_t threads, ffi::ResultBuffer<ffi::F32> out_f,
+                           ffi::ResultBuffer<ffi::S32> out_i) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  Job job;
+  ffi::Error error = prepare(job, x, lut, mantissa, fmax, min_normal, min_subnormal, hist_lo,
+                             hist_hi, threads, out_f, out_i);
+  if (error.failure()) {
+    promise.SetError(std::move(error));
+    return future;
   }
-  return StatsImpl(x, lut, mantissa, fmax, min_normal, min_subnormal, hist_lo, hist_hi,
-                   threads, out_f, out_i);
+  pool.Schedule([job, promise]() mutable {
+    run_job(job);
+    promise.SetAvailable();
+  });
+  return future;
+}
+
+// Hands its operand back in the same buffer (an aliased output; copied only where XLA
+// could not alias it). The probe passes each recorded value through it: XLA cannot look
+// through a custom call, so the value is computed once, into memory, and shared by its
+// consumers and the statistics call, instead of XLA recomputing it inside each
+// consumer's fusion.
+ffi::Error SameImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  if (out->untyped_data() != x.untyped_data()) {
+    if (out->size_bytes() != x.size_bytes()) {
+      return ffi::Error::InvalidArgument("scalescope_same: output size differs");
+    }
+    std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -422,8 +482,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStats, StatsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStatsPass, StatsPassImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStatsAsync, StatsAsyncImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const float>>("lut")
                                   .Attr<ffi::Span<const int64_t>>("mantissa")
@@ -433,6 +494,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStatsPass, StatsPassImpl,
                                   .Attr<int64_t>("hist_lo")
                                   .Attr<int64_t>("hist_hi")
                                   .Attr<int64_t>("threads")
-                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeSame, SameImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
