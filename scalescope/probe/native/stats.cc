@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -468,34 +469,27 @@ ffi::Error SameImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
 extern "C" uint64_t scalescope_stats_nanos() { return g_nanos.load(); }
 extern "C" uint64_t scalescope_stats_calls() { return g_calls.load(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStats, StatsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const float>>("lut")
-                                  .Attr<ffi::Span<const int64_t>>("mantissa")
-                                  .Attr<ffi::Span<const float>>("fmax")
-                                  .Attr<ffi::Span<const float>>("min_normal")
-                                  .Attr<ffi::Span<const float>>("min_subnormal")
-                                  .Attr<int64_t>("hist_lo")
-                                  .Attr<int64_t>("hist_hi")
-                                  .Attr<int64_t>("threads")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+// The statistics calls' operand, attributes and results (after any context argument).
+template <typename Binding>
+auto stats_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Attr<ffi::Span<const float>>("lut")
+      .template Attr<ffi::Span<const int64_t>>("mantissa")
+      .template Attr<ffi::Span<const float>>("fmax")
+      .template Attr<ffi::Span<const float>>("min_normal")
+      .template Attr<ffi::Span<const float>>("min_subnormal")
+      .template Attr<int64_t>("hist_lo")
+      .template Attr<int64_t>("hist_hi")
+      .template Attr<int64_t>("threads")
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStats, StatsImpl, stats_signature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeStatsAsync, StatsAsyncImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const float>>("lut")
-                                  .Attr<ffi::Span<const int64_t>>("mantissa")
-                                  .Attr<ffi::Span<const float>>("fmax")
-                                  .Attr<ffi::Span<const float>>("min_normal")
-                                  .Attr<ffi::Span<const float>>("min_subnormal")
-                                  .Attr<int64_t>("hist_lo")
-                                  .Attr<int64_t>("hist_hi")
-                                  .Attr<int64_t>("threads")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                              stats_signature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeSame, SameImpl,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
