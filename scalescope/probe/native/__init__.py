@@ -135,10 +135,15 @@ def use_native() -> bool:
     return jax.default_backend() == "cpu" and available()
 
 
+def _byte_float(dtype: np.dtype) -> bool:
+    """An 8-bit float type: the kernel widens it through a 256-entry table."""
+    return dtype.itemsize == 1 and jax.dtypes.issubdtype(dtype, np.floating)
+
+
 def _attrs(data: jax.Array, formats: Sequence[Format], hist_lo: int, hist_hi: int) -> dict:
     dtype = np.dtype(data.dtype)
     lut = np.zeros((0,), np.float32)
-    if dtype.itemsize == 1 and jax.dtypes.issubdtype(dtype, np.floating):
+    if _byte_float(dtype):
         lut = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
     return dict(
         lut=lut,
@@ -173,18 +178,17 @@ def value_raw(
         raise NativeBuildError("the native probe kernel is not available on this machine")
     shapes, lo, hi = _raw_shapes(formats, hist_range)
     data = jnp.ravel(data)
-    if np.dtype(data.dtype).itemsize != 1 and np.dtype(data.dtype) not in _NATIVE_DTYPES:
+    if not passes_through(data.dtype):
         data = data.astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")
     return call(data, **_attrs(data, formats, lo, hi))
 
 
 def passes_through(dtype: Any) -> bool:
-    """Whether `measure_through` takes values of this dtype as they are."""
+    """Whether the kernel reads values of this dtype as they are (others are widened to
+    float32 first; `measure_through` refuses them)."""
     dtype = np.dtype(dtype)
-    return (dtype.itemsize == 1 and jax.dtypes.issubdtype(dtype, np.floating)) or (
-        dtype in _NATIVE_DTYPES
-    )
+    return _byte_float(dtype) or dtype in _NATIVE_DTYPES
 
 
 def measure_through(
