@@ -231,6 +231,17 @@ def test_gpt_gradients_near_unit(gpt_run):
 # -- Flax ---------------------------------------------------------------------------------
 
 
+def _check_unit_mlp(scaled, params, x, nonlinearity: str) -> None:
+    """A two-layer MLP under unit_scale: unit output and gradients, both linears and the
+    non-linearity rewritten."""
+    out_std, grad_stds = jax.jit(lambda p, x: _vjp_stats(scaled, p, x))(params, x)
+    grad_stds = [float(s) for s in grad_stds]
+    assert abs(out_std - 1) < 0.2
+    assert all(abs(s - 1) < 0.25 for s in grad_stds), grad_stds
+    kinds = [r.kind for r in scaled.rewrites]
+    assert kinds.count("linear") == 2 and kinds.count(nonlinearity) == 1
+
+
 def test_flax_linen_mlp():
     nn = pytest.importorskip("flax.linen")
 
@@ -243,13 +254,7 @@ def test_flax_linen_mlp():
     model = MLP()
     x = jax.random.normal(jax.random.PRNGKey(0), (BATCH, 256))
     variables = _unit_normal_like(model.init(jax.random.PRNGKey(1), x))
-    scaled = ss.unit_scale(model.apply)
-    out_std, grad_stds = jax.jit(lambda v, x: _vjp_stats(scaled, v, x))(variables, x)
-    grad_stds = [float(s) for s in grad_stds]
-    assert abs(out_std - 1) < 0.2
-    assert all(abs(s - 1) < 0.25 for s in grad_stds), grad_stds
-    kinds = [r.kind for r in scaled.rewrites]
-    assert kinds.count("linear") == 2 and kinds.count("gelu") == 1
+    _check_unit_mlp(ss.unit_scale(model.apply), variables, x, "gelu")
 
 
 def test_flax_nnx_mlp():
@@ -270,13 +275,7 @@ def test_flax_nnx_mlp():
         return nnx.merge(graphdef, state)(x)
 
     x = jax.random.normal(jax.random.PRNGKey(0), (BATCH, 256))
-    scaled = ss.unit_scale(apply)
-    out_std, grad_stds = jax.jit(lambda s, x: _vjp_stats(scaled, s, x))(state, x)
-    grad_stds = [float(s) for s in grad_stds]
-    assert abs(out_std - 1) < 0.2
-    assert all(abs(s - 1) < 0.25 for s in grad_stds), grad_stds
-    kinds = [r.kind for r in scaled.rewrites]
-    assert kinds.count("linear") == 2 and kinds.count("silu") == 1
+    _check_unit_mlp(ss.unit_scale(apply), state, x, "silu")
 
 
 def test_scan_layers_gpt_is_transformed():
