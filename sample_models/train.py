@@ -250,12 +250,14 @@ def train(
     budget: float | None = None,
     sample: int | None = None,
     histograms: bool = True,
+    formats: tuple[str, ...] | None = None,
     stop_on_nan: bool = True,
     progress: bool = True,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg.model`` in ``cfg.precision`` for ``cfg.steps`` steps, recording every
-    ``every`` steps into ``run_dir`` (or under an overhead ``budget``, see `ss.Run`).
+    ``every`` steps into ``run_dir`` (or under an overhead ``budget``, see `ss.Run`);
+    ``formats``: formats and recipes to audit (default: `ss.Run`'s).
     Returns a summary: final train and validation loss,
     steps done, speed, and the first step whose loss was not finite (or None)."""
     task = make_task(cfg)
@@ -297,8 +299,15 @@ def train(
     nan_step = None
     done = 0
     t0 = time.perf_counter()
+    extra = {} if formats is None else {"formats": tuple(formats)}
     with ss.Run(
-        run_dir, every=every, budget=budget, sample=sample, histograms=histograms, config=config
+        run_dir,
+        every=every,
+        budget=budget,
+        sample=sample,
+        histograms=histograms,
+        config=config,
+        **extra,
     ) as run:
         tracked = run.track(step_fn, scalify=scalified)
         first = tracked.step

@@ -86,8 +86,32 @@ def _add_train(sub) -> None:
         help="measure at most N elements per value (cheap, estimated statistics)",
     )
     p.add_argument("--no-histograms", action="store_true")
+    p.add_argument(
+        "--formats",
+        default=None,
+        metavar="LIST",
+        help="comma-separated formats and block-scaled recipes to audit (default "
+        "e4m3,e5m2,fp16,bf16; recipes: " + ",".join(_recipe_names()) + ")",
+    )
     p.add_argument("--keep-going", action="store_true", help="do not stop when the loss is NaN")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _recipe_names() -> tuple[str, ...]:
+    from scalescope.core import recipes
+
+    return recipes.names()
+
+
+def _check_formats(names: tuple[str, ...]) -> None:
+    from scalescope.core import recipes
+
+    if not names:
+        raise ValueError("no format given")
+    try:
+        recipes.split(list(names))
+    except KeyError as err:
+        raise ValueError(err.args[0]) from None
 
 
 def _train(args, parser) -> int:
@@ -98,6 +122,13 @@ def _train(args, parser) -> int:
         parser.error("--every must be >= 1")
     if args.budget is not None and not 0 < args.budget < 1:
         parser.error(f"--budget must be a fraction in (0, 1), e.g. 0.05; got {args.budget}")
+    formats = None
+    if args.formats is not None:
+        formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+        try:
+            _check_formats(formats)
+        except ValueError as err:
+            parser.error(f"--formats: {err}")
     heads = 4 if args.d_model % 4 == 0 else 1
     cfg = TrainConfig(
         model=args.model,
@@ -129,6 +160,7 @@ def _train(args, parser) -> int:
             budget=args.budget,
             sample=args.sample,
             histograms=not args.no_histograms,
+            formats=formats,
             stop_on_nan=not args.keep_going,
             progress=not args.quiet,
         )

@@ -33,7 +33,8 @@
               versions, graph, every, histograms, sample, budget, statistics,
               "steps": {count, first, last}, "ops": {total, with_stats}},
       "thresholds": {drift_log2, underflow, overflow, nonfinite, snr_db: {fmt: dB},
-                     trend_min_points, trend_min_r2, mask_min_steps},
+                     trend_min_points, trend_min_r2, mask_min_steps,
+                     delayed_history, delayed_log2},
       "summary": {
         "verdicts": {pass: {fmt: {safe, total}}},     # passes input/fwd/bwd/opt/.../all
         "findings": {total, by_severity: {critical, high, medium, low},
@@ -239,8 +240,8 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
     * ``snr_F`` (``:all`` likewise): worst quantisation SNR in dB; it gets worse as it
       falls, so it takes ``<`` or ``<=``;
     * ``findings``, ``findings_<severity>`` (critical, high, medium, low),
-      ``findings_<rule>`` (nonfinite, overflow, underflow, snr, drift, trend): number of
-      advisor findings.
+      ``findings_<rule>`` (nonfinite, overflow, underflow, snr, drift, trend, delayed):
+      number of advisor findings.
 
     Operators: ``>``, ``>=`` for fractions and counts, ``<``, ``<=`` for SNR. Numbers:
     finite; fractions in [0, 1], also written as percentages (``1%``); counts >= 0.
@@ -1002,7 +1003,8 @@ def _worst_ops(data: _RunData, n: int) -> list[tuple[int, str, int | None]]:
     most severe first), then the other findings' ops, then the ops worst in the heatmaps'
     format metric and in log2 rms. ``step``: where the histogram is drawn: the first step
     with NaN/inf for a nonfinite finding (the step it went wrong, not the step where all
-    is NaN), else the op's worst step in the finding's metric."""
+    is NaN), the first step that clips for a delayed finding, else the op's worst step in
+    the finding's metric."""
     picks: dict[int, tuple[str, int | None]] = {}
     f = data.findings
     first_of_kind = ~f.duplicated(["rule", "format"])
@@ -1013,7 +1015,7 @@ def _worst_ops(data: _RunData, n: int) -> list[tuple[int, str, int | None]]:
         op = int(r["op"])
         if op in picks:
             continue
-        if r["rule"] == "nonfinite":
+        if r["rule"] in ("nonfinite", "delayed"):
             step = int(r["first_step"])
         else:
             metric, how = _WORST_METRIC.get(

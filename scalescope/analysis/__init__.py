@@ -1,5 +1,6 @@
 """Analysis of a recorded run as pandas frames: op x step matrices, per-op summaries,
-the advisor (where dynamic rescaling is needed), the format what-if and run comparison.
+the advisor (where dynamic rescaling is needed), the format what-if, the FP8
+delayed-scaling replay and run comparison.
 
 Every function takes plain DataFrames (``reader.stats(wide=True)`` and ``reader.ops``);
 the ``*_run`` / ``*_readers`` variants take `scalescope.open_run` readers.
@@ -19,6 +20,7 @@ from .advisor import (
     summary_by_rule,
 )
 from .compare import Comparison, compare_readers, compare_runs, match_ops
+from .delayed import delayed_scaling
 from .frames import (
     DERIVED_METRICS,
     log2_absmax,
@@ -52,6 +54,7 @@ __all__ = [
     "budget_note",
     "compare_readers",
     "compare_runs",
+    "delayed_scaling",
     "fix_line",
     "format_whatif",
     "format_whatif_run",

@@ -12,9 +12,17 @@
   unit scale: ``|log2 rms| > drift_log2`` (the
   static scale propagation lost track of it);
 - ``trend`` (low): such an op, in bound at its last recorded step, whose least-squares
-  fit of log2 rms over the recorded steps crosses ``±drift_log2`` before the horizon.
+  fit of log2 rms over the recorded steps crosses ``±drift_log2`` before the horizon;
+- ``delayed`` (low): a float op whose value amax grows faster than FP8 *delayed scaling*
+  can follow: replayed with an amax history of ``delayed_history`` recorded steps
+  (`scalescope.analysis.delayed`, algo ``max``, margin 0, the op's cast format or
+  e4m3), its amax lands a whole binade above the history's max (``clipped_min > 0``:
+  elements clip for sure) and more than ``2**delayed_log2`` times above it, at some
+  recorded step once the history holds an amax (clipping at the initial scale 1 is the
+  overflow rule's business).
 
-Each finding carries one readable sentence of evidence and a one-line fix:
+Each finding carries one readable sentence of evidence and a one-line fix (for
+``delayed``: a shorter history, ``most_recent``, current scaling or dynamic rescaling):
 ``ss.ops.dynamic_rescale_l2`` after a forward (or optimizer) value,
 ``ss.ops.dynamic_rescale_l2_grad`` before the forward value whose gradient is a backward
 value, or, for a run not under scalify (naive low-precision casts), running the step
@@ -31,6 +39,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from . import delayed
 from .frames import (
     check_stats,
     format_list,
@@ -56,7 +65,7 @@ DEFAULT_SNR_DB: dict[str, float] = {
     "fp32": 145.5,
 }
 
-RULES = ("nonfinite", "overflow", "underflow", "snr", "drift", "trend")
+RULES = ("nonfinite", "overflow", "underflow", "snr", "drift", "trend", "delayed")
 SEVERITY = {
     "nonfinite": "critical",
     "overflow": "high",
@@ -64,6 +73,7 @@ SEVERITY = {
     "snr": "medium",
     "drift": "medium",
     "trend": "low",
+    "delayed": "low",
 }
 SEVERITY_ORDER = ("critical", "high", "medium", "low")
 FINDING_COLUMNS = [
@@ -108,6 +118,12 @@ class Thresholds:
     one of at least this many recorded steps is a mask by construction (``-inf`` logits
     of a causal mask before a softmax), not a failure: the nonfinite rule skips it. A
     value that went bad changes from step to step or is entirely NaN.
+    ``delayed_history``: length (in recorded steps) of the amax history of the
+    delayed-scaling replay behind the ``delayed`` rule (TE's default is 1024 steps).
+    ``delayed_log2``: the rule also needs the amax to exceed the replayed threshold by more
+    than this many binades (default 0.5: x1.41). A stationary op whose amax sets a new
+    record by a few percent across a power of two clips a handful of elements by a few
+    percent; 0 flags that too.
     """
 
     drift_log2: float = 4.0
@@ -118,9 +134,12 @@ class Thresholds:
     trend_min_points: int = 4
     trend_min_r2: float = 0.5
     mask_min_steps: int = 3
+    delayed_history: int = 1024
+    delayed_log2: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("drift_log2", "underflow", "overflow", "nonfinite", "trend_min_r2"):
+        names = ("drift_log2", "underflow", "overflow", "nonfinite", "trend_min_r2", "delayed_log2")
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"Thresholds.{name}: expected a number >= 0, got {value!r}")
@@ -137,6 +156,9 @@ class Thresholds:
             raise ValueError(
                 f"Thresholds.trend_min_points: expected an int >= 2, got {self.trend_min_points!r}"
             )
+        history = self.delayed_history
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"Thresholds.delayed_history: expected an int >= 1, got {history!r}")
         if not isinstance(self.snr_db, Mapping):
             raise TypeError(f"Thresholds.snr_db: expected a mapping, got {self.snr_db!r}")
         # A partial mapping overrides the defaults for the formats it names.
@@ -284,6 +306,19 @@ def fix_line(op: pd.Series, fmt: str, scalified: bool) -> str:
     if op["pass"] == "bwd":
         return f"x = ss.ops.dynamic_rescale_l2_grad(x)  # before {where}"
     return f"x = ss.ops.dynamic_rescale_l2(x)  # after {where}"
+
+
+def delayed_fix_line(op: pd.Series, history: int, scalified: bool) -> str:
+    """The one-line fix for a ``delayed`` finding on ``op``: an amax history shorter than
+    ``history`` or ``most_recent``, per-tensor current scaling (the ``e4m3_tensor``
+    recipe: the scale from this step's amax), or dynamic rescaling of the value (under
+    scalify: ``dynamic_rescale_l2``; otherwise, scalify first)."""
+    recipe = (
+        f"amax history < {history} or algo='most_recent', or current scaling (e4m3_tensor recipe)"
+    )
+    if scalified:
+        return f"{recipe}, or {fix_line(op, '', True)}"
+    return f"{recipe}, or dynamic rescaling under run.track(step, scalify=True)  # at {_where(op)}"
 
 
 # -- the rules ---------------------------------------------------------------------------
@@ -474,6 +509,103 @@ def _trend_findings(
     return rows
 
 
+def _steps_list(steps: np.ndarray, most: int = 5) -> str:
+    shown = ", ".join(str(int(s)) for s in steps[:most])
+    return f"steps {shown}" + (", …" if len(steps) > most else "")
+
+
+def _delayed_text(
+    amax: np.ndarray, step: np.ndarray, r: delayed.Replay, hit: np.ndarray, fmt: str, history: int
+) -> tuple[str, int, float]:
+    """Evidence of the ``delayed`` rule for one op's replayed rows: the worst step (amax
+    furthest above the threshold), the steps that clip, the growth per recorded step and
+    the recording gap. Returns ``(text, worst step, log2(amax / threshold) there)``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        over = np.log2(amax / r.threshold)
+        ratios = amax[1:] / amax[:-1]
+    w = int(np.flatnonzero(hit)[np.argmax(over[hit])])
+    hits = step[hit]
+    growth = ratios[np.isfinite(ratios) & (ratios > 0)]
+    grows = (
+        f"; amax grows ×{np.median(growth):.3g} per recorded step (median)" if len(growth) else ""
+    )
+    gap = float(np.median(np.diff(step)))
+    gap_text = (
+        f", recorded every {gap:g} steps: the history spans ~{history * gap:g} training steps"
+        if gap > 1
+        else ""
+    )
+    text = (
+        f"value amax {_num(amax[w])} at step {int(step[w])} is ×{_num(2.0 ** over[w])} the "
+        f"delayed-scaling threshold {_num(r.threshold[w])} (max amax of the previous "
+        f"{min(history, w)} recorded steps, history={history}); a whole binade above it "
+        f"clips in {fmt} at {len(hits)} of {len(step)} recorded steps ({_steps_list(hits)})"
+        f"{grows}{gap_text}."
+    )
+    return text, int(step[w]), float(over[w])
+
+
+def _delayed_findings(
+    per_step: pd.DataFrame, fmt_of: pd.Series, thresholds: Thresholds
+) -> list[dict[str, Any]]:
+    """The ``delayed`` rule: one vectorised replay (`delayed.replay`) over every op of
+    ``fmt_of`` (op id -> format name) with at least two recorded steps where it ran;
+    Python only for the ops that clip."""
+    op = per_step.index.get_level_values("op").to_numpy(np.int64)
+    keep = np.isin(op, fmt_of.index.to_numpy()) & (per_step["_ran"].to_numpy() > 0)
+    starts = delayed.group_starts(op[keep])
+    sizes = np.diff(np.r_[starts, np.count_nonzero(keep)])
+    keep[keep] = np.repeat(sizes >= 2, sizes)  # at least two recorded steps
+    if not keep.any():
+        return []
+    op = op[keep]
+    step = per_step.index.get_level_values("step").to_numpy(np.int64)[keep]
+    amax = per_step["_amax"].to_numpy(np.float64)[keep]
+    floor = per_step["_floor"].to_numpy(np.float64)[keep]
+    starts = delayed.group_starts(op)
+    ids = op[starts]
+    names = fmt_of.reindex(ids).to_numpy()
+    maxima = {f: float(_format_info(f, None)["max"]) for f in fmt_of.unique()}
+    sizes = np.diff(np.r_[starts, len(op)])
+    fmt_max = np.repeat(pd.Series(names).map(maxima).to_numpy(np.float64), sizes)
+    history = thresholds.delayed_history
+    r = delayed.replay(amax, starts, history=history, algo="max", margin=0, fmt_max=fmt_max)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sure = floor > r.threshold  # clipped_min > 0
+        far = np.log2(amax / r.threshold) > thresholds.delayed_log2
+    hit = r.from_history & sure & far
+    rows = []
+    for g in np.unique(np.searchsorted(starts, np.flatnonzero(hit), side="right") - 1):
+        a, b = starts[g], starts[g] + sizes[g]
+        part = delayed.Replay(*(v[a:b] for v in r))
+        text, _, over = _delayed_text(amax[a:b], step[a:b], part, hit[a:b], names[g], history)
+        hits = step[a:b][hit[a:b]]
+        rows.append(
+            dict(
+                op=int(ids[g]),
+                rule="delayed",
+                format="",  # as drift/trend: the replayed format is in the evidence
+                first_step=int(hits[0]),
+                steps=int(len(hits)),
+                value=over,
+                threshold=0.0,
+                evidence=text,
+            )
+        )
+    return rows
+
+
+def _delayed_formats(info: pd.DataFrame) -> pd.Series:
+    """Float ops (by op-table dtype; unknown dtype counts as float) -> the format their
+    delayed scaling is replayed in: the op's cast format when scalescope knows it, else
+    e4m3."""
+    dtype = info["dtype"].astype(str)
+    floats = info[(dtype == "") | dtype.str.contains("float")]
+    cast = floats["cast_to"].astype(str)
+    known = cast.map(lambda f: bool(f) and "max" in _format_info(f, None))
+    return cast.where(known, "e4m3")
+
+
 # -- entry points ------------------------------------------------------------------------
 
 
@@ -510,11 +642,14 @@ def advise(
     else twice the last recorded step).
 
     Columns: op, label, name, pass, primitive, source, rule, format ("" for nonfinite,
-    drift and trend), first_step (first recorded step where the rule holds; for trend the
-    first fitted step), steps (recorded steps where it holds; for trend the fitted
-    points), value (worst: max fraction, min SNR dB, log2 rms of larger magnitude; for
-    trend the projected log2 rms at the horizon), threshold (for trend the signed bound
-    crossed), evidence, severity, fix.
+    drift, trend and delayed), first_step (first recorded step where the rule holds; for
+    trend the first fitted step), steps (recorded steps where it holds; for trend the
+    fitted points), value (worst: max fraction, min SNR dB, log2 rms of larger magnitude; for
+    trend the projected log2 rms at the horizon; for delayed the largest log2(value amax
+    / delayed-scaling threshold)), threshold (for trend the signed bound crossed; 0 for
+    delayed), evidence, severity, fix. The delayed rule needs ``absmax`` and ``scale``
+    columns (skipped without them) and reads the histogram range from
+    ``meta["hist_columns"]``.
 
     Values NaN in a statistic (no finite element) never trigger overflow, underflow,
     snr or drift: the nonfinite rule reports them. An all-zero value (rms 0) has no scale
@@ -553,7 +688,15 @@ def advise(
     rms = stats["rms"].astype(np.float64).to_numpy()
     with np.errstate(divide="ignore", invalid="ignore"):
         l2 = np.log2(np.where(rms > 0, rms, np.nan))
-    per_step = _per_step(stats.assign(log2_rms=l2), columns | {"log2_rms": "abs"})
+    extra = {"log2_rms": l2}
+    columns |= {"log2_rms": "abs"}
+    replay_delayed = {"absmax", "scale"} <= set(stats.columns)
+    if replay_delayed:  # value amax, its binade's floor, ran: maxima over iterations
+        exp_range = delayed.hist_range((meta or {}).get("hist_columns"))
+        amax, floor, ran = delayed.value_columns(stats, exp_range)
+        extra |= {"_amax": amax, "_floor": floor, "_ran": ran.astype(np.float64)}
+        columns |= {"_amax": "max", "_floor": "max", "_ran": "max"}
+    per_step = _per_step(stats.assign(**extra), columns)
     n_steps = per_step.groupby(level="op").size()
     labels = op_labels(table)
 
@@ -572,9 +715,11 @@ def advise(
     rows += _format_findings(per_step, checked, thresholds, meta, n_steps)
     rows += _drift_findings(log2_rms, thresholds, n_steps)
     rows += _trend_findings(log2_rms, thresholds, horizon)
+    if replay_delayed:
+        rows += _delayed_findings(per_step, _delayed_formats(info), thresholds)
     if not rows:
         return _empty_findings()
-    return _finish(pd.DataFrame(rows), table, labels, meta)
+    return _finish(pd.DataFrame(rows), table, labels, meta, thresholds.delayed_history)
 
 
 def _finish(
@@ -582,6 +727,7 @@ def _finish(
     table: pd.DataFrame,
     labels: pd.Series,
     meta: Mapping[str, Any] | None,
+    history: int = 1024,
 ) -> pd.DataFrame:
     """Add op details, severity and fix; sort."""
     run_scalified = bool(((meta or {}).get("graph") or {}).get("scalify", False))
@@ -594,7 +740,10 @@ def _finish(
     fixes = []
     for (_, f), (_, op) in zip(found.iterrows(), rec.iterrows()):
         fmt = f["format"] or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
-        fixes.append(fix_line(op, fmt, run_scalified or bool(op["scaled"])))
+        if f["rule"] == "delayed":
+            fixes.append(delayed_fix_line(op, history, run_scalified or bool(op["scaled"])))
+        else:
+            fixes.append(fix_line(op, fmt, run_scalified or bool(op["scaled"])))
     found["fix"] = fixes
     found["_sev"] = found["severity"].map({s: i for i, s in enumerate(SEVERITY_ORDER)})
     found["_rule"] = found["rule"].map({r: i for i, r in enumerate(RULES)})

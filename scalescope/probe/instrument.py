@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from ..core import formats as _formats
+from ..core import recipes as _recipes
 from ..core.scaled_array import ScaledArray
 from ..scalify.interpreter import (
     FALLBACK_POLICIES,
@@ -97,15 +97,23 @@ def _predicate(select: Select) -> Callable[[OpRecord], bool] | None:
 def _spec(formats: Sequence[str], histograms: bool, block: int, sample: int | None) -> StatSpec:
     if isinstance(formats, str):
         formats = (formats,)
-    fmts = tuple(_formats.get(f) for f in formats)
-    names = [f.name for f in fmts]
+    try:
+        fmts, recs = _recipes.split(list(formats))
+    except KeyError as err:
+        raise KeyError(f"instrument: formats: {err.args[0]}") from None
+    names = [f.name for f in fmts] + [r.name for r in recs]
     if len(set(names)) != len(names):
         raise ValueError(f"instrument: formats lists a format twice: {list(formats)}")
+    if recs and sample is not None:
+        raise ValueError(
+            f"instrument: recipes ({', '.join(r.name for r in recs)}) quantise whole blocks "
+            "and need every element; they cannot be combined with sample="
+        )
     if block < 1:
         raise ValueError(f"instrument: block must be positive, got {block}")
     if sample is not None and (not isinstance(sample, int) or sample < 1):
         raise ValueError(f"instrument: sample must be a positive int or None, got {sample!r}")
-    return StatSpec(fmts, bool(histograms), int(block), sample)
+    return StatSpec(fmts, bool(histograms), int(block), sample, recs)
 
 
 def instrument(
@@ -130,7 +138,10 @@ def instrument(
     rows (see `OpTable`), computed by tracing alone. Statistics are computed inside the
     traced function, so wrap the result in `jax.jit` to run it at full speed.
 
-    ``formats``: formats to audit (names of `scalescope.formats`). ``histograms``: build
+    ``formats``: formats to audit (names of `scalescope.formats`) and block-scaled
+    recipes (names of `scalescope.core.recipes`: ``"mxfp8_e4m3"``, ``"nvfp4"``...; each
+    adds ``underflow_R``, ``overflow_R``, ``snr_R``, ``block_flush_R``,
+    ``scale_log2_min_R``, ``scale_log2_max_R``). ``histograms``: build
     the exponent histogram (``stats["hist"]``). ``select``: a regex matched against
     ``pass/name`` of each op (``"^bwd/"``, ``"attn/dot_general"``) or a predicate on
     `OpRecord`; other ops get no statistics. ``passes``: top-level `jax.named_scope`
@@ -191,11 +202,11 @@ def instrument(
                     lambda *d: run(leaves, treedef, list(d), avals, key, grouped=False)[:2], *dyn
                 )
             group_size = weights[key] / n_groups
-        recorder = Recorder.root(spec, pred, passes, n_groups, group_size, mask)
+        recorder = Recorder.root(spec, pred, passes, n_groups, group_size, mask, jaxpr=closed.jaxpr)
         paths = _input_paths(fn, treedef, leaves)
         dyn_paths = [p for p, leaf in zip(paths, leaves) if _is_dynamic(leaf)]
-        for path, value in zip(dyn_paths, observed, strict=True):
-            recorder.record_input(path, value)
+        for path, value, var in zip(dyn_paths, observed, closed.jaxpr.invars, strict=True):
+            recorder.record_input(path, value, var)
         for c in closed.consts:
             recorder.mark_const(c)
         ctx = Context(fallback=fallback, recurse_plain=True, observer=recorder, scaling=scalify)
@@ -254,5 +265,6 @@ def instrument(
     instrumented.groups = groups
     instrumented.fallbacks = []
     instrumented.formats = tuple(f.name for f in spec.formats)
+    instrumented.recipes = tuple(r.name for r in spec.recipes)
     instrumented.histograms = spec.histograms
     return instrumented

@@ -26,7 +26,8 @@ import numpy as np
 from jax import lax
 
 from ..core.formats import Format
-from . import native
+from ..core.recipes import RECIPE_STATS, Recipe
+from . import native, recipe_kernel
 
 #: Exponent histogram: bins for ``floor(log2|d|)`` from HIST_LO to HIST_HI inclusive.
 #: Columns of ``stats["hist"]``: zero, below (finite, nonzero, exponent < HIST_LO),
@@ -50,28 +51,46 @@ _F32 = jnp.float32
 
 @dataclass(frozen=True)
 class StatSpec:
-    """What to compute: the audited formats, whether to build histograms, block size and
-    the optional per-value element cap (``sample``)."""
+    """What to compute: the audited formats and block-scaled recipes, whether to build
+    histograms, block size and the optional per-value element cap (``sample``)."""
 
     formats: tuple[Format, ...]
     histograms: bool = True
     block: int = DEFAULT_BLOCK
     sample: int | None = None
+    recipes: tuple[Recipe, ...] = ()
 
     def stat_names(self) -> tuple[str, ...]:
         """Names of the per-row scalar statistics, in output order."""
         per_format = tuple(f"{s}_{f.name}" for f in self.formats for s in FORMAT_STATS)
-        return BASIC_STATS + per_format
+        per_recipe = tuple(n for r in self.recipes for n in r.stat_names())
+        return BASIC_STATS + per_format + per_recipe
 
     @property
     def sum_columns(self) -> tuple[str, ...]:
-        return ("sum", "sumsq", *(f"err2_{f.name}" for f in self.formats))
+        return (
+            "sum",
+            "sumsq",
+            *(f"err2_{f.name}" for f in self.formats),
+            *(f"err2_{r.name}" for r in self.recipes),
+        )
 
     @property
     def count_columns(self) -> tuple[str, ...]:
         cols = ["n", "zero", "nonfinite"]
         for f in self.formats:
             cols += [f"under_{f.name}", f"sub_{f.name}", f"over_{f.name}"]
+        for r in self.recipes:
+            cols += [f"under_{r.name}", f"over_{r.name}", f"flush_{r.name}", f"blocks_{r.name}"]
+        return tuple(cols)
+
+    @property
+    def max_columns(self) -> tuple[str, ...]:
+        """Columns aggregated by maximum: the abs-max, then per recipe the largest and
+        the negated smallest block-scale exponent."""
+        cols = ["absmax"]
+        for r in self.recipes:
+            cols += [f"scale_max_{r.name}", f"scale_negmin_{r.name}"]
         return tuple(cols)
 
     @property
@@ -90,7 +109,7 @@ def empty_raw(spec: StatSpec) -> dict[str, jax.Array]:
     raw = {
         "sum": jnp.zeros((0, len(spec.sum_columns)), _F32),
         "cnt": jnp.zeros((0, len(spec.count_columns)), jnp.int32),
-        "max": jnp.zeros((0, 1), _F32),
+        "max": jnp.zeros((0, len(spec.max_columns)), _F32),
         "last": jnp.zeros((0, 1), _F32),
     }
     if spec.histograms:
@@ -265,19 +284,20 @@ def _next_prime(k: int) -> int:
     return k
 
 
-def values_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
-    """Raw statistics of ``values`` (pairs of data and scale, the scale ``None`` for a
-    plain value), one row each.
+def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
+    """Raw statistics of ``values`` (``(data, scale)`` or ``(data, scale, block_axes)``
+    tuples, the scale ``None`` for a plain value, or `Measured`), one row each.
 
     On CPU each value is read once by the native kernel (`native`), right where it is
     produced. Elsewhere (GPU, or no C++ compiler) values are grouped into buffers of at
-    most `GROUP_ELEMENTS` elements, each reduced by `group_raw`.
+    most `GROUP_ELEMENTS` elements, each reduced by `group_raw`. Recipes (opt-in) are
+    measured value by value (`recipe_raw`) and appended as columns of their own.
     """
     if not values:
         return empty_raw(spec)
     if native.use_native():
-        return _native_raw(values, spec)
-    groups: list[list[tuple[Any, Any]]] = [[]]
+        return _with_recipes(_native_raw(values, spec), values, spec)
+    groups: list[list[Any]] = [[]]
     size = 0
     for value in values:
         n = int(np.size(value[0])) if spec.sample is None else min(np.size(value[0]), spec.sample)
@@ -289,19 +309,52 @@ def values_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, j
     return concat_raw([group_raw(g, spec) for g in groups], spec)
 
 
+def recipe_raw(data: Any, spec: StatSpec, axes: Sequence[int] | None) -> tuple[Any, Any, Any]:
+    """``(sums, counts, maxima)`` of one value under ``spec.recipes`` (see
+    `recipe_kernel.recipe_raw`): the native kernel on CPU, else pure XLA."""
+    if native.use_native():
+        return native.recipe_raw(data, spec.recipes, axes)
+    return recipe_kernel.recipe_raw(data, spec.recipes, axes)
+
+
+def _block_axes(value: Any) -> tuple[int, ...] | None:
+    return value[2] if len(value) > 2 else None
+
+
+def _with_recipes(raw: dict[str, jax.Array], values: Sequence[Any], spec: StatSpec):
+    """``raw`` with the recipe columns of each value appended (none without recipes)."""
+    if not spec.recipes:
+        return raw
+    parts = []
+    for value in values:
+        if isinstance(value, Measured) and value.recipes is not None:
+            parts.append(value.recipes)
+        else:
+            parts.append(recipe_raw(value[0], spec, _block_axes(value)))
+    sums, counts, maxima = (jnp.stack(p) for p in zip(*parts, strict=True))
+    out = dict(raw)
+    out["sum"] = jnp.concatenate([raw["sum"], sums.astype(_F32)], axis=1)
+    out["cnt"] = jnp.concatenate([raw["cnt"], counts.astype(jnp.int32)], axis=1)
+    out["max"] = jnp.concatenate([raw["max"], maxima.astype(_F32)], axis=1)
+    return out
+
+
 def _scales(values: Sequence[Any]) -> jax.Array:
-    return jnp.stack(
-        [jnp.asarray(1.0 if v[-1] is None else v[-1], _F32).reshape(()) for v in values]
-    )[:, None]
+    scales = [v.scale if isinstance(v, Measured) else v[1] for v in values]
+    return jnp.stack([jnp.asarray(1.0 if s is None else s, _F32).reshape(()) for s in scales])[
+        :, None
+    ]
 
 
 class Measured(NamedTuple):
     """A value the native kernel has already measured (`native.measure_through`): its
-    raw row and its scale, standing in for ``(data, scale)`` in `values_raw`."""
+    raw row and its scale, standing in for ``(data, scale)`` in `values_raw`;
+    ``recipes``: its recipe columns (`recipe_raw`), when recipes are requested."""
 
     floats: jax.Array
     ints: jax.Array
     scale: Any
+    recipes: tuple[Any, Any, Any] | None = None
 
 
 def _native_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
@@ -335,8 +388,8 @@ def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
         return empty_raw(spec)
     b = spec.block
     pieces, blocks_per_value, sizes, pads = [], [], [], []
-    for data, _ in values:
-        flat = _sample(jnp.ravel(data), spec.sample).astype(_F32)
+    for value in values:
+        flat = _sample(jnp.ravel(value[0]), spec.sample).astype(_F32)
         n = int(flat.shape[0])
         nb = -(-n // b)
         pad = nb * b - n
@@ -373,7 +426,7 @@ def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
         fix = np.zeros((rows, h), np.int32)
         fix[:, 0] = -pads
         raw["hist"] = hist.reshape(rows, h) + fix
-    return raw
+    return _with_recipes(raw, values, spec)
 
 
 def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
@@ -412,6 +465,26 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
         out[f"subnormal_{name}"] = frac(counts[:, col[f"sub_{name}"]])
         out[f"overflow_{name}"] = frac(counts[:, col[f"over_{name}"]])
         out[f"snr_{name}"] = jnp.where(ran & (finite_n > 0), snr, nan)
+    n_fmt = len(spec.formats)
+    maxima = raw["max"]
+    for i, recipe in enumerate(spec.recipes):
+        name = recipe.name
+        err2 = sums[:, 2 + n_fmt + i]
+        snr = jnp.where(err2 > 0, 10.0 * jnp.log10(sums[:, 1] / err2), np.float32(np.inf))
+        blocks = counts[:, col[f"blocks_{name}"]]
+        flush = counts[:, col[f"flush_{name}"]].astype(_F32) / jnp.maximum(blocks, 1)
+        hi, neg_lo = maxima[:, 1 + 2 * i], maxima[:, 2 + 2 * i]
+        scaled = ran & (hi > -np.inf)
+        stats = {
+            "underflow": frac(counts[:, col[f"under_{name}"]]),
+            "overflow": frac(counts[:, col[f"over_{name}"]]),
+            "snr": jnp.where(ran & (finite_n > 0), snr, nan),
+            "block_flush": jnp.where(ran, flush, nan),
+            "scale_log2_min": jnp.where(scaled, -neg_lo, nan),
+            "scale_log2_max": jnp.where(scaled, hi, nan),
+        }
+        for stat in RECIPE_STATS:
+            out[f"{stat}_{name}"] = stats[stat]
     if spec.histograms:
         out["hist"] = raw["hist"]
     return out

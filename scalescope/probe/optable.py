@@ -60,6 +60,7 @@ class OpRecord:
     cast_to: str = ""
     group: int = -1
     varying: tuple[str, ...] = ()
+    block_axes: tuple[int, ...] = ()
     alias_of: OpRecord | None = field(default=None, repr=False)
 
     @property

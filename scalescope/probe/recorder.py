@@ -43,7 +43,7 @@ from ..scalify.interpreter import Observer
 from ..scalify.registry import get_rule
 from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
 from ..scalify.source import format_source
-from . import kernel, native
+from . import blocking, kernel, native
 from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
 from .optable import OpRecord, OpTable
 
@@ -181,6 +181,7 @@ class _Shared:
     info: dict[int, _Info] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)  # keeps ids in `info` from being reused
     measured: dict[int, kernel.Measured] = field(default_factory=dict)  # by id of the data
+    block_axes: dict[Any, tuple[int, ...]] = field(default_factory=dict)  # recipes' axes
 
     @property
     def at_once(self) -> bool:
@@ -237,8 +238,13 @@ class Recorder(Observer):
         groups: int = 0,
         group_size: float = 0.0,
         mask: Any = None,
+        jaxpr: Any = None,
     ) -> Recorder:
+        """``jaxpr``: the function's jaxpr, to block recipes along GEMMs' contracting
+        axes (`blocking`)."""
         shared = _Shared(spec, select, tuple(pass_scopes), groups, group_size, mask)
+        if spec.recipes and jaxpr is not None:
+            shared.block_axes = blocking.block_axes(jaxpr)
         return cls(shared, _Scope(), Scope())
 
     # -- Observer ------------------------------------------------------------------------
@@ -325,14 +331,26 @@ class Recorder(Observer):
                 else (ins[0] if ins else None)
             )
             outs.append(
-                self._record(eqn.primitive.name, name, pass_, source, var.aval, out, const, src)
+                self._record(
+                    eqn.primitive.name, name, pass_, source, var.aval, out, const, src, var=var
+                )
             )
         return outs
 
     # -- recording -----------------------------------------------------------------------
 
     def _record(
-        self, prim, name, pass_, source, aval, value, const, src: _Info | None, through=True
+        self,
+        prim,
+        name,
+        pass_,
+        source,
+        aval,
+        value,
+        const,
+        src: _Info | None,
+        through=True,
+        var=None,
     ):
         scaled = isinstance(value, ScaledArray)
         data = value.data if scaled else value
@@ -360,21 +378,28 @@ class Recorder(Observer):
         else:
             self._assign_group(rec, int(np.prod(shape)))
             scale = value.scale if scaled else None
+            axes = self.shared.block_axes.get(var) if var is not None else None
+            rec.block_axes = axes or ()
             if self.devices is not None:
-                self.scope.values.append(self._on_devices(data, scale))
+                self.scope.values.append((*self._on_devices(data, scale), axes))
             elif (seen := self.shared.measured.get(id(data))) is not None:
                 # The same data as a value measured before (a rule changed only the
                 # scale): the same statistics of the data, no second read.
                 self.scope.values.append(seen._replace(scale=scale))
             elif through and self.shared.at_once and native.passes_through(data.dtype):
                 data, floats, ints = native.measure_through(data, *self.shared.native_args)
-                measured = kernel.Measured(floats, ints, scale)
+                recipes = None
+                if self.shared.spec.recipes:
+                    recipes = native.recipe_raw(
+                        data, self.shared.spec.recipes, axes, asynchronous=True
+                    )
+                measured = kernel.Measured(floats, ints, scale, recipes)
                 self.shared.measured[id(data)] = measured
                 self.shared.keep.append(data)
                 self.scope.values.append(measured)
                 value = ScaledArray(data, value.scale) if scaled else data
             else:
-                self.scope.values.append((data, scale))
+                self.scope.values.append((data, scale, axes))
             self.scope.recorded.append(rec)
         if rec.note not in ("", "alias"):
             info.record = None
@@ -431,10 +456,19 @@ class Recorder(Observer):
             return True
         return prim == "convert_element_type" and _exact_widening(np.dtype(src_dtype), dtype)
 
-    def record_input(self, path: str, value: Any) -> None:
+    def record_input(self, path: str, value: Any, var: Any = None) -> None:
         aval = jax.typeof(value.data if isinstance(value, ScaledArray) else value)
         self._record(
-            "input", f"input/{path}", "input", "<input>", aval, value, False, None, through=False
+            "input",
+            f"input/{path}",
+            "input",
+            "<input>",
+            aval,
+            value,
+            False,
+            None,
+            through=False,
+            var=var,
         )
 
     def mark_const(self, value: Any) -> None:

@@ -70,6 +70,11 @@ class RunReader:
         return tuple(self.meta.get("formats", ()))
 
     @property
+    def recipes(self) -> tuple[str, ...]:
+        """Block-scaled recipes recorded (``formats=`` entries such as ``"nvfp4"``)."""
+        return tuple(self.meta.get("recipes", ()))
+
+    @property
     def stat_names(self) -> tuple[str, ...]:
         return tuple(self.meta.get("stat_names", ()))
 
@@ -444,6 +449,58 @@ class RunReader:
         from scalescope.notebook import format_limits, hist_series
 
         return hist_series(series, format_limits(self.formats, self.meta))
+
+    def delayed_scaling(
+        self,
+        op: int | str,
+        history: int = 1024,
+        algo: str = "max",
+        margin: float = 0,
+        fmt: str = "e4m3",
+        process: int | None = 0,
+        iteration: int | None = None,
+    ) -> pd.DataFrame:
+        """What FP8 delayed scaling (TE / Flax style: the scale from an amax history of
+        ``history`` recorded steps, ``algo`` ``"max"`` or ``"most_recent"``, ``margin``)
+        would have clipped of ``op`` (an id or ``pass/name``, as for `hist`) at each
+        recorded step, from its recorded abs-max, scale and exponent histogram: see
+        `scalescope.analysis.delayed.delayed_scaling` for the columns. The history holds
+        recorded steps only (``every=10``: every 10th step; the ``gap`` column).
+
+        ``iteration``: rows of that loop iteration only (e.g. one layer of a scan over
+        layers, which would own its FP8 history); None: the iterations of a step share
+        one history (their amax is the max, their clipped counts add up).
+        ``process``: rows of that JAX process (None: all, treated like iterations)."""
+        from scalescope.analysis.delayed import check_options, delayed_scaling
+
+        check_options(history, algo, margin, fmt)
+        op_id = self.op_id(op)
+        rec = self.ops.loc[op_id]
+        src = int(rec["stats_op"])
+        if src < 0:
+            raise ValueError(f"op {op!r} has no statistics ({rec['note']})")
+        cols = L.hist_column_names(len(self.hist_columns))
+        keys = ["step", "count", "absmax", "scale"]
+        pieces = []
+        for part, frame in self._stats_parts:
+            sel = frame["op"].to_numpy() == src
+            if process is not None:
+                sel &= frame["process"].to_numpy() == process
+            if iteration is not None:
+                sel &= frame["iteration"].to_numpy() == iteration
+            if not sel.any():
+                continue
+            rows = frame.loc[sel, keys].reset_index(drop=True)
+            if cols:  # histograms stay on disk: read this part's bins
+                hist = pq.read_table(part, columns=cols).to_pandas().to_numpy()[sel]
+                rows = rows.join(pd.DataFrame(hist, columns=list(self.hist_columns)))
+            pieces.append(rows)
+        if not pieces and iteration is not None:
+            raise KeyError(f"op {op!r} has no row for iteration {iteration}")
+        rows = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=keys)
+        out = delayed_scaling(rows, history=history, algo=algo, margin=margin, fmt=fmt)
+        out.attrs.update(op=op_id, label=f"{rec['pass']}/{rec['name']}")
+        return out
 
     def advise(self, **kwargs: Any) -> pd.DataFrame:
         """The advisor's findings for this run (see `scalescope.analysis.advise`; keyword

@@ -37,6 +37,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..core import formats as _formats
+from ..core import recipes as _recipes
 from ..core.scaled_array import ScaledArray, asarray
 from ..probe import instrument
 from ..probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
@@ -364,10 +365,17 @@ class Run:
             formats = (formats,)
         self.path = Path(path)
         self.every = every
-        self.formats = tuple(_formats.get(f).name for f in formats)
+        try:
+            fmts, recs = _recipes.split(list(formats))
+        except KeyError as err:
+            raise KeyError(f"Run: formats: {err.args[0]}") from None
+        # Plain formats and block-scaled recipes are kept apart: views treat each list
+        # with its own statistics.
+        self.formats = tuple(f.name for f in fmts)
+        self.recipes = tuple(r.name for r in recs)
         self.histograms = bool(histograms)
         self.select, self.sample, self.isolate, self.fallback = select, sample, isolate, fallback
-        spec = StatSpec(tuple(_formats.get(f) for f in self.formats), self.histograms)
+        spec = StatSpec(fmts, self.histograms, recipes=recs)
         self.stat_names = spec.stat_names()
         self.hist_columns = tuple(HIST_COLUMNS) if self.histograms else ()
         self.process = jax.process_index() if process_index is None else int(process_index)
@@ -436,6 +444,7 @@ class Run:
             "every": self.every,
             "formats": list(self.formats),
             "format_info": _format_info(self.formats),
+            "recipes": list(self.recipes),
             "histograms": self.histograms,
             "hist_columns": list(self.hist_columns),
             "hist_exponents": [HIST_LO, HIST_HI],
@@ -451,13 +460,15 @@ class Run:
     def _check_compatible(self, meta: dict[str, Any]) -> None:
         mine = {
             "formats": list(self.formats),
+            "recipes": list(self.recipes),
             "histograms": self.histograms,
             "stat_names": list(self.stat_names),
         }
         for key, value in mine.items():
-            if meta.get(key) != value:
+            theirs = meta.get(key, [] if key == "recipes" else None)  # runs before recipes
+            if theirs != value:
                 raise L.RunMismatchError(
-                    f"Run: {self.path} was recorded with {key}={meta.get(key)!r}, this Run "
+                    f"Run: {self.path} was recorded with {key}={theirs!r}, this Run "
                     f"asks for {value!r}; the statistics would not line up. Record into a "
                     "new directory, or open it with the same settings to append."
                 )
@@ -674,7 +685,7 @@ class Tracked:
         self.instrumented = instrument(
             fn,
             scalify=scalify,
-            formats=run.formats,
+            formats=run.formats + run.recipes,
             histograms=run.histograms,
             select=run.select,
             sample=run.sample,

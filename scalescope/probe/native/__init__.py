@@ -31,13 +31,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core.formats import Format
+from ...core.recipes import Recipe
 
 log = logging.getLogger("scalescope")
 
 TARGET = "scalescope_stats"
 ASYNC_TARGET = "scalescope_stats_async"
 SAME_TARGET = "scalescope_same"
-SOURCE = Path(__file__).with_name("stats.cc")
+RECIPES_TARGET = "scalescope_recipes"
+RECIPES_ASYNC_TARGET = "scalescope_recipes_async"
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "stats.cc", _HERE / "recipes.cc")
+HEADERS = (_HERE / "loader.h",)
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 _lock = threading.Lock()
@@ -63,9 +68,9 @@ def _compiler() -> str | None:
 
 
 def _build(cxx: str) -> Path:
-    """Compile stats.cc into the cache (once per source, jaxlib and machine)."""
+    """Compile the kernels into the cache (once per source, jaxlib and machine)."""
     include = jax.ffi.include_dir()
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(
         src + jax.__version__.encode() + cxx.encode() + os.uname().machine.encode()
     ).hexdigest()[:16]
@@ -78,7 +83,8 @@ def _build(cxx: str) -> Path:
     for arch in (("-march=native",), ()):
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            cmd = [cxx, *_FLAGS, *arch, f"-I{include}", str(SOURCE), "-o", str(tmp_out)]
+            cmd = [cxx, *_FLAGS, *arch, f"-I{include}", f"-I{_HERE}", *map(str, SOURCES)]
+            cmd += ["-o", str(tmp_out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode == 0:
                 os.replace(tmp_out, out)  # atomic: a concurrent build finds a whole file
@@ -106,9 +112,12 @@ def available() -> bool:
             jax.ffi.register_ffi_target(
                 ASYNC_TARGET, jax.ffi.pycapsule(lib.ScalescopeStatsAsync), platform="cpu"
             )
-            jax.ffi.register_ffi_target(
-                SAME_TARGET, jax.ffi.pycapsule(lib.ScalescopeSame), platform="cpu"
-            )
+            for target, symbol in (
+                (SAME_TARGET, lib.ScalescopeSame),
+                (RECIPES_TARGET, lib.ScalescopeRecipes),
+                (RECIPES_ASYNC_TARGET, lib.ScalescopeRecipesAsync),
+            ):
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
             _state["lib"] = lib
             _state["ok"] = True
         except (NativeBuildError, OSError) as err:
@@ -216,3 +225,45 @@ def measure_through(
     stats = jax.ffi.ffi_call(ASYNC_TARGET, shapes, vmap_method="sequential")
     floats, ints = stats(same, **_attrs(flat, formats, lo, hi))
     return same.reshape(data.shape), floats, ints
+
+
+def recipe_raw(
+    data: jax.Array,
+    recipes: Sequence[Recipe],
+    axes: Sequence[int] | None,
+    *,
+    asynchronous: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(sums, counts, maxima)`` of one value under ``recipes``, as
+    `recipe_kernel.recipe_raw` computes them, by the native kernel (``asynchronous``: on
+    XLA's thread pool, waited for only by the readers of the results)."""
+    if not available():
+        raise NativeBuildError("the native probe kernel is not available on this machine")
+    from ..recipe_kernel import block_view
+
+    x = block_view(data, axes)
+    if not passes_through(x.dtype):
+        x = x.astype(jnp.float32)
+    lut = np.zeros((0,), np.float32)
+    if _byte_float(np.dtype(x.dtype)):
+        lut = np.arange(256, dtype=np.uint8).view(np.dtype(x.dtype)).astype(np.float32)
+    n = len(recipes)
+    shapes = (
+        jax.ShapeDtypeStruct((3 * n,), jnp.float32),
+        jax.ShapeDtypeStruct((4 * n,), jnp.int32),
+    )
+    target = RECIPES_ASYNC_TARGET if asynchronous else RECIPES_TARGET
+    floats, ints = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")(
+        x,
+        lut=lut,
+        rule=np.array([r.rule_code for r in recipes], np.int64),
+        block=np.array([r.block for r in recipes], np.int64),
+        rows=np.array([r.rows for r in recipes], np.int64),
+        mantissa=np.array([r.element.mantissa_bits for r in recipes], np.int64),
+        emax=np.array([r.emax for r in recipes], np.int64),
+        fmax=np.array([r.element.max for r in recipes], np.float32),
+        min_normal=np.array([r.element.min_normal for r in recipes], np.float32),
+        min_subnormal=np.array([r.element.min_subnormal for r in recipes], np.float32),
+    )
+    f = floats.reshape(n, 3)
+    return f[:, 0], ints, f[:, 1:].reshape(-1)

@@ -26,15 +26,14 @@
 #include <utility>
 #include <vector>
 
+#include "loader.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using scalescope::Loader;
 
 // Wall time spent in the kernel and calls made, for benchmarks (scalescope_stats_clock).
 std::atomic<uint64_t> g_nanos{0}, g_calls{0};
@@ -217,43 +216,6 @@ void fold_lanes(Totals& t) {
     }
   }
 }
-
-// Widening of the stored element type to float32, one chunk at a time.
-struct Loader {
-  ffi::DataType dtype;
-  const void* data;
-  const float* lut;  // 8-bit types: the float32 value of each of the 256 bit patterns
-
-  void load(int64_t start, int64_t count, float* out) const {
-    switch (dtype) {
-      case ffi::DataType::F16: {
-        const _Float16* p = static_cast<const _Float16*>(data) + start;
-        int64_t i = 0;
-#if defined(__F16C__)
-        for (; i + 8 <= count; i += 8) {
-          __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
-          _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
-        }
-#endif
-        for (; i < count; ++i) out[i] = static_cast<float>(p[i]);
-        break;
-      }
-      case ffi::DataType::BF16: {
-        const uint16_t* p = static_cast<const uint16_t*>(data) + start;
-        uint32_t* o = reinterpret_cast<uint32_t*>(out);
-        for (int64_t i = 0; i < count; ++i) o[i] = static_cast<uint32_t>(p[i]) << 16;
-        break;
-      }
-      case ffi::DataType::F32:
-        std::memcpy(out, static_cast<const float*>(data) + start, count * 4);
-        break;
-      default: {  // 8-bit float types
-        const uint8_t* p = static_cast<const uint8_t*>(data) + start;
-        for (int64_t i = 0; i < count; ++i) out[i] = lut[p[i]];
-      }
-    }
-  }
-};
 
 void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int nf,
                  Totals& t) {

@@ -1,0 +1,82 @@
+"""Which axis a block-scaled recipe blocks a value along.
+
+A GEMM scales its operands along the axis it contracts, so a value whose only uses are
+as a ``dot_general`` operand, contracted along the same axes by each, is blocked along
+those axes (DESIGN.md, "Recipes"); any other value along its last axis. Uses are followed
+into the bodies of call-like primitives (``jit``, ``remat``, custom derivatives), where
+the value keeps its identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend import core as jcore
+
+#: Parameters holding the body of a call whose inputs are the equation's inputs, in order.
+_CALL_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")  # fmt: skip
+
+
+def _body(eqn: Any) -> Any | None:
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in _CALL_BODIES:
+        body = eqn.params.get(key)
+        if body is not None:
+            return getattr(body, "jaxpr", body)
+    return None
+
+
+def _sub_jaxprs(eqn: Any):
+    for value in eqn.params.values():
+        items = value if isinstance(value, list | tuple) else (value,)
+        for item in items:
+            inner = getattr(item, "jaxpr", item)
+            if isinstance(inner, jcore.Jaxpr):
+                yield inner
+
+
+def block_axes(jaxpr: Any) -> dict[Any, tuple[int, ...]]:
+    """Map each variable of ``jaxpr`` (and of every nested jaxpr) used only as a
+    ``dot_general`` operand to the axes those dots contract it along."""
+    out: dict[Any, tuple[int, ...]] = {}
+    _visit(getattr(jaxpr, "jaxpr", jaxpr), out, set())
+    return out
+
+
+def _visit(jaxpr: Any, out: dict[Any, tuple[int, ...]], seen: set[int]) -> None:
+    if id(jaxpr) in seen:
+        return
+    seen.add(id(jaxpr))
+    for eqn in jaxpr.eqns:  # inner bodies first: a call's use is its body's use
+        for inner in _sub_jaxprs(eqn):
+            _visit(inner, out, seen)
+    uses: dict[Any, list[tuple[int, ...] | None]] = {}
+    for eqn in jaxpr.eqns:
+        body = _body(eqn)
+        for k, var in enumerate(eqn.invars):
+            if isinstance(var, jcore.Literal):
+                continue
+            uses.setdefault(var, []).append(_use(eqn, k, body, out))
+    for var in jaxpr.outvars:
+        if not isinstance(var, jcore.Literal):
+            uses.setdefault(var, []).append(None)
+    for var, axes in uses.items():
+        if axes and all(a is not None and a == axes[0] for a in axes):
+            out[var] = axes[0]
+
+
+def _use(eqn: Any, k: int, body: Any, out: dict[Any, tuple[int, ...]]):
+    """The contracting axes of operand ``k`` of ``eqn``, or None (not a GEMM use)."""
+    if eqn.primitive.name == "dot_general" and k < 2:
+        (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
+        axes = tuple(int(a) for a in (contract_l if k == 0 else contract_r))
+        if len(set(eqn.invars[:2])) == 1:  # x @ x.T style: both sides must agree
+            other = tuple(int(a) for a in (contract_r if k == 0 else contract_l))
+            return axes if axes == other else None
+        return axes or None
+    if body is not None and k < len(body.invars):
+        return out.get(body.invars[k])
+    return None
