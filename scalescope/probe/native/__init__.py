@@ -42,7 +42,7 @@ RECIPES_TARGET = "scalescope_recipes"
 RECIPES_ASYNC_TARGET = "scalescope_recipes_async"
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "stats.cc", _HERE / "recipes.cc")
-HEADERS = (_HERE / "loader.h",)
+HEADERS = (_HERE / "common.h",)
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 _lock = threading.Lock()

@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "loader.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -331,19 +331,9 @@ ffi::Error RecipesImpl(RECIPE_ARGS) {
 
 // The same, on XLA's thread pool: only the readers of the statistics wait for them.
 ffi::Future RecipesAsyncImpl(ffi::ThreadPool pool, RECIPE_ARGS) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
   Job job;
   ffi::Error error = prepare(job, RECIPE_PASS);
-  if (error.failure()) {
-    promise.SetError(std::move(error));
-    return future;
-  }
-  pool.Schedule([job, promise]() mutable {
-    run_job(job);
-    promise.SetAvailable();
-  });
-  return future;
+  return scalescope::run_async(pool, std::move(error), job, run_job);
 }
 
 template <typename Binding>

@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "loader.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -394,20 +394,10 @@ ffi::Future StatsAsyncImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Span<con
                            ffi::Span<const float> min_subnormal, int64_t hist_lo,
                            int64_t hist_hi, int64_t threads, ffi::ResultBuffer<ffi::F32> out_f,
                            ffi::ResultBuffer<ffi::S32> out_i) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
   Job job;
   ffi::Error error = prepare(job, x, lut, mantissa, fmax, min_normal, min_subnormal, hist_lo,
                              hist_hi, threads, out_f, out_i);
-  if (error.failure()) {
-    promise.SetError(std::move(error));
-    return future;
-  }
-  pool.Schedule([job, promise]() mutable {
-    run_job(job);
-    promise.SetAvailable();
-  });
-  return future;
+  return scalescope::run_async(pool, std::move(error), job, run_job);
 }
 
 // Hands its operand back in the same buffer (an aliased output; copied only where XLA

@@ -1,8 +1,10 @@
-// Widening of a value's stored element type to float32 (shared by the kernels).
+// What the native kernels share: widening a value's stored element type to float32, and
+// running a prepared job asynchronously on XLA's thread pool.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -50,5 +52,24 @@ struct Loader {
     }
   }
 };
+
+// Runs `run(job)` on XLA's thread pool and returns a future that only the readers of the
+// results wait for (or the preparation's error at once), so a kernel runs beside the rest
+// of the program instead of on its critical path.
+template <typename Job>
+ffi::Future run_async(ffi::ThreadPool& pool, ffi::Error prepared, const Job& job,
+                      void (*run)(const Job&)) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (prepared.failure()) {
+    promise.SetError(std::move(prepared));
+    return future;
+  }
+  pool.Schedule([job, promise, run]() mutable {
+    run(job);
+    promise.SetAvailable();
+  });
+  return future;
+}
 
 }  // namespace scalescope
