@@ -10,6 +10,7 @@ to leave on"): step <= 4x (stretch 2x), compile <= 2.5x, temporaries <= 1.25x.
 
     python benchmarks/bench_probe.py [--layers 2] [--d-model 128] [--scan] [--quick]
     python benchmarks/bench_probe.py --layers 6 --d-model 384 --seq 256 --scan   # nanoGPT
+    python benchmarks/bench_probe.py --quick --recipes   # the cost of the eight recipes
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import scalescope as ss
 from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
 from sample_models.precision import PRECISIONS
 from sample_models.train_step import make_optimizer, make_train_step
+from scalescope.core.recipes import names as recipe_names
 
 GOALS = {"step": 4.0, "compile": 2.5, "temp": 1.25}
 
@@ -72,6 +74,12 @@ def main() -> None:
     parser.add_argument("--scan", action="store_true", help="layers under lax.scan")
     parser.add_argument("--precision", default="fp8", choices=sorted(PRECISIONS))
     parser.add_argument("--quick", action="store_true", help="only the two main variants")
+    parser.add_argument(
+        "--recipes",
+        action="store_true",
+        help="also the statistics program with all eight block-scaled recipes (goal: <= 2x "
+        "the one without)",
+    )
     args = parser.parse_args()
 
     cfg = GPTConfig(
@@ -125,6 +133,14 @@ def main() -> None:
     # What Run.track compiles for recorded steps: the statistics alone, in a program of its
     # own (the outputs come from the plain program, bit for bit).
     variants.append(("Run.track statistics program", {"isolate": False, "_stats_only": True}))
+    if args.recipes:
+        every_recipe = ("e4m3", "e5m2", "fp16", "bf16", *recipe_names())
+        variants.append(
+            (
+                "Run.track stats + 8 recipes",
+                {"isolate": False, "_stats_only": True, "formats": every_recipe},
+            )  # fmt: skip
+        )
     if not args.quick:
         variants.append(("all ops, no histograms", {"histograms": False}))
         variants += [
@@ -166,6 +182,14 @@ def main() -> None:
     if calls:
         print(f"# native kernel: {kernel_s / calls * 1e3:.3f} ms per call on average")
     verdict = lambda r, g: "met" if r <= g else "MISSED"
+    if args.recipes:
+        plain_t = results["Run.track statistics program"][1]
+        with_t = results["Run.track stats + 8 recipes"][1]
+        ratio = with_t / plain_t
+        print(
+            f"# recipes: the statistics program with all eight recipes takes {ratio:.2f}x the "
+            f"one without (goal <= 2.0 {verdict(ratio, 2.0)})"
+        )
     for label in ("all ops, histograms (default)", "Run.track statistics program"):
         c, t, m = results[label]
         # A recorded Run step runs the plain program and the statistics program.

@@ -27,6 +27,11 @@ DEMO_RUNS = (("fp8-naive", "fp8-naive"), ("fp8", "fp8"))
 #: A GPT small enough to train both runs in a few minutes on 2 CPU cores; layers under
 #: `lax.scan` (one op table row per layer, and a cheaper compile).
 DEMO_GPT = {"seq_len": 64, "d_model": 64, "n_heads": 4, "n_layers": 2, "scan_layers": True}
+#: What the demo audits: the FP8/FP16/BF16 formats and two block-scaled recipes (what
+#: MXFP8 on Blackwell and NVFP4 would do to every value).
+DEMO_FORMATS = ("e4m3", "e5m2", "fp16", "bf16", "mxfp8_e4m3", "nvfp4")
+#: The recipe whose failing ops the summary names.
+DEMO_RECIPE = "nvfp4"
 
 
 class DemoError(Exception):
@@ -157,7 +162,12 @@ def train_demo_runs(
         )
         # A naive FP8 run that goes NaN keeps training: the dashboard shows what follows.
         summaries[name] = train(
-            cfg, str(root / name), every=opts.every, stop_on_nan=False, progress=progress
+            cfg,
+            str(root / name),
+            every=opts.every,
+            formats=DEMO_FORMATS,
+            stop_on_nan=False,
+            progress=progress,
         )
         if on_run is not None:
             on_run(name, summaries[name])
@@ -193,6 +203,56 @@ def _advice(root: Path, stream: TextIO, top: int = 4) -> None:
     if len(kinds) > top:
         print(
             f"  ... and {len(kinds) - top} more kind(s): see the dashboard's Advisor view",
+            file=stream,
+        )
+
+
+def recipe_failures(reader: Any, recipe: str = DEMO_RECIPE) -> Any:
+    """Ops of ``reader`` that ``recipe`` would not keep safe at some recorded step, worst
+    first: a DataFrame (label, source, underflow, clipped, flushed blocks, snr) of each
+    op's worst step, per the what-if's criteria (`scalescope.analysis.format_whatif_run`)."""
+    from scalescope import analysis
+
+    whatif = analysis.format_whatif_run(reader)
+    if recipe not in whatif.columns.get_level_values(0):
+        return None
+    unsafe = whatif.index[~whatif[(recipe, "safe")].astype(bool).to_numpy()]
+    wide = reader.stats(
+        [f"{s}_{recipe}" for s in ("underflow", "overflow", "block_flush", "snr")],
+        ops=list(unsafe),
+        wide=True,
+    )
+    ops = reader.ops.set_index("op")
+    worst = wide.groupby("op").agg(
+        underflow=(f"underflow_{recipe}", "max"),
+        clipped=(f"overflow_{recipe}", "max"),
+        flushed=(f"block_flush_{recipe}", "max"),
+        snr=(f"snr_{recipe}", "min"),
+    )
+    worst["label"] = (ops["pass"] + "/" + ops["name"]).reindex(worst.index)
+    worst["source"] = ops["source"].reindex(worst.index)
+    return worst.sort_values(["flushed", "underflow", "clipped"], ascending=False)
+
+
+def _recipe_summary(root: Path, stream: TextIO, top: int = 3) -> None:
+    """Which ops of the scalified run would fail under NVFP4, as a teaser for the
+    dashboard's Formats & recipes view."""
+    import scalescope as ss
+
+    name = DEMO_RUNS[-1][0]
+    failing = recipe_failures(ss.open_run(root / name))
+    if failing is None:
+        return
+    n_ops = len(ss.open_run(root / name).ops)
+    print(
+        f"\n{DEMO_RECIPE} on {name}: {len(failing)} of {n_ops} ops would not be safe",
+        file=stream,
+    )
+    for _, row in failing.head(top).iterrows():
+        print(
+            f"  {row['label']} ({row['source']}): underflow {row['underflow']:.1%}, "
+            f"clipped {row['clipped']:.2%}, flushed blocks {row['flushed']:.1%}, "
+            f"SNR {row['snr']:.1f} dB",
             file=stream,
         )
 
@@ -239,6 +299,7 @@ def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
     for name, summary in summaries.items():
         print(_loss_line(name, summary), file=out)
     _advice(root, out)
+    _recipe_summary(root, out)
     if server is None:
         print(f"\nruns in {root}/; see them with: scalescope serve {root}", file=out, flush=True)
         return 0

@@ -55,8 +55,13 @@ def test_train_mlp_on_fashion_mnist_writes_a_readable_run(tmp_path, precision, c
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp8"])
 def test_train_gpt_on_shakespeare_writes_a_readable_run(tmp_path, precision):
-    run = _train(tmp_path, "gpt", precision, [*TINY_GPT, "--data", "vendored"], steps=2, every=1)
+    extra = [*TINY_GPT, "--data", "vendored", "--formats", "e4m3,e5m2,mxfp8_e4m3,nvfp4"]
+    run = _train(tmp_path, "gpt", precision, extra, steps=2, every=1)
     reader = _check_run(run, precision, 2, 1)
+    # --formats records the recipes next to the formats
+    assert reader.formats == ("e4m3", "e5m2") and reader.recipes == ("mxfp8_e4m3", "nvfp4")
+    flush = reader.stats("block_flush_nvfp4", ops=r"^fwd/.*dot_general", steps=0)
+    assert len(flush) > 0 and ((flush["value"] >= 0) & (flush["value"] <= 1)).all()
     assert reader.config["vocab_size"] > 60 and reader.config["dataset"] == "shakespeare (vendored)"
     assert any("attn" in name for name in reader.ops["name"])
     meta = json.loads((run / "run.json").read_text())
@@ -91,6 +96,8 @@ def test_train_reports_missing_fashion_mnist_with_the_install_command(tmp_path, 
         (["train", "mlp", "--every", "0", "--run", "x"], "--every must be >= 1"),
         (["train", "cnn", "--run", "x"], "invalid choice: 'cnn'"),
         (["train", "mlp", "--precision", "fp4", "--run", "x"], "invalid choice: 'fp4'"),
+        (["train", "mlp", "--formats", "e4m3,mxfp9", "--run", "x"], "unknown format or recipe"),
+        (["train", "mlp", "--formats", " , ", "--run", "x"], "--formats: no format given"),
     ],
 )
 def test_train_rejects_bad_arguments(argv, message, capsys):

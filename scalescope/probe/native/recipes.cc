@@ -129,30 +129,54 @@ BlockScale scale_of(const Recipe& r, float amax_b, float enc) {
 
 // Element statistics of magnitudes a[0..n) (see `magnitude`) under one block scale;
 // returns whether every non-zero finite element quantised to zero.
-bool quantise(const float* a, int64_t n, const Recipe& r, const BlockScale& s, Acc& acc) {
-  bool all_zero = true;
-  const Elem& el = r.el;
+// Branch-free per element, so the compiler vectorises it: the zero-scale case and the
+// division (NVFP4 only) are decided once per block.
+template <bool kDivide>
+bool quantise_as(const float* a, int64_t n, const Elem& el, double num, double den,
+                 Acc& acc) {
+  const int shift = 52 - el.mant;
+  const uint64_t one = 1, half_m1 = (one << (shift - 1)) - 1, keep = ~((one << shift) - 1);
+  const double magic = el.min_sub * 0x1p52;  // its ulp is the format's subnormal step
+  const double back = den / num;             // exact for power-of-two scales
+  double err2 = 0;
+  int64_t over = 0, under = 0, nonzero = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float v = a[i];
-    if (v <= 0) {
-      acc.over += v == -1.0f;
-      continue;
-    }
-    double q = 0;
-    if (!s.zero) {
-      const double y = double(v) * s.num / s.den;
-      acc.over += y > el.max;
-      q = round_to(y, el);
-    }
-    if (q == 0) {
-      ++acc.under;
-    } else {
-      all_zero = false;
-    }
-    const double err = double(v) - q * s.den / s.num;
-    acc.err2 += err * err;
+    const bool valid = v > 0;
+    const double d = valid ? double(v) : 0.0;
+    const double y = kDivide ? d * num / den : d * num;
+    uint64_t b;
+    std::memcpy(&b, &y, 8);
+    b = (b + half_m1 + ((b >> shift) & 1)) & keep;
+    double qn;
+    std::memcpy(&qn, &b, 8);
+    const double qs = (y + magic) - magic;
+    double q = y >= el.min_normal ? qn : qs;
+    q = q < el.max ? q : el.max;
+    over += (y > el.max) | (v == -1.0f);
+    under += valid & (q == 0);
+    nonzero += q != 0;
+    const double err = d - q * back;
+    err2 += err * err;
   }
-  return all_zero;
+  acc.err2 += err2;
+  acc.over += over;
+  acc.under += under;
+  return nonzero == 0;
+}
+
+bool quantise(const float* a, int64_t n, const Recipe& r, const BlockScale& s, Acc& acc) {
+  if (s.zero) {  // everything rounds to 0
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = a[i];
+      acc.over += v == -1.0f;
+      acc.under += v > 0;
+      acc.err2 += v > 0 ? double(v) * double(v) : 0.0;
+    }
+    return true;
+  }
+  if (s.den != 1) return quantise_as<true>(a, n, r.el, s.num, s.den, acc);
+  return quantise_as<false>(a, n, r.el, s.num, s.den, acc);
 }
 
 void close_block(const Recipe& r, float amax_b, float enc, const float* a, int64_t n,
