@@ -2,12 +2,14 @@
 
 Seven views in tabs: overview (loss curve, NaN/Inf alarms, worst ops, advisor summary),
 heatmap (op x step of any metric, with filters; a click opens the op), op detail (scale /
-RMS / abs-max over steps, exponent histogram, SNR per format), advisor table, format
-what-if, the comparison of two runs, and the scale graph (each op's value and gradient
-RMS at a step recorded with `Run.scale_graph`, with a step slider). Every figure comes
-from `scalescope.viz`, every frame from `scalescope.analysis` (through `RunData`'s
-cache). A periodic callback reads new parts of the run; views showing data older than
-the run are redrawn when visible.
+RMS / abs-max over steps, exponent histogram, SNR per format and recipe, the block scales
+of each recorded recipe against its element format's range), advisor table, the format
+and recipe what-if ("Formats & recipes": safe ops per pass, each op's verdicts side by
+side, its cheapest safe recipe), the comparison of two runs, and the scale graph (each
+op's value and gradient RMS at a step recorded with `Run.scale_graph`, with a step
+slider). Every figure comes from `scalescope.viz`, every frame from `scalescope.analysis`
+(through `RunData`'s cache). A periodic callback reads new parts of the run; views
+showing data older than the run are redrawn when visible.
 
 Every view computed from statistics (overview, heatmap, op detail, advisor, formats)
 opens with a note when its numbers are estimates (a run recorded with ``sample=``) or when
@@ -29,13 +31,17 @@ import panel as pn
 from bokeh.events import Tap
 
 from scalescope import analysis, viz
+from scalescope.analysis.advisor import pct
 
 from .data import RunData, RunSet
 
 #: How often a page looks for new data (ms): new steps show within ~2 s of being written.
 POLL_MS = 1000
 
+#: The views, by key (`Dashboard.versions`, `Dashboard.notes`, ``tabs.active`` indices).
 TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare", "Scale graph")
+#: Tab titles that differ from the view's key.
+TAB_TITLES = {"Formats": "Formats & recipes"}
 
 _FINDING_COLUMNS = [
     "severity",
@@ -82,6 +88,48 @@ def _statistics_note(notes: list[str]) -> str:
         "<div class='ss-statistics-note' style='color:#8a5a00;background:#fff6e0;"
         f"padding:3px 8px;border-left:3px solid #e0a000'>{items}</div>"
     )
+
+
+_THRESHOLDS = analysis.Thresholds()  # the dashboard's views use the defaults
+_FORMATS_HEAD = (
+    "<h3>Safe ops per pass, format and recipe</h3><p>An op is safe in a format when, over "
+    f"the recorded steps, it never overflows, underflows at most "
+    f"{pct(_THRESHOLDS.underflow)}, keeps its SNR above the format's threshold and "
+    "holds no NaN/inf. A block-scaled recipe (recorded with <code>formats=</code>) is safe "
+    f"when it clips at most {pct(_THRESHOLDS.recipe_overflow)} of the elements (SNR judges "
+    "clipping), "
+    f"underflows at most {pct(_THRESHOLDS.underflow)}, flushes no block to zero, "
+    "keeps its SNR above its element format's threshold and holds no NaN/inf.</p>"
+)
+_CHEAPEST_HEAD = (
+    "<h3>Cheapest safe recipe</h3><p>Ops per pass for which each recipe is the cheapest "
+    "that keeps them safe (fewer bits per element, then per-tensor before per-block "
+    "scales, then larger blocks); <i>none</i>: no recorded recipe does.</p>"
+)
+
+
+def whatif_table(whatif: pd.DataFrame, labels: pd.Series, last: pd.Series) -> pd.DataFrame:
+    """The per-op table of the Formats & recipes view, one row per op of a
+    `scalescope.analysis.format_whatif` frame: ``op``, ``label``, ``last measured``,
+    ``cheapest recipe`` (with recipes); per format ``F safe``, ``F snr``, ``F why``; per
+    recipe, side by side, ``R safe``, ``R underflow``, ``R clipped`` (overflow_R),
+    ``R snr``, ``R flushed`` (flushed blocks), ``R why``."""
+    flat = pd.DataFrame(index=whatif.index)
+    flat["label"] = labels.reindex(whatif.index).to_numpy()
+    flat["last measured"] = last.reindex(whatif.index).to_numpy()
+    recipes = analysis.whatif_recipes(whatif)
+    if recipes:
+        flat[analysis.CHEAPEST] = whatif[analysis.CHEAPEST].to_numpy()
+    for name in analysis.whatif_groups(whatif):
+        flat[f"{name} safe"] = whatif[(name, "safe")]
+        if name in recipes:
+            flat[f"{name} underflow"] = whatif[(name, "underflow")]
+            flat[f"{name} clipped"] = whatif[(name, "overflow")]
+        flat[f"{name} snr"] = whatif[(name, "snr")].round(1)
+        if name in recipes:
+            flat[f"{name} flushed"] = whatif[(name, "block_flush")]
+        flat[f"{name} why"] = whatif[(name, "reason")]
+    return flat.reset_index()
 
 
 def _message(text: str, kind: str = "info") -> str:
@@ -134,14 +182,17 @@ class Dashboard:
             ("Formats", self.formats),
         ):
             column.insert(0, self.notes[view])
+        views = (
+            self.overview,
+            self.heatmap_view,
+            self.detail,
+            self.advisor,
+            self.formats,
+            self.compare,
+            self.scale_graph_view,
+        )
         self.tabs = pn.Tabs(
-            ("Overview", self.overview),
-            ("Heatmap", self.heatmap_view),
-            ("Op detail", self.detail),
-            ("Advisor", self.advisor),
-            ("Formats", self.formats),
-            ("Compare", self.compare),
-            ("Scale graph", self.scale_graph_view),
+            *((TAB_TITLES.get(key, key), view) for key, view in zip(TABS, views)),
             dynamic=False,
             sizing_mode="stretch_width",
         )
@@ -460,6 +511,7 @@ class Dashboard:
         self.series_pane = pn.pane.Bokeh(None)
         self.hist_pane = pn.pane.Bokeh(None)
         self.snr_pane = pn.pane.Bokeh(None)
+        self.scale_pane = pn.pane.Bokeh(None, visible=False)
         self.op_findings = _table(pd.DataFrame(), "op-findings", page_size=5)
         self._pending_step: int | None = None
         self.op_select.param.watch(lambda e: self._muted or self._draw_op(), "value")
@@ -469,6 +521,7 @@ class Dashboard:
             self.op_info,
             pn.Row(self.series_pane, self.snr_pane),
             self.hist_pane,
+            self.scale_pane,
             self.op_findings,
             sizing_mode="stretch_width",
         )
@@ -500,6 +553,7 @@ class Dashboard:
             findings = data.findings()
             recorded = data.steps
             when = data.measured().reindex([op]).iloc[0]
+            recipes = data.recipes
         steps = sorted(int(s) for s in rows["step"].unique())
         step = self._pending_step if self._pending_step in steps else (steps[-1] if steps else None)
         self._pending_step = None
@@ -525,6 +579,17 @@ class Dashboard:
         self.series_pane.object = viz.timeseries(
             per_step, title=f"{label}: scale, rms, abs-max", recorded=recorded
         )
+        self.scale_pane.visible = bool(recipes)
+        self.scale_pane.object = (
+            viz.scale_ranges(
+                analysis.block_scales(rows, recipes),
+                analysis.recipe_elements(recipes),
+                absmax=per_step["absmax"],
+                title=f"{label}: block scales vs element exponent range",
+            )
+            if recipes
+            else None
+        )
         mine = findings[findings["op"] == op]
         self.op_findings.value = (
             mine[[c for c in _FINDING_COLUMNS if c != "label"]].reset_index(drop=True)
@@ -542,7 +607,7 @@ class Dashboard:
         with data.lock:
             rows = data.op_stats(op)
             meta = data.reader.meta
-            formats = data.formats
+            formats = data.formats + data.recipes
             hist = data.reader.hist(op, step) if data.reader.hist_columns else None
         at = rows[rows["step"] == step]
         snr_cols = {f: f"snr_{f}" for f in formats if f"snr_{f}" in at.columns}
@@ -550,8 +615,8 @@ class Dashboard:
             snr = pd.Series({f: float(at[c].min()) for f, c in snr_cols.items()})
             self.snr_pane.object = viz.snr_chart(
                 snr,
-                thresholds=dict(analysis.DEFAULT_SNR_DB),
-                title=f"SNR per format at step {step}",
+                thresholds={f: _THRESHOLDS.snr_for(f, meta) for f in snr.index},
+                title=f"SNR per format and recipe at step {step}",
             )
         label = (
             self.op_select.labels[self.op_select.values.index(op)]
@@ -604,14 +669,15 @@ class Dashboard:
 
     def _build_formats(self) -> None:
         self.verdicts = _table(pd.DataFrame(), "verdicts", page_size=10)
+        self.cheapest_table = _table(pd.DataFrame(), "cheapest", page_size=10)
+        self.cheapest_head = pn.pane.HTML(_CHEAPEST_HEAD, visible=False)
+        self.cheapest_table.visible = False
         self.whatif_table = _table(pd.DataFrame(), "whatif", page_size=25)
         self.formats = pn.Column(
-            pn.pane.HTML(
-                "<h3>FP8-safe ops per pass and format</h3><p>An op is safe in a format when, "
-                "over the recorded steps, it never overflows, underflows at most 1 %, and "
-                "keeps its SNR above the format's threshold.</p>"
-            ),
+            pn.pane.HTML(_FORMATS_HEAD, sizing_mode="stretch_width"),
             self.verdicts,
+            self.cheapest_head,
+            self.cheapest_table,
             pn.pane.HTML("<h3>Per op</h3>"),
             self.whatif_table,
             sizing_mode="stretch_width",
@@ -624,16 +690,14 @@ class Dashboard:
             whatif = data.whatif()
             ops = data.ops
             labels = data.labels
+            last = data.last_measured(whatif.index)
         self.verdicts.value = analysis.verdict_counts(whatif, ops, as_text=True).reset_index()
-        flat = pd.DataFrame(index=whatif.index)
-        flat["label"] = labels.reindex(whatif.index).to_numpy()
-        with data.lock:
-            flat["last measured"] = data.last_measured(whatif.index).to_numpy()
-        for fmt in dict.fromkeys(whatif.columns.get_level_values(0)):
-            flat[f"{fmt} safe"] = whatif[(fmt, "safe")]
-            flat[f"{fmt} snr"] = whatif[(fmt, "snr")].round(1)
-            flat[f"{fmt} why"] = whatif[(fmt, "reason")]
-        self.whatif_table.value = flat.reset_index()
+        cheapest = analysis.cheapest_counts(whatif, ops)
+        has_recipes = bool(len(cheapest.columns))
+        self.cheapest_head.visible = self.cheapest_table.visible = has_recipes
+        if has_recipes:
+            self.cheapest_table.value = cheapest.reset_index()
+        self.whatif_table.value = whatif_table(whatif, labels, last)
 
     # -- scale graph -----------------------------------------------------------------------
 

@@ -3,8 +3,8 @@
 `RunSet` resolves the PATH given to ``scalescope serve`` (one run, or a directory of
 runs) once, and only ever opens runs under it. `RunData` wraps one `RunReader` with a
 lock (Bokeh sessions run callbacks on the server's threads) and caches every derived
-frame (wide statistics, matrices, advisor findings, what-if) until `RunData.refresh`
-reads new parts; all sessions of the server share one `RunData` per run.
+frame (wide statistics, matrices, advisor findings, format and recipe what-if) until
+`RunData.refresh` reads new parts; all sessions of the server share one `RunData` per run.
 """
 
 from __future__ import annotations
@@ -24,6 +24,15 @@ from scalescope.store import RunError, RunReader, list_runs, open_run
 BASE_METRICS = ("log2_rms", "log2_scale", "log2_absmax", "frac_zero", "frac_nonfinite")
 #: Per-format metrics offered for every audited format.
 FORMAT_METRICS = ("underflow", "overflow", "snr")
+#: Per-recipe metrics offered for every recorded block-scaled recipe (after the formats').
+RECIPE_METRICS = (
+    "underflow",
+    "overflow",
+    "snr",
+    "block_flush",
+    "scale_log2_min",
+    "scale_log2_max",
+)
 
 
 class ServeError(Exception):
@@ -89,8 +98,14 @@ class RunData:
     def formats(self) -> list[str]:
         return self.cached("formats", lambda: analysis.recorded_formats(self.stats))
 
+    @property
+    def recipes(self) -> list[str]:
+        """Block-scaled recipes recorded in the statistics (``nvfp4``, ...)."""
+        return self.cached("recipes", lambda: analysis.recorded_recipes(self.stats))
+
     def metrics(self) -> list[str]:
-        """Heatmap metrics this run has, in menu order."""
+        """Heatmap metrics this run has, in menu order: the base ones, each format's,
+        then each recipe's (`RECIPE_METRICS`)."""
         have = set(self.stats.columns) | {
             m
             for m, (src, _) in analysis.DERIVED_METRICS.items()
@@ -99,6 +114,8 @@ class RunData:
         names = [m for m in BASE_METRICS if m in have]
         for kind in FORMAT_METRICS:
             names += [f"{kind}_{f}" for f in self.formats if f"{kind}_{f}" in have]
+        for kind in RECIPE_METRICS:
+            names += [f"{kind}_{r}" for r in self.recipes if f"{kind}_{r}" in have]
         return names
 
     def filtered_ops(self, passes: tuple[str, ...], primitives: tuple[str, ...], regex: str):

@@ -222,7 +222,7 @@ def recipe_failures(reader: Any, recipe: str = DEMO_RECIPE) -> Any:
         ops=list(unsafe),
         wide=True,
     )
-    ops = reader.ops.set_index("op")
+    ops = reader.ops
     worst = wide.groupby("op").agg(
         underflow=(f"underflow_{recipe}", "max"),
         clipped=(f"overflow_{recipe}", "max"),

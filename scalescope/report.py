@@ -7,11 +7,13 @@
   inline; no Panel, no CDN, no web font). Sections, each a Bokeh model with a stable
   ``name`` (``Bokeh.documents[0].get_model_by_name(name)``): ``report-title``,
   ``report-fail-on`` (with ``--fail-on``), ``report-summary`` (safe ops per pass and
-  format), ``report-findings`` (the advisor's findings with their source lines),
+  format or recipe; with recipes, the cheapest safe recipe's op count per pass),
+  ``report-findings`` (the advisor's findings with their source lines),
   ``report-heatmaps`` then ``report-heatmap-<metric>`` figures (op x step, rows and steps
   merged in their worse direction when there are more than ``max_ops`` / ``max_steps``),
-  ``report-worst-ops`` then per op ``report-op-<k>`` and ``report-histogram-<k>`` (exponent
-  histogram at the op's worst step), ``report-loss`` (loss
+  ``report-worst-ops`` then per op ``report-op-<k>``, ``report-histogram-<k>`` (exponent
+  histogram at the op's worst step) and, with recipes, ``report-scales-<k>`` (each
+  recipe's block scales over steps against its element format's range), ``report-loss`` (loss
   curve; both runs with ``--compare``), ``report-scale-graph`` (the latest scale graph
   recorded with `Run.scale_graph`, if any), ``report-compare`` (with ``--compare``) and
   ``report-metadata``. The file stays a few MB for thousands of ops (measured in the
@@ -29,14 +31,16 @@
       "sample": null | int,                # the per-value element cap
       "measurement_period": null | float,  # median recorded steps between two measurements
       "notes": [str],                      # what the HTML says next to each figure
-      "run": {name, path, status, created, closed, config, formats, format_info, device,
-              versions, graph, every, histograms, sample, budget, statistics,
+      "run": {name, path, status, created, closed, config, formats, recipes, format_info,
+              device, versions, graph, every, histograms, sample, budget, statistics,
               "steps": {count, first, last}, "ops": {total, with_stats}},
       "thresholds": {drift_log2, underflow, overflow, nonfinite, snr_db: {fmt: dB},
                      trend_min_points, trend_min_r2, mask_min_steps,
-                     delayed_history, delayed_log2},
+                     delayed_history, delayed_log2, recipe_overflow},
       "summary": {
-        "verdicts": {pass: {fmt: {safe, total}}},     # passes input/fwd/bwd/opt/.../all
+        "verdicts": {pass: {fmt: {safe, total}}},     # passes input/fwd/bwd/opt/.../all;
+                                                      # fmt: every format, then recipe
+        "cheapest_recipe": {pass: {recipe: n, ..., "none": n}},  # {} without recipes
         "findings": {total, by_severity: {critical, high, medium, low},
                      by_rule: [{rule, format, severity, findings, ops, passes,
                                 first_step, worst}]}},
@@ -48,7 +52,8 @@
          first_nonfinite_step,  # null if never
          mask,                  # constant non-finite fraction: a mask, not a failure
          log2_rms,              # worst |log2 rms| over the steps, signed (null: none finite)
-         formats: {fmt: {safe, reason, snr, overflow, underflow}}}],
+         formats: {fmt: {safe, reason, snr, overflow, underflow}},  # recipes add block_flush
+         cheapest_recipe}],     # the cheapest safe recorded recipe; null: none (or no recipe)
       "findings": [  # exactly the rows of reader.advise(thresholds=...), same order
         {op, label, name, pass, primitive, source, rule, format, first_step, steps,
          value, threshold, evidence, severity, fix}],
@@ -65,15 +70,18 @@
   Per op and format (`scalescope.analysis.format_whatif`, worst over every recorded step):
   ``safe`` (bool), ``reason`` (``"ok"`` or the failures: ``"overflow 0.3%"``, ...),
   ``snr`` (worst dB; null when the cast is exact at every step, i.e. infinite SNR, or
-  no element is finite), ``overflow`` / ``underflow`` (worst fractions).
+  no element is finite), ``overflow`` / ``underflow`` (worst fractions); per recorded
+  block-scaled recipe the same plus ``block_flush`` (worst fraction of flushed blocks).
 
 ``--fail-on`` rules (see `parse_fail_on`): comma-separated ``METRIC OP NUMBER``, e.g.
-``overflow_e4m3>0,underflow_e5m2>0.01,nonfinite>0`` or ``snr_e4m3<20``; the command
-exits 1 when any rule trips, naming it with its value, op and step.
+``overflow_e4m3>0,underflow_e5m2>0.01,nonfinite>0``, ``snr_e4m3<20`` or, on a run that
+records recipes, ``block_flush_nvfp4>0,underflow_mxfp8_e4m3>1%``; the command exits 1
+when any rule trips, naming it with its value, op and step.
 
 Exit status of the command: 0 written and no rule tripped, 1 a ``--fail-on`` rule
 tripped, 2 bad input (missing run, not a run, malformed rule, format the run does not
-audit, unwritable output), with a one-line message on stderr.
+audit or recipe it does not record, unwritable output), with a one-line message on
+stderr.
 """
 
 from __future__ import annotations
@@ -120,7 +128,10 @@ class ReportError(Exception):
 # ---------------------------------------------------------------------------------------
 # --fail-on rules
 
-_FRACTION_KINDS = ("nonfinite", "overflow", "underflow")
+_FRACTION_KINDS = ("nonfinite", "overflow", "underflow", "block_flush")
+#: Metric kinds of formats and recipes (``<kind>_<name>``), longest prefix first.
+_FORMAT_KINDS = ("overflow", "underflow", "snr")
+_RECIPE_KINDS = ("block_flush", *_FORMAT_KINDS)
 _SEVERITIES = A.SEVERITY_ORDER
 _RULE_NAMES = A.RULES
 _OPERATORS = (">=", "<=", ">", "<")
@@ -131,6 +142,8 @@ FAIL_ON_HELP = (
     "(worst fraction of NaN/inf values in any op, masks excluded); overflow_F, "
     "underflow_F (worst fraction, F one of e4m3, e5m2, fp16, bf16, over the ops the run "
     "casts to F; add :all for every op, as if cast); snr_F (worst SNR in dB, use < or <=); "
+    "overflow_R, underflow_R, snr_R, block_flush_R for a block-scaled recipe R the run "
+    "records (mxfp8_e4m3, nvfp4, ...; over every op); "
     "findings, findings_<severity>, findings_<rule> (number of advisor findings). "
     "Fractions take 0.01 or 1%%. Example: overflow_e4m3>0,underflow_e5m2>0.01,nonfinite>0"
 )
@@ -140,11 +153,13 @@ FAIL_ON_HELP = (
 class Rule:
     """One ``--fail-on`` rule: trips when ``value <operator> threshold``.
 
-    ``kind``: ``nonfinite``, ``overflow``, ``underflow``, ``snr`` or ``findings``;
-    ``format``: the format of overflow/underflow/snr rules (else ``""``); ``scope``:
-    ``cast`` (ops the run casts to the format) or ``all`` for format rules, ``""``
-    otherwise; ``select``: for findings counts, the severity or rule counted (``""``:
-    all findings)."""
+    ``kind``: ``nonfinite``, ``overflow``, ``underflow``, ``snr``, ``block_flush`` or
+    ``findings``; ``format``: the format or recipe of overflow/underflow/snr/block_flush
+    rules (else ``""``); ``recipe``: True when ``format`` is a block-scaled recipe;
+    ``scope``: ``cast`` (ops the run casts to the format) or ``all`` for format rules,
+    always ``all`` for recipe rules (nothing is cast to a recipe), ``""`` otherwise;
+    ``select``: for findings counts, the severity or rule counted (``""``: all
+    findings)."""
 
     text: str
     metric: str
@@ -154,6 +169,7 @@ class Rule:
     select: str
     operator: str
     threshold: float
+    recipe: bool = False
 
     def trips(self, value: float | None) -> bool:
         if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -170,14 +186,26 @@ def _bad(piece: str, why: str) -> ValueError:
     return ValueError(f"--fail-on rule {piece!r}: {why}")
 
 
-def _parse_metric(piece: str, metric: str) -> tuple[str, str, str, str]:
-    """``(kind, format, scope, select)`` of a metric name, or a ValueError."""
+def _split_kind(name: str) -> tuple[str, str]:
+    """``("block_flush", "nvfp4")`` from ``"block_flush_nvfp4"``; ``("", name)`` when it
+    starts with no format or recipe metric."""
+    for kind in _RECIPE_KINDS:
+        if name.startswith(kind + "_"):
+            return kind, name[len(kind) + 1 :]
+    return "", name
+
+
+def _parse_metric(piece: str, metric: str) -> tuple[str, str, str, str, bool]:
+    """``(kind, format, scope, select, recipe)`` of a metric name, or a ValueError."""
     from .core import formats as _formats
+    from .core import recipes as _recipes
 
     known = (
         "nonfinite, overflow_F, underflow_F, snr_F (F: "
         + ", ".join(_formats.names())
-        + "; optional :all), findings, findings_<severity>, findings_<rule>"
+        + "; optional :all), overflow_R, underflow_R, snr_R, block_flush_R (R: "
+        + ", ".join(_recipes.names())
+        + "), findings, findings_<severity>, findings_<rule>"
     )
     if not metric:
         raise _bad(piece, f"no metric before the operator; metrics: {known}")
@@ -186,7 +214,7 @@ def _parse_metric(piece: str, metric: str) -> tuple[str, str, str, str]:
         if scope:
             raise _bad(piece, f"':{scope}' applies only to overflow_F, underflow_F and snr_F")
         if name == "nonfinite":
-            return "nonfinite", "", "", ""
+            return "nonfinite", "", "", "", False
         select = name[len("findings_") :] if name != "findings" else ""
         if select and select not in _SEVERITIES and select not in _RULE_NAMES:
             raise _bad(
@@ -194,18 +222,32 @@ def _parse_metric(piece: str, metric: str) -> tuple[str, str, str, str]:
                 f"unknown findings selector {select!r}; severities: {', '.join(_SEVERITIES)}; "
                 f"rules: {', '.join(_RULE_NAMES)}",
             )
-        return "findings", "", "", select
-    kind, sep, fmt = name.partition("_")
-    if not sep or kind not in ("overflow", "underflow", "snr"):
+        return "findings", "", "", select, False
+    kind, fmt = _split_kind(name)
+    if not kind:
         raise _bad(piece, f"unknown metric {metric!r}; metrics: {known}")
-    if fmt not in _formats.names():
-        raise _bad(
-            piece, f"unknown format {fmt!r} in {name!r}; formats: {', '.join(_formats.names())}"
+    recipe = _recipes.is_recipe(fmt)
+    if recipe:
+        fmt = _recipes.get(fmt).name
+    elif kind == "block_flush":
+        why = (
+            f"block_flush applies to block-scaled recipes, not the format {fmt!r}"
+            if fmt in _formats.names()
+            else f"unknown recipe {fmt!r} in {name!r}"
         )
-    scope = scope or "cast"
+        raise _bad(piece, f"{why}; recipes: {', '.join(_recipes.names())}")
+    elif fmt not in _formats.names():
+        raise _bad(
+            piece,
+            f"unknown format or recipe {fmt!r} in {name!r}; formats: "
+            f"{', '.join(_formats.names())}; recipes: {', '.join(_recipes.names())}",
+        )
+    scope = scope or ("all" if recipe else "cast")
     if scope not in ("cast", "all"):
         raise _bad(piece, f"unknown scope ':{scope}'; use ':all' (every op) or nothing")
-    return kind, fmt, scope, ""
+    if recipe and scope != "all":
+        raise _bad(piece, f"a recipe rule checks every op; drop ':{scope}'")
+    return kind, fmt, scope, "", recipe
 
 
 def _parse_number(piece: str, text: str, fraction: bool) -> float:
@@ -239,6 +281,11 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
       ``overflow_F:all`` checks every op as if it were cast (the format what-if);
     * ``snr_F`` (``:all`` likewise): worst quantisation SNR in dB; it gets worse as it
       falls, so it takes ``<`` or ``<=``;
+    * ``overflow_R``, ``underflow_R``, ``snr_R``, ``block_flush_R`` for a block-scaled
+      recipe R (``mxfp8_e4m3``, ``nvfp4``, ...; see `scalescope.core.recipes`): the same
+      statistics of the recipe, and the worst fraction of its blocks flushed to zero,
+      over every op (no op is cast to a recipe). Any recipe name parses; the report
+      refuses a rule on a recipe the run does not record;
     * ``findings``, ``findings_<severity>`` (critical, high, medium, low),
       ``findings_<rule>`` (nonfinite, overflow, underflow, snr, drift, trend, delayed):
       number of advisor findings.
@@ -246,8 +293,8 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
     Operators: ``>``, ``>=`` for fractions and counts, ``<``, ``<=`` for SNR. Numbers:
     finite; fractions in [0, 1], also written as percentages (``1%``); counts >= 0.
 
-    Raises ValueError naming the bad piece (empty rule, unknown metric or format, bad
-    operator, bad number)."""
+    Raises ValueError naming the bad piece (empty rule, unknown metric, format or recipe,
+    bad operator, bad number)."""
     if isinstance(text, str):
         text = [text]
     pieces = [p.strip() for chunk in text for p in str(chunk).split(",")]
@@ -261,7 +308,7 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
         if m is None:
             raise _bad(piece, "expected METRIC OP NUMBER, e.g. overflow_e4m3>0 (no operator found)")
         metric, op, number = m.group("metric"), m.group("op"), m.group("number")
-        kind, fmt, scope, select = _parse_metric(piece, metric)
+        kind, fmt, scope, select, recipe = _parse_metric(piece, metric)
         if op not in _OPERATORS:
             raise _bad(piece, f"bad operator {op!r}; use >, >=, < or <=")
         if kind == "snr" and op not in ("<", "<="):
@@ -273,7 +320,7 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
             raise _bad(piece, f"{threshold:g} is not a fraction in [0, 1] (use 0.01 or 1%)")
         if kind == "findings" and threshold < 0:
             raise _bad(piece, f"a number of findings cannot be negative ({threshold:g})")
-        rules.append(Rule(piece, metric, kind, fmt, scope, select, op, threshold))
+        rules.append(Rule(piece, metric, kind, fmt, scope, select, op, threshold, recipe))
     return rules
 
 
@@ -300,7 +347,8 @@ class _RunData:
     table: pd.DataFrame  # op table with optional columns filled
     labels: pd.Series
     ids: np.ndarray  # ops with statistics
-    formats: list[str]
+    formats: list[str]  # plain formats audited
+    recipes: list[str]  # block-scaled recipes recorded
     per_step: pd.DataFrame  # (op, step) -> worst over loop iterations
     whatif: pd.DataFrame
     findings: pd.DataFrame
@@ -311,16 +359,20 @@ class _RunData:
     css: Any = None  # the page's one InlineStyleSheet (every Div renders in a shadow root)
 
 
-def _per_step(stats: pd.DataFrame, formats: Sequence[str]) -> pd.DataFrame:
+def _per_step(
+    stats: pd.DataFrame, formats: Sequence[str], recipes: Sequence[str] = ()
+) -> pd.DataFrame:
     """Per (op, step): the worst over loop iterations (NaN skipped) of the statistics
-    the rules and the worst-op picks read; ``log2_rms`` of larger magnitude (rms 0 has no
-    scale: NaN)."""
+    the rules and the worst-op picks read (a recipe's flushed blocks too); ``log2_rms``
+    of larger magnitude (rms 0 has no scale: NaN)."""
     rms = stats["rms"].astype(np.float64).to_numpy()
     with np.errstate(divide="ignore", invalid="ignore"):
         l2 = np.log2(np.where(rms > 0, rms, np.nan))
     cols: dict[str, str] = {"frac_nonfinite": "max"}
-    for fmt in formats:
+    for fmt in [*formats, *recipes]:
         cols |= {f"overflow_{fmt}": "max", f"underflow_{fmt}": "max", f"snr_{fmt}": "min"}
+    for recipe in recipes:
+        cols[f"block_flush_{recipe}"] = "max"
     frame = stats[list(cols)].astype(np.float64).assign(log2_rms=l2)
     keys = [stats["op"].to_numpy(np.int64), stats["step"].to_numpy(np.int64)]
     grouped = frame.groupby(keys, sort=True)
@@ -357,7 +409,8 @@ def _collect(reader: Any, thresholds: A.Thresholds) -> _RunData:
     stats = reader.stats(wide=True)
     table = op_table(reader.ops)
     formats = A.recorded_formats(stats)
-    per_step = _per_step(stats, formats)
+    recipes = A.recorded_recipes(stats)
+    per_step = _per_step(stats, formats, recipes)
     nonfinite = per_step["frac_nonfinite"]
     return _RunData(
         reader=reader,
@@ -366,6 +419,7 @@ def _collect(reader: Any, thresholds: A.Thresholds) -> _RunData:
         labels=A.op_labels(table),
         ids=np.unique(stats["op"].to_numpy(np.int64)),
         formats=formats,
+        recipes=recipes,
         per_step=per_step,
         whatif=A.format_whatif(stats, reader.ops, thresholds=thresholds, meta=reader.meta),
         findings=A.advise(stats, reader.ops, meta=reader.meta, thresholds=thresholds),
@@ -380,13 +434,28 @@ def _collect(reader: Any, thresholds: A.Thresholds) -> _RunData:
 # rule evaluation
 
 
-def _check_rules(rules: Sequence[Rule], formats: Sequence[str]) -> None:
+def _check_rules(rules: Sequence[Rule], formats: Sequence[str], recipes: Sequence[str]) -> None:
+    """A rule on a format the run does not audit, or on a recipe it does not record, is
+    bad input (`ReportError`), named with what the run has."""
     for rule in rules:
-        if rule.format and rule.format not in formats:
+        if rule.recipe and rule.format not in recipes:
+            raise ReportError(
+                f"--fail-on rule {rule.text!r}: this run does not record recipe "
+                f"{rule.format} (recorded recipes: {', '.join(recipes) or 'none'}; record "
+                f"it with formats=(..., {rule.format!r}) or scalescope train --formats)"
+            )
+        if not rule.recipe and rule.format and rule.format not in formats:
             raise ReportError(
                 f"--fail-on rule {rule.text!r}: this run does not audit {rule.format} "
                 f"(audited: {', '.join(formats) or 'none'})"
             )
+
+
+def _metric_kind(metric: str) -> str:
+    """The kind of a rule's metric text (``nonfinite``, ``block_flush``, ``snr``, ...)."""
+    name = metric.partition(":")[0]
+    kind, _ = _split_kind(name)
+    return kind or ("findings" if name.startswith("findings") else name)
 
 
 def _fmt_value(kind: str, value: float | None) -> str:
@@ -533,6 +602,15 @@ def _thresholds_dict(t: A.Thresholds) -> dict[str, Any]:
     return _plain(asdict(t))
 
 
+def _cheapest_dict(whatif: pd.DataFrame, table: pd.DataFrame) -> dict[str, dict[str, int]]:
+    """``{pass: {recipe: ops whose cheapest safe recipe it is, ..., "none": n}}``; ``{}``
+    for a run without recipes."""
+    counts = A.cheapest_counts(whatif, table)
+    if not len(counts.columns):
+        return {}
+    return {str(p): {str(c): int(counts.loc[p, c]) for c in counts.columns} for p in counts.index}
+
+
 def _verdict_dict(counts: pd.DataFrame) -> dict[str, dict[str, dict[str, int]]]:
     formats = list(dict.fromkeys(counts.columns.get_level_values(0)))
     return {
@@ -560,13 +638,13 @@ def _ops_json(data: _RunData) -> list[dict[str, Any]]:
     when = data.measured.reindex(ids)
     last_measured = when["last_measured"].tolist()
     n_measured = when["n_measured"].fillna(0).astype(np.int64).tolist()
+    fields = {f: A.WHATIF_FIELDS for f in data.formats}
+    fields |= {r: A.RECIPE_FIELDS for r in data.recipes}
     cols = {
-        fmt: {
-            field: data.whatif[(fmt, field)].reindex(ids).to_numpy()
-            for field in ("safe", "reason", "snr", "overflow", "underflow")
-        }
-        for fmt in data.formats
+        fmt: {field: data.whatif[(fmt, field)].reindex(ids).to_numpy() for field in names}
+        for fmt, names in fields.items()
     }
+    cheapest = A.cheapest_recipe(data.whatif).reindex(ids).replace("", None).tolist()
     masks = set(int(m) for m in data.masks)
     labels = data.labels.reindex(ids).tolist()
     text = {c: info[c].astype(str).tolist() for c in ("name", "pass", "primitive", "dtype")}
@@ -601,6 +679,7 @@ def _ops_json(data: _RunData) -> list[dict[str, Any]]:
                     fmt: {field: values[i] for field, values in c.items()}
                     for fmt, c in per_fmt.items()
                 },
+                "cheapest_recipe": cheapest[i],
             }
         )
     return _plain(out)
@@ -616,6 +695,7 @@ def _run_json(reader: Any, data: _RunData) -> dict[str, Any]:
         "closed",
         "config",
         "formats",
+        "recipes",
         "format_info",
         "device",
         "versions",
@@ -625,6 +705,7 @@ def _run_json(reader: Any, data: _RunData) -> dict[str, Any]:
     )
     out = {k: meta.get(k) for k in keys}
     out |= {"sample": reader.sample, "budget": reader.budget, "statistics": reader.statistics}
+    out["recipes"] = list(reader.recipes)
     out["name"] = reader.name
     out["path"] = str(Path(reader.path).resolve())
     out["steps"] = {
@@ -752,7 +833,7 @@ def _fail_on_html(results: Sequence[dict[str, Any]]) -> str:
             if r["tripped"]
             else '<span class="passed">ok</span>'
         )
-        kind = "snr" if r["metric"].startswith("snr") else r["metric"].split("_")[0]
+        kind = _metric_kind(r["metric"])
         rows.append(
             [
                 f"<td>{state}</td>",
@@ -779,16 +860,48 @@ def _summary_html(data: _RunData) -> str:
             cls = "safe-all" if safe == total else "safe-none" if safe == 0 else "safe-some"
             cells.append(_td(f"{safe}/{total}", f"num {cls}"))
         rows.append(cells)
-    snr = ", ".join(f"{fmt} {data.thresholds.snr_for(fmt):g} dB" for fmt in formats)
+    t = data.thresholds
+    snr = ", ".join(f"{fmt} {t.snr_for(fmt):g} dB" for fmt in formats)
+    title = "format or recipe" if data.recipes else "format"
+    recipe_rule = ""
+    if data.recipes:
+        recipe_rule = _RECIPE_RULE.format(over=pct(t.recipe_overflow), under=pct(t.underflow))
     return (
-        "<h2>Verdicts: ops safe per pass and format</h2>"
+        f"<h2>Verdicts: ops safe per pass and {title}</h2>"
         "<div>An op is safe in a format when, at every recorded step, casting it loses "
-        f"no value to overflow (more than {pct(data.thresholds.overflow)}), flushes at most "
-        f"{pct(data.thresholds.underflow)} of its non-zero values to zero, keeps its "
+        f"no value to overflow (more than {pct(t.overflow)}), flushes at most "
+        f"{pct(t.underflow)} of its non-zero values to zero, keeps its "
         f"quantisation SNR above the threshold ({_e(snr)}) and holds no NaN/inf. "
         "Every op is audited against every format, whether or not the run casts it.</div>"
+        + recipe_rule
         + _stat_note(data)
         + _table(["pass", *formats], rows)
+        + _cheapest_html(data)
+    )
+
+
+_RECIPE_RULE = (
+    "<div>A block-scaled recipe is safe for an op when, at every recorded step, it clips at "
+    "most {over} of the elements (recipes clip by design; clipping that matters lowers the "
+    "SNR), flushes at most {under} of the non-zero values and no block to zero, keeps the "
+    "SNR above its element format's threshold and holds no NaN/inf.</div>"
+)
+
+
+def _cheapest_html(data: _RunData) -> str:
+    """Per pass, how many ops each recipe is the cheapest safe one for ("" without
+    recipes)."""
+    counts = A.cheapest_counts(data.whatif, data.table)
+    if not len(counts.columns):
+        return ""
+    rows = [
+        [_td(p), *(_td(int(counts.loc[p, c]), "num") for c in counts.columns)] for p in counts.index
+    ]
+    return (
+        "<h3>Cheapest safe recipe per pass</h3><div>Each op counts under the cheapest "
+        "recorded recipe that keeps it safe (fewer bits per element first, then one scale "
+        "per tensor before scales per block, then larger blocks); <i>none</i>: no recorded "
+        "recipe does.</div>" + _table(["pass", *counts.columns], rows)
     )
 
 
@@ -1055,24 +1168,35 @@ def _op_detail_html(data: _RunData, k: int, op: int, why: str, step: int | None)
         ("worst step", "-" if step is None else step),
         ("last measured", _last_measured(data, op)),
     ]
+    if data.recipes:
+        info.append(("cheapest safe recipe", data.whatif.loc[op, A.CHEAPEST] or "none"))
     cells = "".join(f"<b>{_e(a)}</b> {_e(b)} &nbsp; " for a, b in info)
-    verdicts = [
-        [
-            _td(fmt),
-            _td("safe" if data.whatif.loc[op, (fmt, "safe")] else "unsafe"),
-            _td(data.whatif.loc[op, (fmt, "reason")]),
-            _td(_num(data.whatif.loc[op, (fmt, "snr")], ".1f"), "num"),
-            _td(_num(data.whatif.loc[op, (fmt, "overflow")], ".3g"), "num"),
-            _td(_num(data.whatif.loc[op, (fmt, "underflow")], ".3g"), "num"),
-        ]
-        for fmt in data.formats
-    ]
+    verdicts = [_verdict_cells(data, op, fmt) for fmt in [*data.formats, *data.recipes]]
+    header = ["format", "verdict", "reason", "SNR dB", "overflow", "underflow"]
+    header += ["flushed blocks"] if data.recipes else []
     return (
         f"<h3>{k + 1}. {_e(data.labels[op])} (op {op})</h3>"
         f"<div>{cells}</div><div>{_source_html(row['source'])}</div>"
-        f"<div><b>why:</b> {_e(why)}</div>"
-        + _table(["format", "verdict", "reason", "SNR dB", "overflow", "underflow"], verdicts)
+        f"<div><b>why:</b> {_e(why)}</div>" + _table(header, verdicts)
     )
+
+
+def _verdict_cells(data: _RunData, op: int, fmt: str) -> list[str]:
+    """One row of an op's verdict table: the what-if's verdict of ``fmt`` (a format or a
+    recipe), and its flushed blocks when the run records recipes ("-" for a format)."""
+    w = data.whatif.loc[op]
+    cells = [
+        _td(fmt),
+        _td("safe" if w[(fmt, "safe")] else "unsafe"),
+        _td(w[(fmt, "reason")]),
+        _td(_num(w[(fmt, "snr")], ".1f"), "num"),
+        _td(_num(w[(fmt, "overflow")], ".3g"), "num"),
+        _td(_num(w[(fmt, "underflow")], ".3g"), "num"),
+    ]
+    if data.recipes:
+        flush = _num(w[(fmt, "block_flush")], ".3g") if fmt in data.recipes else "-"
+        cells.append(_td(flush, "num"))
+    return cells
 
 
 def _format_info(reader: Any, formats: Sequence[str]) -> dict[str, Any]:
@@ -1095,7 +1219,16 @@ def _worst_op_models(data: _RunData, n_worst: int) -> list[Any]:
         "<h2>Worst ops</h2><div>The ops of the most severe findings (then the worst in the "
         "heatmaps' format metric), each with its exponent histogram at its worst step: "
         "bars are log2|x| bins, shaded boxes each format's normal and subnormal range, "
-        "dashed lines their max.</div>" + _stat_note(data)
+        "dashed lines their max."
+        + (
+            " With block-scaled recipes, a line figure per op shows each recipe's block "
+            "scales over the steps (dotted) and the |x| range they give its element format "
+            "(band), against the op's abs-max (black)."
+            if data.recipes
+            else ""
+        )
+        + "</div>"
+        + _stat_note(data)
     )
     if not reader.hist_columns:
         intro += '<div class="note">This run was recorded without histograms.</div>'
@@ -1123,6 +1256,17 @@ def _worst_op_models(data: _RunData, n_worst: int) -> list[Any]:
                     fmt_info,
                     title=f"{data.labels[op]}: exponent histogram at step {step}",
                     name=f"report-histogram-{k}",
+                )
+            )
+        if data.recipes:
+            rows = data.stats[data.stats["op"].to_numpy() == op]
+            models.append(
+                viz.scale_ranges(
+                    A.block_scales(rows, data.recipes),
+                    A.recipe_elements(data.recipes),
+                    absmax=rows.groupby("step")["absmax"].max(),
+                    title=f"{data.labels[op]}: block scales vs element exponent range",
+                    name=f"report-scales-{k}",
                 )
             )
     return models
@@ -1276,6 +1420,7 @@ def _metadata_html(reader: Any, data: _RunData) -> str:
         ),
         ("ops", f"{len(reader.ops)} in the op table, {len(data.ids)} with statistics"),
         ("formats audited", ", ".join(data.formats)),
+        ("recipes recorded", ", ".join(data.recipes) or "none"),
         ("histograms", "yes" if reader.hist_columns else "no"),
         ("config", json.dumps(_plain(meta.get("config") or {}), sort_keys=True)),
         ("graph", json.dumps(_plain(meta.get("graph") or {}), sort_keys=True)),
@@ -1353,7 +1498,7 @@ def _build_quiet(reader, compare, thresholds, rules, max_ops, max_steps, worst, 
     max_ops, max_steps = _check_limit("max_ops", max_ops), _check_limit("max_steps", max_steps)
     worst = _check_limit("worst", worst)
     data = _collect(reader, thresholds)
-    _check_rules(rules, data.formats)
+    _check_rules(rules, data.formats, data.recipes)
     results = evaluate_rules(data, rules)
     cmp = _compare_data(data, compare) if compare is not None else None
     page = _page(data, compare, cmp, results, max_ops, max_steps, worst) if html else None
@@ -1373,6 +1518,7 @@ def _build_quiet(reader, compare, thresholds, rules, max_ops, max_steps, worst, 
         "thresholds": _thresholds_dict(thresholds),
         "summary": {
             "verdicts": _verdict_dict(counts),
+            "cheapest_recipe": _cheapest_dict(data.whatif, data.table),
             "findings": {
                 "total": len(f),
                 "by_severity": {s: int((f["severity"] == s).sum()) for s in _SEVERITIES},

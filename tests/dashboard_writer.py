@@ -1,10 +1,12 @@
 """Record a small two-layer model into a run, for the dashboard tests.
 
-    python dashboard_writer.py RUN_DIR --steps N [--naive] [--delay SECONDS]
+    python dashboard_writer.py RUN_DIR --steps N [--naive] [--delay SECONDS] [--formats F,R]
 
 ``--naive``: no scalify, inputs 2^8 too large, so the E4M3 cast of the first layer's
 output overflows (NaN) -- the run the advisor must flag. ``--delay``: sleep between
-steps, flushing each one, so a reader can follow the run live. Prints ``step i`` per step.
+steps, flushing each one, so a reader can follow the run live. ``--formats``: the run's
+``formats=`` (comma-separated; block-scaled recipes such as ``nvfp4`` too; default the
+store's). Prints ``step i`` per step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--naive", action="store_true")
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--formats", default=None)
     args = parser.parse_args()
     k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
     params = {
@@ -52,7 +55,8 @@ def main() -> None:
     if not args.naive:
         params = ss.as_scaled_array(params)
     flush = 1 if args.delay else 10
-    with ss.Run(args.run, every=1, flush_steps=flush, config={"steps": args.steps}) as run:
+    kw = {"formats": tuple(args.formats.split(","))} if args.formats else {}
+    with ss.Run(args.run, every=1, flush_steps=flush, config={"steps": args.steps}, **kw) as run:
         tracked = run.track(step, scalify=not args.naive)
         for i in range(run.start_step, run.start_step + args.steps):
             params, loss = tracked(params, x)

@@ -19,11 +19,15 @@ import pytest
 from conftest import free_port, watch_offline
 
 import scalescope as ss
+from scalescope import analysis as A
 
 HERE = Path(__file__).parent
 WRITER = HERE / "dashboard_writer.py"
 LOCAL = ("http://127.0.0.1", "ws://127.0.0.1", "file:", "data:", "blob:", "about:")
+#: The views by key (the tab of "Formats" is titled "Formats & recipes").
 TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare", "Scale graph")
+#: Both fixture runs also record two block-scaled recipes.
+FORMATS = "e4m3,e5m2,fp16,bf16,mxfp8_e4m3,nvfp4"
 
 
 def _write(run: Path, *args: str, **kw) -> subprocess.Popen | None:
@@ -73,8 +77,8 @@ def _server(path: Path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
-    _write(root / "naive", "--naive", "--steps", "6")
-    _write(root / "scalified", "--steps", "6")
+    _write(root / "naive", "--naive", "--steps", "6", "--formats", FORMATS)
+    _write(root / "scalified", "--steps", "6", "--formats", FORMATS)
     for name in ("naive", "scalified"):
         _add_scale_graphs(root / name, steps=(0, 5))
     return root
@@ -88,7 +92,7 @@ def _add_scale_graphs(run: Path, steps) -> None:
     """Scale graphs of a small loss at ``steps``, recorded into an existing run."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 8)).astype(np.float32)
-    with ss.Run(run) as r:
+    with ss.Run(run, formats=tuple(FORMATS.split(","))) as r:
         for i, step in enumerate(steps):
             w = rng.standard_normal((8, 4)).astype(np.float32) * 2.0**i
             r.scale_graph(step, _scale_graph_loss, w, x)
@@ -209,7 +213,7 @@ def test_every_view_renders_offline_without_console_errors(browser, runs):
         "Heatmap": ["heatmap"],
         "Op detail": ["timeseries", "histogram", "snr"],
         "Advisor": [],
-        "Formats": [],
+        "Formats & recipes": [],
         "Compare": [],
         "Scale graph": ["scale-graph"],
     }
@@ -226,6 +230,8 @@ def test_every_view_renders_offline_without_console_errors(browser, runs):
         assert page.locator(".ss-step-count").first.inner_text() == "6"
         _open(page, "Advisor")
         page.get_by_text("overflow").first.wait_for(timeout=30_000)
+        _open(page, "Formats & recipes")  # the recipes' table renders beside the formats'
+        page.get_by_text("Cheapest safe recipe").first.wait_for(timeout=30_000)
         assert not blocked, blocked
         assert not errors, errors
 
@@ -287,6 +293,42 @@ def test_live_run_shows_new_steps_without_reload(browser, tmp_path):
             writer.kill()
             writer.wait()
         assert not blocked and not errors, (blocked, errors)
+
+
+def test_page_model_shows_recipes_beside_formats(runs):
+    """The "Formats & recipes" tab: verdict counts and the cheapest safe recipe per pass,
+    each op's recipes side by side; the heatmap offers recipe statistics; the op detail
+    draws the block scales."""
+    from app import Dashboard, RunSet
+
+    dash = Dashboard(RunSet(runs), run="scalified", poll_ms=0)
+    assert dash.tabs._names[TABS.index("Formats")] == "Formats & recipes"
+    dash.tabs.active = TABS.index("Formats")
+    whatif = A.format_whatif_run(ss.open_run(runs / "scalified"))
+    table = dash.whatif_table.value
+    for recipe in ("mxfp8_e4m3", "nvfp4"):
+        for field in ("safe", "underflow", "clipped", "snr", "flushed", "why"):
+            assert f"{recipe} {field}" in table.columns, (recipe, field)
+    assert "e4m3 why" in table.columns and "e4m3 flushed" not in table.columns
+    assert table["op"].tolist() == whatif.index.tolist()
+    assert table["cheapest recipe"].tolist() == whatif[A.CHEAPEST].tolist()
+    np.testing.assert_array_equal(
+        table["nvfp4 flushed"].to_numpy(float), whatif[("nvfp4", "block_flush")].to_numpy(float)
+    )
+    np.testing.assert_array_equal(
+        table["nvfp4 clipped"].to_numpy(float), whatif[("nvfp4", "overflow")].to_numpy(float)
+    )
+    assert {"e4m3", "mxfp8_e4m3", "nvfp4"} <= set(dash.verdicts.value.columns)
+    cheapest = dash.cheapest_table.value
+    assert dash.cheapest_table.visible
+    assert list(cheapest.columns) == ["pass", "nvfp4", "mxfp8_e4m3", "none"]  # cheapest first
+    assert cheapest.iloc[-1, 1:].sum() == len(whatif)
+    dash.tabs.active = TABS.index("Heatmap")
+    for metric in ("block_flush_nvfp4", "scale_log2_min_nvfp4", "snr_mxfp8_e4m3"):
+        assert metric in dash.metric.options, metric
+    dash.tabs.active = TABS.index("Op detail")
+    assert dash.scale_pane.visible and dash.scale_pane.object.name == "scale-ranges"
+    assert {"nvfp4", "mxfp8_e4m3"} <= set(dash.snr_pane.object.x_range.factors)
 
 
 def test_matrix_of_the_page_matches_the_reader(runs):

@@ -74,6 +74,9 @@ def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
     assert set(scaled.ops["pass"]) >= {"fwd", "bwd", "opt"}
     text = capsys.readouterr().out
     assert "final losses" in text and "fp8-naive" in text and "advisor on fp8-naive" in text
+    # the demo audits two block-scaled recipes and names what NVFP4 would break
+    assert scaled.recipes == ("mxfp8_e4m3", "nvfp4")
+    assert "nvfp4 on fp8:" in text and "ops would not be safe" in text
     assert f"scalescope serve {out}" in text
     # an existing demo folder is never overwritten
     assert main([*argv, "--out", str(out)]) == 2

@@ -135,7 +135,7 @@ def test_fail_on_is_a_ci_gate(runs, naive_report, capsys):
         ("overflow_e4m3>>0", "bad operator '>>'"),
         ("overflow_e4m3=0", "bad operator '='"),
         ("overflow_e4m3 0", "no operator found"),
-        ("overflow_e3m3>0", "unknown format 'e3m3'"),
+        ("overflow_e3m3>0", "unknown format or recipe 'e3m3'"),
         ("overfloww_e4m3>0", "unknown metric 'overfloww_e4m3'"),
         ("nonfinite>abc", "'abc' is not a finite number"),
         ("nonfinite>nan", "'nan' is not a finite number"),

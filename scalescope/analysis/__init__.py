@@ -1,5 +1,5 @@
 """Analysis of a recorded run as pandas frames: op x step matrices, per-op summaries,
-the advisor (where dynamic rescaling is needed), the format what-if, the FP8
+the advisor (where dynamic rescaling is needed), the format and recipe what-if, the FP8
 delayed-scaling replay and run comparison.
 
 Every function takes plain DataFrames (``reader.stats(wide=True)`` and ``reader.ops``);
@@ -33,25 +33,47 @@ from .frames import (
     metric_values,
     op_labels,
     recorded_formats,
+    recorded_recipes,
     step_windows,
     with_derived,
+    worst_by_op,
 )
 from .measured import budget_note, measurement_notes, sampled_note
 from .summary import op_summary, op_summary_run, worst_ops
-from .whatif import format_whatif, format_whatif_run, verdict_counts
+from .whatif import (
+    CHEAPEST,
+    RECIPE_FIELDS,
+    WHATIF_FIELDS,
+    block_scales,
+    cheapest_counts,
+    cheapest_recipe,
+    format_whatif,
+    format_whatif_run,
+    recipe_cost,
+    recipe_elements,
+    verdict_counts,
+    whatif_groups,
+    whatif_recipes,
+)
 
 __all__ = [
+    "CHEAPEST",
     "DEFAULT_SNR_DB",
     "DERIVED_METRICS",
     "FINDING_COLUMNS",
+    "RECIPE_FIELDS",
     "RULES",
     "SEVERITY",
     "SEVERITY_ORDER",
     "Comparison",
     "Thresholds",
+    "WHATIF_FIELDS",
     "advise",
     "advise_run",
+    "block_scales",
     "budget_note",
+    "cheapest_counts",
+    "cheapest_recipe",
     "compare_readers",
     "compare_runs",
     "delayed_scaling",
@@ -71,12 +93,18 @@ __all__ = [
     "op_labels",
     "op_summary",
     "op_summary_run",
+    "recipe_cost",
+    "recipe_elements",
     "recorded_formats",
+    "recorded_recipes",
     "sampled_note",
     "snr_from_mantissa",
     "step_windows",
     "summary_by_rule",
     "verdict_counts",
+    "whatif_groups",
+    "whatif_recipes",
     "with_derived",
+    "worst_by_op",
     "worst_ops",
 ]

@@ -46,6 +46,7 @@ from .frames import (
     op_labels,
     op_table,
     recorded_formats,
+    recorded_recipes,
     require_columns,
 )
 
@@ -55,6 +56,9 @@ from .frames import (
 # which is 6.02 * mantissa_bits + 13.5 dB to 0.1 dB (fp32: 151.9 by that rule).
 # The default threshold is 6 dB (one bit of mantissa) under that: a value which loses
 # more than a bit to its format, compared with well-scaled Gaussian data, is flagged.
+# A block-scaled recipe is held to its element format's threshold; E2M1 (FP4) follows
+# the same rule, 6.02 + 13.5 - 6 = 13.5 dB: the probe measures mxfp4 18.8 dB and nvfp4
+# 20.4 dB on N(0, 1) data (1024 x 1024, blocks along the last axis), 19.5 by the rule.
 SNR_GAUSSIAN_DB: dict[str, float] = {"e4m3": 31.5, "e5m2": 25.5, "fp16": 73.7, "bf16": 55.6}
 SNR_MARGIN_DB = 6.0
 DEFAULT_SNR_DB: dict[str, float] = {
@@ -111,6 +115,12 @@ class Thresholds:
     overflow is flagged). ``snr_db``: lowest tolerated SNR per format (see
     `DEFAULT_SNR_DB`; formats not listed use `snr_from_mantissa`).
     ``nonfinite``: largest tolerated fraction of NaN/inf (0: any).
+    ``recipe_overflow``: largest tolerated fraction of elements a block-scaled recipe
+    clips (``overflow_R``; default 1e-4). Not 0: a recipe with an FP32 scale
+    (``e4m3_tensor``, NVFP4's tensor factor) can put an abs-max a float32 rounding above
+    the element max, which saturates harmlessly but counts as overflow. Recipes clip by
+    design (the OCP MX rule ~0.9 % of Gaussian elements, NVFP4's rounded block scales
+    ~3.5 %): raise it (to 1 to let ``snr_R`` alone judge clipping) to accept that.
     ``trend_min_points``: fewest recorded steps a trend fit uses;
     ``trend_min_r2``: the fit must explain at least this share of the variance, so a
     flat but noisy op near the bound is not projected out of it.
@@ -136,14 +146,23 @@ class Thresholds:
     mask_min_steps: int = 3
     delayed_history: int = 1024
     delayed_log2: float = 0.5
+    recipe_overflow: float = 1e-4
 
     def __post_init__(self) -> None:
-        names = ("drift_log2", "underflow", "overflow", "nonfinite", "trend_min_r2", "delayed_log2")
+        names = (
+            "drift_log2",
+            "underflow",
+            "overflow",
+            "nonfinite",
+            "trend_min_r2",
+            "delayed_log2",
+            "recipe_overflow",
+        )
         for name in names:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"Thresholds.{name}: expected a number >= 0, got {value!r}")
-        for name in ("underflow", "overflow", "nonfinite"):
+        for name in ("underflow", "overflow", "nonfinite", "recipe_overflow"):
             if getattr(self, name) > 1:
                 raise ValueError(
                     f"Thresholds.{name}: a fraction in [0, 1], got {getattr(self, name)}"
@@ -166,9 +185,16 @@ class Thresholds:
 
     def snr_for(self, fmt: str, meta: Mapping[str, Any] | None = None) -> float:
         """SNR threshold of format ``fmt``: `snr_db`, else derived from its mantissa bits
-        (from ``meta["format_info"]`` or scalescope's format table)."""
+        (from ``meta["format_info"]`` or scalescope's format table). A block-scaled recipe
+        (``"nvfp4"``) takes its own `snr_db` entry, else its element format's threshold
+        (``e2m1``: derived, 13.5 dB)."""
         if fmt in self.snr_db:
             return float(self.snr_db[fmt])
+        element = recipe_element(fmt)
+        if element is not None:
+            if element.name in self.snr_db:
+                return float(self.snr_db[element.name])
+            return snr_from_mantissa(element.mantissa_bits)
         bits = _format_info(fmt, meta).get("mantissa_bits")
         if bits is None:
             raise KeyError(
@@ -176,6 +202,18 @@ class Thresholds:
                 "bits are unknown; add it to snr_db"
             )
         return snr_from_mantissa(int(bits))
+
+    def overflow_for(self, name: str) -> float:
+        """Tolerated overflow fraction: `recipe_overflow` for a block-scaled recipe,
+        `overflow` for a format."""
+        return self.recipe_overflow if recipe_element(name) is not None else self.overflow
+
+
+def recipe_element(name: str) -> Any:
+    """The element `Format` of block-scaled recipe ``name``, None when it is not one."""
+    from ..core import recipes  # local: the advisor works on frames alone
+
+    return recipes.get(name).element if recipes.is_recipe(name) else None
 
 
 def _format_info(fmt: str, meta: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -339,8 +377,9 @@ def _format_findings(
         limit = info.get("max")
         tiny = info.get("min_subnormal")
         snr_thr = thresholds.snr_for(fmt, meta)
+        over = thresholds.overflow_for(fmt)
         rules = (
-            ("overflow", f"overflow_{fmt}", "max", thresholds.overflow, lambda v, t: v > t),
+            ("overflow", f"overflow_{fmt}", "max", over, lambda v, t: v > t),
             ("underflow", f"underflow_{fmt}", "max", thresholds.underflow, lambda v, t: v > t),
             ("snr", f"snr_{fmt}", "min", snr_thr, lambda v, t: v < t),
         )
@@ -638,8 +677,10 @@ def advise(
     ``stats``: wide statistics frame; ``ops``: the op table; ``meta``: the run's metadata
     (``graph.scalify`` picks the fix, ``config.steps`` the default horizon, ``format_info``
     the limits quoted in the evidence); ``audit``: formats every op is also checked
-    against; ``horizon``: the step trends are projected to (default ``config.steps``,
-    else twice the last recorded step).
+    against (recorded block-scaled recipes too: their overflow rule tolerates
+    ``thresholds.recipe_overflow``, their SNR threshold is their element format's; flushed
+    blocks are the format what-if's business); ``horizon``: the step trends are projected
+    to (default ``config.steps``, else twice the last recorded step).
 
     Columns: op, label, name, pass, primitive, source, rule, format ("" for nonfinite,
     drift, trend and delayed), first_step (first recorded step where the rule holds; for
@@ -667,13 +708,14 @@ def advise(
     unknown = np.setdiff1d(stats["op"].unique(), table.index.to_numpy())
     if len(unknown):
         raise KeyError(f"ops: op id {int(unknown[0])} appears in stats but not in ops")
-    audit_formats = format_list(list([audit] if isinstance(audit, str) else audit), stats, "audit")
+    audit_list = list([audit] if isinstance(audit, str) else audit)
+    audit_formats = format_list(audit_list, stats, "audit", recipes=True)
     if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int | float)):
         raise TypeError(f"horizon: expected a step number, got {horizon!r}")
     if stats.empty:
         return _empty_findings()
 
-    known = recorded_formats(stats)
+    known = recorded_formats(stats) + recorded_recipes(stats)
     in_stats = np.unique(stats["op"].to_numpy(np.int64))
     info = table.loc[in_stats]
     checked: dict[str, np.ndarray] = {}

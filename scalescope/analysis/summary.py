@@ -1,5 +1,6 @@
 """One row per recorded op: where it is, how big its values are now, and the worst it
-ever got against each audited format (the op table of the dashboard and the report)."""
+ever got against each audited format and recorded recipe (the op table of the dashboard
+and the report)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from .frames import (
     op_labels,
     op_table,
     recorded_formats,
+    recorded_recipes,
     reduce_groups,
+    worst_by_op,
 )
 
 _INFO_COLUMNS = [
@@ -38,7 +41,9 @@ def op_summary(stats: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
     loop iterations), ``absmax`` and ``scale`` (max over iterations) and ``log2_rms``;
     per audited format F the worst over steps and iterations: ``overflow_F`` and
     ``underflow_F`` (max) and ``snr_F`` (min; NaN steps, i.e. no finite element, are
-    skipped); ``frac_nonfinite`` (max) and ``first_nonfinite_step`` (first step with a
+    skipped); per recorded recipe R the same three plus ``block_flush_R`` (max) and the
+    range of its block scales, ``scale_log2_min_R`` (min) and ``scale_log2_max_R``
+    (max); ``frac_nonfinite`` (max) and ``first_nonfinite_step`` (first step with a
     non-finite element, NaN if never).
     """
     stats = check_stats(stats)
@@ -70,23 +75,32 @@ def op_summary(stats: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
             vals = last[col].astype(np.float64)
             out[col] = reduce_groups(vals, [last_op], "max").reindex(ids).to_numpy()
 
-    for fmt in recorded_formats(stats):
-        for col in (f"overflow_{fmt}", f"underflow_{fmt}", f"snr_{fmt}"):
-            out[col] = _worst(stats, col, op, ids)
+    worst_cols = [
+        f"{stat}_{fmt}"
+        for fmt in recorded_formats(stats)
+        for stat in ("overflow", "underflow", "snr")
+    ]
+    recipe_stats = ("overflow", "underflow", "snr", "block_flush")
+    recipe_stats += ("scale_log2_min", "scale_log2_max")
+    for recipe in recorded_recipes(stats):
+        worst_cols += [f"{stat}_{recipe}" for stat in recipe_stats if f"{stat}_{recipe}" in stats]
+    if "frac_nonfinite" in stats.columns:
+        worst_cols.append("frac_nonfinite")
+    worst = worst_by_op(stats, {c: _worse(c) for c in worst_cols}).reindex(ids)
+    for col in worst_cols:
+        out[col] = worst[col].to_numpy()
     if "frac_nonfinite" in stats.columns:
         nonfinite = stats["frac_nonfinite"].astype(np.float64).to_numpy()
-        out["frac_nonfinite"] = _worst(stats, "frac_nonfinite", op, ids)
         bad = nonfinite > 0
         first = pd.Series(step[bad], index=op[bad]).groupby(level=0).min()
         out["first_nonfinite_step"] = first.reindex(ids).astype(np.float64).to_numpy()
     return out
 
 
-def _worst(stats: pd.DataFrame, col: str, op: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Worst value of ``col`` per op over all rows, skipping NaN."""
-    grouped = stats[col].astype(np.float64).groupby(op)
-    agg = grouped.min() if metric_direction(col) == "min" else grouped.max()
-    return agg.reindex(ids).to_numpy(np.float64)
+def _worse(col: str) -> str:
+    """``min`` for a column that gets worse as it falls (SNR, smallest block scale),
+    else ``max``."""
+    return "min" if metric_direction(col) == "min" else "max"
 
 
 def worst_ops(summary: pd.DataFrame, by: str, n: int = 20) -> pd.DataFrame:

@@ -10,7 +10,7 @@ builder returns a Bokeh model with a stable ``name=`` that browser tests look up
 from .export import standalone_html
 from .heatmap import color_range, heatmap, heatmap_cell, update_heatmap
 from .histogram import exponent_histogram, format_bounds
-from .lines import loss_curve, timeseries
+from .lines import loss_curve, scale_ranges, timeseries
 from .scale_graph import scale_graph_figure
 from .snr import snr_chart
 from .theme import FORMAT_COLORS, metric_family, palette_for
@@ -26,6 +26,7 @@ __all__ = [
     "metric_family",
     "palette_for",
     "scale_graph_figure",
+    "scale_ranges",
     "snr_chart",
     "standalone_html",
     "timeseries",

@@ -1,8 +1,10 @@
-"""Line charts over steps: one op's metrics (`timeseries`) and training loss (`loss_curve`)."""
+"""Line charts over steps: one op's metrics (`timeseries`), training loss (`loss_curve`)
+and one op's block scales under each recipe (`scale_ranges`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -229,3 +231,123 @@ def _mark_nonfinite(fig, marks: dict[str, list], tops: list[float]) -> None:
         )
     )
     _note(fig, "red x: first step where a value became NaN/inf (drawn at the top)")
+
+
+def _element_log2(info: Any) -> tuple[float, float]:
+    """``(log2 smallest subnormal, log2 max)`` of an element format (a `Format` or a
+    dict with ``min_subnormal`` and ``max``): the exponents one block can hold."""
+    get = info.get if isinstance(info, Mapping) else lambda k: getattr(info, k)
+    return float(np.log2(get("min_subnormal"))), float(np.log2(get("max")))
+
+
+def scale_ranges(
+    scales: pd.DataFrame,
+    elements: Mapping[str, Any],
+    *,
+    absmax: pd.Series | None = None,
+    title: str | None = None,
+    name: str = "scale-ranges",
+) -> figure:
+    """Block scales of one op's recipes over steps, against their element formats'
+    exponent ranges, on a ``log2 |x|`` axis (data units).
+
+    ``scales``: index = step, columns ``scale_log2_min_<R>`` / ``scale_log2_max_<R>``
+    (the smallest and largest ``log2 X`` over the op's blocks, as recorded) for each
+    recipe R of ``elements`` (recipe -> its element format: a `scalescope.Format` or a
+    dict with ``min_subnormal`` and ``max``); recipes without both columns are skipped.
+
+    Per recipe, one colour: dotted lines at the smallest and largest block scale, and a
+    shaded band from ``min log2 X + log2 min_subnormal`` (dashed) to ``max log2 X + log2
+    max`` (solid): a block holds ``|x|`` in ``X * [min_subnormal, max]``, the element's
+    exponent range shifted by its scale, so the band is what the recipe represents across
+    the op. ``absmax``: the op's abs-max per step, drawn as a black line (``log2``): the
+    band's top sits at or just above it (the scale follows the abs-max); an element
+    format's narrow range (E2M1: 3.6 binades) shows as a band whose bottom climbs above
+    the values of a block with a large spread (they flush). NaN (no block has a scale)
+    breaks the lines. Click a legend entry to hide it.
+    """
+    fig = figure(
+        name=name,
+        title=title or "block scales vs element exponent range",
+        width=900,
+        height=320,
+        tools=_TOOLS,
+        toolbar_location="above",
+    )
+    fig.xaxis.axis_label = "step"
+    fig.yaxis.axis_label = "log2 |x|"
+    steps = np.asarray(scales.index, dtype=float)
+    drawn = 0
+    for recipe, info in elements.items():
+        lo_col, hi_col = f"scale_log2_min_{recipe}", f"scale_log2_max_{recipe}"
+        if lo_col not in scales.columns or hi_col not in scales.columns:
+            continue
+        color = theme.series_color(drawn)
+        drawn += 1
+        lo = pd.to_numeric(scales[lo_col], errors="coerce").to_numpy(dtype=float)
+        hi = pd.to_numeric(scales[hi_col], errors="coerce").to_numpy(dtype=float)
+        e_lo, e_hi = _element_log2(info)
+        source = ColumnDataSource(
+            {
+                "step": steps,
+                "scale_min": lo,
+                "scale_max": hi,
+                "bottom": lo + e_lo,
+                "top": hi + e_hi,
+                "recipe": [str(recipe)] * len(steps),
+            },
+            name=f"{name}-{recipe}",
+        )
+        label = f"{recipe}: |x| range"
+        fig.varea(
+            "step", "bottom", "top", source=source, color=color, alpha=0.12, legend_label=label
+        )
+        fig.line("step", "top", source=source, color=color, line_width=2, legend_label=label)
+        fig.line(
+            "step", "bottom", source=source, color=color, line_dash="dashed", legend_label=label
+        )
+        scale_label = f"{recipe}: block scales"
+        for col in ("scale_min", "scale_max"):
+            fig.line(
+                "step",
+                col,
+                source=source,
+                color=color,
+                line_dash="dotted",
+                line_width=1.5,
+                legend_label=scale_label,
+            )
+            fig.scatter("step", col, source=source, color=color, size=4, legend_label=scale_label)
+    if absmax is not None and len(absmax):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            top = np.log2(pd.to_numeric(absmax, errors="coerce").to_numpy(dtype=float))
+        top[~np.isfinite(top)] = np.nan
+        fig.line(
+            x=np.asarray(absmax.index, dtype=float),
+            y=top,
+            color="black",
+            line_width=1.5,
+            legend_label="log2 abs-max",
+            name=f"{name}-absmax",
+        )
+    fig.add_tools(
+        HoverTool(
+            tooltips=[
+                ("recipe", "@recipe"),
+                ("step", "@step{0}"),
+                ("log2 X", "@scale_min{0.0} .. @scale_max{0.0}"),
+                ("|x| range", "2^@bottom{0.0} .. 2^@top{0.0}"),
+            ],
+            renderers=[
+                r
+                for r in fig.renderers
+                if isinstance(r.data_source, ColumnDataSource) and "recipe" in r.data_source.data
+            ],
+        )
+    )
+    if fig.renderers:  # beside the plot: a band reaches every corner
+        fig.legend.click_policy = "hide"
+        fig.add_layout(fig.legend[0], "right")
+    if not drawn:
+        _note(fig, "no block-scaled recipe recorded for this op")
+    return fig

@@ -48,7 +48,7 @@ SEQUENTIAL: tuple[str, ...] = tuple(Viridis256)
 #: Default half-width of the colour range of ``log2_*`` metrics (centred on 0).
 LOG2_HALF_RANGE = 8.0
 
-_FRACTION_PREFIXES = ("underflow_", "overflow_", "subnormal_", "frac_")
+_FRACTION_PREFIXES = ("underflow_", "overflow_", "subnormal_", "block_flush_", "frac_")
 
 
 def format_color(fmt: str, i: int = 0) -> str:
@@ -64,7 +64,8 @@ def series_color(i: int) -> str:
 def metric_family(metric: str) -> str:
     """Family of a metric name, which decides its palette and colour range.
 
-    ``"fraction"`` (``underflow_*``, ``overflow_*``, ``subnormal_*``, ``frac_*``),
+    ``"fraction"`` (``underflow_*``, ``overflow_*``, ``subnormal_*``, ``block_flush_*``,
+    ``frac_*``),
     ``"snr"`` (``snr_*``, in dB), ``"log2"`` (``log2_*``, centred on 0) or ``"other"``.
     """
     if metric.startswith(_FRACTION_PREFIXES):

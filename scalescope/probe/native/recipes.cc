@@ -21,6 +21,10 @@
 #include <vector>
 
 #include "common.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,7 +34,6 @@ namespace {
 using scalescope::Loader;
 
 constexpr int kMaxRecipes = 16;
-constexpr int64_t kChunk = 4096;
 constexpr float kFltMin = 1.17549435e-38f;
 enum Rule { kTensor = 0, kMxFloor = 1, kMxRceil = 2, kNvfp4 = 3, kPow2Floor = 4 };
 
@@ -60,202 +63,431 @@ inline double round_to(double a, const Elem& el) {
     std::memcpy(&q, &b, 8);
   } else {
     const double magic = el.min_sub * 0x1p52;  // its ulp is the format's subnormal step
-    volatile double t = a + magic;
-    q = t - magic;
+    q = (a + magic) - magic;
   }
   return q < el.max ? q : el.max;
 }
 
-// |x| of a finite, normal float32 element; 0 for zeros and float32 subnormals (as XLA on
-// CPU flushes them); -1 for inf; -2 for NaN.
-inline float magnitude(float x) {
-  float a = std::fabs(x);
-  if (std::isnan(a)) return -2.0f;
-  if (std::isinf(a)) return -1.0f;
-  return a < kFltMin ? 0.0f : a;
-}
-
-struct Acc {
-  double err2 = 0;
-  double smax = -std::numeric_limits<double>::infinity();
-  double smin = std::numeric_limits<double>::infinity();
-  int64_t under = 0, over = 0, flush = 0, blocks = 0;
-};
-
-// How to quantise one block: d -> round(d * num / den) * den / num (d * num is exact,
-// the division the one rounding), with `zero` forcing 0.
+// How to quantise one block: d -> round(d * num / den) * den / num, with `zero` forcing
+// 0. `num` and `den` are float32 values: a power of two (MX, block128) or the float32
+// tensor factor (den 1), or NVFP4's factor over its E4M3 block scale. `g` is den / num
+// in units of 2^-k (the value's abs-max exponent), for the error sums. `key` orders the
+// blocks' dequantisation scales: log2 X itself, or for NVFP4 the block scale s_b (log2 X
+// = log2 s_b - log2 S_enc is taken once per value).
 struct BlockScale {
-  double num = 1, den = 1, log2x = 0;
+  float num = 1, den = 1, g = 1;
+  double key = 0;
   bool zero = false;
 };
 
-BlockScale scale_of(const Recipe& r, float amax_b, float enc) {
+inline uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+inline float from_bits(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+// 2^e as a float32 for integer e, 0 below the normal range (e <= 127).
+inline float pow2f(int e) { return e < -126 ? 0.0f : from_bits(uint32_t(e + 127) << 23); }
+
+inline __attribute__((always_inline)) BlockScale scale_of(const Recipe& r, float amax_b,
+                                                             float enc, int k) {
   BlockScale s;
   const Elem& el = r.el;
-  const int e = std::ilogb(amax_b);
+  const uint32_t b = bits_of(amax_b);  // a positive normal float32
+  const int e = int(b >> 23) - 127;
+  const float mant = from_bits((b & 0x007fffffu) | 0x3f800000u);  // amax_b / 2^e
+  const float top = pow2f(el.emax);
+  int ex = 0;  // log2 X, for the power-of-two rules
   switch (r.rule) {
-    case kTensor: {
+    case kTensor:
       s.num = enc;  // f32(448 / amax)
-      s.log2x = -std::log2(s.num);
-      break;
-    }
+      s.g = static_cast<float>(1.0 / double(enc) * double(pow2f(-k)));
+      s.key = -std::log2(double(enc));
+      return s;
     case kMxFloor:
-    case kMxRceil: {
-      int ex = e - el.emax;
-      if (r.rule == kMxRceil && std::ldexp(double(amax_b), -ex) > el.max) ++ex;
+    case kMxRceil:
+      ex = e - el.emax + (r.rule == kMxRceil && mant * top > el.max ? 1 : 0);
       ex = std::clamp(ex, -127, 127);
-      s.num = std::ldexp(1.0, -ex);
-      s.log2x = ex;
       break;
-    }
-    case kPow2Floor: {
-      int ex = el.emax - e;
-      if (std::ldexp(double(amax_b), ex) > el.max) --ex;
-      ex = std::min(ex, 127);
-      s.num = std::ldexp(1.0, ex);
-      s.log2x = -ex;
+    case kPow2Floor:
+      ex = -std::min(el.emax - e - (mant * top > el.max ? 1 : 0), 127);
       break;
-    }
     default: {  // kNvfp4: an E4M3 block scale under the float32 tensor factor enc
       const double sb = round_to(double(amax_b) * double(enc) / 6.0, kE4m3);
       s.zero = sb == 0;
       s.num = enc;
-      s.den = s.zero ? 1 : sb;
-      s.log2x = s.zero ? 0 : std::log2(sb) - std::log2(double(enc));
+      s.den = s.zero ? 1.0f : static_cast<float>(sb);  // an E4M3 value: exact
+      s.g = static_cast<float>(double(s.den) / double(enc) * double(pow2f(-k)));
+      s.key = sb;
+      return s;
     }
   }
+  s.num = pow2f(-ex);  // ex <= 127 - emax + 1: 2^-ex is a normal float32
+  s.g = pow2f(ex - k);
+  s.key = ex;
   return s;
 }
 
-// Element statistics of magnitudes a[0..n) (see `magnitude`) under one block scale;
-// returns whether every non-zero finite element quantised to zero.
-// Branch-free per element, so the compiler vectorises it: the zero-scale case and the
-// division (NVFP4 only) are decided once per block.
-template <bool kDivide>
-bool quantise_as(const float* a, int64_t n, const Elem& el, double num, double den,
-                 Acc& acc) {
-  const int shift = 52 - el.mant;
-  const uint64_t one = 1, half_m1 = (one << (shift - 1)) - 1, keep = ~((one << shift) - 1);
-  const double magic = el.min_sub * 0x1p52;  // its ulp is the format's subnormal step
-  const double back = den / num;             // exact for power-of-two scales
-  double err2 = 0;
-  int64_t over = 0, under = 0, nonzero = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = a[i];
-    const bool valid = v > 0;
-    const double d = valid ? double(v) : 0.0;
-    const double y = kDivide ? d * num / den : d * num;
-    uint64_t b;
-    std::memcpy(&b, &y, 8);
-    b = (b + half_m1 + ((b >> shift) & 1)) & keep;
-    double qn;
-    std::memcpy(&qn, &b, 8);
-    const double qs = (y + magic) - magic;
-    double q = y >= el.min_normal ? qn : qs;
-    q = q < el.max ? q : el.max;
-    over += (y > el.max) | (v == -1.0f);
-    under += valid & (q == 0);
-    nonzero += q != 0;
-    const double err = d - q * back;
-    err2 += err * err;
-  }
-  acc.err2 += err2;
-  acc.over += over;
-  acc.under += under;
-  return nonzero == 0;
+// Vectors of kL float32 lanes (AVX-512 where the CPU has it; split by the compiler
+// elsewhere), as in stats.cc.
+constexpr int kL = 16;
+typedef float vf __attribute__((vector_size(4 * kL)));
+typedef int32_t vi __attribute__((vector_size(4 * kL)));
+typedef uint32_t vu __attribute__((vector_size(4 * kL)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf splat(float x) { return x - vf{}; }
+// Horizontal maximum / OR by halving shuffles (a scalar loop over lanes is several times
+// slower, and it runs once per block).
+inline float hmax(vf v) {
+  const vi h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const vi h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const vi h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const vi h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  vf w = __builtin_shuffle(v, h8);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, h4);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, h2);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, h1);
+  v = v > w ? v : w;
+  return v[0];
+}
+#if defined(__AVX512F__)
+inline bool any(vi v) {
+  __m512i x;
+  std::memcpy(&x, &v, sizeof x);
+  return _mm512_test_epi32_mask(x, x) != 0;
+}
+inline float block_hmax(vf v) {
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  return _mm512_reduce_max_ps(x);
+}
+#else
+inline bool any(vi v) { return hmax((vf)(v & 0x3f800000)) > 0; }  // true lanes -> 1.0f
+inline float block_hmax(vf v) { return hmax(v); }
+#endif
+inline double hsum(vf v) {
+  double t = 0;
+  for (int j = 0; j < kL; ++j) t += v[j];
+  return t;
+}
+inline int64_t hcount(vi v) {  // lanes hold negated counts (true masks are -1)
+  int64_t t = 0;
+  for (int j = 0; j < kL; ++j) t -= v[j];
+  return t;
+}
+// a * b - p exactly, lane by lane (a fused multiply-add).
+inline vf residual(vf a, vf b, vf p) {
+  vf r;
+  for (int j = 0; j < kL; ++j) r[j] = std::fmaf(a[j], b[j], -p[j]);
+  return r;
 }
 
-bool quantise(const float* a, int64_t n, const Recipe& r, const BlockScale& s, Acc& acc) {
-  if (s.zero) {  // everything rounds to 0
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = a[i];
-      acc.over += v == -1.0f;
-      acc.under += v > 0;
-      acc.err2 += v > 0 ? double(v) * double(v) : 0.0;
+// An element format, for rounding float32 lanes: normal range by integer rounding of the
+// dropped mantissa bits, subnormal range by adding a number whose step is the format's.
+struct ElemV {
+  uint32_t shift, half_bit, low, keep;
+  float max, min_normal, magic, half_sub;
+};
+
+ElemV elem_v(const Elem& el) {
+  ElemV e;
+  e.shift = 23 - el.mant;
+  e.half_bit = 1u << (e.shift - 1);
+  e.low = (1u << e.shift) - 1;
+  e.keep = ~e.low;
+  e.max = static_cast<float>(el.max);
+  e.min_normal = static_cast<float>(el.min_normal);
+  e.magic = static_cast<float>(el.min_sub * 0x1p23);
+  e.half_sub = static_cast<float>(el.min_sub / 2);
+  return e;
+}
+
+// y >= 0 rounded to the element grid, nearest even, saturating. With kExact, r is the
+// residual of y's exact value (|r| below y's float32 step) and decides where y is a tie.
+template <bool kExact>
+inline vf round_v(vf y, vf r, const ElemV& E) {
+  const vu b = (vu)y;
+  vu rn = (b + (E.half_bit - 1) + ((b >> E.shift) & 1u)) & E.keep;
+  vf qs = (y + E.magic) - E.magic;
+  if (kExact) {
+    const vi up = r > 0, down = r < 0;
+    const vi tie_n = (vi)((b & E.low) == E.half_bit);
+    rn = (tie_n & up) ? (b + E.half_bit) & E.keep : ((tie_n & down) ? (b & E.keep) : rn);
+    const vf ds = y - qs;
+    const vi tie_s = (ds == E.half_sub) | (ds == -E.half_sub);
+    qs = (tie_s & up) ? y + E.half_sub : ((tie_s & down) ? y - E.half_sub : qs);
+  }
+  const vf q = y >= E.min_normal ? (vf)rn : qs;
+  return q < E.max ? q : splat(E.max);
+}
+
+// Per-lane accumulators of one recipe, folded into totals now and then.
+struct Lanes {
+  vf e2{};
+  vi under{}, over{};
+};
+
+struct Totals {
+  double err2 = 0;
+  double smax = -std::numeric_limits<double>::infinity();
+  double smin = std::numeric_limits<double>::infinity();
+  int64_t under = 0, over = 0, flush = 0, blocks = 0;
+
+  void fold(Lanes& l) {
+    err2 += hsum(l.e2);
+    under += hcount(l.under);
+    over += hcount(l.over);
+    l = Lanes{};
+  }
+};
+
+// One block: magnitudes a and the same in units of 2^-k (au), n a multiple of kL (padded
+// with zeros). Returns whether every element quantised to zero.
+// Inlined into the chunk loops, whose accumulators are locals the compiler keeps in
+// registers.
+inline __attribute__((always_inline)) bool quantise(const float* a, const float* au,
+                                                    int64_t n, const Recipe& r,
+                                                    const ElemV& E, const BlockScale& s,
+                                                    Lanes& l) {
+  // Dequantisation back to units of 2^-k (tiny blocks may underflow: they add nothing
+  // measurable to sums in those units).
+  const float g = s.g;
+  vi nonzero{};
+  if (s.zero) {
+    for (int64_t i = 0; i < n; i += kL) {
+      const vf va = load(a + i), vu_ = load(au + i);
+      l.under += va > 0;
+      l.e2 += vu_ * vu_;
     }
     return true;
   }
-  if (s.den != 1) return quantise_as<true>(a, n, r.el, s.num, s.den, acc);
-  return quantise_as<false>(a, n, r.el, s.num, s.den, acc);
+  const vf vg = splat(g);
+  if (r.rule == kNvfp4) {  // compare with the E2M1 decision points times s_b, exactly
+    static constexpr float kTie[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    static constexpr bool kUp[7] = {false, true, false, true, false, true, false};
+    static constexpr float kStep[7] = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f};
+    const float sb = static_cast<float>(s.den), enc = static_cast<float>(s.num);
+    const vf venc = splat(enc), lim = splat(6.0f * sb);
+    for (int64_t i = 0; i < n; i += kL) {
+      const vf va = load(a + i), vau = load(au + i);
+      const vf p = va * venc;
+      const vf rr = residual(va, venc, p);
+      vf q{};
+      for (int t = 0; t < 7; ++t) {
+        const vf c = splat(kTie[t] * sb);
+        const vi pass = (p > c) | ((p == c) & ((rr > 0) | (kUp[t] ? rr == 0 : vi{})));
+        q += pass ? splat(kStep[t]) : vf{};
+      }
+      l.over += (p > lim) | ((p == lim) & (rr > 0));
+      l.under += (va > 0) & (q == 0);
+      nonzero |= q != 0;
+      const vf err = vau - q * vg;
+      l.e2 += err * err;
+    }
+  } else {
+    const vf mul = splat(static_cast<float>(s.num)), mx = splat(E.max);
+    const bool exact = r.rule == kTensor;  // an FP32 scale: d * s is not exact
+    for (int64_t i = 0; i < n; i += kL) {
+      const vf va = load(a + i), vau = load(au + i);
+      const vf y = va * mul;
+      vf q;
+      if (exact) {
+        const vf rr = residual(va, mul, y);
+        q = round_v<true>(y, rr, E);
+        l.over += (y > mx) | ((y == mx) & (rr > 0));
+      } else {
+        q = round_v<false>(y, vf{}, E);
+        l.over += y > mx;
+      }
+      l.under += (va > 0) & (q == 0);
+      nonzero |= q != 0;
+      const vf err = vau - q * vg;
+      l.e2 += err * err;
+    }
+  }
+  return !any(nonzero);
 }
 
-void close_block(const Recipe& r, float amax_b, float enc, const float* a, int64_t n,
-                 Acc& acc) {
-  if (!(amax_b > 0)) {  // no non-zero finite element: only inf can count (as clipped)
-    for (int64_t i = 0; i < n; ++i) acc.over += a[i] == -1.0f;
-    return;
-  }
-  const BlockScale s = scale_of(r, amax_b, enc);
-  const bool flushed = quantise(a, n, r, s, acc);
-  ++acc.blocks;
-  acc.flush += flushed;
+inline __attribute__((always_inline)) void close_block(const Recipe& r, const ElemV& E,
+                                                       float amax_b, float enc, const float* a,
+                                                       const float* au, int64_t n, int k,
+                                                       Totals& t, Lanes& l) {
+  if (!(amax_b > 0)) return;  // no non-zero finite element: nothing to quantise
+  const BlockScale s = scale_of(r, amax_b, enc, k);
+  const bool flushed = quantise(a, au, n, r, E, s, l);
+  ++t.blocks;
+  t.flush += flushed;
   if (!s.zero) {
-    acc.smax = std::max(acc.smax, s.log2x);
-    acc.smin = std::min(acc.smin, s.log2x);
+    t.smax = std::max(t.smax, s.key);
+    t.smin = std::min(t.smin, s.key);
   }
 }
 
 struct Value {
   Loader in;
   int64_t outer, rows, length;
-
-  // Magnitudes of row `r` (of outer * rows), columns [c0, c0 + n), into out.
-  void load(int64_t r, int64_t c0, int64_t n, float* out) const {
-    in.load(r * length + c0, n, out);
-    for (int64_t i = 0; i < n; ++i) out[i] = magnitude(out[i]);
-  }
 };
 
-void run_recipe(const Value& v, const Recipe& r, float amax, Acc& acc) {
+// Elements [c0, c0 + n) of row `row` as magnitudes (zeros, float32 subnormals and
+// non-finite elements as 0) and in units of 2^-k, zero-padded to a multiple of kL;
+// returns the padded size.
+int64_t load_row(const Value& v, int64_t row, int64_t c0, int64_t n, int k, float* a,
+                 float* au) {
+  v.in.load(row * v.length + c0, n, a);
+  const int64_t np = (n + kL - 1) / kL * kL;
+  std::fill(a + n, a + np, 0.0f);
+  const vf unit = splat(pow2f(-k)), lo = splat(kFltMin);
+  const vf hi = splat(std::numeric_limits<float>::max());
+  for (int64_t i = 0; i < np; i += kL) {
+    const vf m = (vf)((vu)load(a + i) & 0x7fffffffu);
+    const vf x = (m >= lo) & (m <= hi) ? m : vf{};
+    const vf xu = x * unit;
+    std::memcpy(a + i, &x, sizeof x);
+    std::memcpy(au + i, &xu, sizeof xu);
+  }
+  return np;
+}
+
+inline float block_max(const float* a, int64_t n) {
+  vf m{};
+  for (int64_t i = 0; i < n; i += kL) {
+    const vf x = load(a + i);
+    m = x > m ? x : m;
+  }
+  return block_hmax(m);
+}
+
+constexpr int64_t kRowChunk = 4096;  // a multiple of every 1-D block size
+
+// The maxima of a chunk's blocks, per block size, computed once per chunk.
+struct MaximaCache {
+  int64_t size[4] = {0, 0, 0, 0};
+  std::vector<float> maxima[4];
+  int used = 0;
+  void clear() { used = 0; }
+};
+
+float* block_maxima(const float* a, int64_t n, int64_t block, MaximaCache& c) {
+  for (int i = 0; i < c.used; ++i) {
+    if (c.size[i] == block) return c.maxima[i].data();
+  }
+  const int i = c.used < 4 ? c.used++ : 3;
+  c.size[i] = block;
+  std::vector<float>& m = c.maxima[i];
+  m.resize((n + block - 1) / block);
+  for (int64_t b0 = 0, j = 0; b0 < n; b0 += block, ++j) {
+    const int64_t nb = std::min(block, n - b0);
+    m[j] = block_max(a + b0, (nb + kL - 1) / kL * kL);
+  }
+  return m.data();
+}
+
+// Every recipe of `rs` that cuts rows into 1-D blocks (or takes the whole tensor), in one
+// pass over the value.
+void run_rows(const Value& v, const Recipe* rs, const int* which, int n_which, float amax,
+              int k, Totals* totals) {
+  std::vector<float> a(kRowChunk + kL), au(kRowChunk + kL);
+  std::vector<Lanes> lanes(n_which);
   const float enc_tensor = amax > 0 ? 448.0f / amax : 1.0f;
   const float enc_nv = amax > 0 ? 2688.0f / amax : 1.0f;
-  const float enc = r.rule == kTensor ? enc_tensor : enc_nv;
-  const int64_t n_rows = v.outer * v.rows;
-  if (r.block == 0) {  // the whole tensor, streamed
-    if (!(amax > 0)) {
-      std::vector<float> buf(kChunk);
-      for (int64_t row = 0; row < n_rows; ++row) {
-        for (int64_t c = 0; c < v.length; c += kChunk) {
-          int64_t n = std::min(kChunk, v.length - c);
-          v.load(row, c, n, buf.data());
-          close_block(r, 0, enc, buf.data(), n, acc);
-        }
-      }
-      return;
+  std::vector<BlockScale> whole(n_which);
+  std::vector<ElemV> elems(n_which);
+  for (int w = 0; w < n_which; ++w) elems[w] = elem_v(rs[which[w]].el);
+  std::vector<vi> whole_nonzero(n_which);
+  for (int w = 0; w < n_which; ++w) {
+    if (rs[which[w]].block == 0 && amax > 0) {
+      whole[w] = scale_of(rs[which[w]], amax, enc_tensor, k);
     }
-    const BlockScale s = scale_of(r, amax, enc);
-    std::vector<float> buf(kChunk);
-    bool flushed = true;
-    for (int64_t row = 0; row < n_rows; ++row) {
-      for (int64_t c = 0; c < v.length; c += kChunk) {
-        int64_t n = std::min(kChunk, v.length - c);
-        v.load(row, c, n, buf.data());
-        flushed &= quantise(buf.data(), n, r, s, acc);
-      }
-    }
-    acc.blocks += 1;
-    acc.flush += flushed;
-    acc.smax = std::max(acc.smax, s.log2x);
-    acc.smin = std::min(acc.smin, s.log2x);
-    return;
   }
+  std::vector<bool> whole_flushed(n_which, true);
+  MaximaCache cache;
+  int64_t since_fold = 0;
+  for (int64_t row = 0; row < v.outer * v.rows; ++row) {
+    for (int64_t c = 0; c < v.length; c += kRowChunk) {
+      const int64_t n = std::min(kRowChunk, v.length - c);
+      load_row(v, row, c, n, k, a.data(), au.data());
+      cache.clear();
+      for (int w = 0; w < n_which; ++w) {
+        const Recipe& r = rs[which[w]];
+        const ElemV E = elems[w];
+        Totals t = totals[w];
+        Lanes l = lanes[w];
+        if (r.block == 0) {
+          if (amax > 0) {
+            const int64_t np = (n + kL - 1) / kL * kL;
+            whole_flushed[w] =
+                quantise(a.data(), au.data(), np, r, E, whole[w], l) && whole_flushed[w];
+          }
+        } else {
+          const float enc = r.rule == kTensor ? enc_tensor : enc_nv;
+          // Block maxima are shared by the recipes of one block size (the four MX ones).
+          float* maxima = block_maxima(a.data(), n, r.block, cache);
+          for (int64_t b0 = 0, j = 0; b0 < n; b0 += r.block, ++j) {
+            const int64_t nb = std::min(r.block, n - b0);
+            const int64_t np = (nb + kL - 1) / kL * kL;  // the rest of the buffer is zeros
+            close_block(r, E, maxima[j], enc, a.data() + b0, au.data() + b0, np, k, t, l);
+          }
+        }
+        totals[w] = t;
+        lanes[w] = l;
+      }
+      // Fold the float lanes before they lose precision or the counts could wrap.
+      if ((since_fold += n) >= (int64_t{1} << 20)) {
+        for (int w = 0; w < n_which; ++w) totals[w].fold(lanes[w]);
+        since_fold = 0;
+      }
+    }
+  }
+  for (int w = 0; w < n_which; ++w) {
+    totals[w].fold(lanes[w]);
+    const Recipe& r = rs[which[w]];
+    if (r.block == 0 && amax > 0) {
+      totals[w].blocks += 1;
+      totals[w].flush += whole_flushed[w];
+      totals[w].smax = totals[w].smin = whole[w].key;
+    }
+  }
+}
+
+// A recipe of 2-D tiles (rows x block over the last two axes).
+void run_tiles(const Value& v, const Recipe& r, float amax, int k, Totals& t) {
   const int64_t b = r.block, tr = r.rows;
-  std::vector<float> buf(b * tr);
+  const int64_t bp = (b + kL - 1) / kL * kL;
+  std::vector<float> a(tr * bp), au(tr * bp);
+  const ElemV E = elem_v(r.el);
+  Lanes l;
+  const float enc = amax > 0 ? 2688.0f / amax : 1.0f;
+  int64_t since_fold = 0;
   for (int64_t o = 0; o < v.outer; ++o) {
     for (int64_t r0 = 0; r0 < v.rows; r0 += tr) {
       const int64_t nr = std::min(tr, v.rows - r0);
       for (int64_t c0 = 0; c0 < v.length; c0 += b) {
         const int64_t nc = std::min(b, v.length - c0);
-        float amax_b = 0;
+        int64_t np = 0;
         for (int64_t i = 0; i < nr; ++i) {
-          float* dst = buf.data() + i * nc;
-          v.load(o * v.rows + r0 + i, c0, nc, dst);
-          for (int64_t j = 0; j < nc; ++j) amax_b = std::max(amax_b, dst[j]);
+          np += load_row(v, o * v.rows + r0 + i, c0, nc, k, a.data() + np, au.data() + np);
         }
-        close_block(r, amax_b, enc, buf.data(), nr * nc, acc);
+        close_block(r, E, block_max(a.data(), np), enc, a.data(), au.data(), np, k, t, l);
+        if ((since_fold += np) >= (int64_t{1} << 20)) {
+          t.fold(l);
+          since_fold = 0;
+        }
       }
     }
   }
+  t.fold(l);
 }
 
 struct Job {
@@ -307,31 +539,62 @@ ffi::Error prepare(Job& job, ffi::AnyBuffer x, ffi::Span<const float> lut,
 
 void run_job(const Job& job) {
   const Value& v = job.v;
-  // The value's finite abs-max: the tensor factor of e4m3_tensor and nvfp4, and the unit.
+  // The value's finite abs-max (the tensor factor of e4m3_tensor and nvfp4, and the unit
+  // of the error sums) and its infinities (clipped under every recipe).
   float amax = 0;
+  int64_t n_inf = 0;
   {
-    std::vector<float> buf(kChunk);
+    std::vector<float> buf(kRowChunk + kL);
+    const vf big = splat(std::numeric_limits<float>::max());
+    const vf inf = splat(std::numeric_limits<float>::infinity());
+    vf m{};
+    vi infs{};
     for (int64_t row = 0; row < v.outer * v.rows; ++row) {
-      for (int64_t c = 0; c < v.length; c += kChunk) {
-        int64_t n = std::min(kChunk, v.length - c);
-        v.load(row, c, n, buf.data());
-        for (int64_t i = 0; i < n; ++i) amax = std::max(amax, buf[i]);
+      for (int64_t c = 0; c < v.length; c += kRowChunk) {
+        const int64_t n = std::min(kRowChunk, v.length - c);
+        v.in.load(row * v.length + c, n, buf.data());
+        std::fill(buf.data() + n, buf.data() + (n + kL - 1) / kL * kL, 0.0f);
+        for (int64_t i = 0; i < n; i += kL) {
+          const vf x = (vf)((vu)load(buf.data() + i) & 0x7fffffffu);
+          infs += x == inf;
+          m = (x <= big) & (x > m) ? x : m;
+        }
       }
     }
+    amax = hmax(m);
+    n_inf = hcount(infs);
   }
-  const int k = amax >= kFltMin ? std::clamp(std::ilogb(amax), -126, 126) : 0;
-  const double unit2 = std::ldexp(1.0, -2 * k);
+  if (amax < kFltMin) amax = 0;
+  const int k = amax > 0 ? std::clamp(std::ilogb(amax), -126, 126) : 0;
+  Totals totals[kMaxRecipes];
+  int rows_of[kMaxRecipes];
+  int n_rows = 0;
   for (int i = 0; i < job.nr; ++i) {
-    Acc acc;
-    run_recipe(v, job.recipes[i], amax, acc);
-    const float ninf = -std::numeric_limits<float>::infinity();
-    job.of[3 * i] = static_cast<float>(acc.err2 * unit2);
-    job.of[3 * i + 1] = acc.blocks && acc.smax > -INFINITY ? static_cast<float>(acc.smax) : ninf;
-    job.of[3 * i + 2] = acc.blocks && acc.smin < INFINITY ? static_cast<float>(-acc.smin) : ninf;
-    job.oi[4 * i] = static_cast<int32_t>(acc.under);
-    job.oi[4 * i + 1] = static_cast<int32_t>(acc.over);
-    job.oi[4 * i + 2] = static_cast<int32_t>(acc.flush);
-    job.oi[4 * i + 3] = static_cast<int32_t>(acc.blocks);
+    if (job.recipes[i].rows > 1) {
+      run_tiles(v, job.recipes[i], amax, k, totals[i]);
+    } else {
+      rows_of[n_rows++] = i;
+    }
+  }
+  Totals row_totals[kMaxRecipes];
+  run_rows(v, job.recipes, rows_of, n_rows, amax, k, row_totals);
+  for (int w = 0; w < n_rows; ++w) totals[rows_of[w]] = row_totals[w];
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const double log2_enc_nv = std::log2(double(amax > 0 ? 2688.0f / amax : 1.0f));
+  for (int i = 0; i < job.nr; ++i) {
+    Totals& t = totals[i];
+    const bool scaled = t.smax > -std::numeric_limits<double>::infinity();
+    if (scaled && job.recipes[i].rule == kNvfp4) {  // keys are block scales s_b
+      t.smax = std::log2(t.smax) - log2_enc_nv;
+      t.smin = std::log2(t.smin) - log2_enc_nv;
+    }
+    job.of[3 * i] = static_cast<float>(t.err2);
+    job.of[3 * i + 1] = scaled ? static_cast<float>(t.smax) : ninf;
+    job.of[3 * i + 2] = scaled ? static_cast<float>(-t.smin) : ninf;
+    job.oi[4 * i] = static_cast<int32_t>(t.under);
+    job.oi[4 * i + 1] = static_cast<int32_t>(t.over + n_inf);
+    job.oi[4 * i + 2] = static_cast<int32_t>(t.flush);
+    job.oi[4 * i + 3] = static_cast<int32_t>(t.blocks);
   }
 }
 
