@@ -325,13 +325,18 @@ def _with_recipes(raw: dict[str, jax.Array], values: Sequence[Any], spec: StatSp
     """``raw`` with the recipe columns of each value appended (none without recipes)."""
     if not spec.recipes:
         return raw
-    parts = []
-    for value in values:
-        if isinstance(value, Measured) and value.recipes is not None:
-            parts.append(value.recipes)
-        else:
-            parts.append(recipe_raw(value[0], spec, _block_axes(value)))
-    sums, counts, maxima = (jnp.stack(p) for p in zip(*parts, strict=True))
+    if not native.use_native():  # pure XLA: every value's blocks in one buffer
+        sums, counts, maxima = recipe_kernel.recipe_group_raw(
+            [(v[0], _block_axes(v)) for v in values], spec.recipes
+        )
+    else:
+        parts = []
+        for value in values:
+            if isinstance(value, Measured) and value.recipes is not None:
+                parts.append(value.recipes)
+            else:
+                parts.append(recipe_raw(value[0], spec, _block_axes(value)))
+        sums, counts, maxima = (jnp.stack(p) for p in zip(*parts, strict=True))
     out = dict(raw)
     out["sum"] = jnp.concatenate([raw["sum"], sums.astype(_F32)], axis=1)
     out["cnt"] = jnp.concatenate([raw["cnt"], counts.astype(jnp.int32)], axis=1)

@@ -21,6 +21,7 @@ exponent.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -129,10 +130,6 @@ def _cast_exact(p: jax.Array, r: jax.Array, el: Format) -> jax.Array:
     return jnp.minimum(q, np.float32(el.max))
 
 
-def _tensor_amax(a: jax.Array) -> jax.Array:
-    return jnp.max(a) if a.size else jnp.float32(0)
-
-
 def _scaled(a: jax.Array, s: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(p, r)``: float32 product ``a * s`` and its residual, with ``a`` taken in units
     of ``2**e`` first (``s * 2**e`` then stays small enough to split exactly)."""
@@ -141,89 +138,136 @@ def _scaled(a: jax.Array, s: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Ar
     return p, _residual(a2, s2, p)
 
 
+#: Elements per row when a whole-tensor recipe's values are cut into rows of a buffer.
+_TENSOR_ROW = 512
+
+
+def _recipe_blocks(view: jax.Array, recipe: Recipe) -> jax.Array:
+    """Blocks of one value (``[blocks, elements]``); a whole-tensor recipe gets rows of
+    `_TENSOR_ROW` elements, put back together per value afterwards."""
+    if not recipe.per_tensor:
+        return _blocks(view, recipe)
+    flat = view.reshape(-1)
+    pad = -flat.shape[0] % _TENSOR_ROW
+    return jnp.pad(flat, (0, pad)).reshape(-1, _TENSOR_ROW)
+
+
+def recipe_group_raw(
+    values: Sequence[tuple[jax.Array, Sequence[int] | None]], recipes: Sequence[Recipe]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Recipe statistics of several values (``(data, block_axes)`` pairs) at once:
+    ``(sums[V, R], counts[V, 4R], maxima[V, 2R])``, per value and recipe the squared
+    error in units of ``2**k`` (k the exponent of the value's finite abs-max, as in
+    `kernel`); (underflowed, clipped, flushed blocks, non-empty blocks); (largest,
+    negated smallest) log2 of the blocks' dequantisation scales.
+
+    The blocks of every value go into one buffer per recipe and per-block results are
+    summed per value, so the compiled code does not grow with the number of values."""
+    views = [block_view(jnp.asarray(d).astype(_F32), axes) for d, axes in values]
+    n_values = len(views)
+    sums, counts, maxima = [], [], []
+    for recipe in recipes:
+        parts = [_recipe_blocks(v, recipe) for v in views]
+        seg = np.repeat(np.arange(n_values, dtype=np.int32), [p.shape[0] for p in parts])
+        x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        s, c, m = _recipe_blocks_raw(x, recipe, seg, functools.partial(_by_value, seg=seg))
+        sums.append(s)
+        counts.append(c)
+        maxima.append(m)
+    return jnp.stack(sums, 1), jnp.concatenate(counts, 1), jnp.concatenate(maxima, 1)
+
+
+def _by_value(v: jax.Array, how: str = "sum", *, seg: np.ndarray) -> jax.Array:
+    """Per-block ``v`` summed (or maximised) per value."""
+    fn = jax.ops.segment_sum if how == "sum" else jax.ops.segment_max
+    return fn(v, seg, int(seg[-1]) + 1, indices_are_sorted=True)
+
+
+def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
+    """Per-value results of one recipe from the blocks ``x`` (``[blocks, elements]``,
+    block ``i`` belonging to value ``seg[i]``)."""
+    ax = jnp.abs(x)
+    n_inf = jnp.sum((ax == np.float32(np.inf)).astype(jnp.int32), axis=1)
+    a = jnp.where((ax < np.float32(np.inf)) & (ax >= _TINY), ax, 0.0)
+    amax_b = jnp.max(a, axis=1, keepdims=True)
+    amax = by_value(amax_b[:, 0], "max")[seg][:, None]  # the value's abs-max, per block
+    e_amax = jnp.where(amax > 0, _exponent(jnp.maximum(amax, _TINY)), 0)
+    unit = _pow2(-jnp.clip(e_amax, -126, 126))
+    has = amax_b > 0
+    e_b = _exponent(jnp.maximum(amax_b, _TINY))
+    el = recipe.element
+    big = np.float32(el.max)
+    zero_scale = jnp.zeros_like(has)
+    if recipe.rule in ("mx_floor", "mx_rceil", "pow2_floor"):
+        if recipe.rule == "pow2_floor":
+            e_s = el.max_exponent - e_b - (_mantissa(amax_b) * 2.0**el.max_exponent > big)
+            e_s = jnp.minimum(e_s, 127)
+            log2x = -e_s
+        else:
+            e_x = e_b - el.max_exponent
+            if recipe.rule == "mx_rceil":
+                e_x = e_x + (_mantissa(amax_b) * 2.0**el.max_exponent > big)
+            log2x = jnp.clip(e_x, -127, 127)
+            e_s = -log2x
+        # a * 2**e_s, exact (two steps keep each factor a float32 power of two).
+        h = e_s // 2
+        y = a * _pow2(h) * _pow2(e_s - h)
+        q_y = _cast(y, el)
+        over = y > big
+        q = q_y * _pow2(-h) * _pow2(h - e_s)
+        log2x = log2x.astype(_F32)
+    elif recipe.rule == "tensor":
+        s = jnp.where(amax > 0, np.float32(448.0) / jnp.maximum(amax, _TINY), 1.0)
+        p, r = _scaled(a, s, e_amax)
+        q_y = _cast_exact(p, r, el)
+        over = (p > big) | ((p == big) & (r > 0))
+        q = q_y / s
+        log2x = -jnp.log2(s)
+    else:  # nvfp4
+        enc = jnp.where(amax > 0, np.float32(448.0 * 6.0) / jnp.maximum(amax, _TINY), 1.0)
+        pb, rb = _scaled(amax_b, enc, e_amax)
+        t = pb / 6.0  # the block scale before rounding: exact only where tied
+        rt = (pb - 6.0 * t) + rb
+        s_b = _cast_exact(t, rt, _E4M3)
+        p, r = _scaled(a, enc, e_amax)
+        idx = jnp.zeros(a.shape, jnp.int32)
+        for tie, up in _E2M1_TIES:
+            c = np.float32(tie) * s_b
+            above = (p > c) | ((p == c) & (r > 0)) | ((p == c) & (r == 0) & up)
+            idx = idx + above.astype(jnp.int32)
+        q_y = jnp.asarray(_E2M1_GRID)[idx]
+        lim = np.float32(6.0) * s_b
+        zero_scale = s_b == 0
+        over = ((p > lim) | ((p == lim) & (r > 0))) & ~zero_scale
+        q_y = jnp.where(zero_scale, 0.0, q_y)
+        q = q_y * s_b / enc
+        log2x = jnp.log2(jnp.maximum(s_b, _TINY)) - jnp.log2(enc)
+    err = (a - q) * unit
+    nonzero = jnp.sum((q != 0).astype(jnp.int32), axis=1)
+    as_i = lambda m: m.astype(jnp.int32)  # noqa: E731
+    under = by_value(jnp.sum(as_i((a > 0) & (q == 0)), axis=1))
+    clipped = by_value(jnp.sum(as_i(over), axis=1) + n_inf)
+    err2 = by_value(jnp.sum(err * err, axis=1))
+    lg = log2x.astype(_F32)[:, 0]
+    if recipe.per_tensor:  # one block per value, cut into rows here
+        has_v = by_value(amax_b[:, 0], "max") > 0
+        flushed = as_i(has_v & (by_value(nonzero) == 0))
+        blocks = as_i(has_v)
+        hi = jnp.where(has_v, by_value(lg, "max"), -np.inf)
+        neg_lo = jnp.where(has_v, by_value(-lg, "max"), -np.inf)
+    else:
+        ok = (has & ~zero_scale)[:, 0]
+        flushed = by_value(as_i(has[:, 0] & (nonzero == 0)))
+        blocks = by_value(as_i(has[:, 0]))
+        hi = by_value(jnp.where(ok, lg, -np.inf), "max")
+        neg_lo = by_value(jnp.where(ok, -lg, -np.inf), "max")
+    counts = jnp.stack([under, clipped, flushed, blocks], 1)
+    return err2, counts, jnp.stack([hi, neg_lo], 1)
+
+
 def recipe_raw(
     data: jax.Array, recipes: Sequence[Recipe], axes: Sequence[int] | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(sums[R], counts[4R], maxima[2R])`` of one value under each recipe: squared
-    error in units of ``2**k``; (underflowed, clipped, flushed blocks, non-empty
-    blocks); (largest, negated smallest) log2 of the blocks' dequantisation scales.
-    ``k`` is the exponent of the value's finite abs-max, as in `kernel`."""
-    x = block_view(jnp.asarray(data).astype(_F32), axes)
-    a_all = jnp.abs(x)
-    inf = a_all == np.float32(np.inf)
-    finite = a_all < np.float32(np.inf)
-    a_all = jnp.where(finite & (a_all >= _TINY), a_all, 0.0)
-    amax = _tensor_amax(a_all)
-    e_amax = jnp.where(amax > 0, _exponent(jnp.maximum(amax, _TINY)), 0)
-    unit = _pow2(-jnp.clip(e_amax, -126, 126))
-    sums, counts, maxima = [], [], []
-    n_inf = jnp.sum(inf.astype(jnp.int32))
-    for recipe in recipes:
-        a = _blocks(a_all, recipe)
-        amax_b = jnp.max(a, axis=1, keepdims=True)
-        has = amax_b > 0
-        e_b = _exponent(jnp.maximum(amax_b, _TINY))
-        el = recipe.element
-        big = np.float32(el.max)
-        if recipe.rule in ("mx_floor", "mx_rceil", "pow2_floor"):
-            if recipe.rule == "pow2_floor":
-                e_s = el.max_exponent - e_b - (_mantissa(amax_b) * 2.0**el.max_exponent > big)
-                e_s = jnp.minimum(e_s, 127)
-                log2x = -e_s
-            else:
-                e_x = e_b - el.max_exponent
-                if recipe.rule == "mx_rceil":
-                    e_x = e_x + (_mantissa(amax_b) * 2.0**el.max_exponent > big)
-                log2x = jnp.clip(e_x, -127, 127)
-                e_s = -log2x
-            # a * 2**e_s, exact (two steps keep each factor a float32 power of two).
-            h = e_s // 2
-            y = a * _pow2(h) * _pow2(e_s - h)
-            q_y = _cast(y, el)
-            over = y > big
-            q = q_y * _pow2(-h) * _pow2(h - e_s)
-            zero_scale = jnp.zeros_like(has)
-            log2x = log2x.astype(_F32)
-        elif recipe.rule == "tensor":
-            s = jnp.where(amax > 0, np.float32(448.0) / jnp.maximum(amax, _TINY), 1.0)
-            p, r = _scaled(a, s, e_amax)
-            q_y = _cast_exact(p, r, el)
-            over = (p > big) | ((p == big) & (r > 0))
-            q = q_y / s
-            log2x = jnp.broadcast_to(-jnp.log2(s), amax_b.shape)
-            zero_scale = jnp.zeros_like(has)
-        else:  # nvfp4
-            enc = jnp.where(amax > 0, np.float32(448.0 * 6.0) / jnp.maximum(amax, _TINY), 1.0)
-            pb, rb = _scaled(amax_b, enc, e_amax)
-            t = pb / 6.0  # the block scale before rounding: exact only where tied
-            rt = (pb - 6.0 * t) + rb
-            s_b = _cast_exact(t, rt, _E4M3)
-            p, r = _scaled(a, enc, e_amax)
-            idx = jnp.zeros(a.shape, jnp.int32)
-            for tie, up in _E2M1_TIES:
-                c = np.float32(tie) * s_b
-                above = (p > c) | ((p == c) & (r > 0)) | ((p == c) & (r == 0) & up)
-                idx = idx + above.astype(jnp.int32)
-            q_y = jnp.asarray(_E2M1_GRID)[idx]
-            lim = np.float32(6.0) * s_b
-            zero_scale = s_b == 0
-            over = ((p > lim) | ((p == lim) & (r > 0))) & ~zero_scale
-            q_y = jnp.where(zero_scale, 0.0, q_y)
-            q = q_y * s_b / enc
-            log2x = jnp.log2(jnp.maximum(s_b, _TINY)) - jnp.log2(enc)
-        err = (a - q) * unit
-        flushed = has & jnp.all(q == 0, axis=1, keepdims=True)
-        scaled_ok = has & ~zero_scale if recipe.rule == "nvfp4" else has
-        sums.append(jnp.sum(err * err))
-        counts += [
-            jnp.sum(((a > 0) & (q == 0)).astype(jnp.int32)),
-            jnp.sum(over.astype(jnp.int32)) + n_inf,
-            jnp.sum(flushed.astype(jnp.int32)),
-            jnp.sum(has.astype(jnp.int32)),
-        ]
-        lg = log2x.astype(_F32)
-        maxima += [
-            jnp.max(jnp.where(scaled_ok, lg, -np.inf)),
-            jnp.max(jnp.where(scaled_ok, -lg, -np.inf)),
-        ]
-    return jnp.stack(sums), jnp.stack(counts), jnp.stack(maxima)
+    """`recipe_group_raw` of one value: ``(sums[R], counts[4R], maxima[2R])``."""
+    sums, counts, maxima = recipe_group_raw([(data, axes)], recipes)
+    return sums[0], counts[0], maxima[0]
