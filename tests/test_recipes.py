@@ -379,6 +379,20 @@ def _probe_data() -> dict[str, np.ndarray]:
     nv[0, [0, 16, 17, 32, 48]] = [2688.0, 0.005, -0.003, 6 * 2**-10, 0.0]
     nv[0, 48] = float(np.nextafter(F32(6 * 2**-10), F32(1)))  # block scales flush
     nv[1, [0, 16, 32, 48]] = [2688.0, 6.3, 13.0, 12.4]  # rounded block scales clip
+    # NVFP4 element ties and their float32 neighbours: S_enc = 1, block scales 1 and 1.5.
+    up_, down_ = (
+        (lambda v: float(np.nextafter(F32(v), F32(9)))),
+        (lambda v: float(np.nextafter(F32(v), F32(0)))),
+    )
+    nv_ties = np.zeros((2, 32))
+    nv_ties[0, 0] = 2688.0
+    nv_ties[0, 16:32] = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
+                         up_(0.25), down_(0.75), up_(1.25), down_(1.75),
+                         up_(2.5), down_(3.5), up_(5.0), down_(5.0)]  # fmt: skip
+    nv_ties[1, 0:16] = [9.0, 0.375, 1.125, 1.875, 2.625, 3.75, 5.25, 7.5,
+                        down_(0.375), up_(1.125), down_(1.875), up_(2.625),
+                        down_(3.75), up_(5.25), down_(7.5), up_(7.5)]  # fmt: skip
+    nv_ties[1, 16:20] = [6.0, down_(6.0), 5.5, -up_(0.25)]
     ties = [
         _tie_rows(ml_dtypes.float8_e4m3fn, 1.0),  # X = 1 (the E4M3 recipes)
         _tie_rows(ml_dtypes.float8_e5m2, 2.0**-7),  # X = 2**-7 (mxfp8_e5m2)
@@ -398,6 +412,7 @@ def _probe_data() -> dict[str, np.ndarray]:
         "amax_448_up": np.array([UP_448, 1.0, -UP_448, 2.0**-12]),
         "rows40": rows40,
         "ties": np.concatenate(ties),
+        "nv_ties": nv_ties,
         "nvfp4": nv,
         "specials": np.array([-0.0, np.nan, np.inf, -np.inf, 1.0, 2.0**-40]),
         "all_zero": np.zeros(5),

@@ -274,22 +274,33 @@ inline __attribute__((always_inline)) bool quantise(const float* a, const float*
     return true;
   }
   const vf vg = splat(g);
-  if (r.rule == kNvfp4) {  // compare with the E2M1 decision points times s_b, exactly
-    static constexpr float kTie[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-    static constexpr bool kUp[7] = {false, true, false, true, false, true, false};
-    static constexpr float kStep[7] = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f};
+  if (r.rule == kNvfp4) {
+    // y = d * S_enc / s_b. Its float32 quotient y0 (of the rounded product p) lies
+    // between the right two E2M1 neighbours except exactly on one, where either pair
+    // gives the same answer; the exact product p + rr is then compared with the pair's
+    // midpoint times s_b (exact: a few significant bits each).
     const float sb = static_cast<float>(s.den), enc = static_cast<float>(s.num);
-    const vf venc = splat(enc), lim = splat(6.0f * sb);
+    const vf venc = splat(enc), vsb = splat(sb), lim = splat(6.0f * sb), six = splat(6.0f);
+    const vf half = splat(0.5f), one = splat(1.0f);
     for (int64_t i = 0; i < n; i += kL) {
       const vf va = load(a + i), vau = load(au + i);
       const vf p = va * venc;
       const vf rr = residual(va, venc, p);
-      vf q{};
-      for (int t = 0; t < 7; ++t) {
-        const vf c = splat(kTie[t] * sb);
-        const vi pass = (p > c) | ((p == c) & ((rr > 0) | (kUp[t] ? rr == 0 : vi{})));
-        q += pass ? splat(kStep[t]) : vf{};
-      }
+      const vf y0 = p / vsb;
+      // Lower neighbour on the E2M1 grid (step 0.5 below 2, then a quarter of the binade).
+      const vu yb = (vu)y0;
+      const vf lo_n = (vf)(yb & 0xffc00000u);  // keep one mantissa bit: floor in [1, 8)
+      const vf y2 = y0 < one ? y0 * 2.0f : vf{};  // below 1: the step is 0.5
+      const vf lo_s = __builtin_convertvector(__builtin_convertvector(y2, vi), vf) * 0.5f;
+      vf lo = y0 >= one ? lo_n : lo_s;
+      lo = lo < six ? lo : six;
+      const vf step = lo >= one ? (vf)(((vu)lo & 0x7f800000u)) * half : half;
+      const vf hi = lo + step;
+      const vf c = (lo + hi) * half * vsb;  // the decision point, exact
+      const vi lo_even = lo >= one ? (vi)((((vu)lo >> 22) & 1u) == 0u) : (lo == 0);
+      const vi up = (p > c) | ((p == c) & ((rr > 0) | ((rr == 0) & ~lo_even)));
+      vf q = up ? hi : lo;
+      q = q < six ? q : six;
       l.over += (p > lim) | ((p == lim) & (rr > 0));
       l.under += (va > 0) & (q == 0);
       nonzero |= q != 0;
