@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from scalescope import analysis
+from scalescope.core.recipes import RECIPE_STATS
 from scalescope.store import RunError, RunReader, list_runs, open_run
 
 #: Metrics offered by the heatmap, before the per-format ones.
@@ -25,14 +26,7 @@ BASE_METRICS = ("log2_rms", "log2_scale", "log2_absmax", "frac_zero", "frac_nonf
 #: Per-format metrics offered for every audited format.
 FORMAT_METRICS = ("underflow", "overflow", "snr")
 #: Per-recipe metrics offered for every recorded block-scaled recipe (after the formats').
-RECIPE_METRICS = (
-    "underflow",
-    "overflow",
-    "snr",
-    "block_flush",
-    "scale_log2_min",
-    "scale_log2_max",
-)
+RECIPE_METRICS = RECIPE_STATS
 
 
 class ServeError(Exception):
