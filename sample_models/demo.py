@@ -240,10 +240,11 @@ def _recipe_summary(root: Path, stream: TextIO, top: int = 3) -> None:
     import scalescope as ss
 
     name = DEMO_RUNS[-1][0]
-    failing = recipe_failures(ss.open_run(root / name))
+    reader = ss.open_run(root / name)
+    failing = recipe_failures(reader)
     if failing is None:
         return
-    n_ops = len(ss.open_run(root / name).ops)
+    n_ops = len(reader.ops)
     print(
         f"\n{DEMO_RECIPE} on {name}: {len(failing)} of {n_ops} ops would not be safe",
         file=stream,

@@ -291,12 +291,13 @@ def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
     On CPU each value is read once by the native kernel (`native`), right where it is
     produced. Elsewhere (GPU, or no C++ compiler) values are grouped into buffers of at
     most `GROUP_ELEMENTS` elements, each reduced by `group_raw`. Recipes (opt-in) are
-    measured value by value (`recipe_raw`) and appended as columns of their own.
+    appended as columns of their own (per value natively, per group in XLA).
     """
     if not values:
         return empty_raw(spec)
     if native.use_native():
-        return _with_recipes(_native_raw(values, spec), values, spec)
+        raw = _native_raw(values, spec)
+        return _append_recipes(raw, _native_recipes(values, spec)) if spec.recipes else raw
     groups: list[list[Any]] = [[]]
     size = 0
     for value in values:
@@ -309,34 +310,24 @@ def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
     return concat_raw([group_raw(g, spec) for g in groups], spec)
 
 
-def recipe_raw(data: Any, spec: StatSpec, axes: Sequence[int] | None) -> tuple[Any, Any, Any]:
-    """``(sums, counts, maxima)`` of one value under ``spec.recipes`` (see
-    `recipe_kernel.recipe_raw`): the native kernel on CPU, else pure XLA."""
-    if native.use_native():
-        return native.recipe_raw(data, spec.recipes, axes)
-    return recipe_kernel.recipe_raw(data, spec.recipes, axes)
-
-
 def _block_axes(value: Any) -> tuple[int, ...] | None:
     return value[2] if len(value) > 2 else None
 
 
-def _with_recipes(raw: dict[str, jax.Array], values: Sequence[Any], spec: StatSpec):
-    """``raw`` with the recipe columns of each value appended (none without recipes)."""
-    if not spec.recipes:
-        return raw
-    if not native.use_native():  # pure XLA: every value's blocks in one buffer
-        sums, counts, maxima = recipe_kernel.recipe_group_raw(
-            [(v[0], _block_axes(v)) for v in values], spec.recipes
-        )
-    else:
-        parts = []
-        for value in values:
-            if isinstance(value, Measured) and value.recipes is not None:
-                parts.append(value.recipes)
-            else:
-                parts.append(recipe_raw(value[0], spec, _block_axes(value)))
-        sums, counts, maxima = (jnp.stack(p) for p in zip(*parts, strict=True))
+def _native_recipes(values: Sequence[Any], spec: StatSpec) -> tuple[Any, Any, Any]:
+    """Recipe columns of each value by the native kernel (measured at once, or now)."""
+    parts = [
+        value.recipes
+        if isinstance(value, Measured) and value.recipes is not None
+        else native.recipe_raw(value[0], spec.recipes, _block_axes(value))
+        for value in values
+    ]
+    return tuple(jnp.stack(p) for p in zip(*parts, strict=True))
+
+
+def _append_recipes(raw: dict[str, jax.Array], parts: tuple[Any, Any, Any]):
+    """``raw`` with recipe columns ``(sums, counts, maxima)`` appended."""
+    sums, counts, maxima = parts
     out = dict(raw)
     out["sum"] = jnp.concatenate([raw["sum"], sums.astype(_F32)], axis=1)
     out["cnt"] = jnp.concatenate([raw["cnt"], counts.astype(jnp.int32)], axis=1)
@@ -354,7 +345,7 @@ def _scales(values: Sequence[Any]) -> jax.Array:
 class Measured(NamedTuple):
     """A value the native kernel has already measured (`native.measure_through`): its
     raw row and its scale, standing in for ``(data, scale)`` in `values_raw`;
-    ``recipes``: its recipe columns (`recipe_raw`), when recipes are requested."""
+    ``recipes``: its recipe columns (`native.recipe_raw`), when recipes are requested."""
 
     floats: jax.Array
     ints: jax.Array
@@ -431,7 +422,12 @@ def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
         fix = np.zeros((rows, h), np.int32)
         fix[:, 0] = -pads
         raw["hist"] = hist.reshape(rows, h) + fix
-    return _with_recipes(raw, values, spec)
+    if spec.recipes:  # every value's blocks in one buffer per recipe
+        parts = recipe_kernel.recipe_group_raw(
+            [(v[0], _block_axes(v)) for v in values], spec.recipes
+        )
+        raw = _append_recipes(raw, parts)
+    return raw
 
 
 def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:

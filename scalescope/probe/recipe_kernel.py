@@ -263,11 +263,3 @@ def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
         neg_lo = by_value(jnp.where(ok, -lg, -np.inf), "max")
     counts = jnp.stack([under, clipped, flushed, blocks], 1)
     return err2, counts, jnp.stack([hi, neg_lo], 1)
-
-
-def recipe_raw(
-    data: jax.Array, recipes: Sequence[Recipe], axes: Sequence[int] | None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`recipe_group_raw` of one value: ``(sums[R], counts[4R], maxima[2R])``."""
-    sums, counts, maxima = recipe_group_raw([(data, axes)], recipes)
-    return sums[0], counts[0], maxima[0]

@@ -149,13 +149,18 @@ def _byte_float(dtype: np.dtype) -> bool:
     return dtype.itemsize == 1 and jax.dtypes.issubdtype(dtype, np.floating)
 
 
+def _lut(dtype: Any) -> np.ndarray:
+    """The float32 value of each of the 256 bit patterns of an 8-bit float type (empty
+    for other types): how the kernels widen 8-bit values."""
+    dtype = np.dtype(dtype)
+    if not _byte_float(dtype):
+        return np.zeros((0,), np.float32)
+    return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+
+
 def _attrs(data: jax.Array, formats: Sequence[Format], hist_lo: int, hist_hi: int) -> dict:
-    dtype = np.dtype(data.dtype)
-    lut = np.zeros((0,), np.float32)
-    if _byte_float(dtype):
-        lut = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
     return dict(
-        lut=lut,
+        lut=_lut(data.dtype),
         mantissa=np.array([f.mantissa_bits for f in formats], np.int64),
         fmax=np.array([f.max for f in formats], np.float32),
         min_normal=np.array([f.min_normal for f in formats], np.float32),
@@ -235,8 +240,9 @@ def recipe_raw(
     asynchronous: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(sums, counts, maxima)`` of one value under ``recipes``, as
-    `recipe_kernel.recipe_raw` computes them, by the native kernel (``asynchronous``: on
-    XLA's thread pool, waited for only by the readers of the results)."""
+    `recipe_kernel.recipe_group_raw` computes them per value, by the native kernel
+    (``asynchronous``: on XLA's thread pool, waited for only by the readers of the
+    results)."""
     if not available():
         raise NativeBuildError("the native probe kernel is not available on this machine")
     from ..recipe_kernel import block_view
@@ -244,9 +250,6 @@ def recipe_raw(
     x = block_view(data, axes)
     if not passes_through(x.dtype):
         x = x.astype(jnp.float32)
-    lut = np.zeros((0,), np.float32)
-    if _byte_float(np.dtype(x.dtype)):
-        lut = np.arange(256, dtype=np.uint8).view(np.dtype(x.dtype)).astype(np.float32)
     n = len(recipes)
     shapes = (
         jax.ShapeDtypeStruct((3 * n,), jnp.float32),
@@ -255,7 +258,7 @@ def recipe_raw(
     target = RECIPES_ASYNC_TARGET if asynchronous else RECIPES_TARGET
     floats, ints = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")(
         x,
-        lut=lut,
+        lut=_lut(x.dtype),
         rule=np.array([r.rule_code for r in recipes], np.int64),
         block=np.array([r.block for r in recipes], np.int64),
         rows=np.array([r.rows for r in recipes], np.int64),

@@ -382,6 +382,13 @@ inline float block_max(const float* a, int64_t n) {
 
 constexpr int64_t kRowChunk = 4096;  // a multiple of every 1-D block size
 
+// The float32 tensor factor of a rule: 448 / amax (e4m3_tensor), 448 * 6 / amax (NVFP4's
+// S_enc); 1 for the others and for an all-zero value.
+inline float tensor_factor(int rule, float amax) {
+  if (!(amax > 0) || (rule != kTensor && rule != kNvfp4)) return 1.0f;
+  return (rule == kTensor ? 448.0f : 2688.0f) / amax;
+}
+
 // The maxima of a chunk's blocks, per block size, computed once per chunk.
 struct MaximaCache {
   int64_t size[4] = {0, 0, 0, 0};
@@ -411,15 +418,12 @@ void run_rows(const Value& v, const Recipe* rs, const int* which, int n_which, f
               int k, Totals* totals) {
   std::vector<float> a(kRowChunk + kL), au(kRowChunk + kL);
   std::vector<Lanes> lanes(n_which);
-  const float enc_tensor = amax > 0 ? 448.0f / amax : 1.0f;
-  const float enc_nv = amax > 0 ? 2688.0f / amax : 1.0f;
   std::vector<BlockScale> whole(n_which);
   std::vector<ElemV> elems(n_which);
   for (int w = 0; w < n_which; ++w) elems[w] = elem_v(rs[which[w]].el);
-  std::vector<vi> whole_nonzero(n_which);
   for (int w = 0; w < n_which; ++w) {
     if (rs[which[w]].block == 0 && amax > 0) {
-      whole[w] = scale_of(rs[which[w]], amax, enc_tensor, k);
+      whole[w] = scale_of(rs[which[w]], amax, tensor_factor(rs[which[w]].rule, amax), k);
     }
   }
   std::vector<bool> whole_flushed(n_which, true);
@@ -442,7 +446,7 @@ void run_rows(const Value& v, const Recipe* rs, const int* which, int n_which, f
                 quantise(a.data(), au.data(), np, r, E, whole[w], l) && whole_flushed[w];
           }
         } else {
-          const float enc = r.rule == kTensor ? enc_tensor : enc_nv;
+          const float enc = tensor_factor(r.rule, amax);
           // Block maxima are shared by the recipes of one block size (the four MX ones).
           float* maxima = block_maxima(a.data(), n, r.block, cache);
           for (int64_t b0 = 0, j = 0; b0 < n; b0 += r.block, ++j) {
@@ -479,7 +483,7 @@ void run_tiles(const Value& v, const Recipe& r, float amax, int k, Totals& t) {
   std::vector<float> a(tr * bp), au(tr * bp);
   const ElemV E = elem_v(r.el);
   Lanes l;
-  const float enc = amax > 0 ? 2688.0f / amax : 1.0f;
+  const float enc = tensor_factor(r.rule, amax);
   int64_t since_fold = 0;
   for (int64_t o = 0; o < v.outer; ++o) {
     for (int64_t r0 = 0; r0 < v.rows; r0 += tr) {
@@ -591,7 +595,7 @@ void run_job(const Job& job) {
   run_rows(v, job.recipes, rows_of, n_rows, amax, k, row_totals);
   for (int w = 0; w < n_rows; ++w) totals[rows_of[w]] = row_totals[w];
   const float ninf = -std::numeric_limits<float>::infinity();
-  const double log2_enc_nv = std::log2(double(amax > 0 ? 2688.0f / amax : 1.0f));
+  const double log2_enc_nv = std::log2(double(tensor_factor(kNvfp4, amax)));
   for (int i = 0; i < job.nr; ++i) {
     Totals& t = totals[i];
     const bool scaled = t.smax > -std::numeric_limits<double>::infinity();
