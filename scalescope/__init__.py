@@ -5,7 +5,7 @@ from .core import formats
 from .core.formats import Format
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
 from .notebook import load_notebook, show
-from .probe import OpRecord, OpTable, instrument, scale_graph, stats_frame
+from .probe import OpRecord, OpTable, instrument, module_scopes, scale_graph, stats_frame
 from .scalify import ScalifyError, register_rule, scalify
 from .store import (
     NotARunError,
@@ -40,6 +40,7 @@ __all__ = [
     "is_scaled_array",
     "list_runs",
     "load_notebook",
+    "module_scopes",
     "open_run",
     "ops",
     "register_rule",

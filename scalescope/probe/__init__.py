@@ -15,6 +15,7 @@ from .kernel import (
     HIST_LO,
     StatSpec,
 )
+from .modules import module_scopes
 from .names import PASS_SCOPES
 from .optable import NOTES, OpRecord, OpTable, stats_frame
 from .scale_graph import scale_graph
@@ -33,5 +34,6 @@ __all__ = [
     "OpTable",
     "StatSpec",
     "instrument",
+    "module_scopes",
     "stats_frame",
 ]

@@ -25,6 +25,7 @@ from ..scalify.interpreter import (
     trace_flat,
 )
 from .kernel import DEFAULT_BLOCK, StatSpec
+from .modules import module_scopes
 from .names import PASS_SCOPES
 from .optable import OpRecord, OpTable
 from .recorder import Recorder
@@ -183,7 +184,8 @@ def instrument(
             )
         entry = traces.get(key)
         if entry is None:
-            entry = trace_flat(fn, leaves, treedef, avals)
+            with module_scopes():
+                entry = trace_flat(fn, leaves, treedef, avals)
             if not has_tracer(entry[0].consts):
                 traces[key] = entry
         closed, out_tree = entry

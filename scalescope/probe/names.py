@@ -66,15 +66,18 @@ def _split(stack: str) -> list[str]:
     return [p for p in parts if p]
 
 
-def pass_of(scope: Scope, after_backward: bool, pass_scopes=PASS_SCOPES) -> str:
+def pass_of(
+    scope: Scope, after_backward: bool, pass_scopes=PASS_SCOPES, optimizer: bool = False
+) -> str:
     """``bwd`` under ``transpose``; a pass scope's name (``opt``) for a value under a
     top-level scope of that name; ``opt`` for a value computed from gradients outside
-    the backward pass (the optimizer update); ``fwd`` otherwise."""
+    the backward pass, or by an optimizer library (``optimizer``: optax's moment and
+    weight decays read no gradient); ``fwd`` otherwise."""
     if "transpose" in scope.transforms:
         return "bwd"
     if scope.path and scope.path[0] in pass_scopes:
         return scope.path[0]
-    return "opt" if after_backward else "fwd"
+    return "opt" if after_backward or optimizer else "fwd"
 
 
 def op_name(scope: Scope, primitive: str) -> str:

@@ -42,8 +42,8 @@ from ..scalify.common import positive_or_one, rescale_data
 from ..scalify.interpreter import Observer
 from ..scalify.registry import get_rule
 from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
-from ..scalify.source import format_source
 from . import blocking, kernel, native
+from ..scalify.source import in_optimizer
 from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
 from .optable import OpRecord, OpTable
 
@@ -221,6 +221,7 @@ class Recorder(Observer):
         mult: int = 1,
         devices: _Devices | None = None,
         reduce_devices: bool = False,
+        optimizer: bool = False,
     ):
         self.shared = shared
         self.scope = scope
@@ -228,6 +229,7 @@ class Recorder(Observer):
         self.mult = mult  # iterations of the enclosing scans: rows per recorded value
         self.devices = devices  # inside a shard_map body: its manual axes
         self.reduce_devices = reduce_devices  # the body scope of a shard_map
+        self.optimizer = optimizer  # inside a call an optimizer library made (`in_optimizer`)
 
     @classmethod
     def root(
@@ -257,7 +259,8 @@ class Recorder(Observer):
         if kind == "shard_map":
             devices = _Devices(manual_axes(eqn.params), check_vma_of(eqn.params))
             reduce_devices = True
-        return Recorder(self.shared, scope, prefix, mult, devices, reduce_devices)
+        optimizer = self.optimizer or in_optimizer(eqn.source_info)
+        return Recorder(self.shared, scope, prefix, mult, devices, reduce_devices, optimizer)
 
     def body_outputs(self) -> dict[str, Any]:
         raw = self.scope.raw(self.shared.spec, self.shared.mask)
@@ -318,9 +321,10 @@ class Recorder(Observer):
             for var, i in zip(eqn.invars, ins)
         )
         scope = self.prefix.join(parse(eqn.source_info.name_stack))
-        pass_ = pass_of(scope, grad_in, self.shared.pass_scopes)
+        optimizer = self.optimizer or in_optimizer(eqn.source_info)
+        pass_ = pass_of(scope, grad_in, self.shared.pass_scopes, optimizer)
         name = op_name(scope, eqn.primitive.name)
-        source = format_source(eqn.source_info)
+        source = ctx.source(eqn)
         if eqn.primitive.name == "convert_element_type" and ins and ins[0] is not None:
             self._mark_cast(ins[0], eqn.params.get("new_dtype"))
         outs = []

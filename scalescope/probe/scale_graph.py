@@ -23,7 +23,8 @@ import pandas as pd
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from ..scalify.interpreter import bind_plain
-from ..scalify.source import format_source
+from ..scalify.source import UNKNOWN, format_source
+from .modules import module_scopes
 from .names import Scope, op_name, parse
 
 #: Call primitives whose body is entered (the others are one op each).
@@ -49,9 +50,17 @@ def _consts(eqn: Any) -> Sequence[Any]:
     return inner.consts if isinstance(inner, ClosedJaxpr) else ()
 
 
-def _walk(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], scope: Scope, hook) -> list:
+def _walk(
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    scope: Scope,
+    hook,
+    where: str = UNKNOWN,
+) -> list:
     """Evaluate ``jaxpr``; every floating non-scalar output of an op goes through
-    ``hook(value, eqn, var, scope)``, which returns the value to carry on with."""
+    ``hook(value, eqn, var, scope, source)``, which returns the value to carry on with.
+    ``where``: the user's line of the enclosing call, for equations without one."""
     env: dict[Any, Any] = {}
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x
@@ -66,11 +75,15 @@ def _walk(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], scope: Scope
         inner = scope.join(parse(eqn.source_info.name_stack))
         body = _body(eqn)
         if body is not None:
-            outs = _walk(body, _consts(eqn), invals, inner, hook)
+            outs = _walk(
+                body, _consts(eqn), invals, inner, hook, format_source(eqn.source_info, where)
+            )
         else:
             outs = bind_plain(eqn, invals)
             outs = [
-                hook(out, eqn, var, inner) if _is_float(var.aval) else out
+                hook(out, eqn, var, inner, format_source(eqn.source_info, where))
+                if _is_float(var.aval)
+                else out
                 for var, out in zip(eqn.outvars, outs)
             ]
         for v, out in zip(eqn.outvars, outs):
@@ -78,13 +91,13 @@ def _walk(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], scope: Scope
     return [read(v) for v in jaxpr.outvars]
 
 
-def _describe(eqn: Any, var: Any, scope: Scope) -> dict[str, Any]:
+def _describe(eqn: Any, var: Any, scope: Scope, source: str) -> dict[str, Any]:
     return {
         "name": op_name(scope, eqn.primitive.name),
         "primitive": eqn.primitive.name,
         "shape": tuple(var.aval.shape),
         "dtype": str(var.aval.dtype),
-        "source": format_source(eqn.source_info),
+        "source": source,
     }
 
 
@@ -103,7 +116,10 @@ def scale_graph(loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
     if not callable(loss_fn):
         raise TypeError(f"scale_graph: loss_fn must be callable, got {type(loss_fn).__name__}")
     flat, tree = jax.tree_util.tree_flatten(args)
-    closed = jax.make_jaxpr(lambda *a: loss_fn(*jax.tree_util.tree_unflatten(tree, a)))(*flat)
+    with module_scopes():
+        closed = jax.make_jaxpr(lambda *a: loss_fn(*jax.tree_util.tree_unflatten(tree, a)))(
+            *flat
+        )
     out = closed.out_avals
     if len(out) != 1 or out[0].shape != () or not jnp.issubdtype(out[0].dtype, jnp.floating):
         got = [f"{a.dtype}{list(a.shape)}" for a in out]
@@ -112,8 +128,8 @@ def scale_graph(loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
     shapes: list[Any] = []
 
-    def describe(value, eqn, var, scope):
-        rows.append(_describe(eqn, var, scope))
+    def describe(value, eqn, var, scope, source):
+        rows.append(_describe(eqn, var, scope, source))
         shapes.append(jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype))
         return value
 
@@ -122,7 +138,7 @@ def scale_graph(loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
     def perturbed(perts, *a):
         values: list[Any] = []
 
-        def add(value, eqn, var, scope):
+        def add(value, eqn, var, scope, source):
             values.append(value)
             return value + perts[len(values) - 1]
 

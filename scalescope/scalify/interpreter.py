@@ -24,7 +24,7 @@ from jax.extend.core import Literal
 
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray
 from .registry import get_rule
-from .source import format_source
+from .source import UNKNOWN, format_source
 
 FALLBACK_POLICIES = ("raise", "unscale")
 
@@ -96,6 +96,7 @@ class Context:
     check: bool = True
     scaling: bool = True  # False: a plain interpretation (no rule turns plain into scaled)
     check_scales: bool = False  # assert every rule's scales (see `check_scale_invariant`)
+    where: str = UNKNOWN  # the user's line of the enclosing call, for equations without one
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         return eval_jaxpr(self, jaxpr, consts, args)
@@ -105,12 +106,18 @@ class Context:
 
     def nested(self, eqn: Any, kind: str) -> Context:
         """The context for a body of the higher-order ``eqn`` (kind: call, scan, while,
-        cond, shard_map, or silent for a while loop's predicate, which records nothing)."""
+        cond, shard_map, or silent for a while loop's predicate, which records nothing).
+        Equations of the body without a line of the user's own (those of JAX's jitted
+        helpers such as ``jnp.where``) are placed at ``eqn``'s line (`where`)."""
+        where = self.source(eqn)
         if self.observer is None:
-            return self
-        if kind == "silent":
-            return dataclasses.replace(self, observer=None)
-        return dataclasses.replace(self, observer=self.observer.nested(eqn, kind))
+            return dataclasses.replace(self, where=where)
+        observer = None if kind == "silent" else self.observer.nested(eqn, kind)
+        return dataclasses.replace(self, observer=observer, where=where)
+
+    def source(self, eqn: Any) -> str:
+        """``file:line`` of ``eqn`` in the user's code, else of the enclosing call."""
+        return format_source(eqn.source_info, self.where)
 
     def body_outputs(self) -> Any:
         return () if self.observer is None else self.observer.body_outputs()
@@ -151,7 +158,7 @@ def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     if not scaled and not (rule is not None and rule.on_plain and ctx.scaling):
         return bind_plain(eqn, invals)
     if rule is None:
-        source = format_source(eqn.source_info)
+        source = ctx.source(eqn)
         if ctx.fallback == "unscale":
             ctx.fallbacks.append(Fallback(prim.name, source))
             return bind_plain(eqn, _unscale_all(invals))
@@ -164,7 +171,7 @@ def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     return list(out) if prim.multiple_results else [out]
 
 
-def _check_outputs(eqn: Any, outvals: Sequence[Any]) -> None:
+def _check_outputs(ctx: Context, eqn: Any, outvals: Sequence[Any]) -> None:
     if len(outvals) != len(eqn.outvars):
         raise ScalifyError(
             f"scalify: rule for '{eqn.primitive.name}' returned {len(outvals)} outputs, "
@@ -179,7 +186,7 @@ def _check_outputs(eqn: Any, outvals: Sequence[Any]) -> None:
         if tuple(shape) != tuple(aval.shape) or (dtype is not None and dtype != aval.dtype):
             raise ScalifyError(
                 f"scalify: rule for '{eqn.primitive.name}' produced {dtype}{list(shape)}, "
-                f"expected {aval.dtype}{list(aval.shape)} (at {format_source(eqn.source_info)})"
+                f"expected {aval.dtype}{list(aval.shape)} (at {ctx.source(eqn)})"
             )
         if isinstance(out, ScaledArray) and (
             np.shape(out.scale) != () or out.scale.dtype != SCALE_DTYPE
@@ -237,9 +244,9 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
             # identity, which the observer relies on)
             outvals = _materialize_scales(invals, outvals)
         if ctx.check:
-            _check_outputs(eqn, outvals)
+            _check_outputs(ctx, eqn, outvals)
         if ctx.check_scales:
-            check_scale_invariant(eqn, outvals)
+            check_scale_invariant(eqn, outvals, ctx.source(eqn))
         if ctx.observer is not None:
             outvals = ctx.observer.on_eqn(ctx, eqn, invals, outvals) or outvals
         for v, out in zip(eqn.outvars, outvals):
@@ -310,7 +317,7 @@ def _raise_scale_problem(where: str, scale: Any, data_absmax: Any) -> None:
         raise ScalifyError(f"scalify check: {where} produced {problem}")
 
 
-def check_scale_invariant(eqn: Any, outvals: Sequence[Any]) -> None:
+def check_scale_invariant(eqn: Any, outvals: Sequence[Any], source: str) -> None:
     """Assert the scale invariant on every scaled output of ``eqn``.
 
     Concrete values are checked at once; traced ones through a host callback that raises
@@ -319,7 +326,7 @@ def check_scale_invariant(eqn: Any, outvals: Sequence[Any]) -> None:
     for i, out in enumerate(outvals):
         if not isinstance(out, ScaledArray):
             continue
-        where = f"'{eqn.primitive.name}' (output {i}, at {format_source(eqn.source_info)})"
+        where = f"'{eqn.primitive.name}' (output {i}, at {source})"
         data = jnp.asarray(out.data)
         absmax = jnp.max(jnp.abs(data.astype(jnp.float32))) if data.size else jnp.float32(0)
         if isinstance(out.scale, jax.core.Tracer) or isinstance(absmax, jax.core.Tracer):

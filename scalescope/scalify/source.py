@@ -15,7 +15,22 @@ _INTERNAL_PARTS = (
     f"{os.sep}contextlib.py",
     f"{os.sep}functools.py",
 )
+UNKNOWN = "<unknown>"
+
 _LIBRARY_PARTS = (f"{os.sep}flax{os.sep}", f"{os.sep}optax{os.sep}", f"{os.sep}chex{os.sep}")
+
+
+_OPTAX = f"{os.sep}optax{os.sep}"
+#: Optimizer code: optax, and Flax's wrappers of it (their step counters).
+_OPTIMIZER_PARTS = (
+    _OPTAX,
+    os.sep.join(("", "flax", "nnx", "training", "optimizer.py")),
+    os.sep.join(("", "flax", "training", "train_state.py")),
+)
+#: optax packages that compute the loss or other forward work, not the optimizer's.
+_OPTAX_FORWARD = tuple(
+    f"{_OPTAX}{sub}{os.sep}" for sub in ("losses", "perturbations", "assignment")
+) + (f"{_OPTAX}_src{os.sep}loss.py",)
 
 
 def _frames(source_info: Any) -> list[Any]:
@@ -48,9 +63,21 @@ def user_frame(source_info: Any) -> tuple[str, int, str] | None:
     return None
 
 
-def format_source(source_info: Any) -> str:
-    """``file:line`` of the user frame, or ``"<unknown>"``."""
+def in_optimizer(source_info: Any) -> bool:
+    """Whether an optimizer computed the equation: a frame in optax (or Flax's
+    ``nnx.Optimizer`` / ``TrainState``), and none in optax's losses
+    (``optax.softmax_cross_entropy`` is forward work). Moment decays and weight decay
+    read optimizer state and parameters, not gradients, so only where they were written
+    tells them apart from the forward pass."""
+    paths = [frame.file_name for frame in _frames(source_info)]
+    if any(part in path for path in paths for part in _OPTAX_FORWARD):
+        return False
+    return any(part in path for path in paths for part in _OPTIMIZER_PARTS)
+
+
+def format_source(source_info: Any, default: str = UNKNOWN) -> str:
+    """``file:line`` of the user frame, or ``default`` when the equation has none."""
     frame = user_frame(source_info)
     if frame is None:
-        return "<unknown>"
+        return default
     return f"{frame[0]}:{frame[1]}"

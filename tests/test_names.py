@@ -1,0 +1,245 @@
+"""Op names, source lines and passes on models nobody here wrote the naming for: Flax NNX
+module paths, ops inside JAX's own jitted helpers, and optax's optimizer work."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scalescope as ss
+
+nnx = pytest.importorskip("flax.nnx")
+linen = pytest.importorskip("flax.linen")
+
+D, V, T = 8, 11, 6
+
+
+class Attn(nnx.Module):
+    def __init__(self, rngs):
+        self.q = nnx.Linear(D, D, rngs=rngs)
+        self.k = nnx.Linear(D, D, rngs=rngs)
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.norm(x)
+        s = jnp.einsum("btd,bsd->bts", self.q(h), self.k(h))
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
+        return x + jax.nn.softmax(s, -1) @ h
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(V, D, rngs=rngs)
+        self.layers = nnx.List([Attn(rngs) for _ in range(2)])
+        self.out = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+IDS = jnp.arange(2 * T).reshape(2, T) % V
+LOSS_LINE = UPDATE_LINE = 0
+
+
+def _functional_step():
+    """The functional NNX style: split once, merge inside the step, optax outside."""
+    global LOSS_LINE, UPDATE_LINE
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+    tx = optax.adamw(1e-3)
+
+    def step(params, opt_state, ids):
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p)(ids)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    lines, start = inspect.getsourcelines(step)
+    LOSS_LINE = start + next(i for i, s in enumerate(lines) if "softmax_cross" in s)
+    UPDATE_LINE = start + next(i for i, s in enumerate(lines) if "tx.update" in s)
+    return step, (params, tx.init(params), IDS)
+
+
+@pytest.fixture(scope="module")
+def nnx_table():
+    step, args = _functional_step()
+    return ss.instrument(step, scalify=False).op_table(*args)
+
+
+def _names(table, pass_):
+    return {r.name for r in table if r.pass_ == pass_}
+
+
+def test_nnx_ops_carry_module_paths(nnx_table):
+    fwd, bwd = _names(nnx_table, "fwd"), _names(nnx_table, "bwd")
+    for layer in ("0", "1"):
+        for lin in ("q", "k"):
+            assert f"layers/{layer}/{lin}/dot_general" in fwd
+            assert f"layers/{layer}/{lin}/dot_general" in bwd
+        assert any(n.startswith(f"layers/{layer}/norm/") for n in fwd)
+        # ops of the layer's own body (the causal mask, the softmax) are under its path
+        assert f"layers/{layer}/select_n" in fwd
+        assert f"layers/{layer}/exp" in fwd
+    assert "out/dot_general" in fwd and "out/dot_general" in bwd
+    assert any(n.startswith("emb/") for n in fwd)
+    # the names read like the parameters' paths
+    inputs = _names(nnx_table, "input")
+    assert "input/params/layers/1/q/kernel/value" in inputs
+    # a select regex on a module path now matches forward and backward ops
+    selected = ss.instrument(_functional_step()[0], scalify=False, select="layers/1/k/")
+    table = selected.op_table(*_functional_step()[1])
+    recorded = {(r.pass_, r.name) for r in table if r.recorded and r.pass_ != "input"}
+    assert ("fwd", "layers/1/k/dot_general") in recorded
+    assert ("bwd", "layers/1/k/dot_general") in recorded
+    assert all("layers/1/k/" in name for _, name in recorded)
+
+
+def test_every_op_has_a_source_line(nnx_table):
+    here = __file__
+    unknown = [r for r in nnx_table if r.source == "<unknown>"]
+    assert unknown == []
+    # ops inside jnp's jitted helpers (tril, where, take, one_hot, log_softmax) are
+    # placed at the user's line that called them
+    sources = {r.source for r in nnx_table if r.pass_ in ("fwd", "bwd")}
+    assert all(s.startswith(here) or "<" in s for s in sources), sources
+    tril_line = next(
+        i + Attn.__call__.__code__.co_firstlineno
+        for i, s in enumerate(inspect.getsourcelines(Attn.__call__)[0])
+        if "jnp.tril" in s
+    )
+    at_tril = {r.primitive for r in nnx_table if r.source == f"{here}:{tril_line}"}
+    assert {"iota", "select_n"} <= at_tril
+
+
+def test_optax_work_is_the_opt_pass(nnx_table):
+    at_update = [r for r in nnx_table if r.source.endswith(f":{UPDATE_LINE}")]
+    assert len(at_update) > 20
+    # the moment decays b1*mu and b2*nu read no gradient, yet they are optimizer work
+    assert {r.pass_ for r in at_update} == {"opt"}
+    assert sum(r.primitive == "mul" for r in at_update) >= 4 * 2
+    # optax's loss is forward work (and its gradient backward)
+    at_loss = {r.pass_ for r in nnx_table if r.source.endswith(f":{LOSS_LINE}")}
+    assert at_loss == {"fwd", "bwd"}
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.norm = nnx.RMSNorm(D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.lin(self.norm(x))
+
+
+class Stacked(nnx.Module):
+    """Layers created with nnx.vmap and run with nnx.scan (as Flax's Gemma example)."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return Block(rngs)
+
+        self.blocks = create(rngs)
+        self.head = nnx.Linear(D, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return self.head(forward(x, self.blocks))
+
+
+def test_nnx_scan_and_optimizer():
+    model = Stacked(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, D))
+
+    def step(state, x):
+        m, o = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(m)
+        o.update(m, grads)
+        return loss, nnx.state((m, o))
+
+    update_line = inspect.getsourcelines(step)[1] + 3
+    inst = ss.instrument(step, scalify=False)
+    table = inst.op_table(state, x)
+    names = {(r.pass_, r.name) for r in table}
+    # the scanned layer is named by the stacked attribute it was sliced from
+    assert ("fwd", "blocks/lin/dot_general") in names
+    assert ("bwd", "blocks/lin/dot_general") in names
+    assert any(p == "fwd" and n.startswith("blocks/norm/") for p, n in names)
+    assert ("fwd", "head/dot_general") in names
+    at_update = [r for r in table if r.source.endswith(f":{update_line}")]
+    assert at_update and {r.pass_ for r in at_update} == {"opt"}
+    assert all(r.source != "<unknown>" for r in table)
+    # the names do not change what is computed
+    (loss, _), _ = jax.jit(inst)(state, x)
+    np.testing.assert_allclose(loss, jax.jit(step)(state, x)[0], rtol=1e-6)
+
+
+def test_linen_paths_sources_and_optax_pass():
+    class Mlp(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            x = linen.Dense(D, name="up")(x)
+            x = jnp.where(x > 0, x, 0.1 * x)
+            return linen.Dense(1, name="down")(x)
+
+    model = Mlp()
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, D))
+    params = model.init(jax.random.PRNGKey(1), x)
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def step(params, opt_state):
+        grads = jax.grad(lambda p: (model.apply(p, x) ** 2).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    update_line = inspect.getsourcelines(step)[1] + 2
+    table = ss.instrument(step, scalify=False).op_table(params, tx.init(params))
+    names = {(r.pass_, r.name) for r in table}
+    assert ("fwd", "Mlp/up/dot_general") in names or ("fwd", "up/dot_general") in names
+    assert any(p == "bwd" and "down/dot_general" in n for p, n in names)
+    assert all(r.source != "<unknown>" for r in table)
+    at_update = [r for r in table if r.source.endswith(f":{update_line}")]
+    assert at_update and {r.pass_ for r in at_update} == {"opt"}
+
+
+def test_module_scopes_in_a_users_own_trace():
+    model = Model(nnx.Rngs(0))
+    with ss.module_scopes():
+        jaxpr = jax.make_jaxpr(lambda ids: model(ids))(IDS)
+    stacks = {str(e.source_info.name_stack) for e in jaxpr.eqns}
+    assert {"layers/0/q", "layers/1/k", "out"} <= stacks
+    # outside the context NNX adds no scope, and the profile hook is gone
+    jaxpr = jax.make_jaxpr(lambda ids: model(ids))(IDS)
+    assert {str(e.source_info.name_stack) for e in jaxpr.eqns} <= {"", "btd,bsd->bts"}
+    import sys
+
+    assert sys.getprofile() is None
+
+
+def test_scale_graph_names_nnx_modules():
+    model = Model(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(IDS)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, IDS).mean()
+
+    frame = ss.scale_graph(loss, params)
+    assert "layers/0/q/dot_general" in set(frame["name"])
+    assert not (frame["source"] == "<unknown>").any()
