@@ -42,8 +42,8 @@ from ..scalify.common import positive_or_one, rescale_data
 from ..scalify.interpreter import Observer
 from ..scalify.registry import get_rule
 from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
-from . import blocking, kernel, native
 from ..scalify.source import in_optimizer
+from . import blocking, kernel, native
 from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
 from .optable import OpRecord, OpTable
 

@@ -117,9 +117,7 @@ def scale_graph(loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
         raise TypeError(f"scale_graph: loss_fn must be callable, got {type(loss_fn).__name__}")
     flat, tree = jax.tree_util.tree_flatten(args)
     with module_scopes():
-        closed = jax.make_jaxpr(lambda *a: loss_fn(*jax.tree_util.tree_unflatten(tree, a)))(
-            *flat
-        )
+        closed = jax.make_jaxpr(lambda *a: loss_fn(*jax.tree_util.tree_unflatten(tree, a)))(*flat)
     out = closed.out_avals
     if len(out) != 1 or out[0].shape != () or not jnp.issubdtype(out[0].dtype, jnp.floating):
         got = [f"{a.dtype}{list(a.shape)}" for a in out]
