@@ -5,8 +5,9 @@ A run is a directory::
     run.json                 metadata (format, versions, device, config, formats, bins, graph)
     ops.parquet              the op table, one row per op
     stats/part-NNNNNN.parquet    statistics, one row per (step, op row); process k > 0
-                                 writes part-NNNNNN-pK.parquet
-    scalars/part-NNNNNN.parquet  logged scalars: step, name, value
+                                 writes part-NNNNNN-pK.parquet (global statistics, the
+                                 same in every process, are written by process 0 only)
+    scalars/part-NNNNNN.parquet  logged scalars: step, name, value, process
     scale_graph/step-NNNNNNNNN.parquet  `Run.scale_graph`: each op's value and gradient
                                  log2 RMS at that step (`scalescope.scale_graph`)
 
@@ -226,8 +227,15 @@ def ops_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def ops_table(frame: pd.DataFrame) -> pa.Table:
-    flat = frame.reset_index()
-    return pa.Table.from_pandas(flat, preserve_index=False)
+    """The op table as Arrow, ``shape`` and ``loop`` as lists of int64 even when every
+    list is empty (an untyped empty list would be Parquet's null type, which some
+    engines reading ``ops.parquet`` directly, Spark among them, refuse)."""
+    table = pa.Table.from_pandas(frame.reset_index(), preserve_index=False)
+    for col in ("shape", "loop"):
+        if col in table.column_names and pa.types.is_list(table.schema.field(col).type):
+            i = table.column_names.index(col)
+            table = table.set_column(i, col, table.column(col).cast(pa.list_(pa.int64())))
+    return table
 
 
 def graph_fingerprint(records: list[dict[str, Any]], stat_names, hist_columns) -> str:

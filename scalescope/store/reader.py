@@ -379,20 +379,41 @@ class RunReader:
 
     @property
     def scalars(self) -> pd.DataFrame:
-        """Logged scalars: one row per step (index ``step``), one column per name."""
+        """Logged scalars: one row per step (index ``step``), one column per name.
+
+        Several processes logging the same name at the same step (each process of a
+        data-parallel run logs its loss) give one value: the lowest process's (process 0
+        when it logged it), the last one it logged. `scalar_rows` keeps them all."""
         if self._scalars_cache is None:
-            if self._scalar_parts:
-                long = pd.concat(self._scalar_parts, ignore_index=True)
-                long = long[long["process"] == 0] if (long["process"] == 0).any() else long
-                # Keep NaN and Inf values (a loss turning NaN is what a user looks for):
-                # the last logged value per (step, name) wins, no aggregation skips NaN.
-                last = long.drop_duplicates(subset=["step", "name"], keep="last")
-                wide = last.pivot(index="step", columns="name", values="value")
-                wide.columns.name = None
-                self._scalars_cache = wide.sort_index()
-            else:
-                self._scalars_cache = pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
+            self._scalars_cache = one_value_per_step(self.scalar_rows())
         return self._scalars_cache
+
+    def scalar_rows(self, process: int | None = None) -> pd.DataFrame:
+        """Logged scalars as written, one row per logged value: ``step, name, value,
+        process``, in the order each process logged them. ``process``: that JAX
+        process's rows only (None: all)."""
+        if not self._scalar_parts:
+            return pd.DataFrame(
+                {
+                    "step": pd.Series(dtype="int64"),
+                    "name": pd.Series(dtype=str),
+                    "value": pd.Series(dtype="float64"),
+                    "process": pd.Series(dtype="int32"),
+                }
+            )
+        long = pd.concat(self._scalar_parts, ignore_index=True)
+        if process is not None:
+            long = long[long["process"] == process]
+        return long.reset_index(drop=True)
+
+    @property
+    def processes(self) -> list[int]:
+        """The JAX processes with parts in the run (statistics or scalars), ascending:
+        ``[0]`` for a single-process run. With a step jitted over a global mesh, process 0
+        writes the statistics and every process its logged scalars."""
+        found = {int(p) for _, f in self._stats_parts for p in pd.unique(f["process"])}
+        found |= {int(p) for f in self._scalar_parts for p in pd.unique(f["process"])}
+        return sorted(found)
 
     def op_id(self, op: int | str) -> int:
         """The id of ``op``: an id, or an exact ``pass/name`` or ``name`` (unique)."""
@@ -542,6 +563,21 @@ class RunReader:
             f"RunReader({str(self.path)!r}: {len(self.ops)} ops, {len(self.steps)} recorded "
             f"steps, {self.status})"
         )
+
+
+def one_value_per_step(long: pd.DataFrame) -> pd.DataFrame:
+    """Logged scalar rows (``step, name, value, process``, in logging order within each
+    process) as one row per step and one column per name: per (step, name), the value of
+    the lowest process that logged it, its last. NaN and Inf are kept (a loss turning
+    NaN is what a user looks for): no aggregation that skips them."""
+    if long.empty:
+        return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
+    lowest = long.groupby(["step", "name"])["process"].transform("min")
+    own = long[long["process"] == lowest]
+    last = own.drop_duplicates(subset=["step", "name"], keep="last")
+    wide = last.pivot(index="step", columns="name", values="value")
+    wide.columns.name = None
+    return wide.sort_index()
 
 
 def _step_mask(values: np.ndarray, steps: StepsArg) -> np.ndarray:

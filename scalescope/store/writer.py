@@ -110,10 +110,90 @@ def _format_info(names: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 def _to_host(x: Any) -> np.ndarray:
-    """A device array as NumPy; for a multi-process array, this process's replica."""
+    """A device array as NumPy; for an array that spans several processes (a global
+    array), this process's replica of it, which must then hold the whole value."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            raise L.RunError(
+                f"a recorded value of shape {x.shape} is split over several processes "
+                f"({x.sharding}); scalescope records values replicated on every device"
+            )
         x = x.addressable_data(0)
     return np.asarray(x)
+
+
+def _is_global(tree: Any) -> bool:
+    """Whether ``tree`` holds an array that spans devices of several processes (a
+    global value, the same in every process) rather than this process's own."""
+    return any(
+        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def _global_mesh(tree: Any) -> jax.sharding.Mesh | None:
+    """The mesh of the first array of ``tree`` laid out over devices of several
+    processes (a step jitted over a global mesh), or None."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if (
+            isinstance(leaf, jax.Array)
+            and isinstance(sharding, jax.sharding.NamedSharding)
+            and not leaf.is_fully_addressable
+        ):
+            return sharding.mesh
+    return None
+
+
+def _replicated(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
+    """``tree`` constrained (inside a jitted function) to be replicated on every device
+    of ``mesh``, so each process holds the whole statistics; unchanged without a mesh."""
+    if mesh is None:
+        return tree
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.lax.with_sharding_constraint(tree, sharding)
+
+
+def agree_across_processes(process: int, last_step: int, start_step: int | None) -> int:
+    """Check the process indices that the writers of a multi-process run claim and agree
+    on its first step; returns that step. Every JAX process calls it once, at the same
+    point (one collective, `jax.experimental.multihost_utils.process_allgather`), so a
+    bad claim raises `RunError` in every process instead of leaving the others waiting.
+
+    ``process``: the index this writer claims; ``last_step``: the last step this process
+    found in the run (-1: none); ``start_step``: the one it was asked for, or None.
+    The claims must be 0 .. process_count - 1, each once; explicit start steps must be
+    the same in every process; otherwise the run starts one past the last step found.
+    """
+    from jax.experimental import multihost_utils
+
+    mine = np.array([process, last_step, -1 if start_step is None else start_step], np.int64)
+    rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+    return agreed_start(rows)
+
+
+def agreed_start(rows: np.ndarray) -> int:
+    """The first step of a multi-process session from every process's ``[claimed
+    process index, last step found, explicit start step or -1]`` (row k: JAX process k);
+    `RunError` when the claims or the explicit start steps disagree."""
+    n = len(rows)
+    claims = [int(c) for c in rows[:, 0]]
+    if sorted(claims) != list(range(n)):
+        detail = ", ".join(f"JAX process {k} as {c}" for k, c in enumerate(claims))
+        raise L.RunError(
+            f"Run: the {n} JAX processes must record as processes 0..{n - 1}, one each; "
+            f"they claim: {detail} (leave process_index unset: it defaults to "
+            "jax.process_index())"
+        )
+    starts = {int(s) for s in rows[:, 2]}
+    if starts == {-1}:
+        return int(rows[:, 1].max()) + 1
+    if len(starts) > 1:
+        raise L.RunError(
+            f"Run: the JAX processes ask for different start_step values "
+            f"({sorted(s for s in starts if s >= 0)}, -1: unset); pass the same in every process"
+        )
+    return starts.pop()
 
 
 def _start_copy(tree: Any) -> None:
@@ -322,6 +402,13 @@ class Run:
     process (default `jax.process_index()`); only process 0 writes the metadata and the op
     table.
 
+    Several JAX processes (``jax.distributed``) record one run into one directory: every
+    process creates its `Run` at the same point of the program (the constructor checks
+    the processes' indices and agrees on the first step with one collective), each writes
+    its own parts (``part-NNNNNN-pK.parquet``). Statistics of a step jitted over a global
+    mesh are global, the same in every process: process 0 writes them, the others only
+    their logged scalars. ``budget=`` needs one process. See docs/store.md.
+
     Opening an existing run appends to it when it records the same formats and, at the
     first recorded step, the same op table; otherwise it refuses with `RunMismatchError`.
     """
@@ -378,15 +465,33 @@ class Run:
         spec = StatSpec(fmts, self.histograms, recipes=recs)
         self.stat_names = spec.stat_names()
         self.hist_columns = tuple(HIST_COLUMNS) if self.histograms else ()
-        self.process = jax.process_index() if process_index is None else int(process_index)
+        self.process_count = jax.process_count()
+        if process_index is None:
+            process_index = jax.process_index()
+        elif self.process_count == 1:  # several processes check their claims together
+            _check_int("process_index", process_index, 0)
+        self.process = int(process_index)
+        if self.budget is not None and self.process_count > 1:
+            raise ValueError(
+                f"Run: budget= needs one JAX process ({self.process_count} here): each "
+                "process would pick its own steps to record, and a step jitted over a "
+                "global mesh runs only when every process runs the same program; use every="
+            )
         self.config = dict(config or {})
         self._closed = False
         self._lock_file = None
         self._graph: dict[str, Any] | None = None
         self._ops: pd.DataFrame | None = None
-        self._meta = self._open_dir()
-        last = self._last_step()
-        self.start_step = start_step if start_step is not None else last + 1
+        if self.process_count > 1:
+            # Before any process writes to the run: one collective checks the process
+            # claims and agrees on the first step (process 0 reads the existing parts).
+            last = self._last_step() if jax.process_index() == 0 else -1
+            self.start_step = agree_across_processes(self.process, last, start_step)
+            self._meta = self._open_dir()
+        else:
+            self._meta = self._open_dir()
+            last = self._last_step()
+            self.start_step = start_step if start_step is not None else last + 1
         seq = self._next_seq()
         self._writer = _Writer(self.path, self.process, seq, flush_steps, float(flush_seconds))
         self.flush_steps, self.flush_seconds = flush_steps, float(flush_seconds)
@@ -406,7 +511,8 @@ class Run:
             appending = True
         else:
             if path.is_dir():
-                allowed = {L.STATS_DIR, L.SCALARS_DIR}  # another process may be first
+                # Another process of the run may be first, even write run.json meanwhile.
+                allowed = {L.STATS_DIR, L.SCALARS_DIR, L.SCALE_GRAPH_DIR, L.RUN_FILE, L.OPS_FILE}
                 foreign = sorted(
                     p.name for p in path.iterdir() if p.name[0] != "." and p.name not in allowed
                 )
@@ -426,6 +532,8 @@ class Run:
             session = {"started": _now(), "pid": os.getpid(), "host": socket.gethostname()}
             if appending:  # the run keeps its first config; later sessions list their own
                 session["config"] = self.config
+            if self.process_count > 1:
+                session["processes"] = self.process_count
             meta.setdefault("sessions", []).append(session)
             L.write_json_atomic(path / L.RUN_FILE, meta)
         if appending and (path / L.OPS_FILE).is_file():
@@ -620,6 +728,8 @@ class Run:
         return frame
 
     def _submit(self, step: int, stats: dict[str, jax.Array], mask: Any = None) -> None:
+        if self.process != 0 and _is_global(stats):
+            return  # the same global statistics in every process: process 0 writes them
         _start_copy(stats)
         self._writer.put(("stats", step, stats, mask))
 
@@ -694,16 +804,25 @@ class Tracked:
             groups=run.groups if self.budgeted else 0,
         )
         self.separate = run.isolate
-        inst = self.instrumented.masked if self.budgeted else self.instrumented
-        if self.separate:
-            self._recording = jax.jit(lambda *a, **k: inst(*a, **k)[1])
-        else:
-            self._recording = jax.jit(inst)
+        self._recording = self._recording_fn(None)
         self._plain = jax.jit(_scalify(fn, fallback=run.fallback) if scalify else fn)
         self._registered = False
         self.controller: _budget.BudgetController | None = None
         self._warm: set[str] = set()  # variants already compiled (their first call is not timed)
         functools.update_wrapper(self, fn)
+
+    def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
+        """The jitted recording variant; with ``mesh`` (a step jitted over devices of
+        several processes) its statistics are replicated on every device of the mesh."""
+        inst = self.instrumented.masked if self.budgeted else self.instrumented
+        if self.separate:
+            return jax.jit(lambda *a, **k: _replicated(inst(*a, **k)[1], mesh))
+
+        def both(*a: Any, **k: Any) -> tuple[Any, Any]:
+            out, stats = inst(*a, **k)
+            return out, _replicated(stats, mesh)
+
+        return jax.jit(both)
 
     def records(self, step: int) -> bool:
         """Whether call number ``step`` records statistics (every-``every`` mode)."""
@@ -716,6 +835,9 @@ class Tracked:
         table = self.instrumented.op_table(*args, **kwargs)
         self.run._register(table, self.scalify)
         self._registered = True
+        mesh = _global_mesh((args, kwargs))
+        if mesh is not None:
+            self._recording = self._recording_fn(mesh)
         if self.budgeted:
             self.controller = _budget.BudgetController(
                 self.run.budget,
