@@ -68,6 +68,17 @@ def _add_train(sub) -> None:
     p.add_argument("--layers", type=int, default=2, help="gpt layers")
     p.add_argument("--d-model", type=int, default=128, help="gpt width")
     p.add_argument("--seq-len", type=int, default=64, help="gpt context length")
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        help="gpt attention heads (default 4, or 1 when 4 does not divide --d-model)",
+    )
+    p.add_argument(
+        "--scan",
+        action="store_true",
+        help="gpt: layers under lax.scan (one traced layer; the way to record deep models)",
+    )
     p.add_argument("--hidden", type=int, nargs="+", default=[256, 256], help="mlp widths")
     p.add_argument(
         "--input-scale",
@@ -129,7 +140,9 @@ def _train(args, parser) -> int:
             _check_formats(formats)
         except ValueError as err:
             parser.error(f"--formats: {err}")
-    heads = 4 if args.d_model % 4 == 0 else 1
+    heads = args.heads or (4 if args.d_model % 4 == 0 else 1)
+    if heads < 1 or args.d_model % heads:
+        parser.error(f"--heads {heads} must be >= 1 and divide --d-model {args.d_model}")
     cfg = TrainConfig(
         model=args.model,
         precision=args.precision,
@@ -144,6 +157,7 @@ def _train(args, parser) -> int:
             "d_model": args.d_model,
             "n_heads": heads,
             "n_layers": args.layers,
+            "scan_layers": args.scan,
         },
         mlp_hidden=tuple(args.hidden),
         input_scale=args.input_scale,

@@ -68,6 +68,20 @@ def test_train_gpt_on_shakespeare_writes_a_readable_run(tmp_path, precision):
     assert meta["every"] == 1 and meta["graph"]["n_ops"] == len(reader.ops)
 
 
+def test_train_gpt_layers_under_scan_with_chosen_heads(tmp_path):
+    """--scan traces one layer (rows per iteration), --heads sets the attention heads."""
+    extra = ["--layers", "3", "--d-model", "16", "--heads", "2", "--seq-len", "8"]
+    extra += ["--batch", "2", "--data", "vendored", "--scan"]
+    run = _train(tmp_path, "gpt", "fp32", extra, steps=1, every=1)
+    reader = ss.open_run(run)
+    assert reader.config["n_heads"] == 2 and reader.config["scan_layers"] is True
+    ops = reader.ops
+    dots = ops[ops["name"].str.match(r"blocks/.*dot_general") & (ops["pass"] == "fwd")]
+    assert len(dots) > 0 and all(tuple(loop) == (3,) for loop in dots["loop"])
+    rows = reader.stats("rms", ops=r"^fwd/blocks/attn/dot_general$", steps=0)
+    assert sorted(set(rows["iteration"])) == [0, 1, 2]
+
+
 def test_train_appends_to_its_own_run_and_refuses_another_model(tmp_path, capsys):
     run = _train(tmp_path, "mlp", "fp32", TINY_MLP, steps=2, every=1)
     again = ["train", "mlp", "--precision", "fp32", "--steps", "2", "--every", "1"]
@@ -98,6 +112,7 @@ def test_train_reports_missing_fashion_mnist_with_the_install_command(tmp_path, 
         (["train", "mlp", "--precision", "fp4", "--run", "x"], "invalid choice: 'fp4'"),
         (["train", "mlp", "--formats", "e4m3,mxfp9", "--run", "x"], "unknown format or recipe"),
         (["train", "mlp", "--formats", " , ", "--run", "x"], "--formats: no format given"),
+        (["train", "gpt", "--heads", "5", "--run", "x"], "--heads 5 must be >= 1 and divide"),
     ],
 )
 def test_train_rejects_bad_arguments(argv, message, capsys):
