@@ -34,6 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_probe import _measure  # (run as a script: benchmarks/ is on the path)
 
 import scalescope as ss
 from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
@@ -55,19 +56,9 @@ def _rss_mib() -> float:
 
 
 def _compile_and_time(fn, args, n_steps: int) -> tuple[float, float, float]:
-    """(trace+compile s, median s per step, temporaries MiB)."""
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    temp = getattr(mem, "temp_size_in_bytes", 0) / 2**20 if mem is not None else float("nan")
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(n_steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return compile_s, float(np.median(times)), temp
+    """(trace+compile s, median s per step, temporaries MiB): bench_probe's measure."""
+    compile_s, step_s, temp = _measure(fn, args, n_steps)
+    return compile_s, step_s, temp / 2**20
 
 
 def _dir_bytes(path: Path, sub: str = "") -> int:
