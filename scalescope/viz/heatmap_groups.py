@@ -344,21 +344,19 @@ def fill_rows(
             bar.title = metric
 
     height = _figure_height(n_rows)
-    fig.height = height
-    top = max(n_rows, 1) - 0.5
-    fig.y_range.update(start=top, end=-0.5, reset_start=top, reset_end=-0.5, bounds=(-0.5, top))
     ticks, mode = _row_ticks(n_rows, starts, height)
     ticker = fig.yaxis[0].ticker
     ticker.update(tags=[mode], ticks=ticks)
     formatter = fig.yaxis[0].formatter
     formatter.args = dict(formatter.args) | {"labels": texts, "sections": sections}
     fig.yaxis[0].axis_label = (
-        f"{int(rows.sizes[starts].sum()) if len(starts) else 0} ops in {len(rows.groups)} "
+        f"{int(rows.sizes[rows.collapsed].sum() + (~rows.collapsed).sum())} ops in "
+        f"{len(rows.groups)} "
         f"groups, {int(rows.collapsed.sum())} rows collapsed; hover for names"
     )
     for cb in fig.y_range.js_property_callbacks.get("change:start", []):
         cb.args = dict(cb.args) | {"labels": texts, "starts": starts.tolist()}
-    tag = fig.tags[0][TAG]
+    tag = dict(fig.tags[0][TAG])  # a new dict: Bokeh sends tags only when they differ
     tag.update(
         metric=metric,
         ops=rows.ops.tolist(),
@@ -368,6 +366,13 @@ def fill_rows(
         grouped=True,
     )
     fig.tags = [{TAG: tag}]
+    # The range last: its change runs the label callback in the browser, which must see
+    # the new labels and group starts.
+    fig.height = height
+    top = max(n_rows, 1) - 0.5
+    # bounds first: BokehJS clamps a new start to the bounds it holds
+    fig.y_range.bounds = (-0.5, top)
+    fig.y_range.update(start=top, end=-0.5, reset_start=top, reset_end=-0.5)
 
 
 def _set_steps(fig: Any, steps: list[int]) -> None:
@@ -380,7 +385,8 @@ def _set_steps(fig: Any, steps: list[int]) -> None:
     right = max(n_cols, 1) - 0.5
     x = fig.x_range
     whole = x.start <= -0.5 + 1e-9 and x.end >= max(len(old), 1) - 0.5 - 1e-9
-    x.update(bounds=(-0.5, right), reset_start=-0.5, reset_end=right)
+    x.bounds = (-0.5, right)  # first: BokehJS clamps a new end to the bounds it holds
+    x.update(reset_start=-0.5, reset_end=right)
     if whole:
         x.update(start=-0.5, end=right)
     fig.xaxis[0].formatter.args = {"steps": steps}
@@ -388,7 +394,7 @@ def _set_steps(fig: Any, steps: list[int]) -> None:
     hover.formatters["$x"].args = {"steps": steps}
     for key in ("$y", "@image"):
         hover.formatters[key].args = dict(hover.formatters[key].args) | {"n_cols": n_cols}
-    tag["steps"] = steps
+    fig.tags = [{TAG: {**tag, "steps": steps}}]
 
 
 def update_grouped(
