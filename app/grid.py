@@ -179,6 +179,7 @@ class _Part:
                 self.step.reshape(k, n) == self.steps[:, None]
             ).all():
                 self.block = (first, k)
+                self.op = self.step = None  # not needed for a block: free the copies
                 return
         self.cells = (np.searchsorted(ops, self.op), np.searchsorted(steps, self.step))
 
