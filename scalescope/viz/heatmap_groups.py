@@ -188,20 +188,49 @@ def grouped_heatmap(
     nan_source = None
     if _nan_cells(rows.values, mask) is not None:
         nan_source = _add_nan(fig, n_rows, n_cols).data_source
+    fig.add_tools(_hover(image, metric, mask is not None, nan_source, n_cols, steps, name))
+    fig.add_tools(TapTool(behavior="inspect"))
+    _label_callback(fig, ticker, name)
+    if (matrix.dtypes == np.float32).all():
+        rows.values = rows.values.astype(np.float32)
+    fill_rows(fig, rows, metric=metric, labels=labels, palette=palette, low=low, high=high)
+    if mask is not None and not mask.all():
+        _note(fig, "hatched: not measured at that step")
+    return fig
+
+
+def _hover(
+    image: Any,
+    metric: str,
+    measured: bool,
+    nan_source: Any,
+    n_cols: int,
+    steps: list[int],
+    name: str,
+) -> HoverTool:
+    """Hover naming the row (op, or group and size), the op id, a collapsed row's worst
+    op at that step, the step and the value (row data filled in by `fill_rows`)."""
     worst = ColumnDataSource(data={"worst": [np.zeros((1, 1), np.int32)]}, name=f"{name}-worst")
     row_fmt = CustomJSHover(
-        args={"ops": [], "labels": [], "sizes": [], "names": [], "worst": worst, "n_cols": n_cols}
-        | {"mean": False},
+        args={
+            "ops": [],
+            "labels": [],
+            "sizes": [],
+            "names": [],
+            "worst": worst,
+            "n_cols": n_cols,
+            "mean": False,
+        },
         code=_JS_ROW,
         name=f"{name}-row-format",
     )
     value_fmt = CustomJSHover(
-        args={"measured": mask is not None, "nan": nan_source, "n_cols": n_cols},
+        args={"measured": measured, "nan": nan_source, "n_cols": n_cols},
         code=_JS_VALUE,
         name="heatmap-value-format",
     )
     step_fmt = CustomJSHover(args={"steps": steps}, code=_JS_STEP)
-    hover = HoverTool(
+    return HoverTool(
         renderers=[image],
         tooltips=[
             ("row", "$y{label}"),
@@ -213,29 +242,24 @@ def grouped_heatmap(
         formatters={"$y": row_fmt, "$x": step_fmt, "@image": value_fmt},
         name="heatmap-hover",
     )
-    fig.add_tools(hover, TapTool(behavior="inspect"))
-    fig.y_range.js_on_change(
-        "start",
-        callback := CustomJS(
-            args={
-                "y_range": fig.y_range,
-                "fig": fig,
-                "ticker": ticker,
-                "labels": [],
-                "starts": [],
-                "min_px": MIN_ROW_PX,
-            },
-            code=_JS_RANGE,
-            name=f"{name}-range-callback",
-        ),
+
+
+def _label_callback(fig: Any, ticker: Any, name: str) -> None:
+    """Relabel the y axis in the browser when the y range changes (`_JS_RANGE`)."""
+    callback = CustomJS(
+        args={
+            "y_range": fig.y_range,
+            "fig": fig,
+            "ticker": ticker,
+            "labels": [],
+            "starts": [],
+            "min_px": MIN_ROW_PX,
+        },
+        code=_JS_RANGE,
+        name=f"{name}-range-callback",
     )
+    fig.y_range.js_on_change("start", callback)
     fig.y_range.js_on_change("end", callback)
-    if (matrix.dtypes == np.float32).all():
-        rows.values = rows.values.astype(np.float32)
-    fill_rows(fig, rows, metric=metric, labels=labels, palette=palette, low=low, high=high)
-    if mask is not None and not mask.all():
-        _note(fig, "hatched: not measured at that step")
-    return fig
 
 
 def _add_blank(fig: Any, n_rows: int, n_cols: int) -> Any:
