@@ -21,6 +21,8 @@ from scalescope import analysis
 from scalescope.core.recipes import RECIPE_STATS
 from scalescope.store import RunError, RunReader, list_runs, open_run
 
+from .grid import StatGrid
+
 #: Metrics offered by the heatmap, before the per-format ones.
 BASE_METRICS = ("log2_rms", "log2_scale", "log2_absmax", "frac_zero", "frac_nonfinite")
 #: Per-format metrics offered for every audited format.
@@ -43,6 +45,8 @@ class RunData:
         self.reader: RunReader = open_run(path)
         self.version = 0
         self._cache: dict[Any, Any] = {}
+        self.grid = StatGrid(self.reader)  # heatmap grids, extended part by part
+        self._by_ops: dict[Any, Any] = {}  # frames of the op table only (kept on refresh)
 
     @property
     def name(self) -> str:
@@ -73,7 +77,40 @@ class RunData:
 
     @property
     def steps(self) -> np.ndarray:
-        return self.cached("steps", lambda: self.reader.steps)
+        """Recorded steps of process 0 (from the grids: no pass over all rows)."""
+        with self.lock:
+            self.grid.sync()
+            return self.grid.steps.copy()
+
+    @property
+    def n_recorded_ops(self) -> int:
+        """Ops with at least one row of statistics."""
+        with self.lock:
+            return len(self.grid.recorded_ops())
+
+    @property
+    def _columns(self) -> pd.DataFrame:
+        """An empty frame with the statistics' columns (what formats and metrics need,
+        without building the wide frame)."""
+        return pd.DataFrame(columns=["step", "op", "iteration", *self.reader.stat_names])
+
+    def _of_ops(self, key: Any, build: Callable[[pd.DataFrame], Any]) -> Any:
+        """``build(ops)`` once per op table (it does not change when steps arrive)."""
+        with self.lock:
+            ops = self.ops
+            if self._by_ops.get("table") is not ops:
+                self._by_ops = {"table": ops}
+            if key not in self._by_ops:
+                self._by_ops[key] = build(ops)
+            return self._by_ops[key]
+
+    def group_keys(self, depth: int) -> pd.Series:
+        """Heatmap group of each op at ``depth`` (`scalescope.analysis.group_keys`)."""
+        return self._of_ops(("groups", depth), lambda ops: analysis.group_keys(ops, depth))
+
+    def max_depth(self) -> int:
+        """Deepest useful group depth (`scalescope.analysis.max_depth`)."""
+        return self._of_ops("max_depth", analysis.max_depth)
 
     @property
     def stats(self) -> pd.DataFrame:
@@ -86,24 +123,23 @@ class RunData:
 
     @property
     def labels(self) -> pd.Series:
-        return self.cached("labels", lambda: analysis.op_labels(self.ops))
+        return self._of_ops("labels", analysis.op_labels)
 
     @property
     def formats(self) -> list[str]:
-        return self.cached("formats", lambda: analysis.recorded_formats(self.stats))
+        return self.cached("formats", lambda: analysis.recorded_formats(self._columns))
 
     @property
     def recipes(self) -> list[str]:
         """Block-scaled recipes recorded in the statistics (``nvfp4``, ...)."""
-        return self.cached("recipes", lambda: analysis.recorded_recipes(self.stats))
+        return self.cached("recipes", lambda: analysis.recorded_recipes(self._columns))
 
     def metrics(self) -> list[str]:
         """Heatmap metrics this run has, in menu order: the base ones, each format's,
         then each recipe's (`RECIPE_METRICS`)."""
-        have = set(self.stats.columns) | {
-            m
-            for m, (src, _) in analysis.DERIVED_METRICS.items()
-            if set(src) <= set(self.stats.columns)
+        columns = set(self.reader.stat_names)
+        have = columns | {
+            m for m, (src, _) in analysis.DERIVED_METRICS.items() if set(src) <= columns
         }
         names = [m for m in BASE_METRICS if m in have]
         for kind in FORMAT_METRICS:
@@ -112,14 +148,23 @@ class RunData:
             names += [f"{kind}_{r}" for r in self.recipes if f"{kind}_{r}" in have]
         return names
 
-    def filtered_ops(self, passes: tuple[str, ...], primitives: tuple[str, ...], regex: str):
+    def filtered_ops(
+        self,
+        passes: tuple[str, ...],
+        primitives: tuple[str, ...],
+        regex: str,
+        search: str = "",
+        search_regex: bool = False,
+    ):
         """Op ids with recorded rows that match the filters (empty tuple: no filter).
-        ``regex`` is searched in the op label; a bad pattern raises `re.error`."""
-        key = ("filter", passes, primitives, regex)
+        ``regex`` is searched in the op label; ``search`` in ``pass/name``, as a regex
+        when ``search_regex`` else as a plain substring (case-insensitive); a bad pattern
+        raises `re.error`."""
+        key = ("filter", passes, primitives, regex, search, search_regex)
 
         def build() -> np.ndarray:
             table = self.ops
-            recorded = np.unique(self.stats["op"].to_numpy(np.int64))
+            recorded = self.grid.recorded_ops()
             table = table.loc[table.index.intersection(recorded)]
             mask = np.ones(len(table), bool)
             if passes:
@@ -129,6 +174,9 @@ class RunData:
             if regex:
                 labels = self.labels.reindex(table.index).astype(str)
                 mask &= labels.str.contains(regex, regex=True).to_numpy()
+            if search:
+                names = (table["pass"].astype(str) + "/" + table["name"].astype(str)).str
+                mask &= names.contains(search, case=False, regex=search_regex).to_numpy()
             return table.index.to_numpy(np.int64)[mask]
 
         return self.cached(key, build)
@@ -136,27 +184,13 @@ class RunData:
     def matrix(self, metric: str, ops: np.ndarray, max_steps: int = 500) -> pd.DataFrame:
         """Op x step matrix of ``metric`` over ``ops`` (float32: half the bytes to send)."""
         key = ("matrix", metric, ops.tobytes(), max_steps)
-
-        def build() -> pd.DataFrame:
-            stats = self.stats
-            if len(ops) < stats["op"].nunique():
-                stats = stats[np.isin(stats["op"].to_numpy(), ops)]
-            return analysis.matrix(stats, metric, max_steps=max_steps).astype(np.float32)
-
-        return self.cached(key, build)
+        return self.cached(key, lambda: self.grid.matrix(metric, ops, max_steps))
 
     def measured_matrix(self, ops: np.ndarray, max_steps: int = 500) -> pd.DataFrame:
         """Where each of ``ops`` was measured, aligned with `matrix` (True: a row at that
         step or window): the heatmap draws the other NaN cells blank."""
         key = ("measured_matrix", ops.tobytes(), max_steps)
-
-        def build() -> pd.DataFrame:
-            stats = self.stats
-            if len(ops) < stats["op"].nunique():
-                stats = stats[np.isin(stats["op"].to_numpy(), ops)]
-            return analysis.measured_matrix(stats, max_steps=max_steps)
-
-        return self.cached(key, build)
+        return self.cached(key, lambda: self.grid.measured(ops, max_steps))
 
     def measured(self) -> pd.DataFrame:
         """Per op: first/last measured step, number of steps measured, median gap

@@ -1,9 +1,12 @@
-"""Time to first paint of the dashboard's heatmap and to a metric switch, in a real browser.
+"""Time to first paint of the dashboard's heatmap, a metric switch, a group expand and the
+live lag, in a real browser.
 
-Writes a synthetic run with the store's own layout (default 2000 ops x 1000 recorded
-steps: every statistic column the probe records for e4m3, e5m2, fp16 and bf16, exponent
-histograms, a logged loss; parts of 50 steps), serves it with ``scalescope serve`` in a
-subprocess and drives Debian's chromium (Playwright, as in tests/test_dashboard.py):
+Writes a synthetic run with the store's own layout (default 20 000 ops x 1000 recorded
+steps, the size of a 12-100 layer model: ``--layers`` blocks named ``layers/<k>/attn/q/
+dot_general`` ...; every statistic column the probe records for e4m3, e5m2, fp16 and
+bf16, exponent histograms, a logged loss; parts of 50 steps), serves it with
+``scalescope serve`` in a subprocess and drives Debian's chromium (Playwright, as in
+tests/test_dashboard.py):
 
 * page load: ``goto`` to the Overview drawn (document idle, loss figure painted);
 * heatmap first paint: click on the Heatmap tab to the heatmap figure painted with its
@@ -11,7 +14,13 @@ subprocess and drives Debian's chromium (Playwright, as in tests/test_dashboard.
 * metric switch: a new Metric in the heatmap's select to the figure painted with that
   title and image, plus one animation frame; median over ``--switches`` metrics never
   shown before (goal <= 1 s). Also: a switch back to a metric already computed (server
-  cache hit: transfer and drawing only), and the first paint again in a second page.
+  cache hit: transfer and drawing only), and the first paint again in a second page;
+* group expand: a click on a collapsed group row (the heatmap opens with its groups
+  collapsed at this size) to the figure painted with that group's rows (goal <= 0.5 s);
+* live lag: a writer subprocess appends ``--live`` parts of one new recorded step each
+  (the store's layout, written to a temporary name and renamed) while the page shows the
+  heatmap; from the rename to the first heatmap paint after the page's status shows that
+  step, median and max (goal <= 2 s; the page polls every second).
 
 Times are taken in the browser (``performance.now()``): the start is the document event
 of the click or selection; "image" is the first paint of the heatmap showing it, "total"
@@ -23,14 +32,15 @@ and "reply" are when the server's first and last changes were applied to the doc
 serialising the figure) to show where the time goes. Nothing is asserted: the table puts
 the measured times next to the goals; the machine's load average is printed with them.
 
-    python benchmarks/bench_dashboard.py [--ops 2000] [--steps 1000] [--run DIR]
-        [--switches 4] [--no-profile]
+    python benchmarks/bench_dashboard.py [--ops 20000] [--steps 1000] [--layers 48]
+        [--run DIR] [--switches 4] [--live 5] [--no-profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import html
 import json
 import os
 import platform
@@ -48,12 +58,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from scalescope.core import formats as _formats
-from scalescope.probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
-from scalescope.store import layout as L
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's scalescope and app, not an installed one
+
+from scalescope.core import formats as _formats  # noqa: E402
+from scalescope.probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec  # noqa: E402
+from scalescope.store import layout as L  # noqa: E402
 
 FORMATS = ("e4m3", "e5m2", "fp16", "bf16")
-GOALS = {"heatmap first paint": 3.0, "metric switch (median)": 1.0}
+GOALS = {
+    "heatmap first paint": 3.0,
+    "metric switch (median)": 1.0,
+    "group expand (median)": 0.5,
+    "live lag (median)": 2.0,
+}
 CHROMIUM = "/usr/bin/chromium"
 CHROME_ARGS = [
     "--headless",
@@ -65,6 +83,7 @@ CHROME_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+POLL_S = 1.0  # app.dashboard.POLL_MS / 1000
 LOCAL = ("http://127.0.0.1", "ws://127.0.0.1", "file:", "data:", "blob:", "about:")
 #: Metrics the switches go through, in order (the heatmap opens on log2_rms).
 SWITCH_METRICS = ("frac_zero", "snr_e4m3", "underflow_e5m2", "log2_absmax", "overflow_e4m3")
@@ -103,18 +122,21 @@ _BLOCK = [
 ]
 
 
-def _op_records(n_ops: int, rng: np.random.Generator) -> list[dict]:
+def _op_records(n_ops: int, rng: np.random.Generator, layers: int = 48) -> list[dict]:
+    """``layers`` transformer layers (``layers/<k>/...``), each ``n_ops / layers`` ops
+    cycling through `_BLOCK`."""
     records = []
+    per_layer = max(1, -(-n_ops // max(layers, 1)))
     for op in range(n_ops):
-        scope, prim, pas, cast = _BLOCK[op % len(_BLOCK)]
-        block = op // len(_BLOCK)
+        scope, prim, pas, cast = _BLOCK[(op % per_layer) % len(_BLOCK)]
+        block = op // per_layer
         d = int(rng.choice([256, 512, 1024]))
         shape = [16, 128, d] if pas != "opt" else [d, 4 * d]
         dtype = "float8_e4m3fn" if prim == "convert_element_type" else "bfloat16"
         records.append(
             {
                 "op": op,
-                "name": f"block_{block}/{scope}/{prim}",
+                "name": f"layers/{block}/{scope}/{prim}",
                 "pass": pas,
                 "primitive": prim,
                 "shape": shape,
@@ -174,11 +196,13 @@ def _metadata(path: Path, records: list[dict], stat_names, every: int) -> dict:
     }
 
 
-def write_run(path: Path, n_ops: int, n_steps: int, every: int = 10, seed: int = 0) -> dict:
+def write_run(
+    path: Path, n_ops: int, n_steps: int, every: int = 10, seed: int = 0, layers: int = 48
+) -> dict:
     """Write a synthetic run at ``path``; returns sizes."""
     rng = np.random.default_rng(seed)
     stat_names = StatSpec(tuple(_formats.get(f) for f in FORMATS), True).stat_names()
-    records = _op_records(n_ops, rng)
+    records = _op_records(n_ops, rng, layers)
     path.mkdir(parents=True, exist_ok=True)
     L.write_parquet_atomic(path / L.OPS_FILE, L.ops_table(L.ops_frame(records)))
 
@@ -279,6 +303,31 @@ def _dtype(name: str) -> type:
     return np.float32
 
 
+def append_steps(path: Path, count: int, interval: float, stamps: Path) -> None:
+    """Append ``count`` parts of one new recorded step each to the run at ``path``, one
+    every ``interval`` seconds, as the store's writer does (a temporary name, then a
+    rename); after each rename, append ``step epoch_seconds`` to ``stamps``. The rows
+    are the last recorded step's, with a little noise."""
+    parts = L.list_parts(path / L.STATS_DIR)
+    last = pq.read_table(parts[-1])
+    steps = last.column("step").to_numpy()
+    rows = last.filter(pa.compute.equal(last.column("step"), int(steps.max())))
+    gap = int(np.diff(np.unique(steps))[-1]) if len(np.unique(steps)) > 1 else 10
+    rng = np.random.default_rng(len(parts))
+    step = int(steps.max())
+    for i in range(count):
+        time.sleep(interval)
+        step += gap
+        cols = {name: rows.column(name).to_numpy() for name in rows.column_names}
+        cols["step"] = np.full(rows.num_rows, step, np.int64)
+        rms = cols["rms"] * np.exp2(rng.normal(0, 0.05, rows.num_rows)).astype(np.float32)
+        cols["rms"] = rms.astype(np.float32)
+        table = pa.table({k: pa.array(v) for k, v in cols.items()}, schema=rows.schema)
+        L.write_parquet_atomic(path / L.STATS_DIR / L.part_name(len(parts) + i, 0), table)
+        with open(stamps, "a") as f:
+            f.write(f"{step} {time.time():.6f}\n")
+
+
 def _disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -310,30 +359,42 @@ _JS_INSTALL = """() => {
   let proto = Object.getPrototypeOf(view);
   while (proto != null && !Object.prototype.hasOwnProperty.call(proto, 'paint'))
     proto = Object.getPrototypeOf(proto);
+  const ids = new WeakMap();
+  let next = 0;
+  const idOf = (o) => {
+    if (o == null || typeof o !== 'object') return -1;
+    if (!ids.has(o)) ids.set(o, next++);
+    return ids.get(o);
+  };
+  const val = (x) => (x != null && typeof x === 'object') ? x.value : x;
   const paint = proto.paint;
   proto.paint = function () {
     paint.call(this);
     const m = this.model;
     if (m.name !== 'heatmap') return;
+    const img = m.renderers.find((r) => r.name === 'heatmap-image');
     ss.paints.push({
       t: performance.now(), title: m.title?.text ?? null, finished: this.has_finished(),
-      displayed: this.is_displayed,
-      image: m.renderers.some((r) => r.name === 'heatmap-image'),
+      displayed: this.is_displayed, image: img != null,
+      rows: img == null ? null : val(img.glyph.dh),
+      data: img == null ? -1 : idOf(img.data_source.data.image?.[0]),
     });
   };
   return true;
 }"""
 
 # Resolves at the animation frame after the first heatmap paint since ``since`` that shows
-# the image (with ``metric`` as its title, when given) once the figure's view reports
-# finished, or null after ``timeout`` ms.
-_JS_WAIT = """async ({since, metric, timeout}) => {
+# the image (with ``metric`` as its title, when given; with a number of rows other than
+# ``rows_not``, when given) once the figure's view reports finished, or null after
+# ``timeout`` ms.
+_JS_WAIT = """async ({since, metric, rows_not, timeout}) => {
   const ss = window.__ss;
   const deadline = performance.now() + timeout;
   const frame = () => new Promise((r) => requestAnimationFrame(r));
   for (;;) {
     const hit = ss.paints.find((p) => p.t >= since && p.image && p.displayed
-                                      && (metric == null || p.title === metric));
+                                      && (metric == null || p.title === metric)
+                                      && (rows_not == null || p.rows !== rows_not));
     const model = Bokeh.documents[0].get_model_by_name('heatmap');
     const view = model == null ? null : Bokeh.index.find_one(model);
     if (hit && view != null && view.has_finished()) {
@@ -344,6 +405,23 @@ _JS_WAIT = """async ({since, metric, timeout}) => {
     if (performance.now() > deadline) return null;
     await frame();
   }
+}"""
+
+# Page coordinates of the centre of heatmap row ``row`` (a few columns in), and the rows.
+_JS_ROW_XY = """(row) => {
+  const m = Bokeh.documents[0].get_model_by_name('heatmap');
+  const v = Bokeh.index.find_one(m);
+  const el = (v.canvas_view ?? v).el;
+  let box = el.getBoundingClientRect();
+  const y0 = box.top + v.frame.y_scale.compute(row);
+  if (y0 < 40 || y0 > window.innerHeight - 40) {  // scroll the row into the middle
+    window.scrollBy(0, y0 - window.innerHeight / 2);
+    box = el.getBoundingClientRect();
+  }
+  const img = m.renderers.find((r) => r.name === 'heatmap-image');
+  const dh = img.glyph.dh, rows = (dh != null && typeof dh === 'object') ? dh.value : dh;
+  return {x: box.left + v.frame.x_scale.compute(3), y: box.top + v.frame.y_scale.compute(row),
+          rows};
 }"""
 
 _JS_IDLE = "() => window.Bokeh && Bokeh.documents.length > 0 && Bokeh.documents[0].is_idle"
@@ -428,12 +506,13 @@ class Page:
     def close(self) -> None:
         self.page.close()
 
-    def _measure(self, act, start_event, metric: str | None) -> dict:
+    def _measure(self, act, start_event, metric: str | None, rows_not: int | None = None) -> dict:
         mark = self.page.evaluate("() => performance.now()")
         t0 = time.perf_counter()
         act()
         hit = self.page.evaluate(
-            _JS_WAIT, {"since": mark, "metric": metric, "timeout": self.timeout_ms}
+            _JS_WAIT,
+            {"since": mark, "metric": metric, "rows_not": rows_not, "timeout": self.timeout_ms},
         )
         wall = time.perf_counter() - t0
         if hit is None:
@@ -464,6 +543,72 @@ class Page:
             metric,
         )
 
+    def expand(self) -> dict:
+        """Click the first collapsed group row (tags: op -1) to the figure painted with
+        that group's rows."""
+        ops = self.page.evaluate(
+            "() => Bokeh.documents[0].get_model_by_name('heatmap').tags[0]"
+            "['scalescope.heatmap'].ops"
+        )
+        row = next((i for i, op in enumerate(ops) if op < 0), None)
+        if row is None:
+            raise RuntimeError("the heatmap has no collapsed group to expand")
+        where = self.page.evaluate(_JS_ROW_XY, row)
+        self.page.mouse.move(where["x"], where["y"])
+        time.sleep(0.6)  # not timed: two clicks within BokehJS's double-tap time are a double tap
+        return self._measure(
+            lambda: self.page.mouse.click(where["x"], where["y"]),
+            lambda e: False,
+            None,
+            rows_not=where["rows"],
+        )
+
+    def live(self, run: Path, count: int, interval: float, timeout_s: float) -> list[dict]:
+        """Append ``count`` steps with a writer subprocess; per step, the lag from its
+        rename to the page's status showing it and to the next heatmap paint."""
+        stamps = run.parent / f"{run.name}.stamps"
+        stamps.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--append", str(run), "--live", str(count)]
+        proc = subprocess.run(
+            [*cmd, "--interval", str(interval), "--stamps", str(stamps)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s + count * interval,
+        )
+        if proc.returncode:
+            raise RuntimeError(f"the writer failed: {proc.stderr[-2000:]}")
+        time.sleep(3 * POLL_S)
+        log = self.page.evaluate(
+            "() => ({origin: performance.timeOrigin, events: window.__ss.events"
+            ".filter((e) => typeof e.value === 'string' && e.value.includes('ss-last-step')),"
+            " paints: window.__ss.paints})"
+        )
+        out = []
+        for line in stamps.read_text().split("\n"):
+            if not line.strip():
+                continue
+            step, written = int(line.split()[0]), float(line.split()[1])
+            shown = re.compile(rf"ss-last-step'>{step}<")  # Panel sends the HTML escaped
+            status = next(
+                (e["t"] for e in log["events"] if shown.search(html.unescape(e["value"]))), None
+            )
+            before = [p for p in log["paints"] if status is not None and p["t"] < status]
+            old = before[-1]["data"] if before else None
+            paint = next(
+                (
+                    p["t"]
+                    for p in log["paints"]
+                    if status is not None and p["t"] >= status and p["image"] and p["data"] != old
+                ),
+                None,
+            )
+
+            def lag(t: float | None, at: float = written) -> float | None:
+                return None if t is None else (log["origin"] + t) / 1000 - at
+
+            out.append({"step": step, "status": lag(status), "total": lag(paint)})
+        return out
+
     def image_shape(self) -> list[int]:
         return self.page.evaluate(
             """() => { const m = Bokeh.documents[0].get_model_by_name('heatmap-image');
@@ -473,10 +618,12 @@ class Page:
         )
 
 
-def browser_run(path: Path, log_path: Path, switches: int, timeout_s: float) -> dict:
+def browser_run(
+    path: Path, log_path: Path, switches: int, timeout_s: float, live: int, expands: int
+) -> dict:
     from playwright.sync_api import sync_playwright
 
-    out: dict = {"switches": []}
+    out: dict = {"switches": [], "expands": [], "live": []}
     with _server(path, log_path) as (url, ready_s), sync_playwright() as pw:
         out["server_ready"] = ready_s
         print(f"  server listening after {ready_s:.1f} s at {url}", flush=True)
@@ -499,6 +646,18 @@ def browser_run(path: Path, log_path: Path, switches: int, timeout_s: float) -> 
             print(
                 f"  page 1: back to log2_rms (cached): {out['cached']['total']:.2f} s", flush=True
             )
+            for _ in range(expands):
+                res = page.expand()
+                out["expands"].append(res)
+                print(f"  page 1: expand a group: {res['total']:.2f} s", flush=True)
+            if live:
+                out["live"] = page.live(path, live, 2.5, timeout_s)
+                for r in out["live"]:
+                    print(
+                        f"  page 1: live step {r['step']}: status {_opt(r['status'])} s, "
+                        f"heatmap {_opt(r['total'])} s after the part was written",
+                        flush=True,
+                    )
             page2 = Page(browser, url, timeout_s)
             pages.append(page2)
             out["load2"] = page2.load_s
@@ -549,21 +708,32 @@ def profile_server(path: Path, metrics: list[str]) -> tuple[list[tuple[str, floa
     timed("RunData.summary: op summary (Overview)", data.summary)
 
     def prepare():
-        data.labels, data.metrics()
+        data.labels, data.metrics(), data.group_keys(1)
         return data.filtered_ops((), (), "")
 
-    ops = timed("labels + metrics + filtered_ops", prepare)
+    ops = timed("labels + metrics + groups + filtered_ops", prepare)
+    groups = data.group_keys(1)
     mat = timed(f"RunData.matrix({metrics[0]}) (first paint)", lambda: data.matrix(metrics[0], ops))
+    measured = timed("RunData.measured_matrix", lambda: data.measured_matrix(ops))
     sizes["matrix"] = f"{mat.shape[0]} x {mat.shape[1]} float32 = {_mib(mat.to_numpy().nbytes)}"
+    kwargs = {"labels": data.labels, "measured": measured, "groups": groups}
     fig = timed(
-        "viz.heatmap: build the figure",
-        lambda: viz.heatmap(mat, metric=metrics[0], labels=data.labels),
+        "viz.heatmap: build the grouped figure",
+        lambda: viz.heatmap(mat, metric=metrics[0], **kwargs),
     )
     blob = timed("serialise the figure (bokeh json_item)", lambda: json.dumps(json_item(fig)))
     sizes["figure json"] = _mib(len(blob))
     for metric in metrics[1:]:
         m2 = timed(f"RunData.matrix({metric}) (switch)", lambda m=metric: data.matrix(m, ops))
-        timed("viz.update_heatmap", lambda m=metric, x=m2: viz.update_heatmap(fig, x, metric=m))
+        timed(
+            "viz.update_heatmap",
+            lambda m=metric, x=m2: viz.update_heatmap(fig, x, metric=m, **kwargs),
+        )
+    first = str(groups.iloc[0])
+    timed(
+        f"viz.update_heatmap: expand {first}",
+        lambda: viz.update_heatmap(fig, m2, metric=metrics[-1], expanded={first}, **kwargs),
+    )
     return rows, sizes
 
 
@@ -578,14 +748,30 @@ def _load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
+def _median(rows: list[dict]) -> dict:
+    """Per key, the median of the rows' numbers (None when no row has one)."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    out = {}
+    for k in keys:
+        got = [r[k] for r in rows if isinstance(r.get(k), int | float)]
+        out[k] = statistics.median(got) if got else None
+    return out
+
+
+def _worst(rows: list[dict]) -> dict:
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: max((r[k] for r in rows if isinstance(r.get(k), float)), default=None) for k in keys}
+
+
 def _opt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", type=int, default=2000)
+    parser.add_argument("--ops", type=int, default=20000)
     parser.add_argument("--steps", type=int, default=1000, help="recorded steps")
+    parser.add_argument("--layers", type=int, default=48, help="layers the ops are named in")
     parser.add_argument("--every", type=int, default=10, help="training steps per record")
     parser.add_argument(
         "--run",
@@ -594,8 +780,16 @@ def main() -> None:
     )
     parser.add_argument("--switches", type=int, default=4, help=f"1..{len(SWITCH_METRICS)}")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per browser wait")
+    parser.add_argument("--expands", type=int, default=3, help="group expands to time")
+    parser.add_argument("--live", type=int, default=5, help="steps appended while the page is open")
     parser.add_argument("--no-profile", action="store_true", help="skip the in-process profile")
+    parser.add_argument("--append", type=Path, help=argparse.SUPPRESS)  # the live writer
+    parser.add_argument("--interval", type=float, default=2.5, help=argparse.SUPPRESS)
+    parser.add_argument("--stamps", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.append is not None:
+        append_steps(args.append, args.live, args.interval, args.stamps)
+        return
     if not 1 <= args.switches <= len(SWITCH_METRICS):
         parser.error(f"--switches must be in 1..{len(SWITCH_METRICS)}")
     if not Path(CHROMIUM).exists():
@@ -614,7 +808,7 @@ def main() -> None:
         else:
             print(f"writing {args.ops} ops x {args.steps} recorded steps to {path}...", flush=True)
             t0 = time.perf_counter()
-            write_run(path, args.ops, args.steps, every=args.every)
+            write_run(path, args.ops, args.steps, every=args.every, layers=args.layers)
             print(f"  written in {time.perf_counter() - t0:.1f} s", flush=True)
         meta = L.read_metadata(path)
         parts = L.list_parts(path / L.STATS_DIR)
@@ -622,7 +816,9 @@ def main() -> None:
         n_rows = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
         disk = _mib(_disk_bytes(path))
         print("browser (chromium, headless):", flush=True)
-        res = browser_run(path, tmp / "serve.log", args.switches, args.timeout)
+        res = browser_run(
+            path, tmp / "serve.log", args.switches, args.timeout, args.live, args.expands
+        )
         load_during = _load()
         rows, sizes = [], {}
         if not args.no_profile:
@@ -641,7 +837,7 @@ def main() -> None:
         f"{res['image'][2]} columns)"
     )
     switches = [r for _, r in res["switches"]]
-    median = {k: statistics.median(r[k] or 0.0 for r in switches) for k in switches[0]}
+    median = _median(switches)
     table: list[tuple[str, dict | float, float | None]] = [
         ("server start (import + read parts)", res["server_ready"], None),
         ("page 1: load to Overview drawn", res["load"], None),
@@ -649,22 +845,38 @@ def main() -> None:
         ("metric switch (median)", median, GOALS["metric switch (median)"]),
         *((f"  switch to {m}", r, None) for m, r in res["switches"]),
         ("switch back to a cached metric", res["cached"], None),
+        *(
+            [("group expand (median)", _median(res["expands"]), GOALS["group expand (median)"])]
+            if res["expands"]
+            else []
+        ),
+        *((f"  expand {i + 1}", r, None) for i, r in enumerate(res["expands"])),
+        *(
+            [
+                ("live lag (median)", _median(res["live"]), GOALS["live lag (median)"]),
+                ("live lag (max)", _worst(res["live"]), None),
+            ]
+            if res["live"]
+            else []
+        ),
         ("page 2: load to Overview drawn", res["load2"], None),
         ("page 2: heatmap first paint (warm)", res["first2"], None),
     ]
-    cols = ("total", "paint", "first", "reply", "draw")
-    heads = ("total s", "image s", "1st reply", "reply s", "draw s", "goal s")
+    cols = ("total", "paint", "first", "reply", "draw", "status")
+    heads = ("total s", "image s", "1st reply", "reply s", "draw s", "status s", "goal s")
     print(f"{'measure':38s} " + " ".join(f"{h:>9s}" for h in heads) + "  met")
     for name, r, goal in table:
         r = r if isinstance(r, dict) else {"total": r}
-        ok = "" if goal is None else ("yes" if r["total"] <= goal else "NO")
+        ok = "" if goal is None or r["total"] is None else ("yes" if r["total"] <= goal else "NO")
         cells = [_opt(r.get(c)) for c in cols] + [_opt(goal)]
         print(f"{name:38s} " + " ".join(f"{c:>9s}" for c in cells) + f"  {ok}")
     print(
         "total: from the browser event (click, selection) to the frame after the heatmap is "
         "painted showing it and its view finished; image: that first paint; 1st reply / reply: "
         "first / last change from the server applied in the browser (server work, transfer, "
-        "decoding, and the browser's work on earlier changes); draw: total - reply"
+        "decoding, and the browser's work on earlier changes); draw: total - reply; live lag: "
+        "from the part's rename to the status showing its step (status) and to the first "
+        "heatmap paint of new data after that (total)"
     )
     if rows:
         print(f"{'server-side step (in-process)':52s} {'s':>7s}")

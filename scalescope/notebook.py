@@ -364,7 +364,10 @@ class HeatmapView:
     (`scalescope.analysis.measured_matrix`, same index and columns; None: unknown): NaN
     cells of ops not measured there are drawn blank, measured NaN cells grey. ``notes``:
     what the figure's numbers are (sampled statistics, ops measured in turns), shown above
-    it.
+    it. ``groups``: op id -> group key (`scalescope.analysis.group_keys`; None: one row
+    per op); ``expanded``: the groups drawn op by op (None: all of them for a small run,
+    none above `scalescope.analysis.COLLAPSE_ABOVE` ops: a collapsed group is one row of
+    its worst op per step, named in the hover). The dashboard draws the same figure.
     """
 
     def __init__(
@@ -375,9 +378,12 @@ class HeatmapView:
         title: str,
         measured: pd.DataFrame | None = None,
         notes: Sequence[str] = (),
+        groups: pd.Series | None = None,
+        expanded: Sequence[str] | None = None,
     ):
         self.matrix, self.metric, self.labels, self.title = matrix, metric, labels, title
         self.measured, self.notes = measured, list(notes)
+        self.groups, self.expanded = groups, expanded
 
     @property
     def figure(self) -> Any:
@@ -389,6 +395,8 @@ class HeatmapView:
             labels=self.labels,
             title=self.title,
             measured=self.measured,
+            groups=self.groups,
+            expanded=self.expanded,
         )
 
     def to_html(self) -> str:
@@ -420,10 +428,14 @@ def run_heatmap(
     *,
     iterations: str = "max",
     max_steps: int = 500,
+    group_depth: int = 1,
+    expanded: Sequence[str] | None = None,
 ) -> HeatmapView:
     """`HeatmapView` of ``metric`` over a recorded run. ``ops``: an op id, ids, or a regex
     on ``pass/name`` (see ``RunReader.resolve_ops``); ``iterations``, ``max_steps``: see
-    `scalescope.analysis.matrix`."""
+    `scalescope.analysis.matrix`. Rows are grouped by module path at ``group_depth``
+    (0: one row per op; ``iterations="all"`` is never grouped), ``expanded``: see
+    `HeatmapView`."""
     from . import analysis as A
 
     known = known_metrics(reader)
@@ -444,7 +456,11 @@ def run_heatmap(
         measured = measured.reindex(index=matrix.index, columns=matrix.columns, fill_value=False)
     title = f"{reader.name}: {metric}"
     notes = A.measurement_notes(reader)
-    return HeatmapView(matrix, metric, A.op_labels(reader.ops), title, measured, notes)
+    groups = None
+    if group_depth and iterations != "all" and len(reader.ops):
+        groups = A.group_keys(reader.ops, group_depth)
+    labels = A.op_labels(reader.ops)
+    return HeatmapView(matrix, metric, labels, title, measured, notes, groups, expanded)
 
 
 # -- comparison ---------------------------------------------------------------------------

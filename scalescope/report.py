@@ -1060,27 +1060,39 @@ def _heatmaps(data: _RunData, max_ops: int, max_steps: int) -> list[Any]:
     models: list[Any] = [
         Div(
             text="<h2>Heatmaps: op x step</h2><div>One row per op (id order), one column per "
-            "recorded step. Where there are more ops or steps than fit, neighbouring ops and "
-            "steps are merged, keeping the worse value (max of a fraction, min of an SNR, "
-            "larger magnitude of a log2) of the cells measured; grey: no value (NaN data); "
-            "blank (hatched): the op was not measured at that step. Hover for names.</div>"
-            + _stat_note(data),
+            "recorded step. Where there are more ops than fit, the ops are grouped by pass and "
+            "module path (<code>fwd/layers/3</code>) and each group is one row (&#9656;) "
+            "holding, at each step, its worst op's value, which the hover names; where there "
+            "are still too many rows, or more steps than fit, neighbouring rows and steps are "
+            "merged. Worse: max of a fraction, min of an SNR, larger magnitude of a log2, over "
+            "the cells measured; grey: no value (NaN data); blank (hatched): the op was not "
+            "measured at that step. Hover for names.</div>" + _stat_note(data),
             name="report-heatmaps",
             width=_WIDTH,
             stylesheets=[data.css],
         )
     ]
     measured_all = A.measured_matrix(data.stats, max_steps=max_steps)
+    keys = A.group_keys(data.table, 1)
     for metric in _heatmap_metrics(data):
         mat = A.matrix(data.stats, metric, iterations="worst", max_steps=max_steps)
         measured = measured_all.reindex(index=mat.index, columns=mat.columns, fill_value=False)
         n_ops, n_steps = len(mat), len(data.reader.steps)
-        mat, labels, width = _merge_rows(mat, data.labels, metric, max_ops, measured)
-        measured = _merge_measured(measured, width)
+        groups = keys.reindex(mat.index)
+        n_groups = groups.nunique()
+        # Small runs: one row per op; big ones: module groups collapsed to their worst op;
+        # too many groups: neighbouring ops merged.
+        grouped = n_ops <= max_ops or n_groups <= max_ops
+        labels, width = data.labels, 1
+        if not grouped:
+            mat, labels, width = _merge_rows(mat, data.labels, metric, max_ops, measured)
+            measured = _merge_measured(measured, width)
         mat = mat.astype(np.float32)
         title = f"{metric}: {n_ops} ops"
         if width > 1:
             title += f" (groups of {width})"
+        elif n_ops > max_ops:
+            title += f" in {n_groups} module groups (each row: the group's worst op)"
         title += f" x {n_steps} steps"
         if mat.shape[1] < n_steps:
             title += f" (windows of {math.ceil(n_steps / max(mat.shape[1], 1))})"
@@ -1092,6 +1104,8 @@ def _heatmaps(data: _RunData, max_ops: int, max_steps: int) -> list[Any]:
                 title=title,
                 name=f"report-heatmap-{metric}",
                 measured=measured,
+                groups=groups if grouped else None,
+                expanded=set(groups) if n_ops <= max_ops else frozenset(),
             )
         )
     return models

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pandas as pd
 import pytest
 from conftest import free_port, watch_offline
 
@@ -433,4 +434,165 @@ def test_budget_run_page_shows_the_note_and_blank_cells_offline(browser, budget_
         )
         _idle(page)
         assert "last measured" in page.locator(".ss-op-info").first.inner_text()
+        assert not blocked and not errors, (blocked, errors)
+
+
+# ---------------------------------------------------------------------------------------
+# grouped heatmap rows, search, a step arriving (a synthetic run of a few hundred ops)
+
+N_OPS = 400  # above COLLAPSE_ABOVE: the heatmap opens with its groups collapsed
+
+
+def _bench():
+    import importlib.util
+
+    path = HERE.parent / "benchmarks" / "bench_dashboard.py"
+    spec = importlib.util.spec_from_file_location("bench_dashboard", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def grouped_root(tmp_path_factory) -> Path:
+    """A run of 400 ops in 4 layers (``layers/<k>/attn/q/dot_general`` ...) x 12 steps,
+    written with the store's layout by the dashboard benchmark's writer."""
+    root = tmp_path_factory.mktemp("grouped")
+    _bench().write_run(root / "big", N_OPS, 12, every=1, layers=4)
+    return root
+
+
+def _rows(dash) -> dict:
+    return dash._heatmap_fig.tags[0]["scalescope.heatmap"]
+
+
+def test_heatmap_groups_expand_collapse_and_search(grouped_root):
+    from app import Dashboard, RunSet
+
+    dash = Dashboard(RunSet(grouped_root), poll_ms=0)
+    dash.tabs.active = TABS.index("Heatmap")
+    data = dash.data
+    ops = data.ops
+    keys = (ops["pass"] + "/" + ops["name"].str.extract(r"^(layers/\d+)/")[0]).rename("group")
+    groups = list(dict.fromkeys(keys))  # order of first op
+    rows = _rows(dash)
+    # collapsed by default: one row per (pass, layer), in order of their first op
+    assert rows["groups"] == groups and all(rows["collapsed"]) and set(rows["ops"]) == {-1}
+    assert list(dash.expanded.options) == groups and dash.expanded.value == []
+    # each collapsed cell: the worst member for the metric (log2_rms: larger magnitude)
+    wide = ss.open_run(grouped_root / "big").stats(wide=True)
+    l2 = np.log2(wide["rms"].to_numpy(np.float64))
+    frame = pd.DataFrame(
+        {"group": keys.reindex(wide["op"]).to_numpy(), "step": wide["step"], "v": l2}
+    )
+    hi = frame.groupby(["group", "step"])["v"].max()
+    lo = frame.groupby(["group", "step"])["v"].min()
+    ref = hi.where(hi.abs() >= lo.abs(), lo).unstack("step").loc[groups]
+    image = np.asarray(
+        dash._heatmap_fig.select_one({"name": "heatmap-image"}).data_source.data["image"][0]
+    )
+    np.testing.assert_allclose(image, ref.to_numpy(), rtol=1e-6)
+    # a click on a collapsed row expands it, in place; the widget follows
+    fig = dash._heatmap_fig
+
+    class Tap:
+        x, y = 1.0, 1.0
+
+    dash._on_tap(Tap())
+    assert dash._heatmap_fig is fig
+    members = list(keys.index[keys == groups[1]])
+    rows = _rows(dash)
+    assert rows["ops"][1 : 1 + len(members)] == members and dash.expanded.value == [groups[1]]
+    assert len(rows["ops"]) == len(groups) - 1 + len(members)
+    # expand all, collapse all, the MultiChoice
+    dash.expand_all.clicks += 1
+    assert sorted(_rows(dash)["ops"]) == sorted(ops.index)
+    dash.collapse_all.clicks += 1
+    assert len(_rows(dash)["ops"]) == len(groups)
+    dash.expanded.value = [groups[0], groups[2]]
+    assert (
+        sum(not c for c in _rows(dash)["collapsed"])
+        == (keys == groups[0]).sum() + (keys == groups[2]).sum()
+    )
+    dash.collapse_all.clicks += 1
+    # group depth: deeper groups (layers/<k>/attn, ...), off: one row per op
+    dash.group_depth.value = 2
+    assert set(_rows(dash)["groups"]) > {"fwd/layers/0/attn", "fwd/layers/0/mlp"}
+    dash.group_depth.value = 0
+    assert _rows(dash)["ops"] == sorted(ops.index)
+    dash.group_depth.value = 1
+    # search: a substring of pass/name (case-insensitive), or a regex
+    label = ops["pass"] + "/" + ops["name"]
+    dash.name_filter.value = "FWD/layers/2/attn/q/"
+    want = set(ops.index[label.str.contains("fwd/layers/2/attn/q/", regex=False)])
+    shown = _rows(dash)
+    assert set(shown["ops"]) == want and not any(shown["collapsed"])  # few: expanded
+    dash.search_regex.value = True
+    dash.name_filter.value = r"^bwd/layers/[13]/mlp/"
+    want = set(ops.index[label.str.contains(r"^bwd/layers/[13]/mlp/")])
+    assert set(_rows(dash)["ops"]) == want
+    dash.name_filter.value = "attn("  # a bad regex: a message, no exception
+    assert "bad search regex" in dash.heatmap_msg.object and "attn(" in dash.heatmap_msg.object
+    dash.name_filter.value = "no such op"
+    assert "no op matches" in dash.heatmap_msg.object
+    dash.name_filter.value = ""
+    assert len(_rows(dash)["ops"]) == len(groups)
+
+
+def test_a_new_step_reaches_the_open_heatmap_in_place(grouped_root, tmp_path):
+    """A part appended to a run the page shows: the grids take its rows in, the same
+    figure gets the new column (the value the reader reads)."""
+    import shutil
+
+    from app import Dashboard, RunSet
+
+    run = tmp_path / "live"
+    shutil.copytree(grouped_root / "big", run)
+    dash = Dashboard(RunSet(run), poll_ms=0)
+    dash.tabs.active = TABS.index("Heatmap")
+    dash.expand_all.clicks += 1
+    fig = dash._heatmap_fig
+    steps = list(_rows(dash)["steps"])
+    _bench().append_steps(run, 2, 0.0, tmp_path / "stamps")
+    dash.poll()
+    assert dash._heatmap_fig is fig and _rows(dash)["steps"] == [*steps, 12, 13]
+    assert "ss-last-step'>13<" in dash.status.object
+    wide = ss.open_run(run).stats(wide=True)
+    ref = wide.pivot(index="op", columns="step", values="rms")
+    image = np.asarray(fig.select_one({"name": "heatmap-image"}).data_source.data["image"][0])
+    order = _rows(dash)["ops"]
+    np.testing.assert_allclose(
+        image[:, -2:], np.log2(ref.loc[order, [12, 13]].to_numpy()), rtol=1e-6
+    )
+
+
+@pytest.mark.browser
+def test_grouped_heatmap_draws_and_a_group_expands_in_the_browser(browser, grouped_root):
+    rows_js = """() => { const m = Bokeh.documents[0].get_model_by_name('heatmap-image');
+        const dh = m.glyph.dh; return (dh != null && typeof dh === 'object') ? dh.value : dh; }"""
+    with _server(grouped_root) as url, _page(browser, url) as (page, blocked, errors):
+        _open(page, "Heatmap")
+        page.wait_for_function(
+            "() => Bokeh.documents[0].get_model_by_name('heatmap-image') != null", timeout=30_000
+        )
+        _idle(page)
+        before = page.evaluate(rows_js)
+        assert before == 12  # 4 layers x fwd, bwd, opt: collapsed
+        # click the first row (a collapsed group): it expands into its ops
+        where = page.evaluate(
+            """() => { const m = Bokeh.documents[0].get_model_by_name('heatmap');
+            const v = Bokeh.index.find_one(m); const el = (v.canvas_view ?? v).el;
+            const box = el.getBoundingClientRect();
+            return {x: box.left + v.frame.x_scale.compute(3),
+                    y: box.top + v.frame.y_scale.compute(0)}; }"""
+        )
+        page.mouse.move(where["x"], where["y"])
+        page.mouse.down()
+        page.mouse.up()
+        page.wait_for_function(f"() => ({rows_js})() > {before}", timeout=30_000)
+        _idle(page)
+        tag = page.evaluate(
+            "() => Bokeh.documents[0].get_model_by_name('heatmap').tags[0]['scalescope.heatmap']"
+        )
+        assert tag["ops"][0] >= 0 and len(tag["ops"]) == page.evaluate(rows_js)
         assert not blocked and not errors, (blocked, errors)

@@ -442,9 +442,61 @@ def test_report_of_thousands_of_ops_stays_small(tmp_path):
     assert len(doc["ops"]) == n_ops
     assert doc["summary"]["findings"]["total"] == len(reader.advise())
     assert doc["summary"]["findings"]["by_severity"]["high"] > 0  # the E4M3 overflows
-    # heatmap rows and steps are merged: at most max_ops x max_steps cells per heatmap
+    # heatmap rows grouped by module (collapsed to each group's worst op) and steps
+    # merged: at most max_ops x max_steps cells per heatmap
     html = (tmp_path / "big.html").read_text()
-    assert f"{n_ops} ops (groups of 5) x {n_steps} steps (windows of 2)" in html
+    ops = reader.ops
+    n_groups = (ops["pass"] + "/" + ops["name"].str.split("/").str[0]).nunique()
+    assert f"{n_ops} ops in {n_groups} module groups" in html
+    assert f"x {n_steps} steps (windows of 2)" in html
+    # more groups than max_ops: neighbouring ops merged as before
+    report.write_report(reader, tmp_path / "merged.html", quiet=True, max_ops=50)
+    merged = (tmp_path / "merged.html").read_text()
+    assert f"{n_ops} ops (groups of 60) x {n_steps} steps (windows of 2)" in merged
+
+
+def test_report_heatmap_rows_are_collapsed_module_groups_naming_the_worst_op(tmp_path):
+    """A run above max_ops: each heatmap row is a (pass, block) group whose cell is its
+    worst op's value (checked against pandas here), and the hover names that op."""
+    from bokeh.models import HoverTool, InlineStyleSheet
+
+    n_ops, n_steps = 700, 4
+    _synthetic_run(tmp_path / "big", n_ops, n_steps)
+    reader = ss.open_run(tmp_path / "big")
+    data = report._collect(reader, A.Thresholds())
+    data.css = InlineStyleSheet(css="")
+    figs = report._heatmaps(data, max_ops=600, max_steps=200)
+    fig = next(f for f in figs if getattr(f, "name", "") == "report-heatmap-log2_rms")
+    tag = fig.tags[0]["scalescope.heatmap"]
+    ops = reader.ops
+    keys = ops["pass"] + "/" + ops["name"].str.split("/").str[0]
+    groups = list(dict.fromkeys(keys))
+    assert tag["groups"] == groups and all(tag["collapsed"])
+    wide = reader.stats(wide=True)
+    frame = pd.DataFrame(
+        {
+            "group": keys.reindex(wide["op"]).to_numpy(),
+            "op": wide["op"],
+            "step": wide["step"],
+            "v": np.log2(wide["rms"].to_numpy(np.float64)),
+        }
+    )
+    hi = frame.groupby(["group", "step"])["v"].max()
+    lo = frame.groupby(["group", "step"])["v"].min()
+    ref = hi.where(hi.abs() >= lo.abs(), lo).unstack("step").loc[groups]
+    image = np.asarray(
+        fig.select_one({"name": "report-heatmap-log2_rms-image"}).data_source.data["image"][0]
+    )
+    np.testing.assert_allclose(image, ref.to_numpy(), rtol=1e-6)
+    fmt = next(t for t in fig.tools if isinstance(t, HoverTool)).formatters["$y"]
+    worst = np.asarray(fmt.args["worst"].data["worst"][0])
+    frame["abs"] = frame["v"].abs()
+    top = frame.sort_values(["group", "step", "abs", "op"], ascending=[1, 1, 0, 1])
+    first = top.drop_duplicates(["group", "step"]).set_index(["group", "step"])["op"]
+    labels = A.op_labels(ops)
+    for r, group in enumerate(groups):
+        for c, step in enumerate(range(n_steps)):
+            assert fmt.args["names"][worst[r, c]] == labels[first[group, step]], (group, step)
 
 
 def test_merged_heatmap_rows_keep_the_worst_value():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -404,3 +405,206 @@ def test_standalone_html_is_offline_and_self_contained():
     assert "Bokeh" in inline and len(inline) > 500_000  # BokehJS itself is inline
     for name in ("heatmap", "timeseries", "histogram", "snr", "loss", "report"):
         assert f'"name":"{name}"' in html.replace(" ", "")
+
+
+# --- grouped heatmap rows ----------------------------------------------------------------
+
+GROUP_NAMES = [
+    ("fwd", "block_0/attn/dot_general"),
+    ("fwd", "block_0/attn/q/dot_general"),
+    ("fwd", "block_0/mlp/mul"),
+    ("fwd", "layers/3/mlp/mul"),
+    ("fwd", "layers/3/attn/exp"),
+    ("fwd", "dot_general"),
+    ("bwd", "block_0/mlp/mul"),
+    ("bwd", "layers/3/mlp/add_any"),
+    ("opt", "opt/mul"),
+    ("fwd", "layers/12/mlp/mul"),
+    ("fwd", "block_0/attn/exp"),  # joins block_0 after other groups: not contiguous
+]
+
+
+def _group_ops() -> pd.DataFrame:
+    passes, names = zip(*GROUP_NAMES)
+    index = pd.Index([7 + 3 * i for i in range(len(names))], name="op")
+    return pd.DataFrame({"name": names, "pass": passes}, index=index)
+
+
+def _reference_key(pass_: str, name: str, depth: int) -> str:
+    """The group key written independently: a numeric path component is glued to its
+    parent with a placeholder, then the scope is cut at ``depth``."""
+    scope = name.rsplit("/", 1)[0] if "/" in name else ""
+    if scope == pass_ or scope.startswith(pass_ + "/"):
+        scope = scope[len(pass_) + 1 :]
+    glued = [p.replace("\0", "/") for p in re.sub(r"/(\d+)(?=/|$)", "\0\\1", scope).split("/")]
+    return "/".join([pass_, *[p for p in glued if p][:depth]])
+
+
+def test_group_keys_match_a_reference():
+    from scalescope import analysis as A
+
+    ops = _group_ops()
+    for depth in (0, 1, 2, 3):
+        ref = [_reference_key(p, n, depth) for p, n in zip(ops["pass"], ops["name"])]
+        assert A.group_keys(ops, depth).tolist() == ref, depth
+    keys = A.group_keys(ops, 1)
+    assert keys[7] == "fwd/block_0" and keys[16] == "fwd/layers/3" and keys[22] == "fwd"
+    assert keys[31] == "opt" and keys[34] == "fwd/layers/12"
+    assert A.group_keys(ops, 2)[10] == "fwd/block_0/attn"
+    assert A.max_depth(ops) == 3
+
+
+def _reference_rows(matrix, measured, keys, metric):
+    """Per group: the worst member value per column over measured cells (a measured NaN
+    wins) and the first member (op order) holding it, with pandas on a long frame."""
+    long = matrix.stack(future_stack=True).rename("value").reset_index()
+    long.columns = ["op", "step", "value"]
+    long["here"] = measured.stack(future_stack=True).to_numpy()
+    long["group"] = keys.reindex(long["op"]).to_numpy()
+    long = long[long["here"]]
+    out, who = {}, {}
+    for (group, step), cell in long.groupby(["group", "step"], sort=False):
+        cell = cell.sort_values("op")
+        nan = cell["value"].isna()
+        if nan.any():
+            out[group, step], who[group, step] = np.nan, int(cell.loc[nan, "op"].iloc[0])
+            continue
+        v = cell["value"].to_numpy()
+        if metric.startswith("snr"):
+            best = v.min()
+        elif metric.startswith("log2"):
+            best = max(v.max(), v.min(), key=abs)  # larger magnitude; max on a tie
+        else:
+            best = v.max()
+        out[group, step] = best
+        who[group, step] = int(cell["op"].to_numpy()[np.flatnonzero(v == best)[0]])
+    return out, who
+
+
+@pytest.mark.parametrize("metric", ["overflow_e4m3", "snr_e4m3", "log2_rms"])
+def test_collapsed_group_rows_hold_the_worst_member(metric):
+    from scalescope import analysis as A
+
+    ops = _group_ops()
+    rng = np.random.default_rng(1)
+    steps = [0, 5, 10, 15]
+    values = rng.normal(0, 3, (len(ops), len(steps)))
+    values[2, 1] = np.nan  # a measured NaN: its group's cell is NaN
+    values[4, 2] = 99.0  # unmeasured below: must not count
+    matrix = pd.DataFrame(values, index=ops.index, columns=pd.Index(steps, name="step"))
+    measured = pd.DataFrame(True, index=matrix.index, columns=matrix.columns)
+    measured.iloc[4, 2] = False
+    measured.iloc[3, :] = False  # never measured
+    measured.iloc[6, 3] = False
+    keys = A.group_keys(ops, 1)
+    rows = A.group_matrix(matrix, keys, metric, expanded=[], measured=measured)
+    ref, who = _reference_rows(matrix, measured, keys, metric)
+    # every group of more than one op is one row; a single op stays an op row
+    sizes = keys.value_counts()
+    assert sorted(rows.keys[rows.collapsed]) == sorted(sizes.index[sizes > 1])
+    assert len(rows.ops) == len(sizes)
+    for r, key in enumerate(rows.keys):
+        for c, step in enumerate(steps):
+            got = rows.values[r, c]
+            if not rows.collapsed[r]:  # a group of one op: that op's row, as it is
+                assert rows.ops[r] == keys.index[keys == key][0]
+                want = matrix.loc[rows.ops[r], step]
+            else:
+                want = ref.get((key, step), np.nan)
+                assert rows.worst[r, c] == who.get((key, step), -1), (key, step)
+            assert (np.isnan(want) and np.isnan(got)) or got == want, (key, step, got, want)
+    # the figure shows those rows; hover names the worst member (by label)
+    labels = A.op_labels(ops)
+    fig = viz.heatmap(
+        matrix, metric=metric, labels=labels, measured=measured, groups=keys, expanded=[]
+    )
+    image = np.asarray(_images(fig)[0].data_source.data["image"][0])
+    np.testing.assert_array_equal(image, rows.values)
+    fmt = next(t for t in fig.tools if isinstance(t, HoverTool)).formatters["$y"]
+    worst = np.asarray(fmt.args["worst"].data["worst"][0])
+    named = [[fmt.args["names"][w] if w >= 0 else None for w in row] for row in worst]
+    expect = [[labels[w] if w >= 0 else None for w in row] for row in rows.worst]
+    assert named == expect
+
+
+def test_grouped_heatmap_expands_collapses_and_keeps_small_runs_per_op():
+    from scalescope import analysis as A
+
+    ops = _group_ops()
+    keys = A.group_keys(ops, 1)
+    matrix = _matrix(len(ops))
+    matrix.index = ops.index
+    # a small run: every group expanded, one row per op in op order, as before
+    fig = viz.heatmap(matrix, metric="rms", groups=keys, labels=A.op_labels(ops))
+    tag = fig.tags[0]["scalescope.heatmap"]
+    assert tag["ops"] == list(ops.index) and not any(tag["collapsed"])
+    assert viz.heatmap_cell(fig, 0, 2) == (ops.index[2], UNEVEN_STEPS[0])
+    assert fig.yaxis[0].ticker.tags == ["rows"]  # rows tall enough: a label per row
+    # collapse everything: one row per group (single ops stay), in place
+    assert viz.update_heatmap(fig, matrix, metric="rms", groups=keys, expanded=[])
+    tag = fig.tags[0]["scalescope.heatmap"]
+    assert len(tag["ops"]) == keys.nunique()
+    first = tag["groups"][0]
+    assert first == "fwd/block_0" and tag["collapsed"][0] and tag["ops"][0] == -1
+    assert viz.heatmap_group(fig, 0.2) == "fwd/block_0" and viz.heatmap_cell(fig, 0, 0) is None
+    # expand one group: its members' rows replace its row, in op order
+    assert viz.update_heatmap(fig, matrix, metric="rms", groups=keys, expanded=[first])
+    tag = fig.tags[0]["scalescope.heatmap"]
+    members = list(keys.index[keys == first])
+    assert tag["ops"][: len(members)] == members and tag["expanded"] == [first]
+    assert len(tag["ops"]) == keys.nunique() - 1 + len(members)
+    assert viz.heatmap_group(fig, 0) is None
+    image = np.asarray(_images(fig)[0].data_source.data["image"][0])
+    assert image.shape == (len(tag["ops"]), len(UNEVEN_STEPS))
+    np.testing.assert_array_equal(image[: len(members)], matrix.loc[members].to_numpy())
+    # a figure without groups is not updated with groups (and the reverse)
+    assert not viz.update_heatmap(
+        viz.heatmap(matrix, metric="rms"), matrix, metric="rms", groups=keys
+    )
+    assert not viz.update_heatmap(fig, matrix, metric="rms")
+
+
+def test_grouped_heatmap_labels_rows_or_groups_by_row_height():
+    """Many rows: group labels (one per group start); few rows: a label per row. The
+    browser's range callback does the same on zoom (run here in node)."""
+    from scalescope import analysis as A
+
+    n = 900
+    ops = pd.DataFrame(
+        {"name": [f"layers/{i // 30}/mlp/mul" for i in range(n)], "pass": ["fwd"] * n},
+        index=pd.Index(range(n), name="op"),
+    )
+    keys = A.group_keys(ops, 1)
+    matrix = pd.DataFrame(np.ones((n, 3)), index=ops.index, columns=[0, 1, 2])
+    fig = viz.heatmap(matrix, metric="rms", groups=keys, expanded=set(keys))
+    ticker = fig.yaxis[0].ticker
+    assert ticker.tags == ["groups"] and ticker.ticks[:3] == [0, 30, 60]
+    fmt = fig.yaxis[0].formatter
+    assert fmt.args["sections"][30] == "▾ fwd/layers/1 (30 ops)" and fmt.args["sections"][31] == ""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node not installed")
+    callback = fig.y_range.js_property_callbacks["change:start"][0]
+
+    def zoom(start, end):
+        args = {
+            "y_range": {"start": start, "end": end},
+            "fig": {"inner_height": 550, "height": 640},
+            "ticker": {"tags": [], "ticks": []},
+            "labels": callback.args["labels"],
+            "starts": callback.args["starts"],
+            "min_px": callback.args["min_px"],
+        }
+        names = list(args)
+        body = f"(new Function({json.dumps(names)[1:-1]}, {json.dumps(callback.code)}))"
+        values = ", ".join(json.dumps(args[k]) for k in names)
+        script = (
+            f"const a = [{values}]; {body}(...a); "
+            "console.log(JSON.stringify([a[2].tags, a[2].ticks]))"
+        )
+        out = subprocess.run([node, "-e", script], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    assert zoom(n - 0.5, -0.5)[0] == ["groups"]
+    tags, ticks = zoom(49.5, 9.5)  # 40 rows in 550 px: a label per row
+    assert tags == ["rows"] and ticks == list(range(10, 50))

@@ -35,8 +35,17 @@ from .frames import (
     recorded_formats,
     recorded_recipes,
     step_windows,
+    window_grid,
     with_derived,
     worst_by_op,
+)
+from .groups import (
+    COLLAPSE_ABOVE,
+    GroupedMatrix,
+    group_keys,
+    group_matrix,
+    max_depth,
+    scope_key,
 )
 from .measured import budget_note, measurement_notes, sampled_note
 from .summary import op_summary, op_summary_run, worst_ops
@@ -58,6 +67,13 @@ from .whatif import (
 
 __all__ = [
     "CHEAPEST",
+    "COLLAPSE_ABOVE",
+    "GroupedMatrix",
+    "group_keys",
+    "group_matrix",
+    "max_depth",
+    "scope_key",
+    "window_grid",
     "DEFAULT_SNR_DB",
     "DERIVED_METRICS",
     "FINDING_COLUMNS",

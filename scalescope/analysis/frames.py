@@ -491,17 +491,41 @@ def _dense_matrix(
     per_step, counts = _reduce_cells(
         frame["value"].to_numpy(np.float64), op_codes * n_steps + step_codes, n_ops * n_steps, how
     )
+    present = (counts > 0).reshape(n_ops, n_steps)
+    out = window_grid(per_step.reshape(n_ops, n_steps), present, direction, max_steps)
+    return pd.DataFrame(
+        out,
+        index=pd.Index(op_ids, name="op"),
+        columns=pd.Index(firsts, dtype=np.int64, name="step"),
+    )
+
+
+def window_grid(
+    per_step: np.ndarray, present: np.ndarray, direction: Direction, max_steps: int
+) -> np.ndarray:
+    """Merge the step columns of a dense op x step grid into the windows of
+    `step_windows` (``ceil(n / max_steps)`` consecutive columns), each reduced in
+    ``direction`` (`metric_direction`) over the cells where ``present`` is True; a window
+    without a present cell is NaN, a present NaN stays NaN. ops x windows, float64 (float32
+    for a float32 grid in which every cell is present)."""
+    n_ops, n_steps = per_step.shape
     width = max(1, math.ceil(n_steps / max_steps))  # the windows of step_windows
+    if width == 1:
+        out = per_step.astype(np.float64, copy=True)
+        out[~present] = np.nan
+        return out
     n_win = math.ceil(n_steps / width)
+    if direction != "mean" and present.all():
+        return _window_dense(per_step, direction, width, n_win)
     pad = ((0, 0), (0, n_win * width - n_steps))
-    grid = np.pad(per_step.reshape(n_ops, n_steps), pad).reshape(n_ops, n_win, width)
-    present = np.pad((counts > 0).reshape(n_ops, n_steps), pad).reshape(n_ops, n_win, width)
+    grid = np.pad(per_step, pad).reshape(n_ops, n_win, width)
+    here_all = np.pad(present, pad).reshape(n_ops, n_win, width)
     # Reduce each window slice by slice (a reduction over a short strided axis is slow).
     n = np.zeros((n_ops, n_win), np.int64)
     hi, lo, total = np.full(n.shape, -np.inf), np.full(n.shape, np.inf), np.zeros(n.shape)
     with np.errstate(invalid="ignore", divide="ignore"):  # inf - inf, 0 / 0: NaN
         for k in range(width):
-            cell, here = grid[:, :, k], present[:, :, k]
+            cell, here = grid[:, :, k], here_all[:, :, k]
             n += here
             if direction == "mean":
                 total += np.where(here, cell, 0.0)
@@ -511,11 +535,33 @@ def _dense_matrix(
                 lo = np.minimum(lo, np.where(here, cell, np.inf))
         out = total / n if direction == "mean" else _pick(direction, hi, lo)
     out[n == 0] = np.nan  # no row of this op in this window
-    return pd.DataFrame(
-        out,
-        index=pd.Index(op_ids, name="op"),
-        columns=pd.Index(firsts, dtype=np.int64, name="step"),
-    )
+    return out
+
+
+def _window_dense(per_step: np.ndarray, direction: Direction, width: int, n_win: int):
+    """`window_grid` of a grid without absent cells, in its own dtype: one pass per
+    position in the window over whole columns (NaN propagates through max/min)."""
+    n_ops, n_steps = per_step.shape
+    n_full = n_steps // width
+    body = per_step[:, : n_full * width].reshape(n_ops, n_full, width)
+    tail = per_step[:, n_full * width :]
+    out = np.empty((n_ops, n_win), per_step.dtype)
+    with np.errstate(invalid="ignore"):
+        hi = lo = None
+        if direction in ("max", "abs"):
+            hi = body[:, :, 0].copy()
+            for k in range(1, width):
+                np.maximum(hi, body[:, :, k], out=hi)
+        if direction in ("min", "abs"):
+            lo = body[:, :, 0].copy()
+            for k in range(1, width):
+                np.minimum(lo, body[:, :, k], out=lo)
+        out[:, :n_full] = _pick(direction, hi, lo)
+        if tail.shape[1]:
+            t_hi = tail.max(axis=1) if hi is not None else None
+            t_lo = tail.min(axis=1) if lo is not None else None
+            out[:, n_full] = _pick(direction, t_hi, t_lo)
+    return out
 
 
 def _empty_matrix(keys: list[str]) -> pd.DataFrame:

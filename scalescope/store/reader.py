@@ -179,6 +179,12 @@ class RunReader:
                 new += 1
         return new
 
+    def part_frames(self, start: int = 0) -> list[pd.DataFrame]:
+        """The statistics of the parts read so far, one frame per part in the order they
+        were read (from the ``start``-th on): key columns and scalar statistics, as
+        stored. A view that keeps its own incremental state reads only the new ones."""
+        return [frame for _, frame in self._stats_parts[start:]]
+
     def _read_ops(self) -> pd.DataFrame | None:
         try:
             frame = pd.read_parquet(self.path / L.OPS_FILE)

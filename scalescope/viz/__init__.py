@@ -8,7 +8,7 @@ builder returns a Bokeh model with a stable ``name=`` that browser tests look up
 """
 
 from .export import standalone_html
-from .heatmap import color_range, heatmap, heatmap_cell, update_heatmap
+from .heatmap import color_range, heatmap, heatmap_cell, heatmap_group, update_heatmap
 from .histogram import exponent_histogram, format_bounds
 from .lines import loss_curve, scale_ranges, timeseries
 from .scale_graph import scale_graph_figure
@@ -22,6 +22,7 @@ __all__ = [
     "format_bounds",
     "heatmap",
     "heatmap_cell",
+    "heatmap_group",
     "loss_curve",
     "metric_family",
     "palette_for",

@@ -29,7 +29,7 @@ Without ``measured`` every NaN cell is grey ("no data").
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -228,6 +228,8 @@ def heatmap(
     title: str | None = None,
     name: str = "heatmap",
     measured: pd.DataFrame | np.ndarray | None = None,
+    groups: pd.Series | None = None,
+    expanded: Collection[str] | None = None,
 ) -> figure:
     """Op x step heatmap of ``metric``: one ``image`` glyph, colour bar, hover and tap.
 
@@ -243,7 +245,29 @@ def heatmap(
     ``measured``: where each op was measured (`scalescope.analysis.measured_matrix`, or a
     bool array of the matrix's shape): NaN cells not measured are drawn blank, measured
     NaN cells grey (see the module docstring). None: every NaN cell grey.
+
+    ``groups``: op id -> group key (`scalescope.analysis.group_keys`): rows grouped by
+    module path and pass, a collapsed group drawn as one row of its worst member's values;
+    ``expanded``: the groups shown op by op (None: all of them for a small run, none for
+    more than `scalescope.analysis.COLLAPSE_ABOVE` ops). See
+    `scalescope.viz.heatmap_groups`.
     """
+    if groups is not None:
+        from .heatmap_groups import grouped_heatmap
+
+        return grouped_heatmap(
+            matrix,
+            metric=metric,
+            groups=groups,
+            expanded=expanded,
+            labels=labels,
+            palette=palette,
+            low=low,
+            high=high,
+            title=title,
+            name=name,
+            measured=measured,
+        )
     ops = [int(op) for op in matrix.index]
     steps = [int(step) for step in matrix.columns]
     names = _op_labels(ops, labels)
@@ -343,8 +367,26 @@ def heatmap_cell(fig_or_matrix: Any, x: float, y: float) -> tuple[int, int] | No
     if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)):
         return None
     col, row = math.floor(x + 0.5), math.floor(y + 0.5)
-    if 0 <= row < len(ops) and 0 <= col < len(steps):
+    if 0 <= row < len(ops) and 0 <= col < len(steps) and ops[row] >= 0:
         return ops[row], steps[col]
+    return None
+
+
+def heatmap_group(fig: Any, y: float) -> str | None:
+    """The group key of the collapsed group row at data coordinate ``y`` of a grouped
+    heatmap figure (`heatmap` with ``groups``); None for an op row, outside the image or
+    on a figure without groups."""
+    for tag in getattr(fig, "tags", None) or ():
+        if isinstance(tag, dict) and TAG in tag:
+            info = tag[TAG]
+            break
+    else:
+        return None
+    if y is None or not math.isfinite(y) or not info.get("grouped"):
+        return None
+    row = math.floor(y + 0.5)
+    if 0 <= row < len(info["ops"]) and info["collapsed"][row]:
+        return str(info["groups"][row])
     return None
 
 
@@ -358,6 +400,9 @@ def update_heatmap(
     high: float | None = None,
     title: str | None = None,
     measured: pd.DataFrame | np.ndarray | None = None,
+    groups: pd.Series | None = None,
+    expanded: Collection[str] | None = None,
+    labels: pd.Series | None = None,
 ) -> bool:
     """Show ``matrix`` (another metric of the same ops and steps) in an existing heatmap
     figure, in place: only the image values, colour range, palette and titles change, so
@@ -367,7 +412,32 @@ def update_heatmap(
     matrix's (or it is empty), when ``measured`` is given for a figure built without it
     (or the reverse), or when measured NaN cells appear in a figure that has no image for
     them: build a new figure with `heatmap` then.
+
+    A grouped figure (built with ``groups``) takes ``groups``, ``expanded`` and
+    ``labels`` again and may change its rows (other ops, groups expanded or collapsed):
+    only its steps and whether it knows where ops were measured must stay the same.
     """
+    info = next((t[TAG] for t in fig.tags if isinstance(t, dict) and TAG in t), {})
+    if info.get("grouped"):
+        if groups is None:
+            return False
+        from .heatmap_groups import update_grouped
+
+        return update_grouped(
+            fig,
+            matrix,
+            metric=metric,
+            groups=groups,
+            expanded=expanded,
+            labels=labels,
+            palette=palette,
+            low=low,
+            high=high,
+            title=title,
+            measured=measured,
+        )
+    if groups is not None:
+        return False
     ops, steps = _cell_axes(fig)
     if [int(i) for i in matrix.index] != ops or [int(c) for c in matrix.columns] != steps:
         return False
