@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
 from ..core.pow2 import is_static
 from .common import (
+    data_absmax,
     is_scaled,
+    make_scaled,
     on_unscaled,
     pow2_sqrt_static,
     product_scaled,
+    renormalized,
     unit_scale,
 )
 from .registry import register_rule
@@ -31,14 +36,36 @@ def _sum_like(data, n: int, *scales):
     return product_scaled(data, *scales, factor, data_factor=1.0 / factor)
 
 
+def _narrow_band(dtype) -> int | None:
+    """For floating data narrower than float32, how far (in powers of two) a sum's
+    abs-max may stray from 1 before it is renormalised: the format's max stays out of
+    reach (2^7 for E4M3, 2^8 otherwise). None for float32 and wider, and non-floats."""
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+        return None
+    return min(8, int(math.floor(math.log2(float(ml_dtypes.finfo(dtype).max)))) - 1)
+
+
+def _narrow_safe_sum(x, bind, n: int):
+    """``bind`` (a sum over ``n`` terms) on ``x``'s data, scaled as `_sum_like`. Narrow
+    floating data is summed in float32 and renormalised on the result's abs-max before
+    it is narrowed again: terms of one sign (a bias gradient, a mean) add up like ``n``,
+    not ``sqrt(n)``, and would overflow FP16 on the way or at the end."""
+    band = _narrow_band(x.data.dtype)
+    if band is None:
+        return _sum_like(bind(x.data), n, x.scale)
+    wide = _sum_like(bind(x.data.astype(np.float32)), n, x.scale)
+    wide = renormalized(wide, data_absmax(wide.data), band)
+    return make_scaled(wide.data.astype(x.data.dtype), wide.scale)
+
+
 def scaled_reduce_sum(x, *, axes, **params):
     n = math.prod(x.shape[a] for a in axes)
-    return _sum_like(lax.reduce_sum_p.bind(x.data, axes=axes, **params), n, x.scale)
+    return _narrow_safe_sum(x, lambda d: lax.reduce_sum_p.bind(d, axes=axes, **params), n)
 
 
 def scaled_cumsum(x, *, axis, **params):
-    out = lax.cumsum_p.bind(x.data, axis=axis, **params)
-    return _sum_like(out, x.shape[axis], x.scale)
+    return _narrow_safe_sum(x, lambda d: lax.cumsum_p.bind(d, axis=axis, **params), x.shape[axis])
 
 
 def _on_data(prim):
