@@ -265,7 +265,10 @@ def _per_step(stats: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     `numpy.ufunc.reduceat`): a run of thousands of ops x steps is a few array passes."""
     op = stats["op"].to_numpy(np.int64)
     step = stats["step"].to_numpy(np.int64)
-    order = np.lexsort((step, op))
+    if len(step) and (step[1:] >= step[:-1]).all():  # as read: by step, then op
+        order = np.argsort(op, kind="stable")  # the same order, one key to sort
+    else:
+        order = np.lexsort((step, op))
     op, step = op[order], step[order]
     starts = np.flatnonzero(np.r_[True, (op[1:] != op[:-1]) | (step[1:] != step[:-1])])
     one_row_each = len(starts) == len(op)
@@ -312,6 +315,18 @@ def _hits(values: pd.Series, mask: pd.Series, worst: str) -> pd.DataFrame:
     )
 
 
+def _hit_rows(hits: pd.DataFrame):
+    """``(op, first_step, steps, value, worst_step)`` per row of `_hits`, as Python
+    scalars (a loop over thousands of findings without a Series per row)."""
+    return zip(
+        hits.index.tolist(),
+        hits["first_step"].astype(np.int64).tolist(),
+        hits["steps"].astype(np.int64).tolist(),
+        hits["value"].astype(np.float64).tolist(),
+        hits["worst_step"].astype(np.int64).tolist(),
+    )
+
+
 # -- fixes -------------------------------------------------------------------------------
 
 # dtype of an op -> the low-precision format it is stored in (named in a fix without one)
@@ -323,12 +338,12 @@ _LOW_PRECISION = {
 }
 
 
-def _where(op: pd.Series) -> str:
+def _where(op: Mapping[str, Any]) -> str:
     source = str(op["source"])
     return source if source and not source.startswith("<") else str(op["label"])
 
 
-def fix_line(op: pd.Series, fmt: str, scalified: bool) -> str:
+def fix_line(op: Mapping[str, Any], fmt: str, scalified: bool) -> str:
     """The one-line fix for a finding on ``op`` (a row of the op table with a ``label``).
 
     Under scalify: ``dynamic_rescale_l2`` after a forward/optimizer value; for a backward
@@ -346,7 +361,7 @@ def fix_line(op: pd.Series, fmt: str, scalified: bool) -> str:
     return f"x = ss.ops.dynamic_rescale_l2(x)  # after {where}"
 
 
-def delayed_fix_line(op: pd.Series, history: int, scalified: bool) -> str:
+def delayed_fix_line(op: Mapping[str, Any], history: int, scalified: bool) -> str:
     """The one-line fix for a ``delayed`` finding on ``op``: an amax history shorter than
     ``history`` or ``most_recent``, per-tensor current scaling (the ``e4m3_tensor``
     recipe: the scale from this step's amax), or dynamic rescaling of the value (under
@@ -386,9 +401,8 @@ def _format_findings(
         for rule, col, worst, thr, test in rules:
             values = sel[col]
             hits = _hits(values, test(values, thr), worst)
-            for op, h in hits.iterrows():
-                k, n, first = int(h["steps"]), int(n_steps[op]), int(h["first_step"])
-                v, at = float(h["value"]), int(h["worst_step"])
+            for op, first, k, v, at in _hit_rows(hits):
+                n = int(n_steps[op])
                 if rule == "overflow":
                     bound = f" (|x| > {_num(limit)})" if limit else ""
                     text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
@@ -434,10 +448,9 @@ def _nonfinite_findings(
     origin = hits.sort_values(["first_step"], kind="stable").index[0]
     origin_step = int(hits.loc[origin, "first_step"])
     rows = []
-    for op, h in hits.iterrows():
-        k, n, first = int(h["steps"]), int(n_steps[op]), int(h["first_step"])
-        v = float(h["value"])
-        text = f"{pct(v)} of values are NaN/inf at step {int(h['worst_step'])}"
+    for op, first, k, v, at in _hit_rows(hits):
+        n = int(n_steps[op])
+        text = f"{pct(v)} of values are NaN/inf at step {at}"
         if op == origin:
             tail = "the earliest op with non-finite values"
         else:
@@ -465,12 +478,11 @@ def _drift_findings(
     bound = thresholds.drift_log2
     hits = _hits(log2_rms, log2_rms.abs() > bound, "abs")
     rows = []
-    for op, h in hits.iterrows():
-        k, n, first = int(h["steps"]), int(n_steps[op]), int(h["first_step"])
-        v = float(h["value"])
+    for op, first, k, v, at in _hit_rows(hits):
+        n = int(n_steps[op])
         text = (
             f"log2 rms of the data reaches {_signed(v)} (rms {_num(2.0**v)}) at step "
-            f"{int(h['worst_step'])}, beyond ±{bound:g}"
+            f"{at}, beyond ±{bound:g}"
         )
         rows.append(
             dict(
@@ -499,7 +511,9 @@ def _trend_findings(
     x = finite.index.get_level_values("step").to_numpy(np.float64)
     y = finite.to_numpy(np.float64)
     # last value of each op over *all* its steps (an op drifting now is not "in bound")
-    last = log2_rms.groupby(level="op").tail(1).droplevel("step")
+    all_ops = log2_rms.index.get_level_values("op").to_numpy()
+    is_last = np.r_[all_ops[1:] != all_ops[:-1], True] if len(all_ops) else np.ones(0, bool)
+    last = pd.Series(log2_rms.to_numpy()[is_last], index=all_ops[is_last])
     # One least-squares fit per op, vectorised: rows are sorted by (op, step) (`_per_step`).
     uniq, starts, counts = np.unique(ops, return_index=True, return_counts=True)
     codes = np.repeat(np.arange(len(uniq)), counts)
@@ -780,9 +794,11 @@ def _finish(
         found[col] = rec[col].to_numpy()
     found["severity"] = found["rule"].map(SEVERITY)
     fixes = []
-    for (_, f), (_, op) in zip(found.iterrows(), rec.iterrows()):
-        fmt = f["format"] or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
-        if f["rule"] == "delayed":
+    for rule, fmt, op in zip(
+        found["rule"].tolist(), found["format"].tolist(), rec.to_dict("records")
+    ):
+        fmt = fmt or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
+        if rule == "delayed":
             fixes.append(delayed_fix_line(op, history, run_scalified or bool(op["scaled"])))
         else:
             fixes.append(fix_line(op, fmt, run_scalified or bool(op["scaled"])))
