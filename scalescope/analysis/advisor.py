@@ -258,11 +258,15 @@ def _steps_text(k: int, n: int, first: int) -> str:
 # -- per-step view -----------------------------------------------------------------------
 
 
-def _per_step(stats: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+def _per_step(
+    stats: pd.DataFrame, columns: dict[str, str], extra: Mapping[str, np.ndarray] | None = None
+) -> pd.DataFrame:
     """Rows aggregated over loop iterations per (op, step): ``columns`` maps a column to
     ``max``/``min`` (NaN skipped) or ``abs`` (the value of larger magnitude). Index:
     ``(op, step)``, sorted. The groups are found once for every column (sorted keys and
-    `numpy.ufunc.reduceat`): a run of thousands of ops x steps is a few array passes."""
+    `numpy.ufunc.reduceat`): a run of thousands of ops x steps is a few array passes.
+    ``extra``: more columns, aligned with ``stats``'s rows (no copy of ``stats``)."""
+    extra = extra or {}
     op = stats["op"].to_numpy(np.int64)
     step = stats["step"].to_numpy(np.int64)
     if len(step) and (step[1:] >= step[:-1]).all():  # as read: by step, then op
@@ -274,7 +278,7 @@ def _per_step(stats: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     one_row_each = len(starts) == len(op)
     out = {}
     for col, how in columns.items():
-        values = stats[col].to_numpy(np.float64)[order]
+        values = np.asarray(extra[col] if col in extra else stats[col], np.float64)[order]
         if one_row_each:
             out[col] = values
             continue
@@ -752,7 +756,7 @@ def advise(
         amax, floor, ran = delayed.value_columns(stats, exp_range)
         extra |= {"_amax": amax, "_floor": floor, "_ran": ran.astype(np.float64)}
         columns |= {"_amax": "max", "_floor": "max", "_ran": "max"}
-    per_step = _per_step(stats.assign(**extra), columns)
+    per_step = _per_step(stats, columns, extra)
     n_steps = per_step.groupby(level="op").size()
     labels = op_labels(table)
 
