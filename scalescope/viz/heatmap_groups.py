@@ -48,6 +48,7 @@ from .heatmap import (
     _JS_VALUE,
     _PAN_ZOOM_TOOLS,
     TAG,
+    _blank_background,
     _figure_height,
     _nan_cells,
     _note,
@@ -174,7 +175,7 @@ def grouped_heatmap(
         args={"labels": [], "sections": [], "ticker": ticker}, code=_JS_YTICK
     )
     if mask is not None and not mask.all():
-        _add_blank(fig, n_rows, n_cols)
+        _blank_background(fig, n_rows, n_cols, fig.name)
     image = fig.image(
         image=[np.zeros((1, 1), np.float32)],
         x=-0.5,
@@ -260,25 +261,6 @@ def _label_callback(fig: Any, ticker: Any, name: str) -> None:
     )
     fig.y_range.js_on_change("start", callback)
     fig.y_range.js_on_change("end", callback)
-
-
-def _add_blank(fig: Any, n_rows: int, n_cols: int) -> Any:
-    """The faint hatch behind the image, seen through cells of ops not measured."""
-    quad = fig.quad(
-        left=[-0.5],
-        right=[n_cols - 0.5],
-        bottom=[-0.5],
-        top=[n_rows - 0.5],
-        fill_alpha=0.0,
-        line_alpha=0.0,
-        hatch_pattern=theme.UNMEASURED_HATCH,
-        hatch_color=theme.UNMEASURED_HATCH_COLOR,
-        hatch_scale=8,
-        hatch_weight=0.6,
-        name=f"{fig.name}-blank",
-    )
-    quad.nonselection_glyph = quad.glyph.clone()
-    return quad
 
 
 def _add_nan(fig: Any, n_rows: int, n_cols: int) -> Any:
