@@ -140,6 +140,21 @@ def _hover(
     """Tooltip with op label, op id, step and value, resolved per pixel in the browser
     (over the value image only; ``nan``: the source of the NaN-cell image, or None)."""
     op_fmt = CustomJSHover(args={"ops": ops, "labels": labels}, code=_JS_OP)
+    rows = [("op", "$y{label}"), ("op id", "$y{id}")]
+    return cell_hover(renderer, metric, op_fmt, rows, steps, measured, nan)
+
+
+def cell_hover(
+    renderer: Any,
+    metric: str,
+    row_fmt: Any,
+    row_tips: list[tuple[str, str]],
+    steps: list[int],
+    measured: bool,
+    nan: Any,
+) -> HoverTool:
+    """The heatmap's hover: ``row_tips`` (resolved by ``row_fmt`` from ``$y``), then the
+    step and the value of the cell under the pointer (shared by the grouped figure)."""
     step_fmt = CustomJSHover(args={"steps": steps}, code=_JS_STEP)
     value_fmt = CustomJSHover(
         args={"measured": measured, "nan": nan, "n_cols": len(steps)},
@@ -148,13 +163,8 @@ def _hover(
     )
     return HoverTool(
         renderers=[renderer],
-        tooltips=[
-            ("op", "$y{label}"),
-            ("op id", "$y{id}"),
-            ("step", "$x{step}"),
-            (metric, "@image{value}"),
-        ],
-        formatters={"$y": op_fmt, "$x": step_fmt, "@image": value_fmt},
+        tooltips=[*row_tips, ("step", "$x{step}"), (metric, "@image{value}")],
+        formatters={"$y": row_fmt, "$x": step_fmt, "@image": value_fmt},
         name="heatmap-hover",
     )
 

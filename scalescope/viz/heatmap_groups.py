@@ -43,15 +43,14 @@ from scalescope.analysis import GroupedMatrix, group_matrix, metric_direction
 
 from . import theme
 from .heatmap import (
-    _JS_STEP,
     _JS_TICK,
-    _JS_VALUE,
     _PAN_ZOOM_TOOLS,
     TAG,
     _blank_background,
     _figure_height,
     _nan_cells,
     _note,
+    cell_hover,
     color_range,
 )
 
@@ -225,24 +224,8 @@ def _hover(
         code=_JS_ROW,
         name=f"{name}-row-format",
     )
-    value_fmt = CustomJSHover(
-        args={"measured": measured, "nan": nan_source, "n_cols": n_cols},
-        code=_JS_VALUE,
-        name="heatmap-value-format",
-    )
-    step_fmt = CustomJSHover(args={"steps": steps}, code=_JS_STEP)
-    return HoverTool(
-        renderers=[image],
-        tooltips=[
-            ("row", "$y{label}"),
-            ("op id", "$y{id}"),
-            ("worst op", "$y{worst}"),
-            ("step", "$x{step}"),
-            (metric, "@image{value}"),
-        ],
-        formatters={"$y": row_fmt, "$x": step_fmt, "@image": value_fmt},
-        name="heatmap-hover",
-    )
+    rows = [("row", "$y{label}"), ("op id", "$y{id}"), ("worst op", "$y{worst}")]
+    return cell_hover(image, metric, row_fmt, rows, steps, measured, nan_source)
 
 
 def _label_callback(fig: Any, ticker: Any, name: str) -> None:
