@@ -73,17 +73,14 @@ def _walk(
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         inner = scope.join(parse(eqn.source_info.name_stack))
+        source = format_source(eqn.source_info, where)
         body = _body(eqn)
         if body is not None:
-            outs = _walk(
-                body, _consts(eqn), invals, inner, hook, format_source(eqn.source_info, where)
-            )
+            outs = _walk(body, _consts(eqn), invals, inner, hook, source)
         else:
             outs = bind_plain(eqn, invals)
             outs = [
-                hook(out, eqn, var, inner, format_source(eqn.source_info, where))
-                if _is_float(var.aval)
-                else out
+                hook(out, eqn, var, inner, source) if _is_float(var.aval) else out
                 for var, out in zip(eqn.outvars, outs)
             ]
         for v, out in zip(eqn.outvars, outs):
