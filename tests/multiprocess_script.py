@@ -1,7 +1,7 @@
 """One JAX process of a data-parallel training run recorded by scalescope, for
 ``test_multiprocess.py``: a tiny MLP trained for a few SGD steps on a global batch sharded
 along the batch axis over a mesh of every process's CPU devices, every step recorded into
-one run directory, the loss logged.
+one run directory, the loss logged, and the scale graph recorded at the end.
 
 Usage::
 
@@ -92,6 +92,8 @@ def main() -> None:
         for i in range(steps):
             params, loss = tracked(params, x, y)
             run.log(i, loss=loss)
+        # The scale graph of the last parameters on the global batch: process 0 writes it.
+        run.scale_graph(steps, lambda p: step(p, x, y)[1], params)
     print(f"process {jax.process_index()} done", flush=True)
 
 

@@ -120,6 +120,7 @@ def test_two_processes_record_one_run(recorded):
     assert stats and {proc for _, proc in stats} == {0}, stats
     assert {proc for _, proc in scalars} == {0, 1}, scalars
     assert (run / ".writer-p0.lock").is_file() and (run / ".writer-p1.lock").is_file()
+    assert (run / L.closed_marker_name(1)).is_file() and not (run / ".closed-p0").exists()
     assert not [p for p in run.rglob(".*.tmp")]  # no half-written file left
     # One row per (step, op, iteration): nothing counted twice, whatever the process filter.
     everything = reader.stats(wide=True, process=None)
@@ -177,6 +178,32 @@ def test_loss_of_both_processes_reads_as_one_curve(recorded):
     by_process = rows.pivot(index="step", columns="process", values="value")
     np.testing.assert_array_equal(by_process[0], by_process[1])
     assert a.scalar_rows(process=1)["process"].eq(1).all()
+
+
+def test_scale_graph_of_sharded_arrays_equals_the_single_process_one(recorded):
+    """`Run.scale_graph` on arrays sharded over both processes: RMS are reduced on
+    device, process 0 writes the one file, and it equals the single-process graph."""
+    run, single, _ = recorded
+    files = sorted((run / L.SCALE_GRAPH_DIR).iterdir())
+    assert [f.name for f in files] == [L.scale_graph_name(STEPS)]
+    a, b = ss.open_run(run).scale_graph(STEPS), ss.open_run(single).scale_graph(STEPS)
+    assert len(a) > 0 and a["fwd_log2_rms"].notna().sum() > len(a) // 2
+    pd.testing.assert_frame_equal(a[["name", "shape"]], b[["name", "shape"]])
+    for col in ("fwd_log2_rms", "grad_log2_rms"):
+        np.testing.assert_allclose(a[col], b[col], atol=1e-5, err_msg=col)
+
+
+def test_a_run_reads_closed_only_once_every_process_closed(tmp_path):
+    """Process 0 marks run.json closed when it closes; the run reads ``recording`` until
+    the other processes' markers say their last parts are on disk too."""
+    with ss.Run(tmp_path / "run", every=1) as run:
+        run.log(0, loss=1.0)
+    meta = L.read_metadata(tmp_path / "run")
+    meta["sessions"][-1]["processes"] = 2  # as process 0 of a two-process run leaves it
+    L.write_json_atomic(tmp_path / "run" / L.RUN_FILE, meta)
+    assert ss.open_run(tmp_path / "run").status == "recording"
+    L.write_json_atomic(tmp_path / "run" / L.closed_marker_name(1), {"process": 1})
+    assert ss.open_run(tmp_path / "run").status == "closed"
 
 
 def test_dashboard_data_shows_one_run(recorded):

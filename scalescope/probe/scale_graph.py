@@ -98,10 +98,27 @@ def _describe(eqn: Any, var: Any, scope: Scope, source: str) -> dict[str, Any]:
     }
 
 
-def _log2_rms(x: Any) -> float:
-    x = np.asarray(x, np.float64)
-    rms = float(np.sqrt(np.mean(x * x))) if x.size else 0.0
-    return float(np.log2(rms)) if rms > 0 and np.isfinite(rms) else float("nan")
+def _log2_rms(x: jax.Array) -> jax.Array:
+    """log2 of the RMS of ``x``, on device in float32: NaN where the RMS is 0 or not
+    finite. Squares are taken after dividing by the abs-max (exact for a power of two),
+    so values near float32's max or min do not over- or underflow; only this scalar
+    leaves the device, which also works on arrays sharded over several processes."""
+    x = jnp.asarray(x, jnp.float32)
+    if x.size == 0:
+        return jnp.float32(jnp.nan)
+    amax = jnp.max(jnp.abs(x))
+    ok = jnp.isfinite(amax) & (amax > 0)
+    # the power of two of amax: dividing by it is exact
+    p2 = jnp.where(ok, jnp.exp2(jnp.floor(jnp.log2(jnp.where(ok, amax, 1.0)))), 1.0)
+    y = x / p2
+    rms = jnp.sqrt(jnp.mean(y * y))
+    return jnp.where(ok & (rms > 0), jnp.log2(rms) + jnp.log2(p2), jnp.nan)
+
+
+def _host(x: jax.Array) -> float:
+    """A replicated scalar's value (its first addressable shard: valid in every
+    process of a multi-process run)."""
+    return float(np.asarray(x.addressable_data(0)))
 
 
 def scale_graph(loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
@@ -130,22 +147,28 @@ def scale_graph(loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
 
     jax.eval_shape(lambda *a: _walk(closed.jaxpr, closed.consts, a, Scope(), describe), *flat)
 
-    def perturbed(perts, *a):
+    def perturbed(perts, consts, *a):
         values: list[Any] = []
 
         def add(value, eqn, var, scope, source):
             values.append(value)
             return value + perts[len(values) - 1]
 
-        (loss,) = _walk(closed.jaxpr, closed.consts, a, Scope(), add)
+        (loss,) = _walk(closed.jaxpr, consts, a, Scope(), add)
         return jnp.asarray(loss, jnp.float32), values
 
+    def measured(perts, consts, *a):
+        (_, values), grads = jax.value_and_grad(perturbed, has_aux=True)(perts, consts, *a)
+        return [_log2_rms(v) for v in values], [_log2_rms(g) for g in grads]
+
     zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-    grad_fn = jax.jit(jax.value_and_grad(perturbed, has_aux=True))
-    (_, values), grads = grad_fn(zeros, *flat)
+    # the arrays ``loss_fn`` closes over are passed as arguments, not constants: that is
+    # what JAX requires of arrays sharded over several processes
+    fwd, grad = jax.jit(measured)(zeros, list(closed.consts), *flat)
     frame = pd.DataFrame(rows, columns=list(COLUMNS[:5]))
-    frame["fwd_log2_rms"] = [_log2_rms(v) for v in values]
-    frame["grad_log2_rms"] = [_log2_rms(g) for g in grads]
+    # replicated scalars: every process holds them
+    frame["fwd_log2_rms"] = np.array([_host(v) for v in fwd], np.float64)
+    frame["grad_log2_rms"] = np.array([_host(g) for g in grad], np.float64)
     frame.index.name = "op"
     return frame
 

@@ -71,6 +71,12 @@ def parse_part_name(name: str) -> tuple[int, int] | None:
     return int(m.group(1)), int(m.group(2) or 0)
 
 
+def closed_marker_name(process: int) -> str:
+    """File a writer of a multi-process run other than process 0 writes when it has
+    closed (everything it recorded is on disk); process 0 marks ``run.json`` itself."""
+    return f".closed-p{int(process)}"
+
+
 def scale_graph_name(step: int) -> str:
     return f"step-{step:09d}.parquet"
 

@@ -58,8 +58,18 @@ class RunReader:
 
     @property
     def status(self) -> str:
-        """``recording`` while a writer has it open (or was killed), ``closed`` after."""
-        return str(self.meta.get("status", "unknown"))
+        """``recording`` while a writer has it open (or was killed), ``closed`` after.
+        A run several processes record reads ``closed`` only once every process has
+        closed (process 0 marks ``run.json``, the others leave a marker), so its last
+        parts are on disk; ``recording`` until then."""
+        status = str(self.meta.get("status", "unknown"))
+        sessions = self.meta.get("sessions") or [{}]
+        processes = int(sessions[-1].get("processes", 1))
+        if status == "closed" and processes > 1:
+            markers = (self.path / L.closed_marker_name(k) for k in range(1, processes))
+            if not all(m.is_file() for m in markers):
+                return "recording"
+        return status
 
     @property
     def config(self) -> dict[str, Any]:

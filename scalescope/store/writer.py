@@ -527,6 +527,8 @@ class Run:
         (path / L.STATS_DIR).mkdir(parents=True, exist_ok=True)
         (path / L.SCALARS_DIR).mkdir(parents=True, exist_ok=True)
         self._lock()
+        # a closed marker left by this process's previous session no longer holds
+        (path / L.closed_marker_name(self.process)).unlink(missing_ok=True)
         if self.process == 0:
             meta["status"] = "recording"
             session = {"started": _now(), "pid": os.getpid(), "host": socket.gethostname()}
@@ -712,14 +714,17 @@ class Run:
     def scale_graph(self, step: int, loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
         """Record the scale graph at ``step``: each op of ``loss_fn(*args)`` (a scalar
         loss) with the log2 RMS of its value and of its gradient (`scalescope.scale_graph`),
-        written at once as ``scale_graph/step-N.parquet``. It runs one forward and backward
-        pass of ``loss_fn`` of its own (compiled on each call): call it at the steps you
-        want to compare, not at every step. Returns the frame."""
+        written at once as ``scale_graph/step-N.parquet`` (by process 0 when several
+        processes record the run; each must call it, as for any collective). It runs one
+        forward and backward pass of ``loss_fn`` of its own (compiled on each call): call
+        it at the steps you want to compare, not at every step. Returns the frame."""
         self._check_open()
         _check_int("step", step, 0)
         from ..probe.scale_graph import scale_graph
 
         frame = scale_graph(loss_fn, *args)
+        if self.process != 0:
+            return frame  # every process computes the same global graph; process 0 writes it
         table = frame.reset_index()
         table["shape"] = [list(s) for s in table["shape"]]
         table.insert(0, "step", int(step))
@@ -755,6 +760,9 @@ class Run:
                 self._meta["status"] = "closed"
                 self._meta["closed"] = _now()
                 L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
+            else:  # readers wait for every process's marker before calling the run closed
+                marker = {"process": self.process, "closed": _now()}
+                L.write_json_atomic(self.path / L.closed_marker_name(self.process), marker)
             if self._lock_file is not None:
                 self._lock_file.close()
                 self._lock_file = None
