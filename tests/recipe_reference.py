@@ -218,6 +218,15 @@ def _rational_block(
     return Quantised(np.array(zero, bool), np.array(clipped, bool), np.array(err), log2_scale)
 
 
+def tensor_factor(top: int, amax: float) -> float:
+    """The float32 tensor factor ``f32(top / amax)``: 1 for an all-zero value, and
+    float32's largest finite value where the quotient overflows (a tensor whose abs-max
+    is below ``top / f32max``, as Transformer Engine clamps it)."""
+    if amax <= 0:
+        return 1.0
+    return min(f32_round(Fraction(top) / Fraction(amax)), F32_MAX)
+
+
 def _tensor_amax(d: np.ndarray) -> float:
     fin = d[np.isfinite(d)]
     return float(np.max(np.abs(fin), initial=0.0))
@@ -245,21 +254,18 @@ def recipe_stats(d: np.ndarray, recipe: str, axis: int | None = -1) -> dict[str,
     amax_t = _tensor_amax(flat)
 
     if recipe == "e4m3_tensor":
-        s = f32_round(Fraction(448) / Fraction(amax_t)) if amax_t > 0 else 1.0
+        s = tensor_factor(448, amax_t)
 
         def quantise(x: np.ndarray) -> Quantised:
             has = bool(np.any(x != 0))
-            log2 = -math.log2(s) if has and not math.isinf(s) else None
-            mul = Fraction(s) if not math.isinf(s) else math.inf
-            return _rational_block(x, mul, E4M3, log2)
+            log2 = -math.log2(s) if has else None
+            return _rational_block(x, Fraction(s), E4M3, log2)
 
     elif recipe == "nvfp4":
-        s_enc = f32_round(Fraction(2688) / Fraction(amax_t)) if amax_t > 0 else 1.0
+        s_enc = tensor_factor(2688, amax_t)
 
         def quantise(x: np.ndarray) -> Quantised:
             amax = float(np.max(np.abs(x), initial=0.0))
-            if math.isinf(s_enc):  # out of contract: S_enc overflowed float32
-                return _rational_block(x, math.inf, E2M1, None)
             s_b = q_exact(Fraction(amax) * Fraction(s_enc) / 6, E4M3)
             if s_b == 0:  # the block's scale flushed: the whole block is 0, none clipped
                 z = np.zeros(x.shape, bool)

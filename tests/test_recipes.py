@@ -415,6 +415,9 @@ def _probe_data() -> dict[str, np.ndarray]:
         "nv_ties": nv_ties,
         "nvfp4": nv,
         "specials": np.array([-0.0, np.nan, np.inf, -np.inf, 1.0, 2.0**-40]),
+        # abs-max below 448 / f32max: the tensor factors clamp to float32's max
+        "tiny": rng.normal(size=(2, 32)) * 2e-38 + np.eye(2, 32) * 1e-37,
+        "tiny_edge": np.array([448 / float(np.finfo(F32).max), -3e-37, 1e-38, 2.0**-126]),
         "all_zero": np.zeros(5),
         "all_nan": np.full(3, np.nan),
     }

@@ -6,6 +6,8 @@ probe reports what that would do to every recorded value (DESIGN.md, "Recipes").
 rules, with ``amax_b`` a block's finite abs-max and ``amax`` the tensor's:
 
 - ``tensor``: one block; ``s = f32(448 / amax)``, ``X = 1/s`` (TE current scaling).
+  Where ``448 / amax`` overflows float32 (``amax`` below ~1.3e-36), ``s`` is float32's
+  largest finite value, as in Transformer Engine; NVFP4's ``S_enc`` likewise.
 - ``mx_floor``: ``X = 2^clamp(floor(log2 amax_b) - emax_elem, -127, 127)`` (OCP MX v1.0,
   an E8M0 scale); the block max can land up to 12.5 % above an E4M3 element's max and
   saturates.

@@ -42,6 +42,13 @@ _E2M1_TIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fa
 _E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
+def _tensor_factor(top: float, amax: jax.Array) -> jax.Array:
+    """``f32(top / amax)``, float32's max where it overflows (an abs-max below about
+    ``top / 3.4e38``, clamped as Transformer Engine does), 1 for an all-zero value."""
+    f = np.float32(top) / jnp.maximum(amax, _TINY)
+    return jnp.where(amax > 0, jnp.minimum(f, np.finfo(np.float32).max), 1.0)
+
+
 def block_view(x: jax.Array, axes: Sequence[int] | None) -> jax.Array:
     """``x`` as ``[outer, rows, length]``: the block axes (``axes``, default the last)
     moved to the end and flattened into ``length``; ``rows`` is the axis before them
@@ -192,7 +199,8 @@ def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
     amax_b = jnp.max(a, axis=1, keepdims=True)
     amax = by_value(amax_b[:, 0], "max")[seg][:, None]  # the value's abs-max, per block
     e_amax = jnp.where(amax > 0, _exponent(jnp.maximum(amax, _TINY)), 0)
-    unit = _pow2(-jnp.clip(e_amax, -126, 126))
+    e_unit = jnp.clip(e_amax, -126, 126)
+    unit = _pow2(-e_unit)  # errors are summed in units of 2**e_unit
     has = amax_b > 0
     e_b = _exponent(jnp.maximum(amax_b, _TINY))
     el = recipe.element
@@ -214,17 +222,18 @@ def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
         y = a * _pow2(h) * _pow2(e_s - h)
         q_y = _cast(y, el)
         over = y > big
-        q = q_y * _pow2(-h) * _pow2(h - e_s)
+        t = -e_s - e_unit  # q_y * 2**t: the dequantised value in units, in two exact steps
+        q_u = q_y * _pow2(t // 2) * _pow2(t - t // 2)
         log2x = log2x.astype(_F32)
     elif recipe.rule == "tensor":
-        s = jnp.where(amax > 0, np.float32(448.0) / jnp.maximum(amax, _TINY), 1.0)
+        s = _tensor_factor(448.0, amax)
         p, r = _scaled(a, s, e_amax)
         q_y = _cast_exact(p, r, el)
         over = (p > big) | ((p == big) & (r > 0))
-        q = q_y / s
+        q_u = q_y / (s * _pow2(e_unit))  # s * 2**e_unit is exact and near 448
         log2x = -jnp.log2(s)
     else:  # nvfp4
-        enc = jnp.where(amax > 0, np.float32(448.0 * 6.0) / jnp.maximum(amax, _TINY), 1.0)
+        enc = _tensor_factor(448.0 * 6.0, amax)
         pb, rb = _scaled(amax_b, enc, e_amax)
         t = pb / 6.0  # the block scale before rounding: exact only where tied
         rt = (pb - 6.0 * t) + rb
@@ -240,12 +249,15 @@ def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
         zero_scale = s_b == 0
         over = ((p > lim) | ((p == lim) & (r > 0))) & ~zero_scale
         q_y = jnp.where(zero_scale, 0.0, q_y)
-        q = q_y * s_b / enc
+        q_u = q_y * s_b / (enc * _pow2(e_unit))
         log2x = jnp.log2(jnp.maximum(s_b, _TINY)) - jnp.log2(enc)
-    err = (a - q) * unit
-    nonzero = jnp.sum((q != 0).astype(jnp.int32), axis=1)
+    # In units of the value's abs-max, where even a value below float32's normal range
+    # keeps its error (float32 subnormals flush on CPUs); the same bits as (a - q) * unit
+    # elsewhere. Zero and underflow are decided on the element grid (q_y).
+    err = a * unit - q_u
+    nonzero = jnp.sum((q_y != 0).astype(jnp.int32), axis=1)
     as_i = lambda m: m.astype(jnp.int32)  # noqa: E731
-    under = by_value(jnp.sum(as_i((a > 0) & (q == 0)), axis=1))
+    under = by_value(jnp.sum(as_i((a > 0) & (q_y == 0)), axis=1))
     clipped = by_value(jnp.sum(as_i(over), axis=1) + n_inf)
     err2 = by_value(jnp.sum(err * err, axis=1))
     lg = log2x.astype(_F32)[:, 0]

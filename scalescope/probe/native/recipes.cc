@@ -383,10 +383,12 @@ inline float block_max(const float* a, int64_t n) {
 constexpr int64_t kRowChunk = 4096;  // a multiple of every 1-D block size
 
 // The float32 tensor factor of a rule: 448 / amax (e4m3_tensor), 448 * 6 / amax (NVFP4's
-// S_enc); 1 for the others and for an all-zero value.
+// S_enc), float32's max where that overflows (amax below ~1.3e-36, as Transformer Engine
+// clamps it); 1 for the others and for an all-zero value.
 inline float tensor_factor(int rule, float amax) {
   if (!(amax > 0) || (rule != kTensor && rule != kNvfp4)) return 1.0f;
-  return (rule == kTensor ? 448.0f : 2688.0f) / amax;
+  const float f = (rule == kTensor ? 448.0f : 2688.0f) / amax;
+  return std::isinf(f) ? std::numeric_limits<float>::max() : f;
 }
 
 // The maxima of a chunk's blocks, per block size, computed once per chunk.
