@@ -195,6 +195,7 @@ def run_row(row: Row, args: argparse.Namespace, log=sys.stderr) -> dict[str, Any
         learning_rate_schedule,
         make_adamw,
         make_task,
+        peak_learning_rate,
     )
     from sample_models.train_step import make_train_step
 
@@ -213,6 +214,7 @@ def run_row(row: Row, args: argparse.Namespace, log=sys.stderr) -> dict[str, Any
             "n_layers": args.layers,
         },
         opt_state_dtype=row.opt_state_dtype,
+        learning_rate=args.lr,
     )
     task = make_task(cfg)  # same seed: same initial weights (up to dtype), same batches
     scalified = cfg.precision in SCALIFIED
@@ -266,6 +268,7 @@ def run_row(row: Row, args: argparse.Namespace, log=sys.stderr) -> dict[str, Any
         "weights": row.weights,
         "opt_state": row.state,
         "steps": args.steps,
+        "lr": peak_learning_rate(cfg),
         "train_loss": float(np.mean(tail)),
         "val_loss": val,
         "nan_step": int(bad[0]) if bad.size else None,
@@ -296,6 +299,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(DEFAULT_ROWS),
         help=f"comma-separated recipes to run, from {','.join(ROWS)}",
     )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate for every row run (default: each recipe's own, 2e-3; 0.1 "
+        "for unit-fp8); for sweeps, one row at a time",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--check", action="store_true", help="exit 1 if a goal fails")
     args = p.parse_args(argv)
@@ -305,6 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown rows {unknown}; expected some of {list(ROWS)}")
     if args.steps < 1:
         p.error("--steps must be positive")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        p.error(f"--lr must be a positive number, got {args.lr}")
     return args
 
 

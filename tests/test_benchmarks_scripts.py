@@ -143,6 +143,10 @@ def test_bench_numerics_rejects_unknown_rows():
     with pytest.raises(SystemExit):
         mod.parse_args(["--rows", "fp32,fp4"])
     assert mod.parse_args(["--rows", "fp32, fp8"]).rows == ["fp32", "fp8"]
+    assert mod.parse_args([]).lr is None and mod.parse_args(["--lr", "0.03"]).lr == 0.03
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            mod.parse_args(["--lr", bad])
 
 
 @pytest.mark.slow
@@ -158,5 +162,6 @@ def test_bench_numerics_runs_a_tiny_config_end_to_end(tmp_path):
     assert [r["row"] for r in data["results"]] == ["fp32", "fp8"]
     fp8 = data["results"][1]
     assert fp8["scalify"] and fp8["opt_state"] == "fp32" and fp8["steps"] == 3
+    assert fp8["lr"] == 2e-3  # the recipe's own peak rate (no --lr)
     assert math.isfinite(fp8["val_loss"]) and math.isfinite(fp8["val_gap_pct"])
     assert data["machine"]["jax"] and data["command"].startswith("python benchmarks/")
