@@ -6,6 +6,7 @@ from .core.formats import Format
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
 from .notebook import load_notebook, show
 from .probe import OpRecord, OpTable, instrument, module_scopes, scale_graph, stats_frame
+from .run_view import RunView, open_run
 from .scalify import ScalifyError, register_rule, scalify
 from .store import (
     NotARunError,
@@ -15,7 +16,6 @@ from .store import (
     RunReader,
     RunWarning,
     list_runs,
-    open_run,
 )
 from .unit import unit_scale
 
@@ -30,6 +30,7 @@ __all__ = [
     "RunError",
     "RunMismatchError",
     "RunReader",
+    "RunView",
     "RunWarning",
     "ScaledArray",
     "ScalifyError",
