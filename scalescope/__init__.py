@@ -1,6 +1,7 @@
 """scalescope: see what low precision does to every primitive of a JAX training step."""
 
 from . import ops, unit
+from ._version import __version__ as __version__
 from .core import formats
 from .core.formats import Format
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
@@ -18,8 +19,6 @@ from .store import (
     list_runs,
 )
 from .unit import unit_scale
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Format",
