@@ -10,6 +10,11 @@ Not every op has a row at every recorded step: a run recorded under an overhead 
 `RunReader.measured` says, per op, when it was last measured and how often; the views
 leave the other (op, step) cells blank. `RunReader.statistics` says whether the numbers
 are exact or estimates from element subsampling (``sample=``).
+
+The reader is pure storage: frames and series of what was recorded, and no import from
+the analysis or the views above it. The conveniences of ``ss.open_run`` (``advise``,
+``heatmap``, ``compare``, ``delayed_scaling``, figures that draw themselves in Jupyter)
+are a subclass defined above them, `scalescope.run_view.RunView`.
 """
 
 from __future__ import annotations
