@@ -1,11 +1,13 @@
 """scalescope: see what low precision does to every primitive of a JAX training step."""
 
 from . import ops, unit
+from ._version import __version__ as __version__
 from .core import formats
 from .core.formats import Format
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
 from .notebook import load_notebook, show
 from .probe import OpRecord, OpTable, instrument, module_scopes, scale_graph, stats_frame
+from .run_view import RunView, open_run
 from .scalify import ScalifyError, register_rule, scalify
 from .store import (
     NotARunError,
@@ -15,11 +17,8 @@ from .store import (
     RunReader,
     RunWarning,
     list_runs,
-    open_run,
 )
 from .unit import unit_scale
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Format",
@@ -30,6 +29,7 @@ __all__ = [
     "RunError",
     "RunMismatchError",
     "RunReader",
+    "RunView",
     "RunWarning",
     "ScaledArray",
     "ScalifyError",

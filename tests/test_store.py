@@ -443,3 +443,46 @@ def test_reader_advise_flags_an_overflowing_cast(tmp_path):
     assert hit["first_step"].min() == 0
     expected = float(np.mean(ref > 448))
     assert np.isclose(hit["value"].max(), expected, rtol=1e-6)
+
+
+def test_store_reader_is_pure_storage_and_open_run_adds_the_views(tmp_path, data):
+    """`scalescope.store.open_run` gives the bare reader: plain pandas data, no judgement
+    (no advise/heatmap/compare/delayed_scaling). `ss.open_run` gives a `RunView`, the same
+    reader (``isinstance`` holds) whose conveniences wrap exactly the stored data."""
+    from scalescope import analysis
+    from scalescope import notebook as nb
+    from scalescope.store import RunReader
+    from scalescope.store import open_run as open_stored
+
+    w, x = data
+    with ss.Run(tmp_path / "r", every=1) as run:
+        tracked = run.track(mlp_step, scalify=False)
+        for i in range(3):
+            w, loss = tracked(w, x)
+            run.log(i, loss=loss)
+        run.scale_graph(2, lambda w: jnp.mean(jnp.tanh(x @ w) ** 2), w)
+    pure, view = open_stored(tmp_path / "r"), ss.open_run(tmp_path / "r")
+    assert type(pure) is RunReader and type(view) is ss.RunView
+    assert isinstance(view, ss.RunReader) and repr(view) == repr(pure)
+    for name in ("advise", "heatmap", "compare", "delayed_scaling"):
+        assert not hasattr(pure, name) and callable(getattr(view, name))
+
+    op = int(pure.ops.index[pure.ops["stats_op"] >= 0][0])
+    plain, shown = pure.hist(op, -1), view.hist(op, -1)
+    assert type(plain) is pd.Series and isinstance(shown, nb.HistSeries)
+    pd.testing.assert_series_equal(pd.Series(shown), plain)
+    assert shown.attrs == plain.attrs == {"step": 2, "op": op, "iteration": None}
+
+    graph, drawn = pure.scale_graph(), view.scale_graph()
+    assert type(graph) is pd.DataFrame and isinstance(drawn, nb.ScaleGraph)
+    pd.testing.assert_frame_equal(pd.DataFrame(drawn), graph)
+    assert graph.attrs == {"step": 2} and drawn.attrs["formats"] == ["e4m3", "e5m2", "fp16", "bf16"]
+
+    rows = pure.op_rows(op)
+    assert list(rows.columns[:4]) == ["step", "count", "absmax", "scale"]
+    assert list(rows.columns[4:]) == list(pure.hist_columns) and rows["step"].tolist() == [0, 1, 2]
+    replay = view.delayed_scaling(op, history=2)
+    pd.testing.assert_frame_equal(replay, analysis.delayed_scaling_run(pure, op, history=2))
+    assert replay.attrs["op"] == op and replay.attrs["label"].endswith(pure.ops.loc[op, "name"])
+
+    pd.testing.assert_frame_equal(pd.DataFrame(view.advise()), analysis.advise_run(pure))

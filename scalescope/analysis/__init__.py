@@ -20,7 +20,7 @@ from .advisor import (
     summary_by_rule,
 )
 from .compare import Comparison, compare_readers, compare_runs, match_ops
-from .delayed import delayed_scaling
+from .delayed import delayed_scaling, delayed_scaling_run
 from .frames import (
     DERIVED_METRICS,
     log2_absmax,
@@ -93,6 +93,7 @@ __all__ = [
     "compare_readers",
     "compare_runs",
     "delayed_scaling",
+    "delayed_scaling_run",
     "fix_line",
     "format_whatif",
     "format_whatif_run",

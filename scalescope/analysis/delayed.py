@@ -357,6 +357,35 @@ def delayed_scaling(
     return out
 
 
+def delayed_scaling_run(
+    reader: Any,
+    op: int | str,
+    history: int = 1024,
+    algo: str = "max",
+    margin: float = 0,
+    fmt: str = "e4m3",
+    process: int | None = 0,
+    iteration: int | None = None,
+) -> pd.DataFrame:
+    """`delayed_scaling` of one op of a recorded run (``reader``: a `scalescope.open_run`
+    reader; ``op``: an id or ``pass/name``), from its recorded abs-max, scale and exponent
+    histogram (`scalescope.store.RunReader.op_rows`). The history holds recorded steps
+    only (``every=10``: every 10th step; the ``gap`` column).
+
+    ``iteration``: rows of that loop iteration only (e.g. one layer of a scan over
+    layers, which would own its FP8 history); None: the iterations of a step share one
+    history (their amax is the max, their clipped counts add up). ``process``: rows of
+    that JAX process (None: all, treated like iterations). ``attrs`` add the op id and
+    its ``pass/name`` label."""
+    check_options(history, algo, margin, fmt)
+    op_id = reader.op_id(op)
+    rows = reader.op_rows(op, process=process, iteration=iteration)
+    out = delayed_scaling(rows, history=history, algo=algo, margin=margin, fmt=fmt)
+    rec = reader.ops.loc[op_id]
+    out.attrs.update(op=op_id, label=f"{rec['pass']}/{rec['name']}")
+    return out
+
+
 # -- many ops (the advisor) --------------------------------------------------------------
 
 

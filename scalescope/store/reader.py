@@ -10,6 +10,11 @@ Not every op has a row at every recorded step: a run recorded under an overhead 
 `RunReader.measured` says, per op, when it was last measured and how often; the views
 leave the other (op, step) cells blank. `RunReader.statistics` says whether the numbers
 are exact or estimates from element subsampling (``sample=``).
+
+The reader is pure storage: frames and series of what was recorded, and no import from
+the analysis or the views above it. The conveniences of ``ss.open_run`` (``advise``,
+``heatmap``, ``compare``, ``delayed_scaling``, figures that draw themselves in Jupyter)
+are a subclass defined above them, `scalescope.run_view.RunView`.
 """
 
 from __future__ import annotations
@@ -135,8 +140,10 @@ class RunReader:
         return list(L.list_scale_graphs(self.path))
 
     def scale_graph(self, step: int | None = None) -> pd.DataFrame:
-        """The scale graph recorded at ``step`` (default: the latest): one row per op,
-        with the log2 RMS of its value and of its gradient (`scalescope.scale_graph`)."""
+        """The scale graph recorded at ``step`` (default: the latest): one row per op
+        (indexed by op id), with the log2 RMS of its value and of its gradient
+        (`scalescope.scale_graph`); ``attrs["step"]`` is the step. A plain DataFrame
+        (``ss.open_run`` readers return one that draws itself in Jupyter)."""
         graphs = L.list_scale_graphs(self.path)
         if not graphs:
             raise L.RunError(
@@ -149,12 +156,9 @@ class RunReader:
             raise KeyError(f"no scale graph at step {step}; recorded at steps {list(graphs)}")
         frame = pd.read_parquet(graphs[step])
         frame["shape"] = [tuple(int(d) for d in s) for s in frame["shape"]]
-        from scalescope.notebook import scale_graph_frame  # draws itself in Jupyter
-
-        formats = [f for f in self.formats if f != "fp32"]
-        return scale_graph_frame(
-            frame.drop(columns=["step"]).set_index("op"), step=step, formats=formats
-        )
+        out = frame.drop(columns=["step"]).set_index("op")
+        out.attrs["step"] = step
+        return out
 
     # -- incremental reading -----------------------------------------------------------
 
@@ -448,8 +452,9 @@ class RunReader:
     def hist(self, op: int | str, step: int = -1, iteration: int | None = None) -> pd.Series:
         """Exponent histogram (counts per bin, indexed by bin label) of ``op`` at ``step``
         (negative: counted from the last recorded step). Rows of all loop iterations are
-        summed unless ``iteration`` picks one. The Series (`scalescope.notebook.HistSeries`)
-        draws itself in Jupyter, with each format's range shaded."""
+        summed unless ``iteration`` picks one. ``attrs``: step, op, iteration. A plain
+        Series (``ss.open_run`` readers return a `scalescope.notebook.HistSeries`, which
+        draws itself in Jupyter with each format's range shaded)."""
         if not self.hist_columns:
             raise ValueError(f"{self.path} was recorded with histograms=False")
         rec = self.ops.loc[self.op_id(op)]
@@ -481,38 +486,20 @@ class RunReader:
         label = f"{rec['pass']}/{rec['name']}"
         series = pd.Series(counts, index=pd.Index(self.hist_columns, name="bin"), name=label)
         series.attrs.update(step=step, op=int(self.op_id(op)), iteration=iteration)
-        # A pd.Series subclass that also draws itself in Jupyter (views sit above the
-        # store: imported here, not at module level).
-        from scalescope.notebook import format_limits, hist_series
+        return series
 
-        return hist_series(series, format_limits(self.formats, self.meta))
-
-    def delayed_scaling(
+    def op_rows(
         self,
         op: int | str,
-        history: int = 1024,
-        algo: str = "max",
-        margin: float = 0,
-        fmt: str = "e4m3",
         process: int | None = 0,
         iteration: int | None = None,
     ) -> pd.DataFrame:
-        """What FP8 delayed scaling (TE / Flax style: the scale from an amax history of
-        ``history`` recorded steps, ``algo`` ``"max"`` or ``"most_recent"``, ``margin``)
-        would have clipped of ``op`` (an id or ``pass/name``, as for `hist`) at each
-        recorded step, from its recorded abs-max, scale and exponent histogram: see
-        `scalescope.analysis.delayed.delayed_scaling` for the columns. The history holds
-        recorded steps only (``every=10``: every 10th step; the ``gap`` column).
-
-        ``iteration``: rows of that loop iteration only (e.g. one layer of a scan over
-        layers, which would own its FP8 history); None: the iterations of a step share
-        one history (their amax is the max, their clipped counts add up).
-        ``process``: rows of that JAX process (None: all, treated like iterations)."""
-        from scalescope.analysis.delayed import check_options, delayed_scaling
-
-        check_options(history, algo, margin, fmt)
-        op_id = self.op_id(op)
-        rec = self.ops.loc[op_id]
+        """The recorded rows of ``op`` (an id or ``pass/name``, as for `hist`) in part
+        order: ``step``, ``count``, ``absmax``, ``scale`` and, when the run records
+        histograms, one column per exponent bin (labelled as in `hist`). ``process``: rows
+        of that JAX process (None: all); ``iteration``: rows of that loop iteration only
+        (None: all). This is what `scalescope.analysis.delayed_scaling_run` replays."""
+        rec = self.ops.loc[self.op_id(op)]
         src = int(rec["stats_op"])
         if src < 0:
             raise ValueError(f"op {op!r} has no statistics ({rec['note']})")
@@ -534,45 +521,7 @@ class RunReader:
             pieces.append(rows)
         if not pieces and iteration is not None:
             raise KeyError(f"op {op!r} has no row for iteration {iteration}")
-        rows = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=keys)
-        out = delayed_scaling(rows, history=history, algo=algo, margin=margin, fmt=fmt)
-        out.attrs.update(op=op_id, label=f"{rec['pass']}/{rec['name']}")
-        return out
-
-    def advise(self, **kwargs: Any) -> pd.DataFrame:
-        """The advisor's findings for this run (see `scalescope.analysis.advise`; keyword
-        arguments such as ``thresholds`` or ``audit`` pass through). A ``pd.DataFrame``
-        (`scalescope.notebook.Advice`) that Jupyter shows coloured by severity."""
-        from scalescope.analysis import advise_run  # views sit above the store: no cycle
-        from scalescope.notebook import advice_frame
-
-        return advice_frame(advise_run(self, **kwargs))
-
-    def heatmap(
-        self,
-        metric: str = "log2_rms",
-        ops: OpsArg = None,
-        *,
-        iterations: str = "max",
-        max_steps: int = 500,
-    ) -> Any:
-        """Op x step heatmap of ``metric`` (recorded or derived, e.g. ``log2_rms``) that
-        displays inline in Jupyter; ``.matrix`` holds the data, ``.figure`` the Bokeh
-        figure. ``ops``: see `resolve_ops`; ``iterations``, ``max_steps``: see
-        `scalescope.analysis.matrix`. Returns a `scalescope.notebook.HeatmapView`."""
-        from scalescope.notebook import run_heatmap
-
-        return run_heatmap(self, metric, ops, iterations=iterations, max_steps=max_steps)
-
-    def compare(self, other: RunReader | str | os.PathLike, metric: str = "rms") -> Any:
-        """This run (a) against ``other`` (b, a reader or a run path), displayed inline:
-        summary (final loss, findings, safe ops per format), loss curves and the per-op
-        log2 ratio of ``metric``. ``.values`` / ``.unmatched`` hold the data
-        (`scalescope.analysis.compare_readers`). Returns a
-        `scalescope.notebook.ComparisonView`."""
-        from scalescope.notebook import compare_runs
-
-        return compare_runs(self, other, metric)
+        return pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=keys)
 
     def __repr__(self) -> str:
         return (

@@ -64,7 +64,7 @@ def _now() -> str:
 def _versions() -> dict[str, str]:
     import ml_dtypes
 
-    from .. import __version__
+    from .._version import __version__
 
     out = {
         "scalescope": __version__,

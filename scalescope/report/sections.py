@@ -1,0 +1,218 @@
+"""The text sections of the report page (HTML strings, each shown in a named Bokeh
+``Div``): title, ``--fail-on`` results, verdicts per pass and format, advisor findings,
+run metadata."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import analysis as A
+from ..analysis.advisor import pct
+from .collect import _RunData
+from .gate import _SEVERITIES, _fmt_value, _metric_kind
+from .markup import _e, _num, _source_html, _stat_note, _table, _td
+from .verdicts import _plain, _thresholds_dict
+
+#: Findings listed in the HTML table (all of them are in the JSON).
+MAX_FINDING_ROWS = 200
+
+
+def _title_html(reader: Any, data: _RunData, compare: Any) -> str:
+    f = data.findings
+    by_sev = f["severity"].value_counts()
+    sev = ", ".join(f"{int(by_sev.get(s, 0))} {s}" for s in _SEVERITIES)
+    steps = reader.steps
+    scalified = bool((reader.meta.get("graph") or {}).get("scalify", False))
+    fp8 = [fmt for fmt in data.formats if fmt in ("e4m3", "e5m2")] or data.formats
+    safe = "; ".join(
+        f"{int(data.whatif[(fmt, 'safe')].sum())}/{len(data.whatif)} ops safe in {fmt}"
+        for fmt in fp8
+    )
+    lines = [
+        f"<h1>scalescope precision audit: {_e(reader.name)}</h1>",
+        f"<div>{len(data.ids)} ops with statistics ({len(reader.ops)} in the op table), "
+        f"{len(steps)} recorded steps ({int(steps[0])} to {int(steps[-1])}), "
+        f"{'under scalify' if scalified else 'not under scalify'}; status "
+        f"{_e(reader.status)}.</div>",
+        f"<div><b>{len(f)} findings</b> ({_e(sev)}). <b>{_e(safe)}</b>.</div>",
+        _stat_note(data),
+    ]
+    if compare is not None:
+        lines.append(f"<div>Compared with run <b>{_e(compare.name)}</b>.</div>")
+    stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    lines.append(f'<div class="note">generated {_e(stamp)} from {_e(reader.path)}</div>')
+    return "".join(lines)
+
+
+def _fail_on_html(results: Sequence[dict[str, Any]]) -> str:
+    rows = []
+    for r in results:
+        state = (
+            '<span class="tripped">TRIPPED</span>'
+            if r["tripped"]
+            else '<span class="passed">ok</span>'
+        )
+        kind = _metric_kind(r["metric"])
+        rows.append(
+            [
+                f"<td>{state}</td>",
+                _td(r["rule"]),
+                _td(_fmt_value(kind, r["value"]), "num"),
+                _td("" if r["label"] is None else f"{r['label']} (op {r['op']})"),
+                _td("" if r["step"] is None else r["step"], "num"),
+                _td(r["note"]),
+            ]
+        )
+    n = sum(r["tripped"] for r in results)
+    head = f"<h2>CI gate (--fail-on): {n} of {len(results)} rule(s) tripped</h2>"
+    return head + _table(["result", "rule", "value", "worst op", "step", "note"], rows)
+
+
+def _summary_html(data: _RunData) -> str:
+    counts = A.verdict_counts(data.whatif, data.table)
+    formats = list(dict.fromkeys(counts.columns.get_level_values(0)))
+    rows = []
+    for p in counts.index:
+        cells = [_td(p)]
+        for fmt in formats:
+            safe, total = int(counts.loc[p, (fmt, "safe")]), int(counts.loc[p, (fmt, "total")])
+            cls = "safe-all" if safe == total else "safe-none" if safe == 0 else "safe-some"
+            cells.append(_td(f"{safe}/{total}", f"num {cls}"))
+        rows.append(cells)
+    t = data.thresholds
+    snr = ", ".join(f"{fmt} {t.snr_for(fmt):g} dB" for fmt in formats)
+    title = "format or recipe" if data.recipes else "format"
+    recipe_rule = ""
+    if data.recipes:
+        recipe_rule = _RECIPE_RULE.format(over=pct(t.recipe_overflow), under=pct(t.underflow))
+    return (
+        f"<h2>Verdicts: ops safe per pass and {title}</h2>"
+        "<div>An op is safe in a format when, at every recorded step, casting it loses "
+        f"no value to overflow (more than {pct(t.overflow)}), flushes at most "
+        f"{pct(t.underflow)} of its non-zero values to zero, keeps its "
+        f"quantisation SNR above the threshold ({_e(snr)}) and holds no NaN/inf. "
+        "Every op is audited against every format, whether or not the run casts it.</div>"
+        + recipe_rule
+        + _stat_note(data)
+        + _table(["pass", *formats], rows)
+        + _cheapest_html(data)
+    )
+
+
+_RECIPE_RULE = (
+    "<div>A block-scaled recipe is safe for an op when, at every recorded step, it clips at "
+    "most {over} of the elements (recipes clip by design; clipping that matters lowers the "
+    "SNR), flushes at most {under} of the non-zero values and no block to zero, keeps the "
+    "SNR above its element format's threshold and holds no NaN/inf.</div>"
+)
+
+
+def _cheapest_html(data: _RunData) -> str:
+    """Per pass, how many ops each recipe is the cheapest safe one for ("" without
+    recipes)."""
+    counts = A.cheapest_counts(data.whatif, data.table)
+    if not len(counts.columns):
+        return ""
+    rows = [
+        [_td(p), *(_td(int(counts.loc[p, c]), "num") for c in counts.columns)] for p in counts.index
+    ]
+    return (
+        "<h3>Cheapest safe recipe per pass</h3><div>Each op counts under the cheapest "
+        "recorded recipe that keeps it safe (fewer bits per element first, then one scale "
+        "per tensor before scales per block, then larger blocks); <i>none</i>: no recorded "
+        "recipe does.</div>" + _table(["pass", *counts.columns], rows)
+    )
+
+
+def _findings_html(data: _RunData) -> str:
+    f = data.findings
+    head = "<h2>Advisor findings: where dynamic rescaling is needed</h2>" + _stat_note(data)
+    if f.empty:
+        return head + "<div>No findings: every op stays within the advisor's thresholds.</div>"
+    summary = A.summary_by_rule(f)
+    srows = [
+        [
+            f'<td><span class="sev-{_e(r.severity)}">{_e(r.severity)}</span></td>',
+            _td(r.rule),
+            _td(r.format),
+            _td(r.findings, "num"),
+            _td(r.ops, "num"),
+            _td(r.passes),
+            _td(r.first_step, "num"),
+            _td(_num(r.worst), "num"),
+        ]
+        for r in summary.itertuples(index=False)
+    ]
+    rows = []
+    for r in f.head(MAX_FINDING_ROWS).to_dict("records"):
+        rows.append(
+            [
+                f'<td><span class="sev-{_e(r["severity"])}">{_e(r["severity"])}</span></td>',
+                _td(r["rule"]),
+                _td(r["format"]),
+                _td(f"{r['label']} (op {r['op']})"),
+                _td(r["pass"]),
+                _td(r["primitive"]),
+                _td(r["first_step"], "num"),
+                _td(_last_measured(data, r["op"]), "num"),
+                _td(r["evidence"]),
+                f"<td>{_source_html(r['source'])}</td>",
+                f"<td><code>{_e(r['fix'])}</code></td>",
+            ]
+        )
+    more = ""
+    if len(f) > MAX_FINDING_ROWS:
+        more = (
+            f'<div class="note">{MAX_FINDING_ROWS} of {len(f)} findings shown (most severe '
+            "first); the JSON report (--json) holds all of them.</div>"
+        )
+    header = ["severity", "rule", "format", "op", "pass", "primitive", "first step"]
+    header += ["last measured", "evidence", "source", "fix"]
+    return (
+        head
+        + _table(
+            ["severity", "rule", "format", "findings", "ops", "passes", "first step", "worst"],
+            srows,
+        )
+        + more
+        + f'<div class="scroll">{_table(header, rows)}</div>'
+    )
+
+
+def _last_measured(data: _RunData, op: int) -> str:
+    last = data.measured["last_measured"].get(int(op), np.nan)
+    return "-" if pd.isna(last) else str(int(last))
+
+
+def _metadata_html(reader: Any, data: _RunData) -> str:
+    meta = reader.meta
+    steps = reader.steps
+    rows = [
+        ("name", reader.name),
+        ("path", str(Path(reader.path).resolve())),
+        ("status", reader.status),
+        ("created", meta.get("created")),
+        ("closed", meta.get("closed")),
+        (
+            "recorded steps",
+            f"{len(steps)} ({int(steps[0])} to {int(steps[-1])}), every {meta.get('every')}",
+        ),
+        ("ops", f"{len(reader.ops)} in the op table, {len(data.ids)} with statistics"),
+        ("formats audited", ", ".join(data.formats)),
+        ("recipes recorded", ", ".join(data.recipes) or "none"),
+        ("histograms", "yes" if reader.hist_columns else "no"),
+        ("config", json.dumps(_plain(meta.get("config") or {}), sort_keys=True)),
+        ("graph", json.dumps(_plain(meta.get("graph") or {}), sort_keys=True)),
+        ("device", json.dumps(_plain(meta.get("device") or {}), sort_keys=True)),
+        ("versions", json.dumps(_plain(meta.get("versions") or {}), sort_keys=True)),
+        ("thresholds", json.dumps(_thresholds_dict(data.thresholds), sort_keys=True)),
+    ]
+    body = [[_td(k), f"<td><code>{_e(v)}</code></td>"] for k, v in rows]
+    return "<h2>Run metadata</h2>" + _table(["field", "value"], body)

@@ -1,0 +1,113 @@
+"""`RunView`: a recorded run with its conveniences, what ``ss.open_run(path)`` returns.
+
+The run store (`scalescope.store.RunReader`) only reads: frames and series of what was
+recorded. The conveniences a notebook user reaches for on an opened run (the advisor's
+findings, an inline heatmap, a comparison with another run, the histogram and the scale
+graph drawn in Jupyter, the delayed-scaling replay) need the judgement of
+`scalescope.analysis` and the figures of `scalescope.viz`, which sit above the store.
+They live here, in a subclass of the reader defined above both, so the data flows one
+way (store -> analysis -> viz -> notebook -> here; analysis is imported on
+use, so ``import scalescope`` stays light) and ``ss.open_run(path).advise()``
+keeps working. A `RunView` is a `RunReader` (``isinstance`` holds) with every reader
+method and attribute unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pandas as pd
+
+from . import notebook as nb
+from .store import RunReader
+from .store.reader import OpsArg
+
+
+class RunView(RunReader):
+    """A run directory opened by `open_run`: the `RunReader` plus inline views."""
+
+    def hist(self, op: int | str, step: int = -1, iteration: int | None = None) -> pd.Series:
+        """`RunReader.hist` as a `scalescope.notebook.HistSeries`: the same counts, drawn
+        in Jupyter with each format's range shaded."""
+        series = super().hist(op, step, iteration)
+        return nb.hist_series(series, nb.format_limits(self.formats, self.meta))
+
+    def scale_graph(self, step: int | None = None) -> pd.DataFrame:
+        """`RunReader.scale_graph` as a `scalescope.notebook.ScaleGraph`: the same frame,
+        drawn in Jupyter with the run's formats (``attrs``: step, formats)."""
+        frame = super().scale_graph(step)
+        formats = [f for f in self.formats if f != "fp32"]
+        return nb.scale_graph_frame(frame, step=frame.attrs["step"], formats=formats)
+
+    def delayed_scaling(
+        self,
+        op: int | str,
+        history: int = 1024,
+        algo: str = "max",
+        margin: float = 0,
+        fmt: str = "e4m3",
+        process: int | None = 0,
+        iteration: int | None = None,
+    ) -> pd.DataFrame:
+        """What FP8 delayed scaling (TE / Flax style: the scale from an amax history of
+        ``history`` recorded steps, ``algo`` ``"max"`` or ``"most_recent"``, ``margin``)
+        would have clipped of ``op`` (an id or ``pass/name``, as for `hist`) at each
+        recorded step, from its recorded abs-max, scale and exponent histogram: see
+        `scalescope.analysis.delayed.delayed_scaling` for the columns. The history holds
+        recorded steps only (``every=10``: every 10th step; the ``gap`` column).
+
+        ``iteration``: rows of that loop iteration only (e.g. one layer of a scan over
+        layers, which would own its FP8 history); None: the iterations of a step share
+        one history (their amax is the max, their clipped counts add up).
+        ``process``: rows of that JAX process (None: all, treated like iterations)."""
+        from .analysis import delayed_scaling_run
+
+        return delayed_scaling_run(
+            self,
+            op,
+            history=history,
+            algo=algo,
+            margin=margin,
+            fmt=fmt,
+            process=process,
+            iteration=iteration,
+        )
+
+    def advise(self, **kwargs: Any) -> pd.DataFrame:
+        """The advisor's findings for this run (see `scalescope.analysis.advise`; keyword
+        arguments such as ``thresholds`` or ``audit`` pass through). A ``pd.DataFrame``
+        (`scalescope.notebook.Advice`) that Jupyter shows coloured by severity."""
+        from .analysis import advise_run
+
+        return nb.advice_frame(advise_run(self, **kwargs))
+
+    def heatmap(
+        self,
+        metric: str = "log2_rms",
+        ops: OpsArg = None,
+        *,
+        iterations: str = "max",
+        max_steps: int = 500,
+    ) -> Any:
+        """Op x step heatmap of ``metric`` (recorded or derived, e.g. ``log2_rms``) that
+        displays inline in Jupyter; ``.matrix`` holds the data, ``.figure`` the Bokeh
+        figure. ``ops``: see `resolve_ops`; ``iterations``, ``max_steps``: see
+        `scalescope.analysis.matrix`. Returns a `scalescope.notebook.HeatmapView`."""
+        return nb.run_heatmap(self, metric, ops, iterations=iterations, max_steps=max_steps)
+
+    def compare(self, other: RunReader | str | os.PathLike, metric: str = "rms") -> Any:
+        """This run (a) against ``other`` (b, a reader or a run path), displayed inline:
+        summary (final loss, findings, safe ops per format), loss curves and the per-op
+        log2 ratio of ``metric``. ``.values`` / ``.unmatched`` hold the data
+        (`scalescope.analysis.compare_readers`). Returns a
+        `scalescope.notebook.ComparisonView`."""
+        return nb.compare_runs(self, other, metric)
+
+
+def open_run(path: str | os.PathLike) -> RunView:
+    """Open a run directory for reading (``ss.open_run``): a `RunView`, i.e. a
+    `scalescope.store.RunReader` with the conveniences above. Clear errors for a missing
+    path, a file, or a directory that is not a run (pointing at `list_runs` when it holds
+    runs)."""
+    return RunView(path)
