@@ -99,8 +99,8 @@ class _LateServer:
     """Starts the dashboard on ``root`` in a background thread as soon as a run exists
     under it (the dashboard refuses a folder without runs), then keeps it running."""
 
-    def __init__(self, root: Path, port: int, address: str) -> None:
-        self.root, self.port, self.address = root, port, address
+    def __init__(self, root: Path, port: int, address: str, serve: Callable[..., Any]) -> None:
+        self.root, self.port, self.address, self._serve = root, port, address, serve
         self.server: Any = None
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -121,9 +121,9 @@ class _LateServer:
         if self._stop.is_set():
             return
         try:
-            from app import serve
-
-            self.server = serve(self.root, port=self.port, address=self.address, threaded=True)
+            self.server = self._serve(
+                self.root, port=self.port, address=self.address, threaded=True
+            )
         except BaseException as err:  # reported by the main thread, never swallowed
             self.error = err
 
@@ -258,10 +258,17 @@ def _recipe_summary(root: Path, stream: TextIO, top: int = 3) -> None:
         )
 
 
-def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
-    """The whole demo; returns the exit status (0 done, 130 interrupted during training)."""
+def run_demo(
+    opts: DemoOptions, stream: TextIO | None = None, serve: Callable[..., Any] | None = None
+) -> int:
+    """The whole demo; returns the exit status (0 done, 130 interrupted during training).
+
+    ``serve``: the dashboard server (`app.serve`, passed in by the CLI, the one place
+    that imports the dashboard), needed when ``opts.serve`` is set."""
     out = stream or sys.stdout
     opts.check()
+    if opts.serve and serve is None:
+        raise DemoError("run_demo: serving the dashboard needs serve= (app.serve)")
     root = demo_folder(opts.out)
     if opts.serve:
         check_port(opts.address, opts.port)
@@ -274,7 +281,7 @@ def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
         file=out,
         flush=True,
     )
-    server = _LateServer(root, opts.port, opts.address) if opts.serve else None
+    server = _LateServer(root, opts.port, opts.address, serve) if opts.serve else None
     if server is not None:
         print(
             f"dashboard: {server.url} (live: it starts with the first recorded step)",

@@ -282,8 +282,11 @@ def _demo(args) -> int:
         port=args.port,
         address=args.address,
     )
+    serve = None
+    if opts.serve:
+        from app import serve
     try:
-        return run_demo(opts)
+        return run_demo(opts, serve=serve)
     except (DemoError, DatasetError, ss.RunError) as err:
         print(f"scalescope demo: error: {err}", file=sys.stderr)
         return 2

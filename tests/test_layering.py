@@ -3,7 +3,8 @@ probe -> store -> analysis -> viz -> notebook / report -> run_view (``ss.open_ru
 conveniences) -> the package root (``import scalescope as ss``) -> the CLI. Each part
 imports only parts before it; data flows one way. Every import counts, also one inside a
 function or under ``TYPE_CHECKING``. Within the package only the CLI reaches the top-level
-folders `app/` and `sample_models/`; `app/` reaches neither the CLI nor `sample_models/`."""
+folders `app/` and `sample_models/`; `app/` reaches neither the CLI nor `sample_models/`,
+and `sample_models/` does not import `app/` (the CLI hands the demo `app.serve`)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ def violations(path: Path, root: Path = ROOT) -> list[str]:
                 bad.append(f"{where} (the CLI is the top)")
             elif own == "app" and part == "sample_models":
                 bad.append(f"{where} (app/ does not reach sample_models/)")
+            elif own == "sample_models" and part == "app":
+                bad.append(f"{where} (only the CLI imports app/; the demo is handed app.serve)")
             continue
         if part in TOP_LEVEL:
             if own != "cli":
