@@ -31,15 +31,38 @@ def _static_f32(x: Any) -> np.ndarray:
     return np.asarray(x, np.float32)
 
 
+def _strong(x: Any) -> bool:
+    """``x`` is a JAX array or tracer that is not weakly typed."""
+    return isinstance(x, jax.Array) and not getattr(getattr(x, "aval", x), "weak_type", False)
+
+
+def as_f32(x: Any) -> jax.Array:
+    """``x`` as a float32 JAX value; a float32 array or tracer is returned as it is
+    (``jnp.asarray`` costs a dispatch per call, and scale helpers run thousands of times
+    while a step is traced)."""
+    if _strong(x) and x.dtype == np.float32:
+        return x
+    return jnp.asarray(x, jnp.float32)
+
+
+def literal_like(x: jax.Array, value: Any) -> Any:
+    """``value`` in ``x``'s dtype and shape: a NumPy scalar (a literal of the traced
+    program, no operation) for a scalar ``x``, else a filled array."""
+    if np.ndim(x) == 0:
+        return np.asarray(value, x.dtype)
+    return jax.lax.full_like(x, value)
+
+
 def _as_float(x) -> jax.Array:
-    x = jnp.asarray(x)
+    if not _strong(x):
+        x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         x = x.astype(jnp.float32)
     return x
 
 
 _EXPONENT_MASK = {4: 0x7F800000, 8: 0x7FF0000000000000}
-_INT_OF = {4: jnp.int32, 8: jnp.int64}
+_INT_OF = {4: np.int32, 8: np.int64}
 
 
 def pow2_round_down(x) -> jax.Array:
@@ -57,8 +80,8 @@ def pow2_round_down(x) -> jax.Array:
         x = x.astype(jnp.float32)
     size = x.dtype.itemsize
     bits = jax.lax.bitcast_convert_type(x, _INT_OF[size])
-    mask = jnp.asarray(_EXPONENT_MASK[size], _INT_OF[size])
-    return jax.lax.bitcast_convert_type(bits & mask, x.dtype)
+    mask = literal_like(bits, _EXPONENT_MASK[size])
+    return jax.lax.bitcast_convert_type(jax.lax.bitwise_and(bits, mask), x.dtype)
 
 
 _F32_BITS_254 = 254 << 23  # exponent field of 2^127
@@ -75,10 +98,10 @@ def pow2_reciprocal(p) -> jax.Array:
     """
     if is_static(p) and np.ndim(p) == 0:
         return _static_f32(1.0 / np.float64(p))
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(p, jnp.float32), jnp.int32)
-    top = jnp.int32(_F32_BITS_254)
-    tiny = jax.lax.full_like(bits, _F32_HALF_MIN_SUBNORMAL)
-    inv = jax.lax.select(bits >= jax.lax.full_like(bits, _F32_BITS_254), tiny, top - bits)
+    bits = jax.lax.bitcast_convert_type(as_f32(p), jnp.int32)
+    top = literal_like(bits, _F32_BITS_254)
+    tiny = literal_like(bits, _F32_HALF_MIN_SUBNORMAL)
+    inv = jax.lax.select(jax.lax.ge(bits, top), tiny, jax.lax.sub(top, bits))
     return jax.lax.bitcast_convert_type(inv, jnp.float32)
 
 
@@ -87,14 +110,17 @@ def pow2_sqrt_even(p) -> jax.Array:
     exponent field instead of calling sqrt (expensive to XLA, see `pow2_reciprocal`)."""
     if is_static(p) and np.ndim(p) == 0:
         return _static_f32(np.sqrt(np.float64(p)))
-    p = jnp.asarray(p, jnp.float32)
+    p = as_f32(p)
     bits = jax.lax.bitcast_convert_type(p, jnp.int32)
-    biased = jax.lax.shift_right_logical(bits, jnp.int32(23))
+    biased = jax.lax.shift_right_logical(bits, literal_like(bits, 23))
     half = jax.lax.shift_left(
-        jax.lax.shift_right_logical(biased + 127, jnp.int32(1)), jnp.int32(23)
+        jax.lax.shift_right_logical(
+            jax.lax.add(biased, literal_like(bits, 127)), literal_like(bits, 1)
+        ),
+        literal_like(bits, 23),
     )
     root = jax.lax.bitcast_convert_type(half, jnp.float32)
-    return jax.lax.select(p > 0, root, p)
+    return jax.lax.select(jax.lax.gt(p, literal_like(p, 0)), root, p)
 
 
 def pow2_round_up(x) -> jax.Array:
@@ -130,6 +156,8 @@ def static_pow2_round_down(x: float) -> float:
 
 __all__ = [
     "Pow2Round",
+    "as_f32",
+    "literal_like",
     "is_static",
     "pow2_round",
     "pow2_round_down",

@@ -21,7 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core.pow2 import is_static, pow2_reciprocal, pow2_round_down, static_pow2_round_down
+from ..core.pow2 import (
+    as_f32,
+    is_static,
+    literal_like,
+    pow2_reciprocal,
+    pow2_round_down,
+    static_pow2_round_down,
+)
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray, wide_float
 
 
@@ -40,9 +47,7 @@ def as_scale(scale: Any) -> Any:
     identity)."""
     if is_static(scale):
         return static_scale(scale)
-    if getattr(scale, "dtype", None) == SCALE_DTYPE and np.ndim(scale) == 0:
-        return scale
-    return jnp.asarray(scale, SCALE_DTYPE)
+    return as_f32(scale)
 
 
 def make_scaled(data: Any, scale: Any) -> ScaledArray:
@@ -58,8 +63,7 @@ def positive_or_one(scale: Any) -> Any:
     """``scale`` where positive, else 1 (scale 0 marks an exactly-zero tensor)."""
     if is_static(scale):
         return static_scale(scale if scale > 0 else 1.0)
-    one = lax.full_like(scale, 1.0)
-    return lax.select(lax.gt(scale, lax.full_like(scale, 0.0)), scale, one)
+    return lax.select(lax.gt(scale, literal_like(scale, 0.0)), scale, literal_like(scale, 1.0))
 
 
 def concrete_scalar(x: Any) -> float | None:
@@ -84,11 +88,21 @@ def rescale_data(data: Any, factor: Any) -> jax.Array:
     ``factor`` is a ratio of power-of-two scales, so this is exact unless the result
     leaves the data format's range. A static factor of 1 emits nothing.
     """
+    if not isinstance(data, jax.Array):
+        data = jnp.asarray(data)
     if is_static(factor) and float(factor) == 1.0:
-        return jnp.asarray(data)
-    data = jnp.asarray(data)
+        return data
     wide = wide_dtype(data.dtype)
-    return (data.astype(wide) * jnp.asarray(factor, wide)).astype(data.dtype)
+    if is_static(factor):
+        factor = np.asarray(factor, wide)
+    elif factor.dtype != wide:
+        factor = lax.convert_element_type(factor, wide)
+    widened = data if data.dtype == wide else lax.convert_element_type(data, wide)
+    if np.ndim(factor) == 0:
+        product = lax.mul(widened, lax.broadcast(factor, data.shape) if data.ndim else factor)
+    else:  # a batched scale (under vmap): NumPy broadcasting
+        product = widened * factor
+    return product if data.dtype == wide else lax.convert_element_type(product, data.dtype)
 
 
 def unscale(x: Any, dtype: Any = None) -> Any:
@@ -182,16 +196,16 @@ def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any
     if divide and static is not None and static != 0.0 and split_pow2(static)[0] == 1.0:
         factor, divide, static = 1.0 / static, False, 1.0 / static  # multiply by the inverse
     if not divide and static is not None and math.isfinite(static) and static > 0:
-        return _product_by_constant(jnp.asarray(scale, SCALE_DTYPE), static)
+        return _product_by_constant(as_f32(scale), static)
     op = lax.div if divide else lax.mul
-    scale = jnp.asarray(scale, SCALE_DTYPE)
-    factor = jnp.asarray(factor, SCALE_DTYPE)
+    scale = as_f32(scale)
+    factor = as_f32(factor)
     exact = op(scale, factor)
-    new = lax.clamp(jnp.asarray(SCALE_MIN, SCALE_DTYPE), exact, jnp.asarray(SCALE_MAX, SCALE_DTYPE))
+    new = lax.clamp(np.float32(SCALE_MIN), exact, np.float32(SCALE_MAX))
     # where ``rest`` matters, ``new`` is one of the bounds: powers of two
-    rest = op(scale * pow2_reciprocal(new), factor)
+    rest = op(lax.mul(scale, pow2_reciprocal(new)), factor)
     # in range: exactly 1 (also for scales that are not powers of two); NaN stays NaN
-    rest = lax.select(lax.eq(exact, new), jnp.ones_like(rest), rest)
+    rest = lax.select(lax.eq(exact, new), np.float32(1.0), rest)
     return new, rest
 
 
@@ -199,13 +213,13 @@ def _product_by_constant(scale: jax.Array, c: float) -> tuple[jax.Array, jax.Arr
     """`scale_product` of a traced scale and a positive constant: a product by ``c > 1``
     can only overflow (to the top bound), by ``c < 1`` only underflow (to the bottom
     one), so the remainder is ``scale`` times a constant known here: five ops."""
-    exact = scale * np.float32(c)
+    exact = lax.mul(scale, np.float32(c))
     new = lax.clamp(np.float32(SCALE_MIN), exact, np.float32(SCALE_MAX))
     # rest = scale * c / bound, in two steps that keep every intermediate normal
     k1 = 2.0**-64 if c > 1.0 else 2.0**64
     k2 = c / (SCALE_MAX if c > 1.0 else SCALE_MIN) / k1
-    rest = (scale * np.float32(k1)) * np.float32(k2)
-    return new, lax.select(lax.eq(exact, new), jnp.ones_like(exact), rest)
+    rest = lax.mul(lax.mul(scale, np.float32(k1)), np.float32(k2))
+    return new, lax.select(lax.eq(exact, new), np.float32(1.0), rest)
 
 
 def _static_product(scale: float, factor: float, divide: bool) -> tuple[Any, Any]:
@@ -266,7 +280,7 @@ def materialized(scale: Any) -> Any:
     """
     if not isinstance(scale, jax.core.Tracer):
         return scale
-    return lax.rem(scale, jnp.asarray(_INF, scale.dtype))
+    return lax.rem(scale, np.asarray(_INF, scale.dtype))
 
 
 def renormalized(x: ScaledArray, amax: Any, band: int) -> ScaledArray:
@@ -277,17 +291,17 @@ def renormalized(x: ScaledArray, amax: Any, band: int) -> ScaledArray:
     Integer work on the float32 exponent field (a dozen scalar ops): the chain is pulled
     into every fusion that reads the data, so it is kept short.
     """
+    i32 = np.int32
     bits = lax.bitwise_and(
-        lax.bitcast_convert_type(jnp.asarray(amax, SCALE_DTYPE), jnp.int32),
-        jnp.int32(0x7F800000),
+        lax.bitcast_convert_type(as_f32(amax), jnp.int32),
+        i32(0x7F800000),
     )
-    biased = lax.shift_right_logical(bits, jnp.int32(23))
-    far = lax.gt(lax.abs(biased - jnp.int32(127)), jnp.int32(band))
-    usable = lax.bitwise_and(lax.gt(biased, jnp.int32(0)), lax.lt(biased, jnp.int32(254)))
-    one_bits = jnp.int32(127 << 23)
-    p2_bits = lax.select(lax.bitwise_and(far, usable), bits, one_bits)
+    biased = lax.shift_right_logical(bits, i32(23))
+    far = lax.gt(lax.abs(lax.sub(biased, i32(127))), i32(band))
+    usable = lax.bitwise_and(lax.gt(biased, i32(0)), lax.lt(biased, i32(254)))
+    p2_bits = lax.select(lax.bitwise_and(far, usable), bits, i32(127 << 23))
     p2 = lax.bitcast_convert_type(p2_bits, SCALE_DTYPE)
-    inverse = lax.bitcast_convert_type(jnp.int32(254 << 23) - p2_bits, SCALE_DTYPE)
+    inverse = lax.bitcast_convert_type(lax.sub(i32(254 << 23), p2_bits), SCALE_DTYPE)
     return make_scaled(rescale_data(x.data, materialized(inverse)), materialized(x.scale * p2))
 
 
