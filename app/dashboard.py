@@ -896,36 +896,16 @@ class Dashboard:
             values, unmatched = analysis.compare_runs(
                 data.stats, data.ops, other.stats, other.ops, self.compare_metric.value, names=names
             )
-        a, b = names
         if values.empty:
             self.compare_msg.object = _message("no op and step are recorded in both runs", "warn")
             self.compare_table.value = pd.DataFrame()
             return
         diff = "log2_ratio" if "log2_ratio" in values.columns else "difference"
-        last = values[values["step"] == values["step"].max()]
-        per_op = (
-            last.groupby(f"op_{a}", sort=False)
-            .agg(
-                label=("label", "first"),
-                step=("step", "first"),
-                **{
-                    f"value_{a}": (f"value_{a}", "max"),
-                    f"value_{b}": (f"value_{b}", "max"),
-                    diff: (
-                        diff,
-                        lambda s: (
-                            s.iloc[int(np.nanargmax(np.abs(s.to_numpy())))]
-                            if s.notna().any()
-                            else np.nan
-                        ),
-                    ),
-                },
-            )
-            .reset_index()
-        )
-        per_op = per_op.iloc[np.argsort(-np.abs(per_op[diff].fillna(0).to_numpy()), kind="stable")]
+        per_op = analysis.largest_differences(values, names)
+        fills = int(per_op[diff].isna().sum())
+        fill_note = f" ({fills} with a mask fill or non-finite value, not ranked)" if fills else ""
         self.compare_msg.object = _message(
-            f"{per_op.shape[0]} matched ops at step {int(last['step'].iloc[0])}, largest {diff} "
-            f"first; {len(unmatched)} ops only in one run"
+            f"{per_op.shape[0]} matched ops at step {int(per_op['step'].iloc[0])}, largest {diff} "
+            f"first{fill_note}; {len(unmatched)} ops only in one run"
         )
         self.compare_table.value = per_op.reset_index(drop=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -642,6 +643,42 @@ def test_compare_runs_across_op_tables_with_inserted_converts():
     assert "log2_ratio" not in cmp.values.columns
     with pytest.raises(ValueError, match="names"):
         A.compare_runs(stats_a, ops_a, stats_b, ops_b, "rms", names=("x", "x"))
+
+
+def test_compare_ignores_mask_fill_values():
+    """The only big difference between the runs is an attention mask's fill value
+    (finfo(float32).min in one run, -1e30 in the other): a real, smaller difference ranks
+    first, the mask op never (its differences are NaN, flagged ``mask_fill``)."""
+    ops = make_ops({"name": "attn/scores"}, {"name": "mlp/dot_general"}, {"name": "ln/mul"})
+    f32_min = -3.4028234663852886e38
+
+    def run(fill: float, mlp_rms: float) -> pd.DataFrame:
+        rows = []
+        for s in (0, 10):
+            # the masked scores: the fill dominates absmax, RMS (and any statistic of it)
+            rows.append(dict(op=0, step=s, absmax=abs(fill), rms=abs(fill) / 2, mean=fill / 4))
+            rows.append(dict(op=1, step=s, rms=mlp_rms, mean=0.1 * mlp_rms))
+            rows.append(dict(op=2, step=s, rms=1.0, mean=0.0))
+        return make_stats(rows)
+
+    stats_a, stats_b = run(f32_min, 1.0), run(-1e30, 8.0)
+    for metric in ("rms", "absmax", "mean", "log2_rms", "value_absmax"):
+        values, _ = A.compare_runs(stats_a, ops, stats_b, ops, metric)
+        masked = values[values["op_a"] == 0]
+        assert masked["mask_fill"].all() and not values[values["op_a"] != 0]["mask_fill"].any()
+        diff = "log2_ratio" if "log2_ratio" in values.columns else "difference"
+        assert masked[diff].isna().all(), metric
+        ranked = A.largest_differences(values)
+        assert ranked["op_a"].tolist()[0] == 1, (metric, ranked)
+        assert ranked["op_a"].tolist()[-1] == 0 and np.isnan(ranked[diff].iloc[-1])
+        assert masked["value_a"].notna().all()  # the values stay, only the ranking skips them
+    # a fill in the metric itself (a value column of magnitude >= 1e30), without absmax
+    plain_a = stats_a.drop(columns=["absmax"])
+    plain_b = stats_b.drop(columns=["absmax"])
+    values, _ = A.compare_runs(plain_a, ops, plain_b, ops, "mean", names=("x", "y"))
+    assert values.loc[values["op_x"] == 0, "mask_fill"].all()
+    assert A.largest_differences(values, ("x", "y"))["op_x"].tolist()[0] == 1
+    assert A.FILL_MAGNITUDE == 1e30
 
 
 # -- a tiny recorded run -----------------------------------------------------------------

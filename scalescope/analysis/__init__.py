@@ -19,7 +19,15 @@ from .advisor import (
     snr_from_mantissa,
     summary_by_rule,
 )
-from .compare import Comparison, compare_readers, compare_runs, match_ops
+from .compare import (
+    FILL_MAGNITUDE,
+    Comparison,
+    compare_readers,
+    compare_runs,
+    largest_differences,
+    mask_fills,
+    match_ops,
+)
 from .delayed import delayed_scaling
 from .frames import (
     DERIVED_METRICS,
@@ -82,6 +90,7 @@ __all__ = [
     "SEVERITY",
     "SEVERITY_ORDER",
     "Comparison",
+    "FILL_MAGNITUDE",
     "Thresholds",
     "WHATIF_FIELDS",
     "advise",
@@ -96,9 +105,11 @@ __all__ = [
     "fix_line",
     "format_whatif",
     "format_whatif_run",
+    "largest_differences",
     "log2_absmax",
     "log2_rms",
     "log2_scale",
+    "mask_fills",
     "match_ops",
     "measurement_notes",
     "matrix",
