@@ -358,6 +358,7 @@ class Dashboard:
 
     def _build_overview(self) -> None:
         self.loss_pane = pn.pane.Bokeh(None)
+        self._loss_of: tuple[str, int] | None = None  # (run, version) the loss figure shows
         self.alarms = pn.pane.HTML("", name="alarms", sizing_mode="stretch_width")
         self.advisor_note = pn.pane.HTML("", sizing_mode="stretch_width")
         self.worst_by = pn.widgets.Select(label="Worst ops by", options=["log2_rms"], width=220)
@@ -388,7 +389,9 @@ class Dashboard:
             scalars = data.scalars
             options = data.summary_metrics() if len(data.steps) else []
         findings = self._findings(data)
-        self.loss_pane.object = viz.loss_curve({data.name: scalars})
+        if self._loss_of != (data.name, data.version):  # not again when findings land
+            self.loss_pane.object = viz.loss_curve({data.name: scalars})
+            self._loss_of = (data.name, data.version)
         self.alarms.object = self._alarm_html(
             scalars, findings if findings is not None else pd.DataFrame()
         )

@@ -321,9 +321,43 @@ class RunData:
         return self.cached(key, lambda: self.grid.measured(ops, max_steps))
 
     def measured(self) -> pd.DataFrame:
-        """Per op: first/last measured step, number of steps measured, median gap
-        (`scalescope.store.RunReader.measured`)."""
-        return self.cached("measured", lambda: self.reader.measured())
+        """Per op: first/last measured step, number of steps measured, median gap: the
+        frame of `scalescope.store.RunReader.measured` (process 0), read from the
+        heatmap grid's "where measured" mask instead of a pass over every row."""
+        return self.cached("measured", self._measured)
+
+    def _measured(self) -> pd.DataFrame:
+        with self.lock:
+            self.grid.sync()
+            ids, steps, present = self.grid.ops, self.grid.steps, self.grid.present
+            table = self.ops
+        n = present.sum(axis=1)
+        has = n > 0
+        ids, present, n = ids[has], present[has], n[has]
+        first = present.argmax(axis=1)
+        last = present.shape[1] - 1 - present[:, ::-1].argmax(axis=1)
+        gap = np.where(n >= 2, 1.0, np.nan)  # measured at every step in between: 1
+        for row in np.flatnonzero((n >= 2) & (last - first + 1 != n)):
+            gap[row] = np.median(np.diff(np.flatnonzero(present[row])))
+        per_op = pd.DataFrame(
+            {
+                "first_measured": steps[first].astype(np.float64),
+                "last_measured": steps[last].astype(np.float64),
+                "n_measured": n.astype(np.int64),
+                "gap": gap,
+            },
+            index=pd.Index(ids.astype(np.int64), name="op"),
+        )
+        if len(table) and "stats_op" in table.columns:  # aliases: the rows they alias
+            out = per_op.reindex(table["stats_op"].to_numpy(np.int64))
+            out.index = pd.Index(table.index.to_numpy(np.int64), name="op")
+            extra = per_op.index.difference(out.index)  # rows of ops the table lacks
+            if len(extra):
+                out = pd.concat([out, per_op.loc[extra]]).sort_index()
+        else:
+            out = per_op
+        out["n_measured"] = out["n_measured"].fillna(0).astype(np.int64)
+        return out[["first_measured", "last_measured", "n_measured", "gap"]]
 
     def last_measured(self, ops: Any) -> pd.Series:
         """Last measured step of each op id in ``ops`` (nullable ints, for tables)."""
@@ -498,6 +532,14 @@ class RunSet:
                 except RunError as err:  # e.g. run.json being replaced right now
                     self._broken[key] = str(err)
         return added
+
+    def warm(self, name: str | None = None) -> None:
+        """Start the advisor (in the background) on run ``name``, by default the one a
+        page opens first, so that its findings are ready sooner."""
+        names = self.names
+        name = name if name is not None else (names[0] if names else None)
+        if name is not None:
+            self.get(name).advice.kick(force=True)
 
     def key(self, path: Path) -> str:
         """How a run is named in the dashboard: its path relative to the root."""

@@ -218,6 +218,18 @@ def test_overview_columns_from_the_grids_match_the_op_summary(runs):
         assert "stats" not in data._cache  # no wide frame was built for them
 
 
+def test_measured_from_the_grid_is_the_readers(runs, budget_root, grouped_root):
+    """When each op was measured, read from the heatmap grid's mask (no pass over every
+    row): the reader's own frame, for full, budgeted and grouped runs."""
+    from app import RunSet
+
+    for root, run in ((runs, "naive"), (runs, "scalified"), (budget_root, "budget")):
+        data = RunSet(root).get(run)
+        pd.testing.assert_frame_equal(data.measured(), ss.open_run(root / run).measured())
+    data = RunSet(grouped_root).get("big")
+    pd.testing.assert_frame_equal(data.measured(), ss.open_run(grouped_root / "big").measured())
+
+
 def test_advice_runs_in_the_background_and_waits_between_live_steps(grouped_root, tmp_path):
     """The advisor runs off the callback thread over the columns it reads; its findings
     are those of `advise_run`; new steps of a live run do not restart it before
