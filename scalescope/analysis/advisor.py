@@ -320,7 +320,18 @@ class _Cells:
 
     def rows_of(self, ops: np.ndarray) -> np.ndarray:
         """Bool per row: its op is one of ``ops``."""
-        return np.repeat(np.isin(self.ids, ops), self.sizes)
+        return self.per_op(np.isin(self.ids, ops))
+
+    def per_op(self, flags: np.ndarray) -> np.ndarray:
+        """A flag per op (aligned with ``ids``) as a flag per row."""
+        return np.repeat(flags, self.sizes)
+
+    def flat(self, names: Sequence[str], ops: np.ndarray | None = None) -> _Cells:
+        """These cells (only ``names``; only the ops in ``ops`` when given)."""
+        if ops is None:
+            return self
+        keep = self.rows_of(ops)
+        return _Cells(self.op[keep], self.step[keep], {c: self.cols[c][keep] for c in names})
 
     def at(self, col: str, op: int, step: int) -> float:
         """Value of ``col`` for ``op`` at ``step`` (NaN when not recorded)."""
@@ -331,6 +342,63 @@ class _Cells:
         steps = self.step[a : a + int(self.sizes[g])]
         k = int(np.searchsorted(steps, step))
         return float(self.cols[col][a + k]) if k < len(steps) and steps[k] == step else math.nan
+
+
+def _compare(values: np.ndarray, how: str, threshold: float) -> np.ndarray:
+    """``values > threshold`` (``how`` "gt") or ``values < threshold`` ("lt"), decided
+    as in float64 even for float32 ``values`` (no float64 copy of them: the threshold is
+    moved to the float32 that gives the same answer). NaN compares False."""
+    t = float(threshold)
+    v = np.asarray(values)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if v.dtype != np.float32 or not math.isfinite(t) or abs(t) > 3e38:
+            v = v.astype(np.float64, copy=False)
+            return v > t if how == "gt" else v < t
+        t32 = np.float32(t)
+        if how == "gt":  # x > t  <=>  x >= t32 when t32 > t, else x > t32
+            return v >= t32 if float(t32) > t else v > t32
+        return v <= t32 if float(t32) < t else v < t32
+
+
+class _Dense:
+    """The values the rules read for a run measured in full in the writer's order (every
+    op once at every step, no loop): steps x ops arrays, the frame's columns reshaped,
+    nothing sorted or transposed. ``ids``: the ops (ascending); ``steps``: the steps;
+    ``sizes``: recorded steps per op (all of them). The same interface as `_Cells` for
+    the rules; `flat` gives op-major `_Cells` of a few columns for the rules that walk
+    each op's steps in order (trend, delayed)."""
+
+    def __init__(self, ids: np.ndarray, steps: np.ndarray, cols: Mapping[str, np.ndarray]):
+        self.ids, self.steps = ids, steps
+        self.cols = dict(cols)  # as stored (float32 statistics stay float32: `_compare`)
+        self.sizes = np.full(len(ids), len(steps), np.int64)
+
+    def rows_of(self, ops: np.ndarray) -> np.ndarray:
+        return self.per_op(np.isin(self.ids, ops))
+
+    def per_op(self, flags: np.ndarray) -> np.ndarray:
+        return np.asarray(flags, bool)[None, :]
+
+    def flat(self, names: Sequence[str], ops: np.ndarray | None = None) -> _Cells:
+        """Op-major `_Cells` of columns ``names`` (only the ops in ``ops`` when given)."""
+        cols = np.arange(len(self.ids)) if ops is None else np.flatnonzero(np.isin(self.ids, ops))
+        k, n = len(self.steps), len(cols)
+        every = n == len(self.ids)
+        out = {}
+        for name in names:
+            src = self.cols[name]
+            src = np.asarray(src) if every else np.asarray(src)[:, cols]
+            out[name] = _transpose(src, k, n)
+        return _Cells(np.repeat(self.ids[cols], k), np.tile(self.steps, n), out)
+
+    def at(self, col: str, op: int, step: int) -> float:
+        j = int(np.searchsorted(self.ids, op))
+        i = int(np.searchsorted(self.steps, step))
+        if j >= len(self.ids) or self.ids[j] != op or i >= len(self.steps):
+            return math.nan
+        if self.steps[i] != step:
+            return math.nan
+        return float(self.cols[col][i, j])
 
 
 def _dense_blocks(op: np.ndarray, step: np.ndarray) -> tuple[int, int] | None:
@@ -383,11 +451,6 @@ def _per_step(
     def source(col: str) -> np.ndarray:
         return np.asarray(extra[col] if col in extra else stats[col].to_numpy())
 
-    block = _dense_blocks(op, step)
-    if block is not None:
-        k, n = block
-        cols = {col: _transpose(source(col), k, n) for col in columns}
-        return _Cells(np.repeat(op[:n], k), np.tile(step[::n], n), cols)
     if len(step) and (step[1:] >= step[:-1]).all():  # as read: by step, then op
         order = np.argsort(op, kind="stable")  # the same order, one key to sort
     else:
@@ -413,6 +476,38 @@ def _per_step(
     return _Cells(op[starts], step[starts], out)
 
 
+def _value_amax(stats: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """`delayed.value_columns` without the binade floor: the value amax (NaN where the op
+    did not run) and whether it ran."""
+    if "count" in stats.columns:
+        ran = stats["count"].fillna(0).to_numpy() != 0
+    else:
+        ran = np.ones(len(stats), bool)
+    value = stats["absmax"].to_numpy(np.float64) * stats["scale"].to_numpy(np.float64)
+    value[~ran] = np.nan
+    return value, ran
+
+
+def _cells_of(
+    stats: pd.DataFrame,
+    columns: dict[str, str],
+    extra: Mapping[str, np.ndarray],
+    block: tuple[int, int] | None,
+) -> _Cells | _Dense:
+    """`_Dense` views of a run in the writer's order with one row per op and step
+    (``block``: `_dense_blocks`), else `_per_step`'s sorted, reduced rows."""
+    if block is None:
+        return _per_step(stats, columns, extra)
+    op = stats["op"].to_numpy(np.int64)
+    k, n = block
+    step = stats["step"].to_numpy(np.int64)[::n]
+    cols = {
+        c: np.asarray(extra[c] if c in extra else stats[c].to_numpy()).reshape(k, n)
+        for c in columns
+    }
+    return _Dense(op[:n].copy(), step.copy(), cols)
+
+
 class _Hits(NamedTuple):
     """Per op where a rule holds (at least one row): op id, first step, number of steps,
     worst value and the (first) step it was reached, as Python lists."""
@@ -424,10 +519,12 @@ class _Hits(NamedTuple):
     worst_step: list[int]
 
 
-def _hits(cells: _Cells, values: np.ndarray, mask: np.ndarray, worst: str) -> _Hits:
+def _hits(cells: _Cells | _Dense, values: np.ndarray, mask: np.ndarray, worst: str) -> _Hits:
     """Per op, over the rows where ``mask`` holds: first step, number of steps, worst
     value (``max``/``min``/``abs``) and the earliest step it was reached. Only the rows
-    that hold are touched beyond the mask."""
+    (ops of a `_Dense`) where it holds are touched beyond the mask."""
+    if isinstance(cells, _Dense):
+        return _hits_dense(cells, values, mask, worst)
     rows = np.flatnonzero(mask)
     if not len(rows):
         return _Hits([], [], [], [], [])
@@ -445,6 +542,27 @@ def _hits(cells: _Cells, values: np.ndarray, mask: np.ndarray, worst: str) -> _H
         counts.tolist(),
         v[pos].tolist(),
         cells.step[rows[pos]].tolist(),
+    )
+
+
+def _hits_dense(cells: _Dense, values: np.ndarray, mask: np.ndarray, worst: str) -> _Hits:
+    """`_hits` on steps x ops arrays: reductions down each op's column."""
+    mask = np.broadcast_to(mask, (len(cells.steps), len(cells.ids)))
+    cols = np.flatnonzero(mask.any(axis=0))
+    if not len(cols):
+        return _Hits([], [], [], [], [])
+    m = mask[:, cols]
+    v = np.asarray(np.asarray(values)[:, cols], np.float64)
+    key = {"max": v, "min": -v, "abs": np.abs(v)}[worst]
+    keym = np.where(m, key, -np.inf)
+    best = keym.max(axis=0)
+    at = (m & (keym == best)).argmax(axis=0)
+    return _Hits(
+        cells.ids[cols].tolist(),
+        cells.steps[m.argmax(axis=0)].tolist(),
+        m.sum(axis=0).tolist(),
+        v[at, np.arange(len(cols))].tolist(),
+        cells.steps[at].tolist(),
     )
 
 
@@ -580,7 +698,7 @@ def delayed_fix_line(op: Mapping[str, Any], history: int, scalified: bool) -> st
 
 
 def _format_findings(
-    cells: _Cells,
+    cells: _Cells | _Dense,
     checked: dict[str, np.ndarray],
     thresholds: Thresholds,
     meta: Mapping[str, Any] | None,
@@ -594,14 +712,13 @@ def _format_findings(
         snr_thr = thresholds.snr_for(fmt, meta)
         over = thresholds.overflow_for(fmt)
         rules = (
-            ("overflow", f"overflow_{fmt}", "max", over, np.greater),
-            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow, np.greater),
-            ("snr", f"snr_{fmt}", "min", snr_thr, np.less),
+            ("overflow", f"overflow_{fmt}", "max", over, "gt"),
+            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow, "gt"),
+            ("snr", f"snr_{fmt}", "min", snr_thr, "lt"),
         )
-        for rule, col, worst, thr, test in rules:
+        for rule, col, worst, thr, how in rules:
             values = cells.cols[col]
-            with np.errstate(invalid="ignore"):
-                mask = test(values, thr) & sel
+            mask = _compare(values, how, thr) & sel
             for op, first, k, v, at in _hit_rows(_hits(cells, values, mask, worst)):
                 n = int(cells.sizes[np.searchsorted(cells.ids, op)])
                 if rule == "overflow":
@@ -628,15 +745,19 @@ def _format_findings(
     return rows
 
 
-def _mask_groups(cells: _Cells, values: np.ndarray, min_steps: int) -> np.ndarray:
+def _mask_groups(cells: _Cells | _Dense, values: np.ndarray, min_steps: int) -> np.ndarray:
     """Per op (bool, aligned with ``cells.ids``): a non-finite fraction that is the same,
     non-zero and below 1, at every recorded step (at least ``min_steps`` of them): masks,
     see `Thresholds.mask_min_steps`."""
-    if not len(values):
-        return np.zeros(0, bool)
+    if not np.size(values):
+        return np.zeros(len(cells.ids), bool)
     with np.errstate(invalid="ignore"):
-        lo = np.fmin.reduceat(values, cells.starts)
-        hi = np.fmax.reduceat(values, cells.starts)
+        if isinstance(cells, _Dense):
+            lo, hi = np.fmin.reduce(values, axis=0), np.fmax.reduce(values, axis=0)
+        else:
+            lo = np.fmin.reduceat(values, cells.starts)
+            hi = np.fmax.reduceat(values, cells.starts)
+        lo, hi = lo.astype(np.float64), hi.astype(np.float64)  # min/max: exact either way
         return (cells.sizes >= min_steps) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
 
 
@@ -655,12 +776,11 @@ _masks = mask_ops  # the report's name for it
 
 
 def _nonfinite_findings(
-    cells: _Cells, thresholds: Thresholds, labels: pd.Series
+    cells: _Cells | _Dense, thresholds: Thresholds, labels: pd.Series
 ) -> list[dict[str, Any]]:
     values = cells.cols["frac_nonfinite"]
-    kept = ~np.repeat(_mask_groups(cells, values, thresholds.mask_min_steps), cells.sizes)
-    with np.errstate(invalid="ignore"):
-        hits = _hits(cells, values, (values > thresholds.nonfinite) & kept, "max")
+    kept = ~cells.per_op(_mask_groups(cells, values, thresholds.mask_min_steps))
+    hits = _hits(cells, values, _compare(values, "gt", thresholds.nonfinite) & kept, "max")
     if not hits.op:
         return []
     first_steps = np.asarray(hits.first_step)
@@ -694,7 +814,7 @@ def _nonfinite_findings(
 
 
 def _drift_findings(
-    cells: _Cells, drift_rows: np.ndarray, thresholds: Thresholds
+    cells: _Cells | _Dense, drift_rows: np.ndarray, thresholds: Thresholds
 ) -> list[dict[str, Any]]:
     bound = thresholds.drift_log2
     l2 = cells.cols["log2_rms"]
@@ -723,40 +843,131 @@ def _drift_findings(
     return rows
 
 
-def _trend_findings(
-    cells: _Cells, drift_rows: np.ndarray, thresholds: Thresholds, horizon: float
-) -> list[dict[str, Any]]:
-    """Least-squares line of log2 rms against step, per op (finite points only)."""
-    bound = thresholds.drift_log2
+class _TrendFit(NamedTuple):
+    """Per op with finite points: the least-squares sums of log2 rms against step, the
+    last log2 rms over all its steps (NaN included), the last fitted step, and a
+    function giving the fitted points ``(steps, log2 rms)`` of the k-th op."""
+
+    ops: np.ndarray
+    counts: np.ndarray
+    xm: np.ndarray
+    ym: np.ndarray
+    sxx: np.ndarray
+    syy: np.ndarray
+    sxy: np.ndarray
+    last: np.ndarray
+    x_last: np.ndarray
+    points: Any
+
+
+def _trend_fit(cells: _Cells, drift_ops: np.ndarray) -> _TrendFit | None:
+    """`_TrendFit` over op-major cells: one bincount per sum."""
     l2 = cells.cols["log2_rms"]
-    rows_idx = np.flatnonzero(drift_rows & np.isfinite(l2))
-    if not len(rows_idx):
-        return []
-    ops = cells.op[rows_idx]
-    x = cells.step[rows_idx].astype(np.float64)
-    y = l2[rows_idx]
+    used = cells.rows_of(drift_ops) & np.isfinite(l2)
+    if used.all():  # every row: no gathers
+        ops, x, y = cells.op, cells.step.astype(np.float64), l2
+    else:
+        rows_idx = np.flatnonzero(used)
+        if not len(rows_idx):
+            return None
+        ops = cells.op[rows_idx]
+        x = cells.step[rows_idx].astype(np.float64)
+        y = l2[rows_idx]
+    del used
     # last value of each op over *all* its steps (an op drifting now is not "in bound")
     last_all = l2[cells.starts + cells.sizes - 1]
-    # One least-squares fit per op, vectorised: rows are sorted by (op, step).
     starts = delayed.group_starts(ops)
     uniq, counts = ops[starts], np.diff(np.r_[starts, len(ops)])
     codes = np.repeat(np.arange(len(uniq)), counts)
     xm = np.bincount(codes, weights=x) / counts
     ym = np.bincount(codes, weights=y) / counts
     dx, dy = x - xm[codes], y - ym[codes]
-    sxx = np.bincount(codes, weights=dx * dx)
-    syy = np.bincount(codes, weights=dy * dy)
-    sxy = np.bincount(codes, weights=dx * dy)
+    prod = np.multiply(dx, dx)  # one buffer for the three products
+    sxx = np.bincount(codes, weights=prod)
+    sxy = np.bincount(codes, weights=np.multiply(dx, dy, out=prod))
+    syy = np.bincount(codes, weights=np.multiply(dy, dy, out=prod))
+    del prod, dx, dy, codes
     ends = starts + counts - 1
+
+    def points(k: int) -> tuple[np.ndarray, np.ndarray]:
+        return x[starts[k] : ends[k] + 1], y[starts[k] : ends[k] + 1]
+
     last = last_all[np.searchsorted(cells.ids, uniq)]
+    return _TrendFit(uniq, counts, xm, ym, sxx, syy, sxy, last, x[ends], points)
+
+
+def _trend_fit_dense(cells: _Dense, drift_ops: np.ndarray) -> _TrendFit | None:
+    """`_TrendFit` over steps x ops: the same sums, accumulated step by step (the order
+    of the op-major bincounts, so the same numbers) with one vector per step, no copy of
+    the steps x ops values."""
+    l2 = cells.cols["log2_rms"]
+    drift = np.isin(cells.ids, drift_ops)
+    x = cells.steps.astype(np.float64)
+    n = len(cells.ids)
+    counts = np.zeros(n, np.int64)
+    sx, sy = np.zeros(n), np.zeros(n)
+    x_last = np.full(n, np.nan)
+    finite = [np.isfinite(row) & drift for row in l2]
+    for xi, row, ok in zip(x, l2, finite):
+        counts += ok
+        sx += np.where(ok, xi, 0.0)
+        sy += np.where(ok, row, 0.0)
+        x_last = np.where(ok, xi, x_last)
+    has = counts > 0
+    if not has.any():
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        xm, ym = sx / counts, sy / counts
+    sxx, syy, sxy = np.zeros(n), np.zeros(n), np.zeros(n)
+    for xi, row, ok in zip(x, l2, finite):
+        dx = np.where(ok, xi - xm, 0.0)
+        dy = np.where(ok, row - ym, 0.0)
+        sxx += dx * dx
+        syy += dy * dy
+        sxy += dx * dy
+    cols = np.flatnonzero(has)
+
+    def points(k: int) -> tuple[np.ndarray, np.ndarray]:
+        j = cols[k]
+        ok = np.isfinite(l2[:, j])
+        return x[ok], l2[ok, j]
+
+    pick = (cols,)
+    return _TrendFit(
+        cells.ids[cols],
+        counts[pick],
+        xm[pick],
+        ym[pick],
+        sxx[pick],
+        syy[pick],
+        sxy[pick],
+        np.asarray(l2[-1, cols], np.float64),
+        x_last[pick],
+        points,
+    )
+
+
+def _trend_findings(
+    cells: _Cells | _Dense, drift_ops: np.ndarray, thresholds: Thresholds, horizon: float
+) -> list[dict[str, Any]]:
+    """Least-squares line of log2 rms against step, per op of ``drift_ops`` (finite
+    points only)."""
+    bound = thresholds.drift_log2
+    if isinstance(cells, _Dense):
+        fit = _trend_fit_dense(cells, drift_ops)
+    else:
+        fit = _trend_fit(cells, drift_ops)
+    if fit is None:
+        return []
+    xm, ym, sxx, syy, sxy = fit.xm, fit.ym, fit.sxx, fit.syy, fit.sxy
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = sxy / sxx
         r2 = slope**2 * sxx / syy
         projected = ym + slope * (horizon - xm)
         candidate = (
-            (counts >= thresholds.trend_min_points)
-            & (horizon > x[ends])
-            & (np.abs(last) <= bound)
+            (fit.counts >= thresholds.trend_min_points)
+            & (horizon > fit.x_last)
+            & (np.abs(fit.last) <= bound)
             & (sxx != 0)
             & (syy != 0)
             & (np.abs(projected) > bound)
@@ -766,8 +977,7 @@ def _trend_findings(
     for k in np.flatnonzero(candidate):
         target = math.copysign(bound, projected[k])
         cross = xm[k] + (target - ym[k]) / slope[k]
-        xs = x[starts[k] : ends[k] + 1]
-        ys = y[starts[k] : ends[k] + 1]
+        xs, ys = fit.points(k)
         text = (
             f"log2 rms of the data moves {slope[k]:+.3g}/step (from {_signed(ys[0])} at step "
             f"{int(xs[0])} to {_signed(ys[-1])} at step {int(xs[-1])}, R² {r2[k]:.2f}); the "
@@ -776,7 +986,7 @@ def _trend_findings(
         )
         out.append(
             dict(
-                op=int(uniq[k]),
+                op=int(fit.ops[k]),
                 rule="trend",
                 format="",
                 first_step=int(xs[0]),
@@ -825,12 +1035,59 @@ def _delayed_text(
     return text, int(step[w]), float(over[w])
 
 
+def _delayed_candidates(dense: _Dense, thresholds: Thresholds) -> np.ndarray:
+    """Ops of ``dense`` the delayed rule may flag; the others cannot clip. With a
+    history covering every recorded step, an op whose amax is finite everywhere is
+    replayed against the running max of its previous amaxes, so it needs an amax more
+    than ``2**delayed_log2`` times that max at some step. Ops with a non-finite amax (or
+    a shorter history) are always candidates. One pass down the steps, no copy."""
+    amax = dense.cols["_amax"]
+    k = amax.shape[0]
+    if thresholds.delayed_history < k - 1 or k < 2:
+        return dense.ids
+    factor = 2.0**thresholds.delayed_log2 * (1 - 1e-9)  # slack: log2 vs product rounding
+    finite = np.ones(amax.shape[1], bool)
+    grows = np.zeros(amax.shape[1], bool)
+    running = np.asarray(amax[0], np.float64)
+    finite &= np.isfinite(running)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for row in amax[1:]:
+            finite &= np.isfinite(row)
+            grows |= row > factor * running
+            running = np.maximum(running, row)
+    return dense.ids[grows | ~finite]
+
+
 def _delayed_findings(
-    cells: _Cells, fmt_of: pd.Series, thresholds: Thresholds
+    cells: _Cells | _Dense,
+    fmt_of: pd.Series,
+    thresholds: Thresholds,
+    exp_range: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """The ``delayed`` rule: one vectorised replay (`delayed.replay`) over every op of
     ``fmt_of`` (op id -> format name) with at least two recorded steps where it ran;
-    Python only for the ops that clip."""
+    Python only for the ops that clip. The binade floor of the value amax (``_floor``)
+    is read where the amax exceeds the threshold only; on `_Dense` cells it is computed
+    there from ``absmax`` and ``scale`` (``exp_range``: the histogram's range)."""
+    if isinstance(cells, _Dense):
+        dense = cells
+        fmt_of = fmt_of[fmt_of.index.isin(_delayed_candidates(dense, thresholds))]
+        sub = np.flatnonzero(np.isin(dense.ids, fmt_of.index.to_numpy()))
+        cells = dense.flat(["_amax", "_ran"], fmt_of.index.to_numpy())
+        k = len(dense.steps)
+
+        def floor_at(rows: np.ndarray) -> np.ndarray:
+            j, i = np.divmod(rows, k)
+            absmax = np.asarray(dense.cols["absmax"][i, sub[j]], np.float64)
+            scale = np.asarray(dense.cols["scale"][i, sub[j]], np.float64)
+            return delayed.binade_floor(absmax, exp_range) * scale
+
+    else:
+        floor_all = cells.cols["_floor"]
+
+        def floor_at(rows: np.ndarray) -> np.ndarray:
+            return floor_all[rows]
+
     keep = cells.rows_of(fmt_of.index.to_numpy()) & (cells.cols["_ran"] > 0)
     op = cells.op
     starts = delayed.group_starts(op[keep])
@@ -838,10 +1095,11 @@ def _delayed_findings(
     keep[keep] = np.repeat(sizes >= 2, sizes)  # at least two recorded steps
     if not keep.any():
         return []
-    op = op[keep]
-    step = cells.step[keep]
-    amax = cells.cols["_amax"][keep]
-    floor = cells.cols["_floor"][keep]
+    kept = np.flatnonzero(keep)
+    del keep
+    op = op[kept]
+    step = cells.step[kept]
+    amax = cells.cols["_amax"][kept]
     starts = delayed.group_starts(op)
     ids = op[starts]
     names = fmt_of.reindex(ids).to_numpy()
@@ -851,9 +1109,13 @@ def _delayed_findings(
     history = thresholds.delayed_history
     r = delayed.replay(amax, starts, history=history, algo="max", margin=0, fmt_max=fmt_max)
     with np.errstate(divide="ignore", invalid="ignore"):
-        sure = floor > r.threshold  # clipped_min > 0
-        far = np.log2(amax / r.threshold) > thresholds.delayed_log2
-    hit = r.from_history & sure & far
+        # the binade floor is at most the amax: only rows whose amax clips can hold
+        above = np.flatnonzero(r.from_history & (amax > r.threshold))
+        floor = floor_at(kept[above])
+        sure = floor > r.threshold[above]  # clipped_min > 0
+        far = np.log2(amax[above] / r.threshold[above]) > thresholds.delayed_log2
+    hit = np.zeros(len(amax), bool)
+    hit[above[sure & far]] = True
     rows = []
     for g in np.unique(np.searchsorted(starts, np.flatnonzero(hit), side="right") - 1):
         a, b = starts[g], starts[g] + sizes[g]
@@ -1127,12 +1389,17 @@ def advise(
     extra = {"log2_rms": l2}
     columns |= {"log2_rms": "abs"}
     replay_delayed = {"absmax", "scale"} <= set(stats.columns)
-    if replay_delayed:  # value amax, its binade's floor, ran: maxima over iterations
-        exp_range = delayed.hist_range((meta or {}).get("hist_columns"))
-        amax, floor, ran = delayed.value_columns(stats, exp_range)
-        extra |= {"_amax": amax, "_floor": floor, "_ran": ran.astype(np.float64)}
+    exp_range = delayed.hist_range((meta or {}).get("hist_columns"))
+    dense = _dense_blocks(stats["op"].to_numpy(np.int64), stats["step"].to_numpy(np.int64))
+    if replay_delayed and dense is None:  # value amax, its binade's floor, ran: maxima
+        amax, floor, ran = delayed.value_columns(stats, exp_range)  # over iterations
+        extra |= {"_amax": amax, "_floor": floor, "_ran": ran}
         columns |= {"_amax": "max", "_floor": "max", "_ran": "max"}
-    cells = _per_step(stats, columns, extra)
+    elif replay_delayed:  # one row per op and step: the floor where it matters only
+        amax, ran = _value_amax(stats)
+        extra |= {"_amax": amax, "_ran": ran}
+        columns |= {"_amax": "max", "_ran": "max", "absmax": "max", "scale": "max"}
+    cells = _cells_of(stats, columns, extra, dense)
     del extra, l2
     labels = op_labels(table)
 
@@ -1147,9 +1414,9 @@ def advise(
     rows = _nonfinite_findings(cells, thresholds, labels)
     rows += _format_findings(cells, checked, thresholds, meta)
     rows += _drift_findings(cells, drift_rows, thresholds)
-    rows += _trend_findings(cells, drift_rows, thresholds, horizon)
+    rows += _trend_findings(cells, drift_ops, thresholds, horizon)
     if replay_delayed:
-        rows += _delayed_findings(cells, _delayed_formats(table), thresholds)
+        rows += _delayed_findings(cells, _delayed_formats(table), thresholds, exp_range)
     if not rows:
         return _empty_findings()
     found = pd.DataFrame(rows)
@@ -1188,7 +1455,7 @@ def _finish(
     labels: pd.Series,
     meta: Mapping[str, Any] | None,
     history: int = 1024,
-    cells: _Cells | None = None,
+    cells: _Cells | _Dense | None = None,
     recipes: Mapping[int, str] | None = None,
 ) -> pd.DataFrame:
     """Add op details, severity and fix; sort."""
