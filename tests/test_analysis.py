@@ -532,6 +532,72 @@ def test_worst_finding_metric_picks_the_most_severe_then_largest():
     assert A.finding_metric("delayed") == "absmax"
 
 
+def test_advise_reads_a_writer_order_run_as_a_sorted_one():
+    """A run in the writer's order (every op at every step, step by step) is read as
+    steps x ops views; the same rows in any other order are sorted and reduced: both
+    give the same findings, for every rule (NaN, a mask, ops that did not run, drift,
+    trends, delayed-scaling growth, format statistics across their thresholds)."""
+    rng = np.random.default_rng(7)
+    n_ops, steps = 30, [10 * k for k in range(25)]
+    specs = []
+    for i in range(n_ops):
+        specs.append(
+            {
+                "name": f"layer{i % 3}/op{i}",
+                "pass": ("fwd", "bwd", "opt")[i % 3],
+                "cast_to": ("e4m3", "e5m2", "", "fp16")[i % 4],
+                "scaled": i % 2 == 0,
+            }
+        )
+    ops = make_ops(*specs)
+    rows = []
+    walk = np.cumsum(rng.normal(0, 0.4, (len(steps), n_ops)), axis=0)
+    walk[:, 5] = np.linspace(0, 3.9, len(steps))  # a trend that stays in bound
+    walk[:, 6] = np.linspace(0, 7, len(steps))  # drifts out
+    for k, step in enumerate(steps):
+        for op in range(n_ops):
+            amax = 2.0 ** (walk[k, op] + 2)
+            if op == 7:
+                amax = 2.0 ** (k / 2)  # outgrows delayed scaling
+            row = {
+                "op": op,
+                "step": step,
+                "rms": 2.0 ** walk[k, op] if op != 8 else 0.0,
+                "absmax": amax,
+                "scale": 2.0 ** (op % 3),
+                "count": 0.0 if (op == 9 and k % 4 == 0) else 16.0,
+                "frac_nonfinite": 0.25 if op == 10 else (float(k > 20) if op == 11 else 0.0),
+            }
+            for fmt in FORMATS:
+                row[f"underflow_{fmt}"] = float(rng.choice([0.0, 0.005, 0.03, 0.6]))
+                row[f"overflow_{fmt}"] = float(rng.choice([0.0, 0.0, 1e-6, 0.02]))
+                row[f"snr_{fmt}"] = float(rng.uniform(5, 80)) if op != 12 else math.nan
+            rows.append(row)
+    dense = make_stats(rows)
+    for col in dense.columns:  # stored as float32, as recorded
+        if col not in ("step", "op", "iteration"):
+            dense[col] = dense[col].astype(np.float32)
+    meta = {"graph": {"scalify": True}, "config": {"steps": 600}}
+    a = A.advise(dense, ops, meta=meta, audit=("bf16",))
+    b = A.advise(dense.sample(frac=1.0, random_state=1), ops, meta=meta, audit=("bf16",))
+    assert set(a["rule"]) == {
+        "nonfinite",
+        "overflow",
+        "underflow",
+        "snr",
+        "drift",
+        "trend",
+        "delayed",
+    }
+    pd.testing.assert_frame_equal(a, b)
+    assert 10 not in set(a.loc[a["rule"] == "nonfinite", "op"])  # the mask
+    short = A.Thresholds(delayed_history=3)  # the delayed pre-filter steps aside
+    pd.testing.assert_frame_equal(
+        A.advise(dense, ops, meta=meta, thresholds=short),
+        A.advise(dense.iloc[::-1], ops, meta=meta, thresholds=short),
+    )
+
+
 def test_advise_argument_errors():
     ops = make_ops({"name": "x", "cast_to": "e4m3"})
     stats = make_stats(series(0, STEPS))
