@@ -425,6 +425,10 @@ def test_severity_is_graded_by_magnitude():
         "high",
         "medium",  # a trend 5 binades past the bound at the horizon: never high
     ]
+    # delayed scaling clipping 5 binades at a single recorded step (a warm-up
+    # transient): medium; at two steps or more: high
+    frame = frame.assign(steps=[3, 3, 3, 3, 1, 3])
+    assert A.severity_of(A.severity_level(frame)).tolist()[3:5] == ["low", "medium"]
 
 
 def test_fix_texts_name_the_line_and_the_function():
@@ -489,11 +493,14 @@ def test_fix_texts_name_the_line_and_the_function():
     assert row["fix"].endswith(
         "at model.py:9; or the mxfp8_e4m3 recipe (safe for this op in the recorded statistics)"
     )
-    # no recorded recipe is safe: only scalify is offered
+    # no recorded recipe is safe: only scalify is offered, and it says so
     unsafe = with_recipes.assign(underflow_mxfp8_e4m3=0.5)
     naive = A.advise(unsafe, naive_ops, meta={"graph": {"scalify": False}})
     row = naive[(naive["op"] == 1) & (naive["rule"] == "underflow")].iloc[0]
-    assert row["fix"].endswith("instead of naive e5m2 casts at model.py:9")
+    assert row["fix"].endswith(
+        "instead of naive e5m2 casts at model.py:9"
+        " (no recorded recipe (mxfp8_e4m3, nvfp4) is safe for it)"
+    )
     assert all("\n" not in f for f in naive["fix"])
 
 

@@ -35,7 +35,8 @@
 - ``trend`` (a projection, never high): low, medium when the fit's rate takes the value
   4 binades or more beyond the bound by the horizon;
 - ``delayed``: low when the value amax is less than 2 binades (x4) above the
-  delayed-scaling threshold, medium below 4 binades (x16), high from there.
+  delayed-scaling threshold, medium below 4 binades (x16), high from there when it
+  clips at two recorded steps or more (a single step, a warm-up transient: medium).
 
 **Each finding carries one readable sentence of evidence and a one-line fix** naming the
 op's source line (`fix_line`). Under scalify (or on a scaled op): drift and trend ->
@@ -607,14 +608,15 @@ def _rescale(op: Mapping[str, Any], kind: str) -> str:
     return f"x = ss.ops.dynamic_rescale_{kind}(x)  # after {where}"
 
 
-def _recipe_text(rule: str, recipe: str | None) -> str:
+def _recipe_text(rule: str, recipe: str | None, recorded: Sequence[str] = ()) -> str:
     """``or <recipe>`` for a naive-cast fix: ``recipe`` when the recorded statistics show
-    it safe for the op, "" when recipes were recorded and none is safe (None: none
-    recorded: a suggestion)."""
+    it safe for the op; "" when recipes (``recorded``) were recorded and none is safe;
+    None when none was recorded: a suggestion."""
     if recipe:
         return f"; or the {recipe} recipe (safe for this op in the recorded statistics)"
     if recipe == "":
-        return ""
+        names = ", ".join(recorded)
+        return f" (no recorded recipe{' (' + names + ')' if names else ''} is safe for it)"
     name = SUGGESTED_RECIPE.get(rule, DEFAULT_RECIPE)
     return f'; or a block-scaled recipe such as {name} (record formats=("{name}",) to check it)'
 
@@ -628,6 +630,7 @@ def fix_line(
     recipe: str | None = None,
     log2_rms: float = math.nan,
     origin: Mapping[str, Any] | None = None,
+    recorded: Sequence[str] = (),
 ) -> str:
     """The one-line fix for a ``rule`` finding on ``op`` (a row of the op table with a
     ``label``), naming the op's source line.
@@ -640,8 +643,8 @@ def fix_line(
     off unit scale where the rule is worst (``log2_rms``), else a format with more range
     (underflow) or more mantissa (snr) than ``fmt``, or a block-scaled recipe. Without
     scalify (naive casts): run the step under scalify, or use ``recipe`` (the cheapest
-    recipe the recorded statistics show safe for the op; "": recipes were recorded, none
-    is safe; None: none were recorded, a suitable one is suggested). ``nonfinite``: the
+    recipe the recorded statistics show safe for the op; "": the recipes ``recorded``
+    were, none is safe; None: none were recorded, a suitable one is suggested). ``nonfinite``: the
     earliest op with NaN/inf (``origin`` None) gets ``jax_debug_nans``; a later one
     (``origin``: the earliest op's row) points to it. A finding on a block-scaled recipe
     ``fmt`` names the recipe that would do better."""
@@ -665,7 +668,7 @@ def fix_line(
         what = f"naive {fmt} casts" if fmt else "naive low-precision casts"
         return (
             f"run.track(step, scalify=True)  # scale-propagated casts instead of {what} at "
-            f"{where}{_recipe_text(rule, recipe)}"
+            f"{where}{_recipe_text(rule, recipe, recorded)}"
         )
     if rule == "overflow":
         return _rescale(op, "max")
@@ -1217,7 +1220,11 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                 beyond = np.abs(v) - np.abs(t)
                 out[m] = _band_level(beyond, 0.0, SEVERITY_STEPS[name], 16.0)
             elif name == "delayed":
-                out[m] = _band_level(v, 0.0, SEVERITY_STEPS["delayed"], 12.0)
+                level = _band_level(v, 0.0, SEVERITY_STEPS["delayed"], 12.0)
+                if "steps" in findings.columns:  # clipping at one recorded step only (a
+                    once = findings["steps"].to_numpy()[m] <= 1  # warm-up transient):
+                    level = np.where(once, np.minimum(level, 1.999), level)  # medium at most
+                out[m] = level
     return out
 
 
@@ -1421,7 +1428,8 @@ def advise(
         return _empty_findings()
     found = pd.DataFrame(rows)
     recipes = _safe_recipes(found, stats, table, thresholds, meta)
-    return _finish(found, table, labels, meta, thresholds.delayed_history, cells, recipes)
+    recorded = recorded_recipes(stats)
+    return _finish(found, table, labels, meta, thresholds.delayed_history, cells, recipes, recorded)
 
 
 def _safe_recipes(
@@ -1457,6 +1465,7 @@ def _finish(
     history: int = 1024,
     cells: _Cells | _Dense | None = None,
     recipes: Mapping[int, str] | None = None,
+    recorded: Sequence[str] = (),
 ) -> pd.DataFrame:
     """Add op details, severity and fix; sort."""
     run_scalified = bool(((meta or {}).get("graph") or {}).get("scalify", False))
@@ -1490,7 +1499,16 @@ def _finish(
                     "label": labels[int(origin_of[i])]
                 }
         fixes.append(
-            fix_line(op, fmt, scaled, rule, recipe=recipe, log2_rms=log2_rms, origin=origin)
+            fix_line(
+                op,
+                fmt,
+                scaled,
+                rule,
+                recipe=recipe,
+                log2_rms=log2_rms,
+                origin=origin,
+                recorded=recorded,
+            )
         )
     found["fix"] = fixes
     found["_sev"] = found["severity"].map({s: i for i, s in enumerate(SEVERITY_ORDER)})
