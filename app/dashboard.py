@@ -163,7 +163,13 @@ def _when_text(when: pd.Series, n_recorded: int) -> str:
 class Dashboard:
     """Widgets and views of one page; `layout` is what Panel serves."""
 
-    def __init__(self, runs: RunSet, run: str | None = None, poll_ms: int = POLL_MS) -> None:
+    def __init__(
+        self,
+        runs: RunSet,
+        run: str | None = None,
+        poll_ms: int = POLL_MS,
+        live: bool | None = None,
+    ) -> None:
         self.runs = runs
         names = runs.names
         self.run_select = pn.widgets.Select(
@@ -172,8 +178,9 @@ class Dashboard:
         self.status = pn.pane.HTML("", sizing_mode="stretch_width")
         self._muted = False  # True while several widgets change for one redraw
         self.versions: dict[str, Any] = {}  # view -> what it shows (`_token`)
-        # served with a periodic callback: never wait for the advisor, redraw when it ends
-        self.live = pn.state.curdoc is not None and poll_ms > 0
+        # served with a periodic callback (``live``, by default when served): never wait
+        # for the advisor, redraw when it ends
+        self.live = pn.state.curdoc is not None and poll_ms > 0 if live is None else live
         self._worst_by_user = False  # the worst-ops metric was picked in the page
         self.notes = {
             view: pn.pane.HTML(
@@ -280,7 +287,10 @@ class Dashboard:
         if not len(data.steps):
             return pd.DataFrame()
         if self.live:
-            return data.advice.latest(wait=ADVISOR_WAIT)
+            found = data.advice.latest(wait=ADVISOR_WAIT)
+            if found is None and data.advice.error and not data.advice.running:
+                return pd.DataFrame()  # it failed: the views say so (`_advice_note`)
+            return found
         return data.findings()
 
     def _advisor_pending(self, data: RunData) -> str:
@@ -803,7 +813,9 @@ class Dashboard:
             return
         self._shown_findings = findings
         if findings.empty:
-            self.advisor_msg.object = _message("the advisor has no finding for this run")
+            self.advisor_msg.object = self._advice_note(data) or _message(
+                "the advisor has no finding for this run"
+            )
             self.advisor_table.value = pd.DataFrame({"advisor": ["no findings"]})
             return
         counts = findings["severity"].value_counts()

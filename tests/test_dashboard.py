@@ -203,6 +203,38 @@ def test_overview_of_a_run_without_nan_opens_on_its_worst_finding(grouped_root):
     assert "overflow_e4m3" in dash.worst_table.value.columns
 
 
+def test_served_page_draws_the_overview_before_the_advisor_ends(runs, monkeypatch):
+    """A served page does not wait for the advisor: the Overview is drawn with what it
+    has (loss, worst ops) and says the advisor is reading; the next poll after the advisor
+    ends draws its summary and opens the worst ops on the worst finding's metric."""
+    import threading
+
+    from app import Dashboard, RunSet
+    from app import data as app_data
+
+    gate = threading.Event()
+    frame = app_data.advisor_frame
+
+    def slow(*args):
+        assert gate.wait(120)
+        return frame(*args)
+
+    monkeypatch.setattr(app_data, "advisor_frame", slow)
+    dash = Dashboard(RunSet(runs), run="naive", poll_ms=0, live=True)
+    data = dash.data
+    assert data.advice.running and data.advice.findings is None
+    assert "the advisor is reading" in dash.advisor_note.object
+    assert dash.rule_table.value["advisor"].tolist() == ["reading the statistics..."]
+    assert dash.loss_pane.object is not None and len(dash.worst_table.value)
+    assert dash.worst_by.value == "log2_rms"
+    gate.set()
+    findings = data.findings()  # waits for the background run
+    dash.poll()  # the page's periodic callback: the advisor's version moved on
+    assert "rule" in dash.rule_table.value.columns and dash.advisor_note.object == ""
+    assert dash.worst_by.value == A.worst_finding_metric(findings, dash.worst_by.options)
+    assert dash.worst_by.value == "frac_nonfinite"
+
+
 def test_overview_columns_from_the_grids_match_the_op_summary(runs):
     from app import RunSet
 
