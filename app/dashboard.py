@@ -11,6 +11,11 @@ slider). Every figure comes from `scalescope.viz`, every frame from `scalescope.
 (through `RunData`'s cache). A periodic callback reads new parts of the run; views
 showing data older than the run are redrawn when visible.
 
+The advisor's findings (overview, advisor, op detail) come from `RunData.advice`: on a
+served page they are computed in the background and a view shows the newest ones there
+are ("the advisor is reading ..." before the first), redrawn when newer ones land; a page
+model without a periodic callback (tests, notebooks) waits for them.
+
 Every view computed from statistics (overview, heatmap, op detail, advisor, formats)
 opens with a note when its numbers are estimates (a run recorded with ``sample=``) or when
 ops were measured in turns under an overhead budget (``budget=``); the op tables show
@@ -38,6 +43,11 @@ from .data import RunData, RunSet
 
 #: How often a page looks for new data (ms): new steps show within ~2 s of being written.
 POLL_MS = 1000
+
+#: How long a served page's callback waits for the advisor before drawing without it (s).
+ADVISOR_WAIT = 0.5
+#: Views that show the advisor's findings (redrawn when newer findings land).
+FINDINGS_VIEWS = ("Overview", "Op detail", "Advisor")
 
 #: The views, by key (`Dashboard.versions`, `Dashboard.notes`, ``tabs.active`` indices).
 TABS = ("Overview", "Heatmap", "Op detail", "Advisor", "Formats", "Compare", "Scale graph")
@@ -153,7 +163,13 @@ def _when_text(when: pd.Series, n_recorded: int) -> str:
 class Dashboard:
     """Widgets and views of one page; `layout` is what Panel serves."""
 
-    def __init__(self, runs: RunSet, run: str | None = None, poll_ms: int = POLL_MS) -> None:
+    def __init__(
+        self,
+        runs: RunSet,
+        run: str | None = None,
+        poll_ms: int = POLL_MS,
+        live: bool | None = None,
+    ) -> None:
         self.runs = runs
         names = runs.names
         self.run_select = pn.widgets.Select(
@@ -161,7 +177,11 @@ class Dashboard:
         )
         self.status = pn.pane.HTML("", sizing_mode="stretch_width")
         self._muted = False  # True while several widgets change for one redraw
-        self.versions: dict[str, int] = {}  # view -> RunData.version it shows
+        self.versions: dict[str, Any] = {}  # view -> what it shows (`_token`)
+        # served with a periodic callback (``live``, by default when served): never wait
+        # for the advisor, redraw when it ends
+        self.live = pn.state.curdoc is not None and poll_ms > 0 if live is None else live
+        self._worst_by_user = False  # the worst-ops metric was picked in the page
         self.notes = {
             view: pn.pane.HTML(
                 "", sizing_mode="stretch_width", name=f"statistics-note-{view.lower()}"
@@ -238,13 +258,47 @@ class Dashboard:
         if data is None:
             return
         data.refresh()
-        if self.versions.get("status") != data.version:
+        view = TABS[self.tabs.active]
+        if view in FINDINGS_VIEWS:
+            data.advice.kick()  # a live run: newer findings once the last ones are old enough
+        if self.versions.get("status") != data.version or self.versions.get(view) != self._token(
+            view, data
+        ):
             self.redraw_visible()
 
     def redraw(self) -> None:
         """Forget what every view shows (another run was picked) and draw the visible."""
         self.versions.clear()
+        self._worst_by_user = False
         self.redraw_visible()
+
+    @staticmethod
+    def _token(view: str, data: RunData) -> Any:
+        """What a view shows of ``data``: its version, and the advisor's for the views
+        that show findings."""
+        if view in FINDINGS_VIEWS:
+            return (data.version, data.advice.version)
+        return data.version
+
+    def _findings(self, data: RunData) -> pd.DataFrame | None:
+        """The advisor's findings to show: on a served page the newest there are (None
+        while the first are computed: the view says so and is redrawn when they land),
+        else those of the run as it is."""
+        if not len(data.steps):
+            return pd.DataFrame()
+        if self.live:
+            found = data.advice.latest(wait=ADVISOR_WAIT)
+            if found is None and data.advice.error and not data.advice.running:
+                return pd.DataFrame()  # it failed: the views say so (`_advice_note`)
+            return found
+        return data.findings()
+
+    def _advisor_pending(self, data: RunData) -> str:
+        rows = sum(len(f) for f in data.reader.part_frames())
+        return (
+            f"the advisor is reading {rows:,} rows of statistics in the background; "
+            "its findings appear here when it is done"
+        )
 
     def redraw_visible(self) -> None:
         data = self.data
@@ -252,7 +306,8 @@ class Dashboard:
         if data is None:
             return
         view = TABS[self.tabs.active]
-        if self.versions.get(view) == data.version:
+        token = self._token(view, data)
+        if self.versions.get(view) == token:
             return
         draw = {
             "Overview": self._draw_overview,
@@ -268,7 +323,7 @@ class Dashboard:
         except Exception as err:  # noqa: BLE001 - show it in the page, keep the server up
             self.status.object += _message(f"{view}: {type(err).__name__}: {err}", "error")
             raise
-        self.versions[view] = data.version
+        self.versions[view] = token
 
     def _draw_status(self, data: RunData | None) -> None:
         if data is None:
@@ -313,17 +368,18 @@ class Dashboard:
 
     def _build_overview(self) -> None:
         self.loss_pane = pn.pane.Bokeh(None)
+        self._loss_of: tuple[str, int] | None = None  # (run, version) the loss figure shows
         self.alarms = pn.pane.HTML("", name="alarms", sizing_mode="stretch_width")
-        self.worst_by = pn.widgets.Select(
-            label="Worst ops by", options=["frac_nonfinite"], width=220
-        )
+        self.advisor_note = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.worst_by = pn.widgets.Select(label="Worst ops by", options=["log2_rms"], width=220)
         self.worst_table = _table(pd.DataFrame(), "worst-ops", page_size=10)
         self.rule_table = _table(pd.DataFrame(), "advisor-summary", page_size=10)
-        self.worst_by.param.watch(lambda e: self._muted or self._draw_worst(), "value")
+        self.worst_by.param.watch(self._on_worst_by, "value")
         self.overview = pn.Column(
             self.alarms,
             self.loss_pane,
             pn.pane.HTML("<h3>Advisor summary</h3>"),
+            self.advisor_note,
             self.rule_table,
             pn.pane.HTML("<h3>Worst ops</h3>"),
             self.worst_by,
@@ -332,51 +388,65 @@ class Dashboard:
             name="overview",
         )
 
+    def _on_worst_by(self, event: Any) -> None:
+        if self._muted:
+            return
+        self._worst_by_user = True  # picked in the page: kept across redraws
+        self._draw_worst()
+
     def _draw_overview(self, data: RunData) -> None:
         with data.lock:
             scalars = data.scalars
-            findings = data.findings() if len(data.steps) else pd.DataFrame()
-            summary = data.summary() if len(data.steps) else pd.DataFrame()
-        self.loss_pane.object = viz.loss_curve({data.name: scalars})
-        self.alarms.object = self._alarm_html(scalars, findings)
-        if len(findings):
-            self.rule_table.value = analysis.summary_by_rule(findings)
+            options = data.summary_metrics() if len(data.steps) else []
+        findings = self._findings(data)
+        if self._loss_of != (data.name, data.version):  # not again when findings land
+            self.loss_pane.object = viz.loss_curve({data.name: scalars})
+            self._loss_of = (data.name, data.version)
+        self.alarms.object = self._alarm_html(
+            scalars, findings if findings is not None else pd.DataFrame()
+        )
+        if findings is None:
+            self.advisor_note.object = _message(self._advisor_pending(data))
+            self.rule_table.value = pd.DataFrame({"advisor": ["reading the statistics..."]})
         else:
-            self.rule_table.value = pd.DataFrame({"advisor": ["no findings"]})
-        numeric = [
-            c
-            for c in summary.columns
-            if pd.api.types.is_numeric_dtype(summary[c])
-            and c not in ("first_step", "last_step", "scaled")
-        ]
-        options = [c for c in ("frac_nonfinite", "log2_rms") if c in numeric] + [
-            c for c in numeric if c not in ("frac_nonfinite", "log2_rms")
-        ]
+            self.advisor_note.object = self._advice_note(data)
+            if len(findings):
+                self.rule_table.value = analysis.summary_by_rule(findings)
+            else:
+                self.rule_table.value = pd.DataFrame({"advisor": ["no findings"]})
         if options:
-            default = options[0]
-            nonfinite = len(findings) and (findings["rule"] == "nonfinite").any()
-            if default == "frac_nonfinite" and not nonfinite:
-                default = "log2_rms" if "log2_rms" in options else default
-            value = self.worst_by.value if self.worst_by.value in options else default
+            value = self.worst_by.value
+            if not (self._worst_by_user and value in options):
+                # opens on the statistic of the worst finding (highest severity, then
+                # magnitude), not on one that may be zero everywhere
+                value = analysis.worst_finding_metric(findings, options)
             with self._quiet():
                 self.worst_by.param.update(options=options, value=value)
-        self._summary = summary
         self._draw_worst()
 
+    def _advice_note(self, data: RunData) -> str:
+        """Says when the findings shown are older than the run, or why there are none."""
+        advice = data.advice
+        if advice.error:
+            return _message(f"the advisor failed: {advice.error}", "error")
+        if advice.stale and advice.step is not None:
+            return _message(
+                f"findings as of step {advice.step}; the advisor re-reads a live run at most "
+                f"every {max(advice.MIN_INTERVAL, advice.SPACING * advice.took):.0f} s"
+            )
+        return ""
+
     def _draw_worst(self) -> None:
-        summary = getattr(self, "_summary", pd.DataFrame())
         by = self.worst_by.value
-        if summary.empty or by not in summary.columns:
+        data = self.data
+        if data is None or not len(data.steps) or by not in data.summary_metrics():
             self.worst_table.value = pd.DataFrame({"ops": ["no recorded op yet"]})
             return
-        worst = analysis.worst_ops(summary, by, n=20)
+        with data.lock:
+            worst = data.worst_ops(by, n=20)
+            last = data.last_measured(worst.index).to_numpy()
+        worst = worst.assign(last_measured=last)
         cols = ["label", "pass", "primitive", by, "last_measured", "source"]
-        data = self.data
-        if data is not None:
-            with data.lock:
-                worst = worst.assign(last_measured=data.last_measured(worst.index).to_numpy())
-        else:
-            worst = worst.assign(last_measured=worst["last_step"])
         self.worst_table.value = worst.reset_index()[["op", *dict.fromkeys(cols)]]
 
     @staticmethod
@@ -621,8 +691,10 @@ class Dashboard:
                 self.op_info.object = _message("no recorded step yet", "warn")
                 return
             labels = data.labels
-            recorded = np.unique(data.stats["op"].to_numpy(np.int64))
-            findings = data.findings()
+            recorded = data.recorded_ops()
+        findings = self._findings(data)
+        if findings is None:
+            findings = pd.DataFrame({"op": pd.Series(dtype=np.int64)})
         options = {str(labels[op]): int(op) for op in recorded}
         current = self.op_select.value if op is None else int(op)
         if current not in options.values():
@@ -639,7 +711,6 @@ class Dashboard:
             rows = data.op_stats(op)
             info = data.ops.loc[op]
             label = data.labels.get(op, f"op {op}")
-            findings = data.findings()
             recorded = data.steps
             when = data.measured().reindex([op]).iloc[0]
             recipes = data.recipes
@@ -679,12 +750,16 @@ class Dashboard:
             if recipes
             else None
         )
-        mine = findings[findings["op"] == op]
-        self.op_findings.value = (
-            mine[[c for c in _FINDING_COLUMNS if c != "label"]].reset_index(drop=True)
-            if len(mine)
-            else pd.DataFrame({"advisor": ["no finding for this op"]})
-        )
+        findings = self._findings(data)
+        if findings is None:
+            self.op_findings.value = pd.DataFrame({"advisor": ["reading the statistics..."]})
+        else:
+            mine = findings[findings["op"] == op] if len(findings) else findings
+            self.op_findings.value = (
+                mine[[c for c in _FINDING_COLUMNS if c != "label"]].reset_index(drop=True)
+                if len(mine)
+                else pd.DataFrame({"advisor": ["no finding for this op"]})
+            )
         with self._quiet():
             self.step_select.param.update(options=steps, value=step)
         self._draw_op_step()
@@ -727,21 +802,27 @@ class Dashboard:
         self.advisor_table = _table(pd.DataFrame(), "advisor", page_size=25)
         self.advisor_table.on_click(self._on_finding_click)
         self.advisor = pn.Column(self.advisor_msg, self.advisor_table, sizing_mode="stretch_width")
-        self._findings = pd.DataFrame()
+        self._shown_findings = pd.DataFrame()
 
     def _draw_advisor(self, data: RunData) -> None:
-        with data.lock:
-            findings = data.findings() if len(data.steps) else pd.DataFrame()
-        self._findings = findings
+        findings = self._findings(data)
+        if findings is None:
+            self._shown_findings = pd.DataFrame()
+            self.advisor_msg.object = _message(self._advisor_pending(data))
+            self.advisor_table.value = pd.DataFrame({"advisor": ["reading the statistics..."]})
+            return
+        self._shown_findings = findings
         if findings.empty:
-            self.advisor_msg.object = _message("the advisor has no finding for this run")
+            self.advisor_msg.object = self._advice_note(data) or _message(
+                "the advisor has no finding for this run"
+            )
             self.advisor_table.value = pd.DataFrame({"advisor": ["no findings"]})
             return
         counts = findings["severity"].value_counts()
         text = ", ".join(f"{counts[s]} {s}" for s in analysis.SEVERITY_ORDER if s in counts)
         self.advisor_msg.object = _message(
             f"{len(findings)} findings ({text}). Click a row to open the op."
-        )
+        ) + self._advice_note(data)
         with data.lock:
             last = data.last_measured(findings["op"]).to_numpy()
         table = findings[["op", *_FINDING_COLUMNS]].copy()
@@ -749,12 +830,10 @@ class Dashboard:
         self.advisor_table.value = table
 
     def _on_finding_click(self, event: Any) -> None:
-        if self._findings.empty or event.row is None or event.row >= len(self._findings):
+        shown = self._shown_findings
+        if shown.empty or event.row is None or event.row >= len(shown):
             return
-        self.open_op(
-            int(self._findings["op"].iloc[event.row]),
-            int(self._findings["first_step"].iloc[event.row]),
-        )
+        self.open_op(int(shown["op"].iloc[event.row]), int(shown["first_step"].iloc[event.row]))
 
     def _build_formats(self) -> None:
         self.verdicts = _table(pd.DataFrame(), "verdicts", page_size=10)
@@ -896,36 +975,16 @@ class Dashboard:
             values, unmatched = analysis.compare_runs(
                 data.stats, data.ops, other.stats, other.ops, self.compare_metric.value, names=names
             )
-        a, b = names
         if values.empty:
             self.compare_msg.object = _message("no op and step are recorded in both runs", "warn")
             self.compare_table.value = pd.DataFrame()
             return
         diff = "log2_ratio" if "log2_ratio" in values.columns else "difference"
-        last = values[values["step"] == values["step"].max()]
-        per_op = (
-            last.groupby(f"op_{a}", sort=False)
-            .agg(
-                label=("label", "first"),
-                step=("step", "first"),
-                **{
-                    f"value_{a}": (f"value_{a}", "max"),
-                    f"value_{b}": (f"value_{b}", "max"),
-                    diff: (
-                        diff,
-                        lambda s: (
-                            s.iloc[int(np.nanargmax(np.abs(s.to_numpy())))]
-                            if s.notna().any()
-                            else np.nan
-                        ),
-                    ),
-                },
-            )
-            .reset_index()
-        )
-        per_op = per_op.iloc[np.argsort(-np.abs(per_op[diff].fillna(0).to_numpy()), kind="stable")]
+        per_op = analysis.largest_differences(values, names)
+        fills = int(per_op[diff].isna().sum())
+        fill_note = f" ({fills} with a mask fill or non-finite value, not ranked)" if fills else ""
         self.compare_msg.object = _message(
-            f"{per_op.shape[0]} matched ops at step {int(last['step'].iloc[0])}, largest {diff} "
-            f"first; {len(unmatched)} ops only in one run"
+            f"{per_op.shape[0]} matched ops at step {int(per_op['step'].iloc[0])}, largest {diff} "
+            f"first{fill_note}; {len(unmatched)} ops only in one run"
         )
         self.compare_table.value = per_op.reset_index(drop=True)

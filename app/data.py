@@ -3,13 +3,22 @@
 `RunSet` resolves the PATH given to ``scalescope serve`` (one run, or a directory of
 runs) once, and only ever opens runs under it. `RunData` wraps one `RunReader` with a
 lock (Bokeh sessions run callbacks on the server's threads) and caches every derived
-frame (wide statistics, matrices, advisor findings, format and recipe what-if) until
-`RunData.refresh` reads new parts; all sessions of the server share one `RunData` per run.
+frame (wide statistics, matrices, format and recipe what-if) until `RunData.refresh`
+reads new parts; all sessions of the server share one `RunData` per run.
+
+The advisor over a large run takes seconds (20 000 ops x 1000 recorded steps: 20 M
+rows), so it does not hold up a page: `Advice` runs it in a background thread over the
+columns it reads (not the wide frame), keeps the last findings while a newer version is
+computed, and re-advises a live run at most every `Advice.MIN_INTERVAL` seconds (and no
+more often than `Advice.SPACING` times its own duration). The Overview's worst-ops table
+reads the op x step grids of the heatmap (`StatGrid`), not the wide frame either.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +40,127 @@ FORMAT_METRICS = ("underflow", "overflow", "snr")
 RECIPE_METRICS = RECIPE_STATS
 
 
+#: Overview "worst ops by" columns taken at each op's last recorded step (else: the worst
+#: over all recorded steps), as in `scalescope.analysis.op_summary`.
+LAST_STEP_METRICS = ("rms", "log2_rms", "absmax", "scale")
+
+
 class ServeError(Exception):
     """PATH cannot be served (missing, not a run, no runs under it); the message says
     why and what to do."""
+
+
+class Advice:
+    """The advisor's findings of one run (`scalescope.analysis.advise`), computed in a
+    background thread so that no page waits for them (see the module docstring).
+
+    `latest` returns the newest findings there are and starts a computation when they are
+    older than the run; `current` waits for the findings of the run as it is now.
+    ``version`` counts finished computations (a view redraws when it moves on)."""
+
+    #: Shortest time (s) between the end of one computation and the start of the next
+    #: on a live run, and the least multiple of its last duration.
+    MIN_INTERVAL = 10.0
+    SPACING = 3.0
+
+    def __init__(self, data: RunData) -> None:
+        self.data = data
+        self.version = 0
+        self.findings: pd.DataFrame | None = None
+        self.of_version = -1  # RunData.version the findings are of
+        self.step: int | None = None  # last recorded step they cover
+        self.error: str | None = None
+        self.took = 0.0  # seconds the last computation took
+        self._ended = 0.0
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def stale(self) -> bool:
+        """Older than the run (or none yet)."""
+        return self.of_version != self.data.version
+
+    def _due(self) -> bool:
+        if self.findings is None:
+            return True
+        wait = max(self.MIN_INTERVAL, self.SPACING * self.took)
+        return time.monotonic() - self._ended >= wait
+
+    def kick(self, force: bool = False) -> bool:
+        """Start a computation when the findings are stale, none is running and the
+        last one ended long enough ago (``force``: now); True when one is running."""
+        if self._thread is None and self.stale and (force or self._due()):
+            # the snapshot takes the run's lock: never while holding our condition (a
+            # callback holding the run's lock may be waiting for it)
+            snapshot = self.data.advisor_snapshot()
+            with self._cond:
+                if self._thread is None and self.of_version != snapshot[0]:
+                    self._thread = threading.Thread(
+                        target=self._run, args=(snapshot,), name="scalescope-advisor", daemon=True
+                    )
+                    self._thread.start()
+        return self._thread is not None
+
+    def _run(self, snapshot: tuple[Any, ...]) -> None:
+        version, frames, columns, ops, meta = snapshot
+        t0 = time.monotonic()
+        try:
+            stats = advisor_frame(frames, columns)
+            found = analysis.advise(stats, ops, meta=meta)
+            step = int(stats["step"].max()) if len(stats) else None
+            error = None
+        except Exception as err:  # noqa: BLE001 - shown in the page, the server stays up
+            found, step, error = None, None, f"{type(err).__name__}: {err}"
+        with self._cond:
+            if found is not None:
+                self.findings, self.step = found, step
+            self.error = error
+            self.of_version = version
+            self.took = time.monotonic() - t0
+            self._ended = time.monotonic()
+            self.version += 1
+            self._thread = None
+            self._cond.notify_all()
+
+    def latest(self, wait: float = 0.0) -> pd.DataFrame | None:
+        """The newest findings (None before the first computation ends), starting a
+        computation when due (`kick`); waits up to ``wait`` seconds for a running one."""
+        self.kick(force=self.findings is None)
+        with self._cond:
+            if self._thread is not None and wait > 0:
+                self._cond.wait_for(lambda: self._thread is None, timeout=wait)
+            return self.findings
+
+    def current(self) -> pd.DataFrame:
+        """The findings of the run as it is now (waits for them; raises what the advisor
+        raised)."""
+        while True:
+            with self._cond:
+                if not self.stale and self._thread is None:
+                    if self.error is not None:
+                        raise RuntimeError(f"the advisor failed: {self.error}")
+                    return self.findings
+            self.kick(force=True)
+            with self._cond:
+                self._cond.wait_for(lambda: self._thread is None, timeout=60)
+
+
+def advisor_frame(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    """Process 0's rows of the parts ``frames``, only ``columns`` (what the advisor reads:
+    `scalescope.analysis.advisor_columns`), as one frame in the parts' order."""
+    parts = []
+    for frame in frames:
+        process = frame["process"].to_numpy()
+        parts.append(frame if (process == 0).all() else frame[process == 0])
+    if not parts:
+        return pd.DataFrame({c: pd.Series(dtype=np.float64) for c in columns})
+    return pd.DataFrame(
+        {c: np.concatenate([p[c].to_numpy() for p in parts]) for c in columns}, copy=False
+    )
 
 
 class RunData:
@@ -47,6 +174,7 @@ class RunData:
         self._cache: dict[Any, Any] = {}
         self.grid = StatGrid(self.reader)  # heatmap grids, extended part by part
         self._by_ops: dict[Any, Any] = {}  # frames of the op table only (kept on refresh)
+        self.advice = Advice(self)  # the advisor's findings, computed in the background
 
     @property
     def name(self) -> str:
@@ -193,9 +321,43 @@ class RunData:
         return self.cached(key, lambda: self.grid.measured(ops, max_steps))
 
     def measured(self) -> pd.DataFrame:
-        """Per op: first/last measured step, number of steps measured, median gap
-        (`scalescope.store.RunReader.measured`)."""
-        return self.cached("measured", lambda: self.reader.measured())
+        """Per op: first/last measured step, number of steps measured, median gap: the
+        frame of `scalescope.store.RunReader.measured` (process 0), read from the
+        heatmap grid's "where measured" mask instead of a pass over every row."""
+        return self.cached("measured", self._measured)
+
+    def _measured(self) -> pd.DataFrame:
+        with self.lock:
+            self.grid.sync()
+            ids, steps, present = self.grid.ops, self.grid.steps, self.grid.present
+            table = self.ops
+        n = present.sum(axis=1)
+        has = n > 0
+        ids, present, n = ids[has], present[has], n[has]
+        first = present.argmax(axis=1)
+        last = present.shape[1] - 1 - present[:, ::-1].argmax(axis=1)
+        gap = np.where(n >= 2, 1.0, np.nan)  # measured at every step in between: 1
+        for row in np.flatnonzero((n >= 2) & (last - first + 1 != n)):
+            gap[row] = np.median(np.diff(np.flatnonzero(present[row])))
+        per_op = pd.DataFrame(
+            {
+                "first_measured": steps[first].astype(np.float64),
+                "last_measured": steps[last].astype(np.float64),
+                "n_measured": n.astype(np.int64),
+                "gap": gap,
+            },
+            index=pd.Index(ids.astype(np.int64), name="op"),
+        )
+        if len(table) and "stats_op" in table.columns:  # aliases: the rows they alias
+            out = per_op.reindex(table["stats_op"].to_numpy(np.int64))
+            out.index = pd.Index(table.index.to_numpy(np.int64), name="op")
+            extra = per_op.index.difference(out.index)  # rows of ops the table lacks
+            if len(extra):
+                out = pd.concat([out, per_op.loc[extra]]).sort_index()
+        else:
+            out = per_op
+        out["n_measured"] = out["n_measured"].fillna(0).astype(np.int64)
+        return out[["first_measured", "last_measured", "n_measured", "gap"]]
 
     def last_measured(self, ops: Any) -> pd.Series:
         """Last measured step of each op id in ``ops`` (nullable ints, for tables)."""
@@ -208,10 +370,97 @@ class RunData:
         return self.cached("notes", lambda: analysis.measurement_notes(self.reader))
 
     def findings(self) -> pd.DataFrame:
-        return self.cached("findings", lambda: analysis.advise_run(self.reader))
+        """The advisor's findings of the run as it is now (waits for them; `advice`'s
+        `Advice.latest` gives the newest without waiting)."""
+        return self.advice.current()
+
+    def advisor_snapshot(self) -> tuple[int, list[pd.DataFrame], list[str], pd.DataFrame, Any]:
+        """What a background advisor run reads, taken under the lock: the version, the
+        parts read so far, the columns the advisor needs, the op table and metadata."""
+        with self.lock:
+            ops = self.ops
+            columns = analysis.advisor_columns(
+                ["step", "op", "iteration", *self.reader.stat_names], ops
+            )
+            return self.version, self.reader.part_frames(), columns, ops, self.reader.meta
 
     def summary(self) -> pd.DataFrame:
         return self.cached("summary", lambda: analysis.op_summary(self.stats, self.ops))
+
+    def summary_metrics(self) -> list[str]:
+        """Columns of `scalescope.analysis.op_summary` the Overview ranks ops by, in menu
+        order: frac_nonfinite, log2_rms, rms, absmax, scale, each format's overflow,
+        underflow and snr, each recipe's statistics, first_nonfinite_step."""
+        names = set(self.reader.stat_names)
+        out = [c for c in ("frac_nonfinite", "rms", "absmax", "scale") if c in names]
+        if "rms" in names:
+            out.insert(1 if "frac_nonfinite" in names else 0, "log2_rms")
+        for fmt in self.formats:
+            out += [f"{k}_{fmt}" for k in FORMAT_METRICS if f"{k}_{fmt}" in names]
+        for recipe in self.recipes:
+            out += [f"{k}_{recipe}" for k in RECIPE_METRICS if f"{k}_{recipe}" in names]
+        if "frac_nonfinite" in names:
+            out.append("first_nonfinite_step")
+        return out
+
+    def op_worst(self, metric: str) -> pd.Series:
+        """One value per recorded op (index: op id) of an `op_summary` column: the value
+        at the op's last recorded step for `LAST_STEP_METRICS`, the first step holding a
+        NaN/inf for ``first_nonfinite_step``, else the worst over the recorded steps
+        (`scalescope.analysis.metric_direction`, NaN skipped). From the heatmap's grid
+        (one metric, no wide frame) when the run has no loop iterations; else from
+        `summary`."""
+        return self.cached(("op_worst", metric), lambda: self._op_worst(metric))
+
+    def _op_worst(self, metric: str) -> pd.Series:
+        with self.lock:
+            self.grid.sync()
+            if not self.grid.distinct:  # loop iterations: op_summary's own reductions
+                return self.summary()[metric]
+            ops = self.grid.ops
+            present = self.grid.present
+            source = "frac_nonfinite" if metric == "first_nonfinite_step" else metric
+            grid = self.grid.grid(source)
+            steps = self.grid.steps
+        rows = present.any(axis=1)
+        if metric == "first_nonfinite_step":
+            with np.errstate(invalid="ignore"):
+                bad = grid > 0
+            values = np.where(bad.any(axis=1), steps[bad.argmax(axis=1)], np.nan)
+        elif metric in LAST_STEP_METRICS:
+            last = present.shape[1] - 1 - present[:, ::-1].argmax(axis=1)
+            values = grid[np.arange(len(ops)), last].astype(np.float64)
+        else:
+            with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: NaN
+                if analysis.metric_direction(metric) == "min":
+                    values = np.nanmin(grid, axis=1).astype(np.float64)
+                else:
+                    values = np.nanmax(grid, axis=1).astype(np.float64)
+        return pd.Series(values[rows], index=pd.Index(ops[rows], name="op"), name=metric)
+
+    def worst_ops(self, metric: str, n: int = 20) -> pd.DataFrame:
+        """The ``n`` ops worst by ``metric`` (`summary_metrics`;
+        `scalescope.analysis.worst_ops` order): index op id, columns label, pass,
+        primitive, source and the metric."""
+        values = self.op_worst(metric)
+        table = self.ops.reindex(values.index)
+        frame = pd.DataFrame(
+            {
+                "label": self.labels.reindex(values.index).to_numpy(),
+                "pass": table["pass"].to_numpy(),
+                "primitive": table["primitive"].to_numpy(),
+                "source": table["source"].to_numpy() if "source" in table else "",
+                metric: values.to_numpy(),
+            },
+            index=values.index,
+        )
+        return analysis.worst_ops(frame, metric, n=n)
+
+    def recorded_ops(self) -> np.ndarray:
+        """Op ids with at least one row of statistics (process 0), ascending."""
+        with self.lock:
+            return self.grid.recorded_ops()
 
     def whatif(self) -> pd.DataFrame:
         return self.cached(
@@ -219,9 +468,26 @@ class RunData:
         )
 
     def op_stats(self, op: int) -> pd.DataFrame:
-        """Wide rows of one op, all steps and loop iterations."""
-        stats = self.stats
-        return stats[stats["op"].to_numpy() == op]
+        """Wide rows of one op (process 0), all steps and loop iterations, as
+        ``reader.stats(wide=True)`` has them: read from the parts (no wide frame)."""
+        return self.cached(("op_stats", int(op)), lambda: self._op_stats(int(op)))
+
+    def _op_stats(self, op: int) -> pd.DataFrame:
+        if "stats" in self._cache:
+            stats = self._cache["stats"]
+            return stats[stats["op"].to_numpy() == op]
+        frames = self.reader.part_frames()
+        names = list(self.reader.stat_names)
+        rows = [f.loc[(f["op"].to_numpy() == op) & (f["process"].to_numpy() == 0)] for f in frames]
+        keys = ["step", "op", "iteration"]
+        if rows:
+            sub = pd.concat(rows, ignore_index=True)[keys + names]
+        else:
+            sub = pd.DataFrame(columns=keys + names)
+        info = self.ops.reindex([op])
+        for col in ("name", "pass", "primitive"):
+            sub.insert(len(keys) + ("name", "pass", "primitive").index(col), col, info[col].iloc[0])
+        return sub
 
 
 class RunSet:
@@ -266,6 +532,14 @@ class RunSet:
                 except RunError as err:  # e.g. run.json being replaced right now
                     self._broken[key] = str(err)
         return added
+
+    def warm(self, name: str | None = None) -> None:
+        """Start the advisor (in the background) on run ``name``, by default the one a
+        page opens first, so that its findings are ready sooner."""
+        names = self.names
+        name = name if name is not None else (names[0] if names else None)
+        if name is not None:
+            self.get(name).advice.kick(force=True)
 
     def key(self, path: Path) -> str:
         """How a run is named in the dashboard: its path relative to the root."""

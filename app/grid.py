@@ -86,6 +86,12 @@ class StatGrid:
     # -- queries -----------------------------------------------------------------------
 
     @property
+    def distinct(self) -> bool:
+        """Every row read so far is the only one of its op and step (no loop iterations):
+        the grids hold the rows' values as they are, no reduction."""
+        return all(p.distinct for p in self._parts)
+
+    @property
     def present(self) -> np.ndarray:
         """ops x steps: True where the op has a row at that step."""
         return self._present[:, : len(self.steps)]

@@ -40,6 +40,7 @@ def serve(
     otherwise this blocks until interrupted.
     """
     runs = RunSet(Path(path))
+    runs.warm()  # the advisor of the run a page opens first starts reading now
     os.environ.pop("BOKEH_RESOURCES", None)  # "cdn" there would need the network
     pn.extension("tabulator", inline=False)
     origins = [f"{address}:{port}"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -295,13 +296,16 @@ def test_severity_ordering_and_columns():
         {"name": "nan"},
         {"name": "late_over", "cast_to": "e4m3"},
     )
+    # magnitudes that keep each rule in one severity: overflow high (0.5 %: critical
+    # from 1 %), underflow and snr medium (5 %, 6 dB under the threshold), trend low
+    thr = A.Thresholds().snr_db["e4m3"]
     stats = make_stats(
         series(0, STEPS, rms=[2.0 ** (s / 200) for s in STEPS])
-        + series(1, STEPS, snr_e4m3=[40, 40, 10, 10, 10])
-        + series(2, STEPS, underflow_e4m3=[0, 0.5, 0.5, 0.5, 0.5])
-        + series(3, STEPS, overflow_e4m3=[0, 0, 0, 0.1, 0.1])
+        + series(1, STEPS, snr_e4m3=[40, 40, thr - 6, thr - 6, thr - 6])
+        + series(2, STEPS, underflow_e4m3=[0, 0.05, 0.05, 0.05, 0.05])
+        + series(3, STEPS, overflow_e4m3=[0, 0, 0, 0.005, 0.005])
         + series(4, STEPS, frac_nonfinite=[0, 0, 0, 0, 1.0])
-        + series(5, STEPS, overflow_e4m3=[0, 0.1, 0, 0, 0])
+        + series(5, STEPS, overflow_e4m3=[0, 0.005, 0, 0, 0])
     )
     found = A.advise(stats, ops, horizon=1000)
     assert list(found.columns) == A.FINDING_COLUMNS
@@ -314,7 +318,8 @@ def test_severity_ordering_and_columns():
     summary = A.summary_by_rule(found)
     assert summary["rule"].tolist() == ["nonfinite", "overflow", "underflow", "snr", "trend"]
     assert summary.set_index("rule").loc["overflow", "findings"] == 2
-    assert summary.set_index("rule").loc["snr", "worst"] == 10
+    assert summary.set_index("rule").loc["snr", "worst"] == pytest.approx(thr - 6)
+    assert summary["severity"].tolist() == ["critical", "high", "medium", "medium", "low"]
 
 
 def test_fix_text_by_pass_and_scalify():
@@ -328,20 +333,276 @@ def test_fix_text_by_pass_and_scalify():
         + series(1, [0], overflow_e5m2=0.1)
         + series(2, [0], overflow_fp16=0.1)
     )
+    # an overflow under scalify: rescale by the abs-max (the l2 rescale keeps outliers)
     scaled = A.advise(stats, ops, meta={"graph": {"scalify": True}}).set_index("op")["fix"]
-    assert scaled[0] == "x = ss.ops.dynamic_rescale_l2(x)  # after model.py:7"
-    assert scaled[1] == "x = ss.ops.dynamic_rescale_l2_grad(x)  # before model.py:9"
-    assert scaled[2] == "x = ss.ops.dynamic_rescale_l2(x)  # after train.py:3"
+    assert scaled[0] == "x = ss.ops.dynamic_rescale_max(x)  # after model.py:7"
+    assert scaled[1] == "x = ss.ops.dynamic_rescale_max_grad(x)  # before model.py:9"
+    assert scaled[2] == "x = ss.ops.dynamic_rescale_max(x)  # after train.py:3"
     naive = A.advise(stats, ops, meta={"graph": {"scalify": False}}).set_index("op")["fix"]
     assert naive[0] == (
         "run.track(step, scalify=True)  # scale-propagated casts instead of naive e4m3 casts"
-        " at model.py:7"
+        " at model.py:7; or a block-scaled recipe such as e4m3_tensor"
+        ' (record formats=("e4m3_tensor",) to check it)'
     )
     assert "naive e5m2 casts at model.py:9" in naive[1]
     assert all("\n" not in fix for fix in list(scaled) + list(naive))
     # without meta, an op's own `scaled` flag decides
     ops_scaled = ops.assign(scaled=True)
-    assert "dynamic_rescale_l2_grad" in A.advise(stats, ops_scaled).set_index("op")["fix"][1]
+    assert "dynamic_rescale_max_grad" in A.advise(stats, ops_scaled).set_index("op")["fix"][1]
+
+
+def test_severity_is_graded_by_magnitude():
+    """The same rule is low, medium or high by how far past its threshold the op goes:
+    99 % of a backward value flushed to zero in E5M2 is high, a few % medium, just over
+    the 1 % threshold low (SEVERITY_STEPS)."""
+    thr = A.Thresholds().snr_db["e4m3"]
+    ops = make_ops(
+        {"name": "grad_flushed", "pass": "bwd", "cast_to": "e5m2"},
+        {"name": "some_flushed", "pass": "bwd", "cast_to": "e5m2"},
+        {"name": "few_flushed", "pass": "bwd", "cast_to": "e5m2"},
+        {"name": "over_much", "cast_to": "e4m3"},
+        {"name": "over_one", "cast_to": "e4m3"},
+        {"name": "snr_bit", "cast_to": "e4m3"},
+        {"name": "snr_bits", "cast_to": "e4m3"},
+        {"name": "snr_noise", "cast_to": "e4m3"},
+        {"name": "drift_near", "scaled": True},
+        {"name": "drift_far", "scaled": True},
+        {"name": "drift_gone", "scaled": True},
+        {"name": "nan"},
+    )
+    stats = make_stats(
+        series(0, STEPS, underflow_e5m2=0.99)
+        + series(1, STEPS, underflow_e5m2=0.04)
+        + series(2, STEPS, underflow_e5m2=0.015)
+        + series(3, STEPS, overflow_e4m3=0.02)
+        + series(4, STEPS, overflow_e4m3=1e-6)
+        + series(5, STEPS, snr_e4m3=thr - 1)
+        + series(6, STEPS, snr_e4m3=thr - 6)
+        + series(7, STEPS, snr_e4m3=thr - 20)
+        + series(8, STEPS, rms=2.0**4.5)
+        + series(9, STEPS, rms=2.0**-6)
+        + series(10, STEPS, rms=2.0**9)
+        + series(11, STEPS, frac_nonfinite=[0, 0, 0, 0, 1e-6])
+    )
+    found = A.advise(stats, ops, meta={"graph": {"scalify": True}})
+    severity = {(int(r.op), r.rule): r.severity for r in found.itertuples()}
+    expected = {
+        (0, "underflow"): "high",
+        (1, "underflow"): "medium",
+        (2, "underflow"): "low",
+        (3, "overflow"): "critical",  # 2 % of the values turn inf/NaN in a plain cast
+        (4, "overflow"): "high",  # a single element in a million: still inf/NaN
+        (5, "snr"): "low",
+        (6, "snr"): "medium",
+        (7, "snr"): "high",
+        (8, "drift"): "low",
+        (9, "drift"): "medium",
+        (10, "drift"): "high",
+        (11, "nonfinite"): "critical",  # a single NaN in a million is critical
+    }
+    for key, want in expected.items():
+        assert severity.get(key) == want, (key, severity.get(key), want)
+    # the level orders findings by severity, then magnitude within it
+    level = pd.Series(A.severity_level(found), index=list(zip(found["op"], found["rule"])))
+    assert level[(11, "nonfinite")] > level[(0, "underflow")] > level[(4, "overflow")]
+    assert level[(1, "underflow")] < level[(6, "snr")] or level[(6, "snr")] < 2
+    assert 2 <= level[(7, "snr")] < 3 and 1 <= level[(9, "drift")] < 2
+    assert A.severity_of(A.severity_level(found)).tolist() == found["severity"].tolist()
+    # a recipe clips by design: graded from low (just over recipe_overflow) upwards
+    frame = pd.DataFrame(
+        {
+            "rule": ["overflow", "overflow", "overflow", "delayed", "delayed", "trend"],
+            "format": ["nvfp4", "nvfp4", "nvfp4", "", "", ""],
+            "value": [2e-4, 5e-3, 0.05, 1.0, 5.0, 9.0],
+            "threshold": [1e-4, 1e-4, 1e-4, 0.0, 0.0, 4.0],
+        }
+    )
+    assert A.severity_of(A.severity_level(frame)).tolist() == [
+        "low",
+        "medium",
+        "high",
+        "low",
+        "high",
+        "medium",  # a trend 5 binades past the bound at the horizon: never high
+    ]
+    # delayed scaling clipping 5 binades at a single recorded step (a warm-up
+    # transient): medium; at two steps or more: high
+    frame = frame.assign(steps=[3, 3, 3, 3, 1, 3])
+    assert A.severity_of(A.severity_level(frame)).tolist()[3:5] == ["low", "medium"]
+
+
+def test_fix_texts_name_the_line_and_the_function():
+    """Each rule's fix: drift -> dynamic_rescale_l2 (_grad backward) at the op's line,
+    overflow in a scaled run -> dynamic_rescale_max, a naive cast's underflow -> scalify or a
+    recipe (the one the recorded recipe statistics show safe), an underflow at unit scale
+    -> more range, a NaN -> the earliest op."""
+    ops = make_ops(
+        {"name": "h", "scaled": True, "cast_to": "e4m3", "source": "model.py:7"},
+        {"name": "g", "pass": "bwd", "scaled": True, "cast_to": "e5m2", "source": "model.py:9"},
+        {"name": "x", "scaled": True, "cast_to": "e4m3", "source": "model.py:11"},
+        {"name": "y", "scaled": True, "cast_to": "e4m3", "source": "model.py:12"},
+        {"name": "n1", "source": "model.py:20"},
+        {"name": "n2", "source": "model.py:21"},
+    )
+    stats = make_stats(
+        series(0, STEPS, rms=2.0**6)  # drift up (forward)
+        + series(1, STEPS, rms=2.0**-7, underflow_e5m2=0.3)  # backward: drift and underflow
+        + series(2, STEPS, overflow_e4m3=0.01)  # outliers at unit scale
+        + series(3, STEPS, underflow_e4m3=0.05)  # unit scale, yet 5 % flush: more range
+        + series(4, STEPS, frac_nonfinite=[0, 0, 0.5, 1, 1])
+        + series(5, STEPS, frac_nonfinite=[0, 0, 0, 1, 1])
+    )
+    found = A.advise(stats, ops, meta={"graph": {"scalify": True}})
+    fix = {(int(r.op), r.rule): r.fix for r in found.itertuples()}
+    assert fix[(0, "drift")] == "x = ss.ops.dynamic_rescale_l2(x)  # after model.py:7"
+    assert fix[(1, "drift")] == "x = ss.ops.dynamic_rescale_l2_grad(x)  # before model.py:9"
+    # off unit scale where it underflows: rescaling is the fix
+    assert fix[(1, "underflow")] == "x = ss.ops.dynamic_rescale_l2_grad(x)  # before model.py:9"
+    assert fix[(2, "overflow")] == "x = ss.ops.dynamic_rescale_max(x)  # after model.py:11"
+    assert fix[(3, "underflow")].startswith("cast model.py:12 to e5m2, or use the mxfp8_e4m3")
+    assert fix[(4, "nonfinite")] == (
+        'jax.config.update("jax_debug_nans", True)  # stops at the first NaN: model.py:20'
+    )
+    assert fix[(5, "nonfinite")] == (
+        "fix the earliest op with NaN/inf first: fwd/n1 [4x4] at model.py:20"
+    )
+
+    # the same run with naive casts: scalify, or a recipe (suggested: none recorded)
+    naive_ops = ops.assign(scaled=False)
+    naive = A.advise(stats, naive_ops, meta={"graph": {"scalify": False}})
+    row = naive[(naive["op"] == 1) & (naive["rule"] == "underflow")].iloc[0]
+    assert row["fix"].startswith(
+        "run.track(step, scalify=True)  # scale-propagated casts instead of naive e5m2 casts "
+        "at model.py:9; or a block-scaled recipe such as mxfp8_e4m3"
+    )
+    assert row["severity"] == "high"  # 30 % flushed
+    # recipe statistics recorded: the fix names the cheapest recipe safe for that op
+    recipe_cols = {
+        "overflow_mxfp8_e4m3": 0.0,
+        "underflow_mxfp8_e4m3": 0.0,
+        "snr_mxfp8_e4m3": 40.0,
+        "block_flush_mxfp8_e4m3": 0.0,
+        "overflow_nvfp4": 0.0,
+        "underflow_nvfp4": 0.2,
+        "snr_nvfp4": 15.0,
+        "block_flush_nvfp4": 0.1,
+    }
+    with_recipes = stats.assign(**recipe_cols)
+    naive = A.advise(with_recipes, naive_ops, meta={"graph": {"scalify": False}})
+    row = naive[(naive["op"] == 1) & (naive["rule"] == "underflow")].iloc[0]
+    assert row["fix"].endswith(
+        "at model.py:9; or the mxfp8_e4m3 recipe (safe for this op in the recorded statistics)"
+    )
+    # no recorded recipe is safe: only scalify is offered, and it says so
+    unsafe = with_recipes.assign(underflow_mxfp8_e4m3=0.5)
+    naive = A.advise(unsafe, naive_ops, meta={"graph": {"scalify": False}})
+    row = naive[(naive["op"] == 1) & (naive["rule"] == "underflow")].iloc[0]
+    assert row["fix"].endswith(
+        "instead of naive e5m2 casts at model.py:9"
+        " (no recorded recipe (mxfp8_e4m3, nvfp4) is safe for it)"
+    )
+    assert all("\n" not in f for f in naive["fix"])
+
+
+def test_worst_finding_metric_picks_the_most_severe_then_largest():
+    findings = pd.DataFrame(
+        {
+            "rule": ["drift", "underflow", "overflow", "snr"],
+            "format": ["", "e5m2", "e4m3", "e4m3"],
+            "value": [5.0, 0.99, 1e-6, 20.0],
+            "threshold": [4.0, 0.01, 0.0, 25.5],
+        }
+    )
+    # underflow 99 % (high, near its top) beats an overflow of 1e-6 (high, at its bottom)
+    # and a drift 1 binade out (medium)
+    assert A.worst_finding(findings) == 1
+    assert A.worst_finding_metric(findings) == "underflow_e5m2"
+    # a higher severity wins (2 % overflowing: critical); within one, the larger magnitude
+    assert A.worst_finding_metric(findings.assign(value=[5.0, 0.99, 0.02, 20.0])) == (
+        "overflow_e4m3"
+    )
+    # both high: 0.5 % overflowing is near critical (1 %), 30 % flushed just past 25 %
+    two = findings.assign(value=[5.0, 0.3, 0.005, 20.0])
+    assert A.worst_finding_metric(two) == "overflow_e4m3"
+    assert A.worst_finding_metric(two.assign(value=[5.0, 0.9, 1e-5, 20.0])) == "underflow_e5m2"
+    assert A.worst_finding_metric(findings.assign(value=[5.0, 0.03, 0.005, 20.0])) == (
+        "overflow_e4m3"  # high (0.5 % overflow) over medium (3 % underflow)
+    )
+    # a metric the view does not offer is skipped; no finding: the default
+    # (SNR 5.5 dB under its threshold is further into medium than a drift 1 binade out)
+    assert A.worst_finding_metric(findings, options=["log2_rms", "snr_e4m3"]) == "snr_e4m3"
+    assert A.worst_finding_metric(findings, options=["frac_zero", "log2_rms"]) == "log2_rms"
+    assert A.worst_finding_metric(findings.iloc[:0]) == "log2_rms"
+    assert A.worst_finding_metric(None, options=["frac_zero"]) == "frac_zero"
+    nan = pd.DataFrame({"rule": ["nonfinite"], "format": [""], "value": [1e-9], "threshold": [0.0]})
+    assert A.worst_finding_metric(pd.concat([findings, nan])) == "frac_nonfinite"
+    assert A.finding_metric("delayed") == "absmax"
+
+
+def test_advise_reads_a_writer_order_run_as_a_sorted_one():
+    """A run in the writer's order (every op at every step, step by step) is read as
+    steps x ops views; the same rows in any other order are sorted and reduced: both
+    give the same findings, for every rule (NaN, a mask, ops that did not run, drift,
+    trends, delayed-scaling growth, format statistics across their thresholds)."""
+    rng = np.random.default_rng(7)
+    n_ops, steps = 30, [10 * k for k in range(25)]
+    specs = []
+    for i in range(n_ops):
+        specs.append(
+            {
+                "name": f"layer{i % 3}/op{i}",
+                "pass": ("fwd", "bwd", "opt")[i % 3],
+                "cast_to": ("e4m3", "e5m2", "", "fp16")[i % 4],
+                "scaled": i % 2 == 0,
+            }
+        )
+    ops = make_ops(*specs)
+    rows = []
+    walk = np.cumsum(rng.normal(0, 0.4, (len(steps), n_ops)), axis=0)
+    walk[:, 5] = np.linspace(0, 3.9, len(steps))  # a trend that stays in bound
+    walk[:, 6] = np.linspace(0, 7, len(steps))  # drifts out
+    for k, step in enumerate(steps):
+        for op in range(n_ops):
+            amax = 2.0 ** (walk[k, op] + 2)
+            if op == 7:
+                amax = 2.0 ** (k / 2)  # outgrows delayed scaling
+            row = {
+                "op": op,
+                "step": step,
+                "rms": 2.0 ** walk[k, op] if op != 8 else 0.0,
+                "absmax": amax,
+                "scale": 2.0 ** (op % 3),
+                "count": 0.0 if (op == 9 and k % 4 == 0) else 16.0,
+                "frac_nonfinite": 0.25 if op == 10 else (float(k > 20) if op == 11 else 0.0),
+            }
+            for fmt in FORMATS:
+                row[f"underflow_{fmt}"] = float(rng.choice([0.0, 0.005, 0.03, 0.6]))
+                row[f"overflow_{fmt}"] = float(rng.choice([0.0, 0.0, 1e-6, 0.02]))
+                row[f"snr_{fmt}"] = float(rng.uniform(5, 80)) if op != 12 else math.nan
+            rows.append(row)
+    dense = make_stats(rows)
+    for col in dense.columns:  # stored as float32, as recorded
+        if col not in ("step", "op", "iteration"):
+            dense[col] = dense[col].astype(np.float32)
+    meta = {"graph": {"scalify": True}, "config": {"steps": 600}}
+    a = A.advise(dense, ops, meta=meta, audit=("bf16",))
+    b = A.advise(dense.sample(frac=1.0, random_state=1), ops, meta=meta, audit=("bf16",))
+    assert set(a["rule"]) == {
+        "nonfinite",
+        "overflow",
+        "underflow",
+        "snr",
+        "drift",
+        "trend",
+        "delayed",
+    }
+    pd.testing.assert_frame_equal(a, b)
+    assert 10 not in set(a.loc[a["rule"] == "nonfinite", "op"])  # the mask
+    short = A.Thresholds(delayed_history=3)  # the delayed pre-filter steps aside
+    pd.testing.assert_frame_equal(
+        A.advise(dense, ops, meta=meta, thresholds=short),
+        A.advise(dense.iloc[::-1], ops, meta=meta, thresholds=short),
+    )
 
 
 def test_advise_argument_errors():
@@ -642,6 +903,42 @@ def test_compare_runs_across_op_tables_with_inserted_converts():
     assert "log2_ratio" not in cmp.values.columns
     with pytest.raises(ValueError, match="names"):
         A.compare_runs(stats_a, ops_a, stats_b, ops_b, "rms", names=("x", "x"))
+
+
+def test_compare_ignores_mask_fill_values():
+    """The only big difference between the runs is an attention mask's fill value
+    (finfo(float32).min in one run, -1e30 in the other): a real, smaller difference ranks
+    first, the mask op never (its differences are NaN, flagged ``mask_fill``)."""
+    ops = make_ops({"name": "attn/scores"}, {"name": "mlp/dot_general"}, {"name": "ln/mul"})
+    f32_min = -3.4028234663852886e38
+
+    def run(fill: float, mlp_rms: float) -> pd.DataFrame:
+        rows = []
+        for s in (0, 10):
+            # the masked scores: the fill dominates absmax, RMS (and any statistic of it)
+            rows.append(dict(op=0, step=s, absmax=abs(fill), rms=abs(fill) / 2, mean=fill / 4))
+            rows.append(dict(op=1, step=s, rms=mlp_rms, mean=0.1 * mlp_rms))
+            rows.append(dict(op=2, step=s, rms=1.0, mean=0.0))
+        return make_stats(rows)
+
+    stats_a, stats_b = run(f32_min, 1.0), run(-1e30, 8.0)
+    for metric in ("rms", "absmax", "mean", "log2_rms", "value_absmax"):
+        values, _ = A.compare_runs(stats_a, ops, stats_b, ops, metric)
+        masked = values[values["op_a"] == 0]
+        assert masked["mask_fill"].all() and not values[values["op_a"] != 0]["mask_fill"].any()
+        diff = "log2_ratio" if "log2_ratio" in values.columns else "difference"
+        assert masked[diff].isna().all(), metric
+        ranked = A.largest_differences(values)
+        assert ranked["op_a"].tolist()[0] == 1, (metric, ranked)
+        assert ranked["op_a"].tolist()[-1] == 0 and np.isnan(ranked[diff].iloc[-1])
+        assert masked["value_a"].notna().all()  # the values stay, only the ranking skips them
+    # a fill in the metric itself (a value column of magnitude >= 1e30), without absmax
+    plain_a = stats_a.drop(columns=["absmax"])
+    plain_b = stats_b.drop(columns=["absmax"])
+    values, _ = A.compare_runs(plain_a, ops, plain_b, ops, "mean", names=("x", "y"))
+    assert values.loc[values["op_x"] == 0, "mask_fill"].all()
+    assert A.largest_differences(values, ("x", "y"))["op_x"].tolist()[0] == 1
+    assert A.FILL_MAGNITUDE == 1e30
 
 
 # -- a tiny recorded run -----------------------------------------------------------------

@@ -159,6 +159,139 @@ def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
         assert "no recorded step yet" in fresh.status.object
 
 
+def test_overview_opens_on_the_worst_findings_metric(runs):
+    """The worst-ops table opens on the statistic of the worst finding (highest severity,
+    then magnitude), not on a fixed one; a metric picked in the page is kept."""
+    from app import Dashboard, RunSet
+
+    for run in ("naive", "scalified"):
+        dash = Dashboard(RunSet(runs), run=run, poll_ms=0)
+        data = dash.data
+        findings = data.findings()
+        options = list(dash.worst_by.options)
+        assert options == data.summary_metrics()
+        want = A.worst_finding_metric(findings, options)
+        assert dash.worst_by.value == want, (run, want)
+        if run == "naive":  # NaN in the data: critical, ranked by frac_nonfinite
+            assert want == "frac_nonfinite"
+        shown = dash.worst_table.value
+        assert want in shown.columns and len(shown)
+        # the table is analysis.worst_ops over op_summary, read from the grids
+        summary = A.op_summary(ss.open_run(runs / run).stats(wide=True), data.ops)
+        ref = A.worst_ops(summary, want, n=20)
+        assert shown["op"].tolist() == ref.index.tolist()
+        np.testing.assert_allclose(shown[want].to_numpy(float), ref[want].to_numpy(float))
+    # a metric picked in the page survives a redraw of the Overview
+    dash.worst_by.value = "frac_zero" if "frac_zero" in options else options[-1]
+    picked = dash.worst_by.value
+    dash.versions.clear()
+    dash.redraw_visible()
+    assert dash.worst_by.value == picked
+
+
+def test_overview_of_a_run_without_nan_opens_on_its_worst_finding(grouped_root):
+    """No NaN anywhere (frac_nonfinite is zero everywhere): the worst ops open on the
+    statistic of the worst finding, here a critical overflow."""
+    from app import Dashboard, RunSet
+
+    dash = Dashboard(RunSet(grouped_root), poll_ms=0)
+    findings = dash.data.findings()
+    assert not (findings["rule"] == "nonfinite").any()
+    worst = findings.iloc[A.worst_finding(findings)]
+    assert worst["severity"] == "critical" and worst["rule"] == "overflow"
+    assert dash.worst_by.value == "overflow_e4m3"
+    assert "overflow_e4m3" in dash.worst_table.value.columns
+
+
+def test_served_page_draws_the_overview_before_the_advisor_ends(runs, monkeypatch):
+    """A served page does not wait for the advisor: the Overview is drawn with what it
+    has (loss, worst ops) and says the advisor is reading; the next poll after the advisor
+    ends draws its summary and opens the worst ops on the worst finding's metric."""
+    import threading
+
+    from app import Dashboard, RunSet
+    from app import data as app_data
+
+    gate = threading.Event()
+    frame = app_data.advisor_frame
+
+    def slow(*args):
+        assert gate.wait(120)
+        return frame(*args)
+
+    monkeypatch.setattr(app_data, "advisor_frame", slow)
+    dash = Dashboard(RunSet(runs), run="naive", poll_ms=0, live=True)
+    data = dash.data
+    assert data.advice.running and data.advice.findings is None
+    assert "the advisor is reading" in dash.advisor_note.object
+    assert dash.rule_table.value["advisor"].tolist() == ["reading the statistics..."]
+    assert dash.loss_pane.object is not None and len(dash.worst_table.value)
+    assert dash.worst_by.value == "log2_rms"
+    gate.set()
+    findings = data.findings()  # waits for the background run
+    dash.poll()  # the page's periodic callback: the advisor's version moved on
+    assert "rule" in dash.rule_table.value.columns and dash.advisor_note.object == ""
+    assert dash.worst_by.value == A.worst_finding_metric(findings, dash.worst_by.options)
+    assert dash.worst_by.value == "frac_nonfinite"
+
+
+def test_overview_columns_from_the_grids_match_the_op_summary(runs):
+    from app import RunSet
+
+    for run in ("naive", "scalified"):
+        data = RunSet(runs).get(run)
+        summary = A.op_summary(ss.open_run(runs / run).stats(wide=True), data.ops)
+        assert data.grid.distinct
+        for metric in data.summary_metrics():
+            got = data.op_worst(metric)
+            want = summary[metric].astype(float)
+            assert got.index.tolist() == want.index.tolist(), metric
+            np.testing.assert_allclose(got.to_numpy(), want.to_numpy(), rtol=1e-6, err_msg=metric)
+        assert "stats" not in data._cache  # no wide frame was built for them
+
+
+def test_measured_from_the_grid_is_the_readers(runs, budget_root, grouped_root):
+    """When each op was measured, read from the heatmap grid's mask (no pass over every
+    row): the reader's own frame, for full, budgeted and grouped runs."""
+    from app import RunSet
+
+    for root, run in ((runs, "naive"), (runs, "scalified"), (budget_root, "budget")):
+        data = RunSet(root).get(run)
+        pd.testing.assert_frame_equal(data.measured(), ss.open_run(root / run).measured())
+    data = RunSet(grouped_root).get("big")
+    pd.testing.assert_frame_equal(data.measured(), ss.open_run(grouped_root / "big").measured())
+
+
+def test_advice_runs_in_the_background_and_waits_between_live_steps(grouped_root, tmp_path):
+    """The advisor runs off the callback thread over the columns it reads; its findings
+    are those of `advise_run`; new steps of a live run do not restart it before
+    `Advice.MIN_INTERVAL`, the older findings stay shown meanwhile."""
+    import shutil
+
+    from app import RunSet
+
+    run = tmp_path / "live"
+    shutil.copytree(grouped_root / "big", run)
+    data = RunSet(run).get("live")
+    advice = data.advice
+    assert advice.findings is None and advice.version == 0
+    found = advice.latest(wait=60)  # starts it, waits for it
+    assert found is not None and advice.version == 1 and not advice.stale
+    pd.testing.assert_frame_equal(found, A.advise_run(ss.open_run(run)))
+    took = advice.took
+    _bench().append_steps(run, 1, 0.0, tmp_path / "stamps")
+    assert data.refresh() and advice.stale
+    advice.MIN_INTERVAL = 3600.0  # a live run: not re-advised before the interval
+    assert advice.latest() is found and not advice.running and advice.version == 1
+    advice.MIN_INTERVAL = 0.0
+    advice.SPACING = 0.0
+    newer = advice.latest(wait=60)
+    assert advice.version == 2 and newer is not found and advice.step == 12
+    pd.testing.assert_frame_equal(newer, A.advise_run(ss.open_run(run)))
+    assert data.findings() is newer  # current: nothing newer to compute
+    assert took >= 0 and "stats" not in data._cache
+
+
 # ---------------------------------------------------------------------------------------
 # browser
 

@@ -2,31 +2,56 @@
 
 `advise` turns a run's statistics into findings, one row per (op, rule, format):
 
-- ``nonfinite`` (critical): any op with ``frac_nonfinite > thresholds.nonfinite``, except
-  masks (the same fraction at every recorded step, see `Thresholds.mask_min_steps`);
-- ``overflow`` (high), ``underflow`` and ``snr`` (medium): an op against each format it
-  is checked against, i.e. its ``cast_to`` format (the format a later op rounds it to)
-  plus every format in ``audit``;
-- ``drift`` (medium): an op stored in a low-precision dtype (FP16/BF16/FP8) and scaled (a
+- ``nonfinite``: any op with ``frac_nonfinite > thresholds.nonfinite``, except masks (the
+  same fraction at every recorded step, see `Thresholds.mask_min_steps`);
+- ``overflow``, ``underflow`` and ``snr``: an op against each format it is checked
+  against, i.e. its ``cast_to`` format (the format a later op rounds it to) plus every
+  format in ``audit``;
+- ``drift``: an op stored in a low-precision dtype (FP16/BF16/FP8) and scaled (a
   ScaledArray under scalify), or cast to a low-precision format, whose data RMS leaves
-  unit scale: ``|log2 rms| > drift_log2`` (the
-  static scale propagation lost track of it);
-- ``trend`` (low): such an op, in bound at its last recorded step, whose least-squares
-  fit of log2 rms over the recorded steps crosses ``±drift_log2`` before the horizon;
-- ``delayed`` (low): a float op whose value amax grows faster than FP8 *delayed scaling*
-  can follow: replayed with an amax history of ``delayed_history`` recorded steps
+  unit scale: ``|log2 rms| > drift_log2`` (the static scale propagation lost track of it);
+- ``trend``: such an op, in bound at its last recorded step, whose least-squares fit of
+  log2 rms over the recorded steps crosses ``±drift_log2`` before the horizon;
+- ``delayed``: a float op whose value amax grows faster than FP8 *delayed scaling* can
+  follow: replayed with an amax history of ``delayed_history`` recorded steps
   (`scalescope.analysis.delayed`, algo ``max``, margin 0, the op's cast format or
   e4m3), its amax lands a whole binade above the history's max (``clipped_min > 0``:
   elements clip for sure) and more than ``2**delayed_log2`` times above it, at some
   recorded step once the history holds an amax (clipping at the initial scale 1 is the
   overflow rule's business).
 
-Each finding carries one readable sentence of evidence and a one-line fix (for
-``delayed``: a shorter history, ``most_recent``, current scaling or dynamic rescaling):
+**Severity is graded by magnitude** (`severity_level`; the steps are `SEVERITY_STEPS`):
+
+- ``nonfinite``: critical, always (NaN/inf outside a mask ends a training);
+- ``overflow`` of a format (a plain cast turns those elements into inf, or NaN in
+  e4m3fn): high, critical from 1 % of the values (as broken as a NaN); of a block-scaled
+  recipe (clipped elements saturate): low below 0.1 %, medium below 1 %, high from 1 %;
+- ``underflow``: low below 2 % of the non-zero values flushed to zero, medium below
+  25 %, high from 25 % (99 % of a backward value flushed in E5M2 is high);
+- ``snr``: low less than 3 dB under the threshold, medium less than 12 dB under it,
+  high from 12 dB under it (two more bits lost);
+- ``drift``: low within 1 binade beyond ``±drift_log2``, medium within 4, high from 4
+  binades beyond (``|log2 rms| >= 8`` by default: an FP8 value's headroom is gone);
+- ``trend`` (a projection, never high): low, medium when the fit's rate takes the value
+  4 binades or more beyond the bound by the horizon;
+- ``delayed``: low when the value amax is less than 2 binades (x4) above the
+  delayed-scaling threshold, medium below 4 binades (x16), high from there when it
+  clips at two recorded steps or more (a single step, a warm-up transient: medium).
+
+**Each finding carries one readable sentence of evidence and a one-line fix** naming the
+op's source line (`fix_line`). Under scalify (or on a scaled op): drift and trend ->
 ``ss.ops.dynamic_rescale_l2`` after a forward (or optimizer) value,
 ``ss.ops.dynamic_rescale_l2_grad`` before the forward value whose gradient is a backward
-value, or, for a run not under scalify (naive low-precision casts), running the step
-under scalify.
+value; overflow -> ``dynamic_rescale_max`` (``_max_grad``), which puts the abs-max, not
+the RMS, at 1; underflow and SNR -> ``dynamic_rescale_l2`` when the value is off unit
+scale where it fails, else a format with more range (underflow) or more mantissa (SNR),
+or a block-scaled recipe; delayed -> a shorter amax history, ``most_recent``, current
+scaling or ``dynamic_rescale_max``. Not under scalify (naive low-precision casts): run
+the step under scalify, or cast with a block-scaled recipe: the cheapest recipe the
+recorded recipe statistics show safe for that op (`scalescope.analysis.format_whatif`),
+else a recipe suited to the failure (``e4m3_tensor`` for overflow, ``mxfp8_e4m3``
+otherwise). ``nonfinite``: the earliest op with NaN/inf gets ``jax_debug_nans`` at its
+line; later ones point to it.
 """
 
 from __future__ import annotations
@@ -34,7 +59,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -70,14 +95,32 @@ DEFAULT_SNR_DB: dict[str, float] = {
 }
 
 RULES = ("nonfinite", "overflow", "underflow", "snr", "drift", "trend", "delayed")
+#: The most severe grade each rule can reach (`severity_level` grades every finding by
+#: its magnitude: `SEVERITY_STEPS`).
 SEVERITY = {
     "nonfinite": "critical",
-    "overflow": "high",
-    "underflow": "medium",
-    "snr": "medium",
-    "drift": "medium",
-    "trend": "low",
-    "delayed": "low",
+    "overflow": "critical",
+    "underflow": "high",
+    "snr": "high",
+    "drift": "high",
+    "trend": "medium",
+    "delayed": "high",
+}
+#: Where a finding's severity steps up, per rule: the magnitude from which it is medium,
+#: high and critical (below the first: low). Units: ``overflow`` (of a format;
+#: ``overflow_recipe`` of a block-scaled recipe) and ``underflow``, the fraction of values
+#: (the finding's ``value``); ``snr``, dB under the threshold; ``drift``, binades of
+#: ``|log2 rms|`` beyond ``drift_log2``; ``trend``, binades beyond it projected at the
+#: horizon; ``delayed``, binades of value amax above the delayed-scaling threshold.
+#: ``nonfinite`` is always critical.
+SEVERITY_STEPS: dict[str, tuple[float, float, float]] = {
+    "overflow": (0.0, 0.0, 1e-2),
+    "overflow_recipe": (1e-3, 1e-2, math.inf),
+    "underflow": (0.02, 0.25, math.inf),
+    "snr": (3.0, 12.0, math.inf),
+    "drift": (1.0, 4.0, math.inf),
+    "trend": (4.0, math.inf, math.inf),
+    "delayed": (2.0, 4.0, math.inf),
 }
 SEVERITY_ORDER = ("critical", "high", "medium", "low")
 FINDING_COLUMNS = [
@@ -258,17 +301,157 @@ def _steps_text(k: int, n: int, first: int) -> str:
 # -- per-step view -----------------------------------------------------------------------
 
 
+class _Cells:
+    """The values the rules read, one row per (op, step) -- loop iterations reduced --
+    sorted by op, then step. ``starts``: first row of each op; ``ids``: its op id;
+    ``sizes``: its number of rows (recorded steps)."""
+
+    __slots__ = ("op", "step", "cols", "starts", "ids", "sizes")
+
+    def __init__(self, op: np.ndarray, step: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+        self.op, self.step, self.cols = op, step, cols
+        n = len(op)
+        self.starts = np.flatnonzero(np.r_[True, op[1:] != op[:-1]]) if n else np.zeros(0, np.int64)
+        self.ids = op[self.starts]
+        self.sizes = np.diff(np.r_[self.starts, n])
+
+    def group_of(self, rows: np.ndarray) -> np.ndarray:
+        """Op group (index into ``ids``) of each row index."""
+        return np.searchsorted(self.starts, rows, side="right") - 1
+
+    def rows_of(self, ops: np.ndarray) -> np.ndarray:
+        """Bool per row: its op is one of ``ops``."""
+        return self.per_op(np.isin(self.ids, ops))
+
+    def per_op(self, flags: np.ndarray) -> np.ndarray:
+        """A flag per op (aligned with ``ids``) as a flag per row."""
+        return np.repeat(flags, self.sizes)
+
+    def flat(self, names: Sequence[str], ops: np.ndarray | None = None) -> _Cells:
+        """These cells (only ``names``; only the ops in ``ops`` when given)."""
+        if ops is None:
+            return self
+        keep = self.rows_of(ops)
+        return _Cells(self.op[keep], self.step[keep], {c: self.cols[c][keep] for c in names})
+
+    def at(self, col: str, op: int, step: int) -> float:
+        """Value of ``col`` for ``op`` at ``step`` (NaN when not recorded)."""
+        g = int(np.searchsorted(self.ids, op))
+        if g >= len(self.ids) or self.ids[g] != op:
+            return math.nan
+        a = int(self.starts[g])
+        steps = self.step[a : a + int(self.sizes[g])]
+        k = int(np.searchsorted(steps, step))
+        return float(self.cols[col][a + k]) if k < len(steps) and steps[k] == step else math.nan
+
+
+def _compare(values: np.ndarray, how: str, threshold: float) -> np.ndarray:
+    """``values > threshold`` (``how`` "gt") or ``values < threshold`` ("lt"), decided
+    as in float64 even for float32 ``values`` (no float64 copy of them: the threshold is
+    moved to the float32 that gives the same answer). NaN compares False."""
+    t = float(threshold)
+    v = np.asarray(values)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if v.dtype != np.float32 or not math.isfinite(t) or abs(t) > 3e38:
+            v = v.astype(np.float64, copy=False)
+            return v > t if how == "gt" else v < t
+        t32 = np.float32(t)
+        if how == "gt":  # x > t  <=>  x >= t32 when t32 > t, else x > t32
+            return v >= t32 if float(t32) > t else v > t32
+        return v <= t32 if float(t32) < t else v < t32
+
+
+class _Dense:
+    """The values the rules read for a run measured in full in the writer's order (every
+    op once at every step, no loop): steps x ops arrays, the frame's columns reshaped,
+    nothing sorted or transposed. ``ids``: the ops (ascending); ``steps``: the steps;
+    ``sizes``: recorded steps per op (all of them). The same interface as `_Cells` for
+    the rules; `flat` gives op-major `_Cells` of a few columns for the rules that walk
+    each op's steps in order (trend, delayed)."""
+
+    def __init__(self, ids: np.ndarray, steps: np.ndarray, cols: Mapping[str, np.ndarray]):
+        self.ids, self.steps = ids, steps
+        self.cols = dict(cols)  # as stored (float32 statistics stay float32: `_compare`)
+        self.sizes = np.full(len(ids), len(steps), np.int64)
+
+    def rows_of(self, ops: np.ndarray) -> np.ndarray:
+        return self.per_op(np.isin(self.ids, ops))
+
+    def per_op(self, flags: np.ndarray) -> np.ndarray:
+        return np.asarray(flags, bool)[None, :]
+
+    def flat(self, names: Sequence[str], ops: np.ndarray | None = None) -> _Cells:
+        """Op-major `_Cells` of columns ``names`` (only the ops in ``ops`` when given)."""
+        cols = np.arange(len(self.ids)) if ops is None else np.flatnonzero(np.isin(self.ids, ops))
+        k, n = len(self.steps), len(cols)
+        every = n == len(self.ids)
+        out = {}
+        for name in names:
+            src = self.cols[name]
+            src = np.asarray(src) if every else np.asarray(src)[:, cols]
+            out[name] = _transpose(src, k, n)
+        return _Cells(np.repeat(self.ids[cols], k), np.tile(self.steps, n), out)
+
+    def at(self, col: str, op: int, step: int) -> float:
+        j = int(np.searchsorted(self.ids, op))
+        i = int(np.searchsorted(self.steps, step))
+        if j >= len(self.ids) or self.ids[j] != op or i >= len(self.steps):
+            return math.nan
+        if self.steps[i] != step:
+            return math.nan
+        return float(self.cols[col][i, j])
+
+
+def _dense_blocks(op: np.ndarray, step: np.ndarray) -> tuple[int, int] | None:
+    """``(k, n)`` when the rows are k steps (ascending) of the same n ops (ascending, once
+    each), step by step -- the order the writer stores a run measured in full -- so that
+    sorting by op is a transpose; None otherwise."""
+    total = len(op)
+    if not total:
+        return None
+    n = int(np.argmax(step != step[0])) or total
+    if total % n:
+        return None
+    k = total // n
+    first = op[:n]
+    if n > 1 and not (first[1:] > first[:-1]).all():
+        return None
+    if not (op.reshape(k, n) == first).all():
+        return None
+    steps = step.reshape(k, n)
+    col = steps[:, 0]
+    if not (steps == col[:, None]).all() or (k > 1 and not (col[1:] > col[:-1]).all()):
+        return None
+    return k, n
+
+
+def _transpose(values: np.ndarray, k: int, n: int, block: int = 1024) -> np.ndarray:
+    """``values`` (k steps x n ops, step-major) as float64 in op-major order, copied
+    ``block`` ops at a time (a cache-friendly transpose: several times faster than one
+    strided copy of 20 M values)."""
+    src = np.asarray(values).reshape(k, n)
+    out = np.empty((n, k), np.float64)
+    for j in range(0, n, block):
+        out[j : j + block] = src[:, j : j + block].T
+    return out.ravel()
+
+
 def _per_step(
     stats: pd.DataFrame, columns: dict[str, str], extra: Mapping[str, np.ndarray] | None = None
-) -> pd.DataFrame:
+) -> _Cells:
     """Rows aggregated over loop iterations per (op, step): ``columns`` maps a column to
-    ``max``/``min`` (NaN skipped) or ``abs`` (the value of larger magnitude). Index:
-    ``(op, step)``, sorted. The groups are found once for every column (sorted keys and
-    `numpy.ufunc.reduceat`): a run of thousands of ops x steps is a few array passes.
+    ``max``/``min`` (NaN skipped) or ``abs`` (the value of larger magnitude). Sorted by
+    (op, step). A frame in the writer's order with one row per op and step (a run
+    measured in full, no loop) is transposed, nothing sorted; otherwise the groups are
+    found once for every column (sorted keys and `numpy.ufunc.reduceat`).
     ``extra``: more columns, aligned with ``stats``'s rows (no copy of ``stats``)."""
     extra = extra or {}
     op = stats["op"].to_numpy(np.int64)
     step = stats["step"].to_numpy(np.int64)
+
+    def source(col: str) -> np.ndarray:
+        return np.asarray(extra[col] if col in extra else stats[col].to_numpy())
+
     if len(step) and (step[1:] >= step[:-1]).all():  # as read: by step, then op
         order = np.argsort(op, kind="stable")  # the same order, one key to sort
     else:
@@ -278,7 +461,7 @@ def _per_step(
     one_row_each = len(starts) == len(op)
     out = {}
     for col, how in columns.items():
-        values = np.asarray(extra[col] if col in extra else stats[col], np.float64)[order]
+        values = np.asarray(source(col), np.float64)[order]
         if one_row_each:
             out[col] = values
             continue
@@ -291,44 +474,102 @@ def _per_step(
             out[col] = lo
         else:
             out[col] = np.where(np.abs(hi) < np.abs(lo), lo, hi)
-    index = pd.MultiIndex.from_arrays([op[starts], step[starts]], names=["op", "step"])
-    return pd.DataFrame(out, index=index)
+    return _Cells(op[starts], step[starts], out)
 
 
-def _hits(values: pd.Series, mask: pd.Series, worst: str) -> pd.DataFrame:
-    """Per op, over the (op, step) rows where ``mask`` holds: first step, number of
-    steps, worst value (``max``/``min``/``abs``) and the step it was reached."""
-    held = values[mask.fillna(False).astype(bool)]
-    if held.empty:
-        return pd.DataFrame(columns=["first_step", "steps", "value", "worst_step"])
-    steps = held.index.get_level_values("step").to_numpy()
-    ops = held.index.get_level_values("op").to_numpy()
-    key = held.to_numpy(np.float64)
-    key = {"max": key, "min": -key, "abs": np.abs(key)}[worst]
-    frame = pd.DataFrame({"op": ops, "step": steps, "value": held.to_numpy(), "key": key})
-    frame = frame.sort_values(["op", "key", "step"], ascending=[True, False, True])
-    best = frame.drop_duplicates("op").set_index("op")
-    grouped = frame.groupby("op")["step"]
-    return pd.DataFrame(
-        {
-            "first_step": grouped.min(),
-            "steps": grouped.size(),
-            "value": best["value"],
-            "worst_step": best["step"],
-        }
+def _value_amax(stats: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """`delayed.value_columns` without the binade floor: the value amax (NaN where the op
+    did not run) and whether it ran."""
+    if "count" in stats.columns:
+        ran = stats["count"].fillna(0).to_numpy() != 0
+    else:
+        ran = np.ones(len(stats), bool)
+    value = stats["absmax"].to_numpy(np.float64) * stats["scale"].to_numpy(np.float64)
+    value[~ran] = np.nan
+    return value, ran
+
+
+def _cells_of(
+    stats: pd.DataFrame,
+    columns: dict[str, str],
+    extra: Mapping[str, np.ndarray],
+    block: tuple[int, int] | None,
+) -> _Cells | _Dense:
+    """`_Dense` views of a run in the writer's order with one row per op and step
+    (``block``: `_dense_blocks`), else `_per_step`'s sorted, reduced rows."""
+    if block is None:
+        return _per_step(stats, columns, extra)
+    op = stats["op"].to_numpy(np.int64)
+    k, n = block
+    step = stats["step"].to_numpy(np.int64)[::n]
+    cols = {
+        c: np.asarray(extra[c] if c in extra else stats[c].to_numpy()).reshape(k, n)
+        for c in columns
+    }
+    return _Dense(op[:n].copy(), step.copy(), cols)
+
+
+class _Hits(NamedTuple):
+    """Per op where a rule holds (at least one row): op id, first step, number of steps,
+    worst value and the (first) step it was reached, as Python lists."""
+
+    op: list[int]
+    first_step: list[int]
+    steps: list[int]
+    value: list[float]
+    worst_step: list[int]
+
+
+def _hits(cells: _Cells | _Dense, values: np.ndarray, mask: np.ndarray, worst: str) -> _Hits:
+    """Per op, over the rows where ``mask`` holds: first step, number of steps, worst
+    value (``max``/``min``/``abs``) and the earliest step it was reached. Only the rows
+    (ops of a `_Dense`) where it holds are touched beyond the mask."""
+    if isinstance(cells, _Dense):
+        return _hits_dense(cells, values, mask, worst)
+    rows = np.flatnonzero(mask)
+    if not len(rows):
+        return _Hits([], [], [], [], [])
+    group = cells.group_of(rows)
+    gs = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    counts = np.diff(np.r_[gs, len(rows)])
+    v = np.asarray(values, np.float64)[rows]
+    key = {"max": v, "min": -v, "abs": np.abs(v)}[worst]
+    best = np.maximum.reduceat(key, gs)
+    is_best = key == np.repeat(best, counts)
+    pos = np.minimum.reduceat(np.where(is_best, np.arange(len(rows)), len(rows)), gs)
+    return _Hits(
+        cells.ids[group[gs]].tolist(),
+        cells.step[rows[gs]].tolist(),
+        counts.tolist(),
+        v[pos].tolist(),
+        cells.step[rows[pos]].tolist(),
     )
 
 
-def _hit_rows(hits: pd.DataFrame):
-    """``(op, first_step, steps, value, worst_step)`` per row of `_hits`, as Python
-    scalars (a loop over thousands of findings without a Series per row)."""
-    return zip(
-        hits.index.tolist(),
-        hits["first_step"].astype(np.int64).tolist(),
-        hits["steps"].astype(np.int64).tolist(),
-        hits["value"].astype(np.float64).tolist(),
-        hits["worst_step"].astype(np.int64).tolist(),
+def _hits_dense(cells: _Dense, values: np.ndarray, mask: np.ndarray, worst: str) -> _Hits:
+    """`_hits` on steps x ops arrays: reductions down each op's column."""
+    mask = np.broadcast_to(mask, (len(cells.steps), len(cells.ids)))
+    cols = np.flatnonzero(mask.any(axis=0))
+    if not len(cols):
+        return _Hits([], [], [], [], [])
+    m = mask[:, cols]
+    v = np.asarray(np.asarray(values)[:, cols], np.float64)
+    key = {"max": v, "min": -v, "abs": np.abs(v)}[worst]
+    keym = np.where(m, key, -np.inf)
+    best = keym.max(axis=0)
+    at = (m & (keym == best)).argmax(axis=0)
+    return _Hits(
+        cells.ids[cols].tolist(),
+        cells.steps[m.argmax(axis=0)].tolist(),
+        m.sum(axis=0).tolist(),
+        v[at, np.arange(len(cols))].tolist(),
+        cells.steps[at].tolist(),
     )
+
+
+def _hit_rows(hits: _Hits):
+    """``(op, first_step, steps, value, worst_step)`` per op of `_hits`."""
+    return zip(*hits)
 
 
 # -- fixes -------------------------------------------------------------------------------
@@ -340,6 +581,17 @@ _LOW_PRECISION = {
     "float16": "fp16",
     "bfloat16": "bf16",
 }
+# a format -> the one to keep a value in when it needs more range (underflow at unit
+# scale) or more mantissa (SNR at unit scale) than the format has
+_MORE_RANGE = {"e4m3": "e5m2", "e5m2": "bf16", "fp16": "bf16", "bf16": "fp32"}
+_MORE_MANTISSA = {"e5m2": "e4m3", "e4m3": "bf16", "bf16": "fp16", "fp16": "fp32"}
+#: Recipe a naive-cast finding suggests when no recorded recipe statistics say better:
+#: current (per-tensor) scaling against overflow, MX block scaling otherwise.
+SUGGESTED_RECIPE = {"overflow": "e4m3_tensor"}
+DEFAULT_RECIPE = "mxfp8_e4m3"
+#: An op at least this many binades off unit scale (|log2 rms|) where an underflow or SNR
+#: finding is worst is fixed by rescaling; closer to unit scale, rescaling cannot help.
+RESCALE_LOG2 = 1.0
 
 
 def _where(op: Mapping[str, Any]) -> str:
@@ -347,34 +599,101 @@ def _where(op: Mapping[str, Any]) -> str:
     return source if source and not source.startswith("<") else str(op["label"])
 
 
-def fix_line(op: Mapping[str, Any], fmt: str, scalified: bool) -> str:
-    """The one-line fix for a finding on ``op`` (a row of the op table with a ``label``).
-
-    Under scalify: ``dynamic_rescale_l2`` after a forward/optimizer value; for a backward
-    value, ``dynamic_rescale_l2_grad`` on the forward value whose gradient it is (so
-    *before* the source line that produced it). Without scalify (naive casts): run the
-    step under scalify."""
+def _rescale(op: Mapping[str, Any], kind: str) -> str:
+    """``ss.ops.dynamic_rescale_<kind>`` after a forward/optimizer value, ``_<kind>_grad``
+    before the forward value whose gradient a backward value is."""
     where = _where(op)
+    if op["pass"] == "bwd":
+        return f"x = ss.ops.dynamic_rescale_{kind}_grad(x)  # before {where}"
+    return f"x = ss.ops.dynamic_rescale_{kind}(x)  # after {where}"
+
+
+def _recipe_text(rule: str, recipe: str | None, recorded: Sequence[str] = ()) -> str:
+    """``or <recipe>`` for a naive-cast fix: ``recipe`` when the recorded statistics show
+    it safe for the op; "" when recipes (``recorded``) were recorded and none is safe;
+    None when none was recorded: a suggestion."""
+    if recipe:
+        return f"; or the {recipe} recipe (safe for this op in the recorded statistics)"
+    if recipe == "":
+        names = ", ".join(recorded)
+        return f" (no recorded recipe{' (' + names + ')' if names else ''} is safe for it)"
+    name = SUGGESTED_RECIPE.get(rule, DEFAULT_RECIPE)
+    return f'; or a block-scaled recipe such as {name} (record formats=("{name}",) to check it)'
+
+
+def fix_line(
+    op: Mapping[str, Any],
+    fmt: str,
+    scalified: bool,
+    rule: str = "drift",
+    *,
+    recipe: str | None = None,
+    log2_rms: float = math.nan,
+    origin: Mapping[str, Any] | None = None,
+    recorded: Sequence[str] = (),
+) -> str:
+    """The one-line fix for a ``rule`` finding on ``op`` (a row of the op table with a
+    ``label``), naming the op's source line.
+
+    Under scalify (``scalified``: the run or the op): drift and trend,
+    ``dynamic_rescale_l2`` after a forward/optimizer value, ``dynamic_rescale_l2_grad``
+    for a backward value on the forward value whose gradient it is (so *before* the
+    source line that produced it); overflow, ``dynamic_rescale_max`` (``_max_grad``);
+    underflow and snr, the l2 rescale when the value is more than `RESCALE_LOG2` binades
+    off unit scale where the rule is worst (``log2_rms``), else a format with more range
+    (underflow) or more mantissa (snr) than ``fmt``, or a block-scaled recipe. Without
+    scalify (naive casts): run the step under scalify, or use ``recipe`` (the cheapest
+    recipe the recorded statistics show safe for the op; "": the recipes ``recorded``
+    were, none is safe; None: none were recorded, a suitable one is suggested). ``nonfinite``: the
+    earliest op with NaN/inf (``origin`` None) gets ``jax_debug_nans``; a later one
+    (``origin``: the earliest op's row) points to it. A finding on a block-scaled recipe
+    ``fmt`` names the recipe that would do better."""
+    where = _where(op)
+    if rule == "nonfinite":
+        if origin is not None and origin["label"] != op["label"]:
+            return f"fix the earliest op with NaN/inf first: {origin['label']} at {_where(origin)}"
+        return f'jax.config.update("jax_debug_nans", True)  # stops at the first NaN: {where}'
+    element = recipe_element(fmt) if fmt else None
+    if element is not None:  # a block-scaled recipe's own failure
+        if rule == "overflow":
+            return f"a recipe whose block scales never clip, e.g. mxfp8_e4m3_rceil, at {where}"
+        what = "smaller blocks or a wider element" if rule == "underflow" else "more mantissa"
+        if recipe and recipe != fmt:
+            return f"{what} than {fmt} at {where}: the {recipe} recipe is safe for it"
+        better = "fp8_block128" if rule == "underflow" else "mxfp8_e4m3"
+        if better == fmt or (better == "mxfp8_e4m3" and element.mantissa_bits >= 3):
+            better = "bf16"
+        return f"{what} than {fmt} at {where}, e.g. {better}"
     if not scalified:
         what = f"naive {fmt} casts" if fmt else "naive low-precision casts"
         return (
-            f"run.track(step, scalify=True)  # scale-propagated casts instead of {what} at {where}"
+            f"run.track(step, scalify=True)  # scale-propagated casts instead of {what} at "
+            f"{where}{_recipe_text(rule, recipe, recorded)}"
         )
-    if op["pass"] == "bwd":
-        return f"x = ss.ops.dynamic_rescale_l2_grad(x)  # before {where}"
-    return f"x = ss.ops.dynamic_rescale_l2(x)  # after {where}"
+    if rule == "overflow":
+        return _rescale(op, "max")
+    if rule in ("underflow", "snr") and not abs(log2_rms) > RESCALE_LOG2:
+        table = _MORE_RANGE if rule == "underflow" else _MORE_MANTISSA
+        need = "range" if rule == "underflow" else "mantissa"
+        other = table.get(fmt, "fp32")
+        also = "" if recipe == "" else f", or use the {recipe or DEFAULT_RECIPE} recipe"
+        return (
+            f"cast {where} to {other}{also}  # at unit scale it needs more {need} than "
+            f"{fmt or 'its format'}"
+        )
+    return _rescale(op, "l2")
 
 
 def delayed_fix_line(op: Mapping[str, Any], history: int, scalified: bool) -> str:
     """The one-line fix for a ``delayed`` finding on ``op``: an amax history shorter than
     ``history`` or ``most_recent``, per-tensor current scaling (the ``e4m3_tensor``
-    recipe: the scale from this step's amax), or dynamic rescaling of the value (under
-    scalify: ``dynamic_rescale_l2``; otherwise, scalify first)."""
+    recipe: the scale from this step's amax), or dynamic rescaling of the value by its
+    abs-max (under scalify: ``dynamic_rescale_max``; otherwise, scalify first)."""
     recipe = (
         f"amax history < {history} or algo='most_recent', or current scaling (e4m3_tensor recipe)"
     )
     if scalified:
-        return f"{recipe}, or {fix_line(op, '', True)}"
+        return f"{recipe}, or {_rescale(op, 'max')}"
     return f"{recipe}, or dynamic rescaling under run.track(step, scalify=True)  # at {_where(op)}"
 
 
@@ -382,31 +701,29 @@ def delayed_fix_line(op: Mapping[str, Any], history: int, scalified: bool) -> st
 
 
 def _format_findings(
-    per_step: pd.DataFrame,
+    cells: _Cells | _Dense,
     checked: dict[str, np.ndarray],
     thresholds: Thresholds,
     meta: Mapping[str, Any] | None,
-    n_steps: pd.Series,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    ops_level = per_step.index.get_level_values("op")
     for fmt, ids in checked.items():
-        sel = per_step[np.isin(ops_level, ids)]
+        sel = cells.rows_of(ids)
         info = _format_info(fmt, meta)
         limit = info.get("max")
         tiny = info.get("min_subnormal")
         snr_thr = thresholds.snr_for(fmt, meta)
         over = thresholds.overflow_for(fmt)
         rules = (
-            ("overflow", f"overflow_{fmt}", "max", over, lambda v, t: v > t),
-            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow, lambda v, t: v > t),
-            ("snr", f"snr_{fmt}", "min", snr_thr, lambda v, t: v < t),
+            ("overflow", f"overflow_{fmt}", "max", over, "gt"),
+            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow, "gt"),
+            ("snr", f"snr_{fmt}", "min", snr_thr, "lt"),
         )
-        for rule, col, worst, thr, test in rules:
-            values = sel[col]
-            hits = _hits(values, test(values, thr), worst)
-            for op, first, k, v, at in _hit_rows(hits):
-                n = int(n_steps[op])
+        for rule, col, worst, thr, how in rules:
+            values = cells.cols[col]
+            mask = _compare(values, how, thr) & sel
+            for op, first, k, v, at in _hit_rows(_hits(cells, values, mask, worst)):
+                n = int(cells.sizes[np.searchsorted(cells.ids, op)])
                 if rule == "overflow":
                     bound = f" (|x| > {_num(limit)})" if limit else ""
                     text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
@@ -425,14 +742,33 @@ def _format_findings(
                         value=v,
                         threshold=float(thr),
                         evidence=f"{text}; {_steps_text(k, n, first)}.",
+                        _at=at,
                     )
                 )
     return rows
 
 
-def _masks(values: pd.Series, min_steps: int) -> np.ndarray:
-    """Ops whose non-finite fraction is the same, non-zero and below 1, at every recorded
-    step (at least ``min_steps`` of them): masks, see `Thresholds.mask_min_steps`."""
+def _mask_groups(cells: _Cells | _Dense, values: np.ndarray, min_steps: int) -> np.ndarray:
+    """Per op (bool, aligned with ``cells.ids``): a non-finite fraction that is the same,
+    non-zero and below 1, at every recorded step (at least ``min_steps`` of them): masks,
+    see `Thresholds.mask_min_steps`."""
+    if not np.size(values):
+        return np.zeros(len(cells.ids), bool)
+    with np.errstate(invalid="ignore"):
+        if isinstance(cells, _Dense):
+            lo, hi = np.fmin.reduce(values, axis=0), np.fmax.reduce(values, axis=0)
+        else:
+            lo = np.fmin.reduceat(values, cells.starts)
+            hi = np.fmax.reduceat(values, cells.starts)
+        lo, hi = lo.astype(np.float64), hi.astype(np.float64)  # min/max: exact either way
+        return (cells.sizes >= min_steps) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
+
+
+def mask_ops(values: pd.Series, min_steps: int) -> np.ndarray:
+    """Op ids whose non-finite fraction (``values``: indexed by (op, step), one value per
+    recorded step) is the same, non-zero and below 1, at every recorded step (at least
+    ``min_steps`` of them): masks, which the nonfinite rule skips (see
+    `Thresholds.mask_min_steps`)."""
     by_op = values.groupby(level="op")
     lo, hi, n = by_op.min(), by_op.max(), by_op.size()
     steady = (n >= min_steps) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
@@ -440,20 +776,19 @@ def _masks(values: pd.Series, min_steps: int) -> np.ndarray:
 
 
 def _nonfinite_findings(
-    per_step: pd.DataFrame, thresholds: Thresholds, n_steps: pd.Series, labels: pd.Series
+    cells: _Cells | _Dense, thresholds: Thresholds, labels: pd.Series
 ) -> list[dict[str, Any]]:
-    values = per_step["frac_nonfinite"]
-    masks = _masks(values, thresholds.mask_min_steps)
-    if len(masks):
-        values = values[~values.index.get_level_values("op").isin(masks)]
-    hits = _hits(values, values > thresholds.nonfinite, "max")
-    if hits.empty:
+    values = cells.cols["frac_nonfinite"]
+    kept = ~cells.per_op(_mask_groups(cells, values, thresholds.mask_min_steps))
+    hits = _hits(cells, values, _compare(values, "gt", thresholds.nonfinite) & kept, "max")
+    if not hits.op:
         return []
-    origin = hits.sort_values(["first_step"], kind="stable").index[0]
-    origin_step = int(hits.loc[origin, "first_step"])
+    first_steps = np.asarray(hits.first_step)
+    k0 = int(np.argmin(first_steps))  # earliest; ties: the smallest op id
+    origin, origin_step = hits.op[k0], int(first_steps[k0])
     rows = []
     for op, first, k, v, at in _hit_rows(hits):
-        n = int(n_steps[op])
+        n = int(cells.sizes[np.searchsorted(cells.ids, op)])
         text = f"{pct(v)} of values are NaN/inf at step {at}"
         if op == origin:
             tail = "the earliest op with non-finite values"
@@ -471,19 +806,23 @@ def _nonfinite_findings(
                 value=v,
                 threshold=float(thresholds.nonfinite),
                 evidence=f"{text}; {_steps_text(k, n, first)}; {tail}.",
+                _at=at,
+                _origin=origin,
             )
         )
     return rows
 
 
 def _drift_findings(
-    log2_rms: pd.Series, thresholds: Thresholds, n_steps: pd.Series
+    cells: _Cells | _Dense, drift_rows: np.ndarray, thresholds: Thresholds
 ) -> list[dict[str, Any]]:
     bound = thresholds.drift_log2
-    hits = _hits(log2_rms, log2_rms.abs() > bound, "abs")
+    l2 = cells.cols["log2_rms"]
+    with np.errstate(invalid="ignore"):
+        mask = (np.abs(l2) > bound) & drift_rows
     rows = []
-    for op, first, k, v, at in _hit_rows(hits):
-        n = int(n_steps[op])
+    for op, first, k, v, at in _hit_rows(_hits(cells, l2, mask, "abs")):
+        n = int(cells.sizes[np.searchsorted(cells.ids, op)])
         text = (
             f"log2 rms of the data reaches {_signed(v)} (rms {_num(2.0**v)}) at step "
             f"{at}, beyond ±{bound:g}"
@@ -498,72 +837,166 @@ def _drift_findings(
                 value=v,
                 threshold=float(bound),
                 evidence=f"{text}; {_steps_text(k, n, first)}.",
+                _at=at,
             )
         )
     return rows
 
 
-def _trend_findings(
-    log2_rms: pd.Series, thresholds: Thresholds, horizon: float
-) -> list[dict[str, Any]]:
-    """Least-squares line of log2 rms against step, per op (finite points only)."""
-    bound = thresholds.drift_log2
-    finite = log2_rms[np.isfinite(log2_rms.to_numpy())]
-    if finite.empty:
-        return []
-    ops = finite.index.get_level_values("op").to_numpy()
-    x = finite.index.get_level_values("step").to_numpy(np.float64)
-    y = finite.to_numpy(np.float64)
+class _TrendFit(NamedTuple):
+    """Per op with finite points: the least-squares sums of log2 rms against step, the
+    last log2 rms over all its steps (NaN included), the last fitted step, and a
+    function giving the fitted points ``(steps, log2 rms)`` of the k-th op."""
+
+    ops: np.ndarray
+    counts: np.ndarray
+    xm: np.ndarray
+    ym: np.ndarray
+    sxx: np.ndarray
+    syy: np.ndarray
+    sxy: np.ndarray
+    last: np.ndarray
+    x_last: np.ndarray
+    points: Any
+
+
+def _trend_fit(cells: _Cells, drift_ops: np.ndarray) -> _TrendFit | None:
+    """`_TrendFit` over op-major cells: one bincount per sum."""
+    l2 = cells.cols["log2_rms"]
+    used = cells.rows_of(drift_ops) & np.isfinite(l2)
+    if used.all():  # every row: no gathers
+        ops, x, y = cells.op, cells.step.astype(np.float64), l2
+    else:
+        rows_idx = np.flatnonzero(used)
+        if not len(rows_idx):
+            return None
+        ops = cells.op[rows_idx]
+        x = cells.step[rows_idx].astype(np.float64)
+        y = l2[rows_idx]
+    del used
     # last value of each op over *all* its steps (an op drifting now is not "in bound")
-    all_ops = log2_rms.index.get_level_values("op").to_numpy()
-    is_last = np.r_[all_ops[1:] != all_ops[:-1], True] if len(all_ops) else np.ones(0, bool)
-    last = pd.Series(log2_rms.to_numpy()[is_last], index=all_ops[is_last])
-    # One least-squares fit per op, vectorised: rows are sorted by (op, step) (`_per_step`).
-    uniq, starts, counts = np.unique(ops, return_index=True, return_counts=True)
+    last_all = l2[cells.starts + cells.sizes - 1]
+    starts = delayed.group_starts(ops)
+    uniq, counts = ops[starts], np.diff(np.r_[starts, len(ops)])
     codes = np.repeat(np.arange(len(uniq)), counts)
     xm = np.bincount(codes, weights=x) / counts
     ym = np.bincount(codes, weights=y) / counts
     dx, dy = x - xm[codes], y - ym[codes]
-    sxx = np.bincount(codes, weights=dx * dx)
-    syy = np.bincount(codes, weights=dy * dy)
-    sxy = np.bincount(codes, weights=dx * dy)
+    prod = np.multiply(dx, dx)  # one buffer for the three products
+    sxx = np.bincount(codes, weights=prod)
+    sxy = np.bincount(codes, weights=np.multiply(dx, dy, out=prod))
+    syy = np.bincount(codes, weights=np.multiply(dy, dy, out=prod))
+    del prod, dx, dy, codes
     ends = starts + counts - 1
-    rows = []
-    for k, op in enumerate(uniq):
-        if counts[k] < thresholds.trend_min_points or not horizon > x[ends[k]]:
-            continue
-        if not abs(last[op]) <= bound:
-            continue
-        if sxx[k] == 0 or syy[k] == 0:
-            continue
-        slope = sxy[k] / sxx[k]
-        r2 = slope**2 * sxx[k] / syy[k]
-        projected = ym[k] + slope * (horizon - xm[k])
-        if abs(projected) <= bound or r2 < thresholds.trend_min_r2:
-            continue
-        target = math.copysign(bound, projected)
-        cross = xm[k] + (target - ym[k]) / slope
-        xs = x[starts[k] : ends[k] + 1]
-        ys = y[starts[k] : ends[k] + 1]
-        text = (
-            f"log2 rms of the data moves {slope:+.3g}/step (from {_signed(ys[0])} at step "
-            f"{int(xs[0])} to {_signed(ys[-1])} at step {int(xs[-1])}, R² {r2:.2f}); the fit "
-            f"crosses {target:+g} at step ~{int(round(cross))} and reaches "
-            f"{_signed(projected)} at the horizon (step {int(horizon)})"
+
+    def points(k: int) -> tuple[np.ndarray, np.ndarray]:
+        return x[starts[k] : ends[k] + 1], y[starts[k] : ends[k] + 1]
+
+    last = last_all[np.searchsorted(cells.ids, uniq)]
+    return _TrendFit(uniq, counts, xm, ym, sxx, syy, sxy, last, x[ends], points)
+
+
+def _trend_fit_dense(cells: _Dense, drift_ops: np.ndarray) -> _TrendFit | None:
+    """`_TrendFit` over steps x ops: the same sums, accumulated step by step (the order
+    of the op-major bincounts, so the same numbers) with one vector per step, no copy of
+    the steps x ops values."""
+    l2 = cells.cols["log2_rms"]
+    drift = np.isin(cells.ids, drift_ops)
+    x = cells.steps.astype(np.float64)
+    n = len(cells.ids)
+    counts = np.zeros(n, np.int64)
+    sx, sy = np.zeros(n), np.zeros(n)
+    x_last = np.full(n, np.nan)
+    finite = [np.isfinite(row) & drift for row in l2]
+    for xi, row, ok in zip(x, l2, finite):
+        counts += ok
+        sx += np.where(ok, xi, 0.0)
+        sy += np.where(ok, row, 0.0)
+        x_last = np.where(ok, xi, x_last)
+    has = counts > 0
+    if not has.any():
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        xm, ym = sx / counts, sy / counts
+    sxx, syy, sxy = np.zeros(n), np.zeros(n), np.zeros(n)
+    for xi, row, ok in zip(x, l2, finite):
+        dx = np.where(ok, xi - xm, 0.0)
+        dy = np.where(ok, row - ym, 0.0)
+        sxx += dx * dx
+        syy += dy * dy
+        sxy += dx * dy
+    cols = np.flatnonzero(has)
+
+    def points(k: int) -> tuple[np.ndarray, np.ndarray]:
+        j = cols[k]
+        ok = np.isfinite(l2[:, j])
+        return x[ok], l2[ok, j]
+
+    pick = (cols,)
+    return _TrendFit(
+        cells.ids[cols],
+        counts[pick],
+        xm[pick],
+        ym[pick],
+        sxx[pick],
+        syy[pick],
+        sxy[pick],
+        np.asarray(l2[-1, cols], np.float64),
+        x_last[pick],
+        points,
+    )
+
+
+def _trend_findings(
+    cells: _Cells | _Dense, drift_ops: np.ndarray, thresholds: Thresholds, horizon: float
+) -> list[dict[str, Any]]:
+    """Least-squares line of log2 rms against step, per op of ``drift_ops`` (finite
+    points only)."""
+    bound = thresholds.drift_log2
+    if isinstance(cells, _Dense):
+        fit = _trend_fit_dense(cells, drift_ops)
+    else:
+        fit = _trend_fit(cells, drift_ops)
+    if fit is None:
+        return []
+    xm, ym, sxx, syy, sxy = fit.xm, fit.ym, fit.sxx, fit.syy, fit.sxy
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slope = sxy / sxx
+        r2 = slope**2 * sxx / syy
+        projected = ym + slope * (horizon - xm)
+        candidate = (
+            (fit.counts >= thresholds.trend_min_points)
+            & (horizon > fit.x_last)
+            & (np.abs(fit.last) <= bound)
+            & (sxx != 0)
+            & (syy != 0)
+            & (np.abs(projected) > bound)
+            & (r2 >= thresholds.trend_min_r2)
         )
-        rows.append(
+    out = []
+    for k in np.flatnonzero(candidate):
+        target = math.copysign(bound, projected[k])
+        cross = xm[k] + (target - ym[k]) / slope[k]
+        xs, ys = fit.points(k)
+        text = (
+            f"log2 rms of the data moves {slope[k]:+.3g}/step (from {_signed(ys[0])} at step "
+            f"{int(xs[0])} to {_signed(ys[-1])} at step {int(xs[-1])}, R² {r2[k]:.2f}); the "
+            f"fit crosses {target:+g} at step ~{int(round(cross))} and reaches "
+            f"{_signed(projected[k])} at the horizon (step {int(horizon)})"
+        )
+        out.append(
             dict(
-                op=int(op),
+                op=int(fit.ops[k]),
                 rule="trend",
                 format="",
                 first_step=int(xs[0]),
                 steps=int(len(xs)),
-                value=float(projected),
+                value=float(projected[k]),
                 threshold=float(target),
                 evidence=text + ".",
             )
         )
-    return rows
+    return out
 
 
 def _steps_list(steps: np.ndarray, most: int = 5) -> str:
@@ -602,23 +1035,71 @@ def _delayed_text(
     return text, int(step[w]), float(over[w])
 
 
+def _delayed_candidates(dense: _Dense, thresholds: Thresholds) -> np.ndarray:
+    """Ops of ``dense`` the delayed rule may flag; the others cannot clip. With a
+    history covering every recorded step, an op whose amax is finite everywhere is
+    replayed against the running max of its previous amaxes, so it needs an amax more
+    than ``2**delayed_log2`` times that max at some step. Ops with a non-finite amax (or
+    a shorter history) are always candidates. One pass down the steps, no copy."""
+    amax = dense.cols["_amax"]
+    k = amax.shape[0]
+    if thresholds.delayed_history < k - 1 or k < 2:
+        return dense.ids
+    factor = 2.0**thresholds.delayed_log2 * (1 - 1e-9)  # slack: log2 vs product rounding
+    finite = np.ones(amax.shape[1], bool)
+    grows = np.zeros(amax.shape[1], bool)
+    running = np.asarray(amax[0], np.float64)
+    finite &= np.isfinite(running)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for row in amax[1:]:
+            finite &= np.isfinite(row)
+            grows |= row > factor * running
+            running = np.maximum(running, row)
+    return dense.ids[grows | ~finite]
+
+
 def _delayed_findings(
-    per_step: pd.DataFrame, fmt_of: pd.Series, thresholds: Thresholds
+    cells: _Cells | _Dense,
+    fmt_of: pd.Series,
+    thresholds: Thresholds,
+    exp_range: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """The ``delayed`` rule: one vectorised replay (`delayed.replay`) over every op of
     ``fmt_of`` (op id -> format name) with at least two recorded steps where it ran;
-    Python only for the ops that clip."""
-    op = per_step.index.get_level_values("op").to_numpy(np.int64)
-    keep = np.isin(op, fmt_of.index.to_numpy()) & (per_step["_ran"].to_numpy() > 0)
+    Python only for the ops that clip. The binade floor of the value amax (``_floor``)
+    is read where the amax exceeds the threshold only; on `_Dense` cells it is computed
+    there from ``absmax`` and ``scale`` (``exp_range``: the histogram's range)."""
+    if isinstance(cells, _Dense):
+        dense = cells
+        fmt_of = fmt_of[fmt_of.index.isin(_delayed_candidates(dense, thresholds))]
+        sub = np.flatnonzero(np.isin(dense.ids, fmt_of.index.to_numpy()))
+        cells = dense.flat(["_amax", "_ran"], fmt_of.index.to_numpy())
+        k = len(dense.steps)
+
+        def floor_at(rows: np.ndarray) -> np.ndarray:
+            j, i = np.divmod(rows, k)
+            absmax = np.asarray(dense.cols["absmax"][i, sub[j]], np.float64)
+            scale = np.asarray(dense.cols["scale"][i, sub[j]], np.float64)
+            return delayed.binade_floor(absmax, exp_range) * scale
+
+    else:
+        floor_all = cells.cols["_floor"]
+
+        def floor_at(rows: np.ndarray) -> np.ndarray:
+            return floor_all[rows]
+
+    keep = cells.rows_of(fmt_of.index.to_numpy()) & (cells.cols["_ran"] > 0)
+    op = cells.op
     starts = delayed.group_starts(op[keep])
     sizes = np.diff(np.r_[starts, np.count_nonzero(keep)])
     keep[keep] = np.repeat(sizes >= 2, sizes)  # at least two recorded steps
     if not keep.any():
         return []
-    op = op[keep]
-    step = per_step.index.get_level_values("step").to_numpy(np.int64)[keep]
-    amax = per_step["_amax"].to_numpy(np.float64)[keep]
-    floor = per_step["_floor"].to_numpy(np.float64)[keep]
+    kept = np.flatnonzero(keep)
+    del keep
+    op = op[kept]
+    step = cells.step[kept]
+    amax = cells.cols["_amax"][kept]
     starts = delayed.group_starts(op)
     ids = op[starts]
     names = fmt_of.reindex(ids).to_numpy()
@@ -628,14 +1109,18 @@ def _delayed_findings(
     history = thresholds.delayed_history
     r = delayed.replay(amax, starts, history=history, algo="max", margin=0, fmt_max=fmt_max)
     with np.errstate(divide="ignore", invalid="ignore"):
-        sure = floor > r.threshold  # clipped_min > 0
-        far = np.log2(amax / r.threshold) > thresholds.delayed_log2
-    hit = r.from_history & sure & far
+        # the binade floor is at most the amax: only rows whose amax clips can hold
+        above = np.flatnonzero(r.from_history & (amax > r.threshold))
+        floor = floor_at(kept[above])
+        sure = floor > r.threshold[above]  # clipped_min > 0
+        far = np.log2(amax[above] / r.threshold[above]) > thresholds.delayed_log2
+    hit = np.zeros(len(amax), bool)
+    hit[above[sure & far]] = True
     rows = []
     for g in np.unique(np.searchsorted(starts, np.flatnonzero(hit), side="right") - 1):
         a, b = starts[g], starts[g] + sizes[g]
         part = delayed.Replay(*(v[a:b] for v in r))
-        text, _, over = _delayed_text(amax[a:b], step[a:b], part, hit[a:b], names[g], history)
+        text, at, over = _delayed_text(amax[a:b], step[a:b], part, hit[a:b], names[g], history)
         hits = step[a:b][hit[a:b]]
         rows.append(
             dict(
@@ -647,6 +1132,7 @@ def _delayed_findings(
                 value=over,
                 threshold=0.0,
                 evidence=text,
+                _at=at,
             )
         )
     return rows
@@ -661,6 +1147,134 @@ def _delayed_formats(info: pd.DataFrame) -> pd.Series:
     cast = floats["cast_to"].astype(str)
     known = cast.map(lambda f: bool(f) and "max" in _format_info(f, None))
     return cast.where(known, "e4m3")
+
+
+# -- severity ----------------------------------------------------------------------------
+
+
+def _band_level(
+    m: np.ndarray, lo: float, steps: tuple[float, float, float], top: float
+) -> np.ndarray:
+    """0, 1, 2 or 3 (low, medium, high, critical) by the magnitude ``m`` against
+    ``steps`` (medium, high and critical from), plus where ``m`` lies in its band, in
+    [0, 1): bands run from ``lo`` (the rule's threshold) through the steps to ``top``
+    (the end of the last band)."""
+    edges = [lo, *steps]
+    level = np.searchsorted(np.asarray(steps), m, side="right").astype(np.float64)
+    frac = np.zeros(len(m))
+    for band in range(4):
+        a = edges[band]
+        b = edges[band + 1] if band < 3 else top
+        if band < 3 and not math.isfinite(b):
+            b = top
+        if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
+            continue
+        here = level == band
+        frac[here] = (m[here] - a) / (b - a)
+    return level + np.clip(np.nan_to_num(frac, nan=0.0), 0.0, 0.999)
+
+
+def _log_fraction(values: np.ndarray | float) -> np.ndarray:
+    return np.log10(np.maximum(np.asarray(values, np.float64), 1e-12))
+
+
+def severity_level(findings: pd.DataFrame) -> np.ndarray:
+    """A number per finding (row of `advise`), larger is worse: its severity's rank
+    from the bottom (0 low, 1 medium, 2 high, 3 critical) plus where its magnitude lies
+    within that severity's band, in [0, 1). The severity steps are `SEVERITY_STEPS`
+    (module docstring); the magnitude is the fraction (on a log scale) for overflow and
+    underflow, the dB under the threshold for snr, the binades beyond the bound for drift
+    and trend, above the threshold for delayed; nonfinite is critical. Needs the rule,
+    format, value and threshold columns."""
+    require_columns(findings, ("rule", "format", "value", "threshold"), "findings")
+    n = len(findings)
+    out = np.zeros(n)
+    if not n:
+        return out
+    rule = findings["rule"].astype(str).to_numpy()
+    fmt = findings["format"].astype(str)
+    value = findings["value"].to_numpy(np.float64)
+    thr = findings["threshold"].to_numpy(np.float64)
+    recipe = fmt.map({f: recipe_element(f) is not None for f in fmt.unique()}).to_numpy(bool)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for name in np.unique(rule):
+            m = rule == name
+            v, t = value[m], thr[m]
+            if name == "nonfinite":
+                out[m] = 3.0 + 0.999 * np.clip(np.nan_to_num(v, nan=1.0), 0.0, 1.0)
+            elif name in ("overflow", "underflow"):
+                keys = np.where(recipe[m] & (name == "overflow"), "overflow_recipe", name)
+                for key in np.unique(keys):
+                    k = keys == key
+                    steps = tuple(float(_log_fraction(x)) for x in SEVERITY_STEPS[key])
+                    lo = float(_log_fraction(np.nanmin(t[k])))
+                    idx = np.flatnonzero(m)[k]
+                    out[idx] = _band_level(_log_fraction(v[k]), lo, steps, 0.0)
+            elif name == "snr":
+                below = np.where(np.isnan(v), 0.0, t - v)
+                out[m] = _band_level(below, 0.0, SEVERITY_STEPS["snr"], 36.0)
+            elif name in ("drift", "trend"):
+                beyond = np.abs(v) - np.abs(t)
+                out[m] = _band_level(beyond, 0.0, SEVERITY_STEPS[name], 16.0)
+            elif name == "delayed":
+                level = _band_level(v, 0.0, SEVERITY_STEPS["delayed"], 12.0)
+                if "steps" in findings.columns:  # clipping at one recorded step only (a
+                    once = findings["steps"].to_numpy()[m] <= 1  # warm-up transient):
+                    level = np.where(once, np.minimum(level, 1.999), level)  # medium at most
+                out[m] = level
+    return out
+
+
+def severity_of(level: np.ndarray) -> np.ndarray:
+    """Severity names (`SEVERITY_ORDER`) of `severity_level` numbers."""
+    rank = np.clip(np.floor(np.asarray(level, np.float64)), 0, 3).astype(np.int64)
+    return np.asarray(SEVERITY_ORDER[::-1], dtype=object)[rank]
+
+
+def finding_metric(rule: str, fmt: str = "") -> str:
+    """The statistic (a column of `scalescope.analysis.op_summary`, a heatmap metric)
+    that shows a finding: ``frac_nonfinite``; ``overflow_F``, ``underflow_F``,
+    ``snr_F``; ``log2_rms`` for drift and trend; ``absmax`` for delayed."""
+    if rule == "nonfinite":
+        return "frac_nonfinite"
+    if rule in ("overflow", "underflow", "snr") and fmt:
+        return f"{rule}_{fmt}"
+    if rule == "delayed":
+        return "absmax"
+    return "log2_rms"
+
+
+def worst_finding(findings: pd.DataFrame) -> int | None:
+    """Position (``iloc``) of the worst finding: the highest severity, then the largest
+    magnitude (`severity_level`); on a tie the first in the frame's order. None when
+    there is none."""
+    if findings is None or not len(findings):
+        return None
+    return int(np.argmax(severity_level(findings)))
+
+
+def worst_finding_metric(
+    findings: pd.DataFrame | None,
+    options: Sequence[str] | None = None,
+    default: str = "log2_rms",
+) -> str | None:
+    """The metric to rank ops by so that the worst finding shows first (`finding_metric`
+    of the worst finding, by `severity_level`): the worst finding's whose metric is in
+    ``options`` (None: any). Without findings, or when none's metric is offered,
+    ``default`` (when offered; else the first option, None without options)."""
+    fallback = default if options is None or default in options else None
+    if fallback is None and options:
+        fallback = list(options)[0]
+    if findings is None or not len(findings):
+        return fallback
+    level = severity_level(findings)
+    rules = findings["rule"].astype(str).to_numpy()
+    fmts = findings["format"].astype(str).to_numpy()
+    for i in np.argsort(-level, kind="stable"):
+        metric = finding_metric(rules[i], fmts[i])
+        if options is None or metric in options:
+            return metric
+    return fallback
 
 
 # -- entry points ------------------------------------------------------------------------
@@ -680,6 +1294,28 @@ def _default_horizon(meta: Mapping[str, Any] | None, last_step: int) -> float:
     return float(last_step * 2)
 
 
+def advisor_columns(
+    columns: Sequence[str], ops: pd.DataFrame, audit: str | Sequence[str] = ()
+) -> list[str]:
+    """The statistics columns `advise` reads, of the wide frame's ``columns``: key columns
+    (step, op, iteration), frac_nonfinite, rms, absmax, scale, count, and the overflow,
+    underflow and snr columns of every format some op of ``ops`` is cast to or that is
+    audited, plus every recorded recipe's (their verdicts pick a naive-cast fix). A view
+    that holds the statistics as parts builds a frame of these only."""
+    cols = [c for c in columns if isinstance(c, str)]
+    have = pd.DataFrame(columns=cols)
+    audit_list = set([audit] if isinstance(audit, str) else audit)
+    cast = set(op_table(ops)["cast_to"].astype(str)) if len(ops) else set()
+    keep = ["step", "op", "iteration", "frac_nonfinite", "rms", "absmax", "scale", "count"]
+    for fmt in recorded_formats(have):
+        if fmt in cast or fmt in audit_list:
+            keep += [f"overflow_{fmt}", f"underflow_{fmt}", f"snr_{fmt}"]
+    for recipe in recorded_recipes(have):
+        keep += [f"overflow_{recipe}", f"underflow_{recipe}", f"snr_{recipe}"]
+        keep.append(f"block_flush_{recipe}")
+    return [c for c in dict.fromkeys(keep) if c in cols]
+
+
 def advise(
     stats: pd.DataFrame,
     ops: pd.DataFrame,
@@ -689,10 +1325,12 @@ def advise(
     thresholds: Thresholds | None = None,
     horizon: int | float | None = None,
 ) -> pd.DataFrame:
-    """Findings of the advisor (see the module docstring for the rules), one row per
-    (op, rule, format), sorted by severity, then first step, then op.
+    """Findings of the advisor (see the module docstring for the rules, their severity
+    grades and fixes), one row per (op, rule, format), sorted by severity, then first
+    step, then op.
 
-    ``stats``: wide statistics frame; ``ops``: the op table; ``meta``: the run's metadata
+    ``stats``: wide statistics frame (`advisor_columns` lists the columns read);
+    ``ops``: the op table; ``meta``: the run's metadata
     (``graph.scalify`` picks the fix, ``config.steps`` the default horizon, ``format_info``
     the limits quoted in the evidence); ``audit``: formats every op is also checked
     against (recorded block-scaled recipes too: their overflow rule tolerates
@@ -706,13 +1344,17 @@ def advise(
     fitted points), value (worst: max fraction, min SNR dB, log2 rms of larger magnitude; for
     trend the projected log2 rms at the horizon; for delayed the largest log2(value amax
     / delayed-scaling threshold)), threshold (for trend the signed bound crossed; 0 for
-    delayed), evidence, severity, fix. The delayed rule needs ``absmax`` and ``scale``
-    columns (skipped without them) and reads the histogram range from
-    ``meta["hist_columns"]``.
+    delayed), evidence, severity (graded by the value: `severity_level`), fix
+    (`fix_line`). The delayed rule needs ``absmax`` and ``scale`` columns (skipped
+    without them) and reads the histogram range from ``meta["hist_columns"]``.
 
     Values NaN in a statistic (no finite element) never trigger overflow, underflow,
     snr or drift: the nonfinite rule reports them. An all-zero value (rms 0) has no scale
     to drift from and is skipped by drift and trend.
+
+    Vectorised: a run of 20 000 ops x 1000 recorded steps in the writer's order is
+    transposed to op-major order (no sort), and each rule touches only the rows where it
+    holds beyond one comparison per row.
     """
     thresholds = Thresholds() if thresholds is None else thresholds
     if not isinstance(thresholds, Thresholds):
@@ -723,7 +1365,7 @@ def advise(
     if missing:
         raise KeyError(f"stats: missing column(s) {missing} the advisor needs")
     table = op_table(ops)
-    unknown = np.setdiff1d(stats["op"].unique(), table.index.to_numpy())
+    unknown = np.setdiff1d(pd.unique(stats["op"].to_numpy()), table.index.to_numpy())
     if len(unknown):
         raise KeyError(f"ops: op id {int(unknown[0])} appears in stats but not in ops")
     audit_list = list([audit] if isinstance(audit, str) else audit)
@@ -734,52 +1376,82 @@ def advise(
         return _empty_findings()
 
     known = recorded_formats(stats) + recorded_recipes(stats)
-    in_stats = np.unique(stats["op"].to_numpy(np.int64))
-    info = table.loc[in_stats]
+    ids = table.index.to_numpy()
+    cast_to = table["cast_to"].to_numpy()
     checked: dict[str, np.ndarray] = {}
     for fmt in known:
-        mask = (info["cast_to"] == fmt).to_numpy() | (fmt in audit_formats)
+        mask = (cast_to == fmt) | (fmt in audit_formats)
         if mask.any():
-            checked[fmt] = info.index.to_numpy()[mask]
+            checked[fmt] = ids[mask]
 
     columns = {"frac_nonfinite": "max"}
     for fmt in checked:
         columns |= {f"overflow_{fmt}": "max", f"underflow_{fmt}": "max", f"snr_{fmt}": "min"}
-    rms = stats["rms"].astype(np.float64).to_numpy()
+    rms = stats["rms"].to_numpy(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         l2 = np.log2(np.where(rms > 0, rms, np.nan))
     extra = {"log2_rms": l2}
     columns |= {"log2_rms": "abs"}
     replay_delayed = {"absmax", "scale"} <= set(stats.columns)
-    if replay_delayed:  # value amax, its binade's floor, ran: maxima over iterations
-        exp_range = delayed.hist_range((meta or {}).get("hist_columns"))
-        amax, floor, ran = delayed.value_columns(stats, exp_range)
-        extra |= {"_amax": amax, "_floor": floor, "_ran": ran.astype(np.float64)}
+    exp_range = delayed.hist_range((meta or {}).get("hist_columns"))
+    dense = _dense_blocks(stats["op"].to_numpy(np.int64), stats["step"].to_numpy(np.int64))
+    if replay_delayed and dense is None:  # value amax, its binade's floor, ran: maxima
+        amax, floor, ran = delayed.value_columns(stats, exp_range)  # over iterations
+        extra |= {"_amax": amax, "_floor": floor, "_ran": ran}
         columns |= {"_amax": "max", "_floor": "max", "_ran": "max"}
-    per_step = _per_step(stats, columns, extra)
-    n_steps = per_step.groupby(level="op").size()
+    elif replay_delayed:  # one row per op and step: the floor where it matters only
+        amax, ran = _value_amax(stats)
+        extra |= {"_amax": amax, "_ran": ran}
+        columns |= {"_amax": "max", "_ran": "max", "absmax": "max", "scale": "max"}
+    cells = _cells_of(stats, columns, extra, dense)
+    del extra, l2
     labels = op_labels(table)
 
     # Drift matters where the data is stored or cast in a narrow format: an FP32 value of
     # RMS 2^8 loses nothing, an FP16 or FP8 one heads for overflow or underflow.
-    low = info["dtype"].astype(str).isin(list(_LOW_PRECISION)).to_numpy()
-    drift_ops = info.index[
-        (info["scaled"].to_numpy(bool) & low) | (info["cast_to"] != "").to_numpy()
-    ]
-    log2_rms = per_step["log2_rms"]
-    log2_rms = log2_rms[log2_rms.index.get_level_values("op").isin(drift_ops)]
+    low = table["dtype"].astype(str).isin(list(_LOW_PRECISION)).to_numpy()
+    drift_ops = ids[(table["scaled"].to_numpy(bool) & low) | (cast_to != "")]
+    drift_rows = cells.rows_of(drift_ops)
     last_step = int(stats["step"].max())
     horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
 
-    rows = _nonfinite_findings(per_step, thresholds, n_steps, labels)
-    rows += _format_findings(per_step, checked, thresholds, meta, n_steps)
-    rows += _drift_findings(log2_rms, thresholds, n_steps)
-    rows += _trend_findings(log2_rms, thresholds, horizon)
+    rows = _nonfinite_findings(cells, thresholds, labels)
+    rows += _format_findings(cells, checked, thresholds, meta)
+    rows += _drift_findings(cells, drift_rows, thresholds)
+    rows += _trend_findings(cells, drift_ops, thresholds, horizon)
     if replay_delayed:
-        rows += _delayed_findings(per_step, _delayed_formats(info), thresholds)
+        rows += _delayed_findings(cells, _delayed_formats(table), thresholds, exp_range)
     if not rows:
         return _empty_findings()
-    return _finish(pd.DataFrame(rows), table, labels, meta, thresholds.delayed_history)
+    found = pd.DataFrame(rows)
+    recipes = _safe_recipes(found, stats, table, thresholds, meta)
+    recorded = recorded_recipes(stats)
+    return _finish(found, table, labels, meta, thresholds.delayed_history, cells, recipes, recorded)
+
+
+def _safe_recipes(
+    found: pd.DataFrame,
+    stats: pd.DataFrame,
+    table: pd.DataFrame,
+    thresholds: Thresholds,
+    meta: Mapping[str, Any] | None,
+) -> dict[int, str] | None:
+    """Op id -> the cheapest recorded recipe safe for it over the recorded steps
+    (`scalescope.analysis.format_whatif`; "" when none is), for the ops of format
+    findings; None when the run records no recipe."""
+    recorded = recorded_recipes(stats)
+    if not recorded:
+        return None
+    from .whatif import cheapest_recipe, format_whatif  # whatif imports this module
+
+    want = found["rule"].isin(["overflow", "underflow", "snr", "drift", "trend"]).to_numpy()
+    ids = np.unique(found.loc[want, "op"].to_numpy(np.int64))
+    if not len(ids):
+        return {}
+    op = stats["op"].to_numpy(np.int64)
+    rows = np.isin(op, ids, kind="table") if op.min() >= 0 else np.isin(op, ids)
+    whatif = format_whatif(stats[rows], table, recorded, thresholds=thresholds, meta=meta)
+    return {int(k): str(v) for k, v in cheapest_recipe(whatif).items()}
 
 
 def _finish(
@@ -788,24 +1460,53 @@ def _finish(
     labels: pd.Series,
     meta: Mapping[str, Any] | None,
     history: int = 1024,
+    cells: _Cells | _Dense | None = None,
+    recipes: Mapping[int, str] | None = None,
+    recorded: Sequence[str] = (),
 ) -> pd.DataFrame:
     """Add op details, severity and fix; sort."""
     run_scalified = bool(((meta or {}).get("graph") or {}).get("scalify", False))
     found["op"] = found["op"].astype(np.int64)
+    op_ids = found["op"].tolist()
     rec = table.loc[found["op"]].assign(label=labels.reindex(found["op"]).to_numpy())
     rec.index = found.index
     for col in ("label", "name", "pass", "primitive", "source"):
         found[col] = rec[col].to_numpy()
-    found["severity"] = found["rule"].map(SEVERITY)
+    found["severity"] = severity_of(severity_level(found))
+    at = found["_at"].tolist() if "_at" in found else [None] * len(found)
+    origin_of = found["_origin"].tolist() if "_origin" in found else [None] * len(found)
+    records = rec.to_dict("records")
+    by_op = dict(zip(op_ids, records))
     fixes = []
-    for rule, fmt, op in zip(
-        found["rule"].tolist(), found["format"].tolist(), rec.to_dict("records")
-    ):
-        fmt = fmt or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
+    for i, (rule, fmt, op) in enumerate(zip(found["rule"].tolist(), found["format"], records)):
+        scaled = run_scalified or bool(op["scaled"])
         if rule == "delayed":
-            fixes.append(delayed_fix_line(op, history, run_scalified or bool(op["scaled"])))
-        else:
-            fixes.append(fix_line(op, fmt, run_scalified or bool(op["scaled"])))
+            fixes.append(delayed_fix_line(op, history, scaled))
+            continue
+        fmt = fmt or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
+        recipe = None if recipes is None else recipes.get(op_ids[i], "")
+        log2_rms = math.nan
+        if rule in ("underflow", "snr") and scaled and cells is not None:
+            log2_rms = cells.at("log2_rms", op_ids[i], int(at[i]))
+        origin = None
+        if rule == "nonfinite" and origin_of[i] is not None and not pd.isna(origin_of[i]):
+            origin = by_op.get(int(origin_of[i]))
+            if origin is None:  # the origin op has a finding of its own: always in by_op
+                origin = table.loc[int(origin_of[i])].to_dict() | {
+                    "label": labels[int(origin_of[i])]
+                }
+        fixes.append(
+            fix_line(
+                op,
+                fmt,
+                scaled,
+                rule,
+                recipe=recipe,
+                log2_rms=log2_rms,
+                origin=origin,
+                recorded=recorded,
+            )
+        )
     found["fix"] = fixes
     found["_sev"] = found["severity"].map({s: i for i, s in enumerate(SEVERITY_ORDER)})
     found["_rule"] = found["rule"].map({r: i for i, r in enumerate(RULES)})
@@ -821,13 +1522,14 @@ def advise_run(reader: Any, **kwargs: Any) -> pd.DataFrame:
 
 
 def summary_by_rule(findings: pd.DataFrame) -> pd.DataFrame:
-    """Findings counted per (rule, format): severity, findings, distinct ops, passes
-    involved, first step, and the worst value (max fraction, min SNR, log2 rms of larger
-    magnitude). Ordered by severity, then rule."""
+    """Findings counted per (rule, format): severity (the most severe of its findings),
+    findings, distinct ops, passes involved, first step, and the worst value (max
+    fraction, min SNR, log2 rms of larger magnitude). Ordered by severity, then rule."""
     require_columns(findings, ("op", "rule", "format", "first_step", "value", "pass"), "findings")
     cols = ["rule", "format", "severity", "findings", "ops", "passes", "first_step", "worst"]
     if findings.empty:
         return pd.DataFrame(columns=cols)
+    rank = {s: i for i, s in enumerate(SEVERITY_ORDER)}
     rows = []
     for (rule, fmt), g in findings.groupby(["rule", "format"], sort=False):
         values = g["value"].astype(np.float64)
@@ -837,11 +1539,15 @@ def summary_by_rule(findings: pd.DataFrame) -> pd.DataFrame:
             worst = values.iloc[int(np.argmax(values.abs().to_numpy()))]
         else:
             worst = values.max()
+        if "severity" in g.columns:
+            severity = min(g["severity"], key=lambda s: rank.get(s, len(rank)))
+        else:
+            severity = SEVERITY.get(rule, "")
         rows.append(
             dict(
                 rule=rule,
                 format=fmt,
-                severity=SEVERITY.get(rule, ""),
+                severity=severity,
                 findings=len(g),
                 ops=g["op"].nunique(),
                 passes=", ".join(dict.fromkeys(g["pass"])),
@@ -850,7 +1556,7 @@ def summary_by_rule(findings: pd.DataFrame) -> pd.DataFrame:
             )
         )
     out = pd.DataFrame(rows, columns=cols)
-    sev = out["severity"].map({s: i for i, s in enumerate(SEVERITY_ORDER)}).fillna(len(SEVERITY))
+    sev = out["severity"].map(rank).fillna(len(SEVERITY))
     rule = out["rule"].map({r: i for i, r in enumerate(RULES)}).fillna(len(RULES))
     order = np.lexsort((out["format"].to_numpy(), rule.to_numpy(), sev.to_numpy()))
     return out.iloc[order].reset_index(drop=True)

@@ -150,6 +150,9 @@ def history_reference(amax: np.ndarray, starts: np.ndarray, history: int, algo: 
     group's first row, a doubling sliding-window max for full windows."""
     amax = np.asarray(amax, np.float64)
     n = len(amax)
+    sizes = np.diff(np.r_[starts, n]).astype(np.int64)
+    if len(sizes) and sizes[0] > 0 and (sizes == sizes[0]).all():
+        return _history_reference_dense(amax.reshape(len(sizes), -1), history, algo).ravel()
     first, group = _group_rows(starts, n)
     index = np.arange(n)
     pos = index - first
@@ -175,6 +178,38 @@ def history_reference(amax: np.ndarray, starts: np.ndarray, history: int, algo: 
     seen = np.r_[0, np.cumsum(nan)]
     lo = np.maximum(first, index - history)
     ref[has & (seen[index] - seen[lo] > 0)] = np.nan
+    return ref
+
+
+def _history_reference_dense(amax: np.ndarray, history: int, algo: str) -> np.ndarray:
+    """`history_reference` of groups of equal length, one per row of ``amax`` (ops x
+    recorded steps): the same numbers, computed along the rows."""
+    g, length = amax.shape
+    ref = np.full((g, length), np.nan)
+    if length < 2:
+        return ref
+    if algo == "most_recent":
+        ref[:, 1:] = amax[:, :-1]
+        return ref
+    nan = np.isnan(amax)
+    filled = np.where(nan, -np.inf, amax)
+    h = min(history, length - 1)
+    ref[:, 1 : h + 1] = np.maximum.accumulate(filled[:, :h], axis=1)
+    if length - 1 > history:  # full windows: the max of the previous `history` entries
+        k = int(np.floor(np.log2(history)))
+        window = filled.copy()  # after the loop: max over [i, i + 2^k) along each row
+        for j in range(k):
+            w = 1 << j
+            window[:, :-w] = np.maximum(window[:, :-w], window[:, w:])
+        cols = np.arange(history + 1, length)
+        ref[:, history + 1 :] = np.maximum(window[:, cols - history], window[:, cols - (1 << k)])
+    if nan.any():  # a NaN in the window makes the reference NaN
+        seen = np.zeros((g, length + 1), np.int64)
+        np.cumsum(nan, axis=1, out=seen[:, 1:])
+        idx = np.arange(1, length)
+        lo = np.maximum(idx - history, 0)
+        bad = (seen[:, idx] - seen[:, lo]) > 0
+        ref[:, 1:][bad] = np.nan
     return ref
 
 
@@ -216,14 +251,19 @@ def binade_floor(absmax: np.ndarray, exp_range: tuple[int, int] | None = None) -
     a = np.asarray(absmax, np.float64)
     with np.errstate(invalid="ignore"):
         positive = np.isfinite(a) & (a > 0)
-    _, exp = np.frexp(np.where(positive, a, 1.0))
-    e = exp.astype(np.float64) - 1.0
+    # 2^floor(log2 a) of a normal float64: its sign and exponent bits, mantissa cleared
+    # (float32 data is never subnormal in float64; a float64 subnormal takes frexp)
+    floor = (np.abs(a).view(np.int64) & np.int64(0x7FF0000000000000)).view(np.float64)
+    tiny = positive & (a < np.finfo(np.float64).tiny)
+    if tiny.any():
+        _, exp = np.frexp(a[tiny])
+        floor[tiny] = np.exp2(exp.astype(np.float64) - 1.0)
     if exp_range is not None:
         lo, hi = exp_range
-        e = np.where(e < lo, -np.inf, np.minimum(e, hi + 1.0))
-    out = np.where(positive, np.exp2(e), a)
+        floor = np.where(floor < 2.0**lo, 0.0, np.minimum(floor, 2.0 ** (hi + 1)))
+    out = np.where(positive, floor, a)
     if exp_range is not None:
-        out = np.where(np.isposinf(a), np.exp2(exp_range[1] + 1.0), out)
+        out = np.where(np.isposinf(a), 2.0 ** (exp_range[1] + 1), out)
     return out
 
 

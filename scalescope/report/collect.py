@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .. import analysis as A
-from ..analysis.advisor import _masks
+from ..analysis import mask_ops
 from ..analysis.frames import op_table
 
 
@@ -104,7 +104,7 @@ def _collect(reader: Any, thresholds: A.Thresholds) -> _RunData:
         per_step=per_step,
         whatif=A.format_whatif(stats, reader.ops, thresholds=thresholds, meta=reader.meta),
         findings=A.advise(stats, reader.ops, meta=reader.meta, thresholds=thresholds),
-        masks=_masks(nonfinite, thresholds.mask_min_steps),
+        masks=mask_ops(nonfinite, thresholds.mask_min_steps),
         thresholds=thresholds,
         measured=reader.measured(),
         notes=A.measurement_notes(reader),
