@@ -33,6 +33,19 @@ def make_optimizer(
     return optax.adamw(lr, eps=eps, weight_decay=weight_decay)
 
 
+#: Float dtypes scalify's input normalisation re-centres itself (see `make_train_step`).
+_NORMALIZED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64), jnp.dtype(jnp.bfloat16))
+
+
+def _recentre_narrow(leaf: Any) -> Any:
+    """A narrow-float array leaf (FP16, FP8) re-centred to unit RMS under scalify (the
+    identity outside it); anything else as it is."""
+    dtype = jnp.result_type(leaf)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.ndim(leaf) > 0 and dtype not in _NORMALIZED:
+        return dynamic_rescale_l2(leaf)
+    return leaf
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) -> TrainStep:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
@@ -44,12 +57,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
     far from unit scale, and AdamW's ``(1 - b2) * g**2`` then underflows FP16 data,
     zeroing the second moment. Outside scalify this is the identity.
 
-    The optimizer state and the parameters are not re-centred here: the static scale of
-    an EMA, or of weights that weight decay shrinks, drifts slowly from the value over
-    thousands of steps, and scalify's input normalisation (``normalize=True``, the
-    default) re-centres any input whose data has left 2^±4 at the start of the next
-    step. Doing it here as well cost a reduction and a rescale of every parameter and
-    moment per step.
+    The static scale of an EMA, or of weights that weight decay shrinks, drifts from the
+    value over thousands of steps. Float32 and bfloat16 parameters and moments need
+    nothing here: scalify's input normalisation (``normalize=True``, the default)
+    re-centres such an input whose data has left 2^±4 at the start of the next step.
+    It leaves narrow data (FP16, FP8) as it is, so FP16 parameters and moments are
+    re-centred here, after the update (without it the FP16 recipe's weights drift out of
+    FP16's range and its 1000-step run ends at loss 2.50 instead of 1.77).
     """
 
     def step(params: Any, opt_state: optax.OptState, batch: Any):
@@ -58,6 +72,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
             grads = jax.tree.map(dynamic_rescale_l2, grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
+            opt_state = jax.tree.map(_recentre_narrow, opt_state)
+            params = jax.tree.map(_recentre_narrow, params)
         return params, opt_state, loss
 
     return step
