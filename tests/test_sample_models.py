@@ -389,3 +389,46 @@ def test_with_state_dtype_of_the_params_dtype_is_the_plain_optimizer():
     u0, _ = plain.update(grads, plain.init(params), params)
     u1, _ = wrapped.update(grads, wrapped.init(params), params)
     np.testing.assert_array_equal(u0["w"], u1["w"])
+
+
+def test_step_recentres_fp16_parameters_and_moments():
+    """Scalify's input normalisation leaves FP16 data alone, so the sample step re-centres
+    FP16 parameters and optimizer moments itself after the update: their data leaves the
+    step at unit RMS whatever the data came in at (here 2^-10, the drift that ruined the
+    FP16 recipe's long runs), and the values equal the plain step's."""
+    import scalescope as ss
+
+    optimizer = make_optimizer(learning_rate=1e-3)
+
+    def loss_fn(p, b):
+        return jnp.mean((b @ p["w16"].astype(jnp.float32) + p["w32"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w16": jnp.asarray(rng.normal(size=(8, 4)), jnp.float16),
+        "w32": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+    }
+    batch = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+    opt_state = optimizer.init(params)
+    # FP16 data far below unit, its scale compensating: the same values
+    scaled = {
+        "w16": ss.ScaledArray((params["w16"] * 2.0**-10).astype(jnp.float16), jnp.float32(2.0**10)),
+        "w32": ss.as_scaled_array(params["w32"], "rms"),
+    }
+    step = jax.jit(ss.scalify(make_train_step(loss_fn, optimizer)))
+    new, new_state, loss = step(scaled, ss.as_scaled_array(opt_state, "rms"), batch)
+    plain_new, _, plain_loss = jax.jit(make_train_step(loss_fn, optimizer))(
+        params, opt_state, batch
+    )
+    np.testing.assert_allclose(float(ss.asarray(loss)), float(plain_loss), rtol=1e-3)
+    data = new["w16"].data.astype(np.float32)
+    assert new["w16"].data.dtype == jnp.float16
+    assert abs(np.log2(np.sqrt(np.mean(np.square(data))))) < 1  # re-centred
+    np.testing.assert_allclose(
+        np.asarray(ss.asarray(new["w16"]), np.float32),
+        np.asarray(plain_new["w16"], np.float32),
+        rtol=2e-3,
+        atol=2e-3,
+    )
+    mu16 = new_state[0].mu["w16"]
+    assert abs(np.log2(np.sqrt(np.mean(np.square(mu16.data.astype(np.float32)))))) < 1
