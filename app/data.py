@@ -29,6 +29,7 @@ import pandas as pd
 from scalescope import analysis
 from scalescope.core.recipes import RECIPE_STATS
 from scalescope.store import RunError, RunReader, list_runs, open_run
+from scalescope.store.reader import measured_by_op
 
 from .grid import StatGrid
 
@@ -348,16 +349,7 @@ class RunData:
             },
             index=pd.Index(ids.astype(np.int64), name="op"),
         )
-        if len(table) and "stats_op" in table.columns:  # aliases: the rows they alias
-            out = per_op.reindex(table["stats_op"].to_numpy(np.int64))
-            out.index = pd.Index(table.index.to_numpy(np.int64), name="op")
-            extra = per_op.index.difference(out.index)  # rows of ops the table lacks
-            if len(extra):
-                out = pd.concat([out, per_op.loc[extra]]).sort_index()
-        else:
-            out = per_op
-        out["n_measured"] = out["n_measured"].fillna(0).astype(np.int64)
-        return out[["first_measured", "last_measured", "n_measured", "gap"]]
+        return measured_by_op(per_op, table)  # aliases get the rows they alias
 
     def last_measured(self, ops: Any) -> pd.Series:
         """Last measured step of each op id in ``ops`` (nullable ints, for tables)."""

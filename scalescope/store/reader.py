@@ -313,18 +313,7 @@ class RunReader:
         )
         gap_op = op[1:][op[1:] == op[:-1]]
         per_op["gap"] = pd.Series(gaps, dtype=np.float64).groupby(gap_op).median()
-        table = self.ops
-        if len(table) and "stats_op" in table.columns:
-            src = table["stats_op"].to_numpy(np.int64)
-            out = per_op.reindex(src)
-            out.index = pd.Index(table.index.to_numpy(np.int64), name="op")
-            extra = per_op.index.difference(out.index)  # rows of ops the table lacks
-            if len(extra):
-                out = pd.concat([out, per_op.loc[extra]]).sort_index()
-        else:
-            out = per_op
-        out["n_measured"] = out["n_measured"].fillna(0).astype(np.int64)
-        return out[["first_measured", "last_measured", "n_measured", "gap"]]
+        return measured_by_op(per_op, self.ops)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -555,6 +544,22 @@ def _step_mask(values: np.ndarray, steps: StepsArg) -> np.ndarray:
     if isinstance(steps, int | np.integer):
         return values == steps
     return np.isin(values, np.asarray(list(steps), np.int64))
+
+
+def measured_by_op(per_op: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
+    """``per_op`` (``first_measured``, ``last_measured``, ``n_measured``, ``gap`` per
+    measured statistics row's op) for every op of the op ``table``: an alias gets the row
+    of the op whose statistics it shares (``stats_op``), an op never measured 0 counts."""
+    if len(table) and "stats_op" in table.columns:
+        out = per_op.reindex(table["stats_op"].to_numpy(np.int64))
+        out.index = pd.Index(table.index.to_numpy(np.int64), name="op")
+        extra = per_op.index.difference(out.index)  # rows of ops the table lacks
+        if len(extra):
+            out = pd.concat([out, per_op.loc[extra]]).sort_index()
+    else:
+        out = per_op
+    out["n_measured"] = out["n_measured"].fillna(0).astype(np.int64)
+    return out[["first_measured", "last_measured", "n_measured", "gap"]]
 
 
 def open_run(path: str | os.PathLike) -> RunReader:
