@@ -6,9 +6,11 @@ stops): untracked ``jit(scalify(step))``; ``run.track`` with exact statistics ev
 and every 100 steps; and under an overhead budget of 5 % (a rotating subset of exact
 statistics per recorded step), with the steps it took to measure every value once.
 Goals: every=10 <= 1.3x, every=100 <= 1.03x, budget=0.05 <= 1.05x the untracked step.
-Every variant is compiled before its clock starts (`Tracked.warmup`) and timed over
-``--repeats`` loops (the fastest counts; the recording runs keep going, so each loop
-records as many steps).
+Every variant is compiled before its clock starts (`Tracked.warmup`). Each is timed in
+``--repeats`` rounds, every round an untracked loop right before the tracked one; the ratio
+printed is the median of the rounds' ratios (paired: the slow drift of a shared VM cancels
+within a round, where comparing the fastest loops of each, measured minutes apart, does
+not). The recording runs keep going, so each round records as many steps.
 
     python benchmarks/bench_run.py [--steps 300] [--layers 2] [--d-model 128]
 """
@@ -78,8 +80,9 @@ def main() -> None:
     parser.add_argument(
         "--repeats",
         type=int,
-        default=2,
-        help="loops per variant; the fastest counts (a 3%% goal is within one loop's noise)",
+        default=3,
+        help="rounds per variant (untracked loop, then tracked loop); the median ratio counts "
+        "(a 3%% goal is within one loop's noise)",
     )
     args = parser.parse_args()
 
@@ -105,15 +108,19 @@ def main() -> None:
     try:
         plain = jax.jit(ss.scalify(step))
         _loop(plain, params, state, batches[:2])  # compile
-        base = min(_loop(plain, params, state, batches) for _ in range(args.repeats))
+        base = float(np.median([_loop(plain, params, state, batches) for _ in range(args.repeats)]))
         rows.append(("untracked jit(scalify(step))", base, 1.0, None, ""))
         for i, (name, (kw, goal)) in enumerate(variants.items()):
             run = ss.Run(f"{tmp}/run{i}", **kw)
             fn = run.track(step)
             fn.warmup(params, state, batches[0])
-            elapsed = min(
-                _tracked_loop(fn, run, params, state, batches) for _ in range(args.repeats)
-            )
+            ratios, times = [], []
+            for _ in range(args.repeats):
+                untracked = _loop(plain, params, state, batches)
+                times.append(_tracked_loop(fn, run, params, state, batches))
+                ratios.append(times[-1] / untracked)
+            ratio = float(np.median(ratios))
+            elapsed = float(np.median(times))
             note = ""
             if fn.controller is not None:
                 c = fn.controller
@@ -124,10 +131,15 @@ def main() -> None:
                     f"{cover if cover is not None else 'not yet'}; coverage period "
                     f"~{c.coverage_period():.0f} steps"
                 )
-            rows.append((f"run.track {name}", elapsed, elapsed / base, goal, note))
+            note = f"round ratios {' '.join(f'{r:.3f}' for r in ratios)}" + (
+                f"; {note}" if note else ""
+            )
+            rows.append((f"run.track {name}", elapsed, ratio, goal, note))
             run.close()
         # drift check for the baseline
-        again = min(_loop(plain, params, state, batches) for _ in range(args.repeats))
+        again = float(
+            np.median([_loop(plain, params, state, batches) for _ in range(args.repeats)])
+        )
         rows.append(("untracked again", again, again / base, None, ""))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
