@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from scalescope.ops.scaling import dynamic_rescale_l2
+from scalescope.scalify import NORMALIZED_DTYPES
 
 LossFn = Callable[[Any, Any], jax.Array]
 TrainStep = Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, jax.Array]]
@@ -33,17 +34,12 @@ def make_optimizer(
     return optax.adamw(lr, eps=eps, weight_decay=weight_decay)
 
 
-#: Float dtypes scalify's input normalisation re-centres itself (see `make_train_step`).
-_NORMALIZED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64), jnp.dtype(jnp.bfloat16))
-
-
 def _recentre_narrow(leaf: Any) -> Any:
     """A narrow-float array leaf (FP16, FP8) re-centred to unit RMS under scalify (the
     identity outside it); anything else as it is."""
     dtype = jnp.result_type(leaf)
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.ndim(leaf) > 0 and dtype not in _NORMALIZED:
-        return dynamic_rescale_l2(leaf)
-    return leaf
+    narrow = jnp.issubdtype(dtype, jnp.floating) and dtype not in NORMALIZED_DTYPES
+    return dynamic_rescale_l2(leaf) if narrow and jnp.ndim(leaf) > 0 else leaf
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) -> TrainStep:

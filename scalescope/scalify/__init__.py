@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     rules_shape,
 )
 from .interpreter import (
+    NORMALIZED_DTYPES,
     Context,
     Fallback,
     ScalifyError,
@@ -38,6 +39,7 @@ __all__ = [
     "get_rule",
     "has_rule",
     "normalize_input",
+    "NORMALIZED_DTYPES",
     "primitives_in",
     "register_rule",
     "registered_primitives",

@@ -205,7 +205,7 @@ def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any
     # where ``rest`` matters, ``new`` is one of the bounds: powers of two
     rest = op(lax.mul(scale, pow2_reciprocal(new)), factor)
     # in range: exactly 1 (also for scales that are not powers of two); NaN stays NaN
-    rest = lax.select(lax.eq(exact, new), np.float32(1.0), rest)
+    rest = lax.select(lax.eq(exact, new), literal_like(rest, 1.0), rest)
     return new, rest
 
 
@@ -219,7 +219,7 @@ def _product_by_constant(scale: jax.Array, c: float) -> tuple[jax.Array, jax.Arr
     k1 = 2.0**-64 if c > 1.0 else 2.0**64
     k2 = c / (SCALE_MAX if c > 1.0 else SCALE_MIN) / k1
     rest = lax.mul(lax.mul(scale, np.float32(k1)), np.float32(k2))
-    return new, lax.select(lax.eq(exact, new), np.float32(1.0), rest)
+    return new, lax.select(lax.eq(exact, new), literal_like(rest, 1.0), rest)
 
 
 def _static_product(scale: float, factor: float, divide: bool) -> tuple[Any, Any]:

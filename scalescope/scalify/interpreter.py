@@ -257,7 +257,8 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
 # -- inputs ------------------------------------------------------------------------------
 
 # Data dtypes with float32's exponent range: a power-of-two shift of them is exact.
-_NORMALIZED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(jnp.bfloat16))
+#: Data dtypes `normalize_input` re-centres (narrow FP16/FP8 data is left as it is).
+NORMALIZED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(jnp.bfloat16))
 
 
 # Data whose abs-max is within 2^±NORMALIZE_BAND is left as passed.
@@ -276,7 +277,7 @@ def normalize_input(x: Any) -> Any:
     batch) is left bit-identical; FP8/FP16 data is the user's chosen
     representation and is never touched.
     """
-    if not isinstance(x, ScaledArray) or np.dtype(x.dtype) not in _NORMALIZED_DTYPES:
+    if not isinstance(x, ScaledArray) or np.dtype(x.dtype) not in NORMALIZED_DTYPES:
         return x
     if np.size(x.data) == 0:
         return x
