@@ -109,6 +109,15 @@ def dot_scales(k: int, lhs_free: int, rhs_free: int) -> tuple[float, float, floa
     return k**-0.5, max(rhs_free, 1) ** -0.5, max(lhs_free, 1) ** -0.5
 
 
+def attention_scale(seq_k: int, d: int, mult: float = 1.0, is_causal: bool = False) -> float:
+    """The one scale of `scaled_dot_product_attention` (output and q, k, v gradients) for
+    ``seq_k`` keys, head size ``d`` and logits ``mult · q k^T / d``: ``1 / interp(...)``
+    between the flat-attention limit ``sqrt(c / seq_k)`` (``c = ln(seq_k)`` when causal,
+    else 1) and 1."""
+    c = math.log(seq_k) if is_causal and seq_k > 1 else 1.0
+    return 1.0 / logarithmic_interpolation(_sigmoid_log(mult**2 / (4 * d)), (c / seq_k) ** 0.5, 1.0)
+
+
 def cross_entropy_grad_scale(vocab: int) -> float:
     """The logits-gradient scale of `cross_entropy`: unit gradients at a flat softmax."""
     return vocab / (vocab - 1) ** 0.5
@@ -345,10 +354,7 @@ def scaled_dot_product_attention(
         )
     mult = _check_mult(mult, op)
     seq_q, seq_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    c = math.log(seq_k) if is_causal and seq_k > 1 else 1.0
-    scale = 1.0 / logarithmic_interpolation(
-        _sigmoid_log(mult**2 / (4 * d)), (c / seq_k) ** 0.5, 1.0
-    )
+    scale = attention_scale(seq_k, d, mult, is_causal)
     q, k, v = (scale_bwd(t, scale) for t in (q, k, v))
     logits = jnp.einsum("...qd,...kd->...qk", q, k) * jnp.asarray(mult / d, q.dtype)
     logits = logits.astype(_compute_dtype(logits.dtype))

@@ -26,6 +26,7 @@ from jax.extend.core import Literal
 from ..scalify.interpreter import bind_plain
 from .constraints import apply_constraint, validate_constraint
 from .functional import (
+    attention_scale,
     cross_entropy_grad_scale,
     dot_scales,
     gelu_scales,
@@ -81,11 +82,11 @@ _CALL_PRIMS = {"jit", "pjit", "closed_call", "core_call"}
 class Rewrite:
     """One op that `unit_scale` rewrote.
 
-    ``kind``: ``linear``, ``readout``, ``matmul``, ``gelu``, ``silu``, ``relu``, ``tanh``,
-    ``logistic``, ``softmax``, ``cross_entropy``, ``residual``, ``add``, ``embedding`` or
-    ``param_broadcast``. ``primitives``: the primitives the op spans (several for an
-    inlined activation). ``output_scale``/``grad_scales``: the constants applied.
-    ``where``: the JAX name stack of the op's first equation.
+    ``kind``: ``linear``, ``readout``, ``matmul``, ``attention``, ``gelu``, ``silu``,
+    ``relu``, ``tanh``, ``logistic``, ``softmax``, ``cross_entropy``, ``residual``,
+    ``add``, ``embedding`` or ``param_broadcast``. ``primitives``: the primitives the op
+    spans (several for an inlined activation). ``output_scale``/``grad_scales``: the
+    constants applied. ``where``: the JAX name stack of the op's first equation.
     """
 
     kind: str
@@ -176,6 +177,11 @@ def _is_float(v: Any) -> bool:
 
 def _size(v: Any) -> int:
     return math.prod(getattr(v.aval, "shape", ()))
+
+
+def _extent(v: Any) -> int:
+    """How many axes of ``v`` are longer than 1: a bias has one, a positional table two."""
+    return sum(n > 1 for n in getattr(v.aval, "shape", ()))
 
 
 def _where(eqn: Any) -> str:
@@ -393,6 +399,131 @@ def _find_groups(g: _Graph) -> list[tuple[str, set[int], Any, Any, Any]]:
     return found
 
 
+_PASS_THROUGH = {"convert_element_type", "reduce_precision", "copy", "copy_p"}
+_MASK_CALLS = {"_where", "where"}
+
+
+_SCALAR_FNS: dict[str, Callable[..., float]] = {
+    "convert_element_type": lambda x: x,
+    "sqrt": math.sqrt,
+    "rsqrt": lambda x: 1.0 / math.sqrt(x),
+    "neg": lambda x: -x,
+    "mul": lambda x, y: x * y,
+    "div": lambda x, y: x / y,
+    "add": lambda x, y: x + y,
+    "sub": lambda x, y: x - y,
+}
+
+
+def _scalar_value(g: _Graph, v: Any, depth: int = 4) -> float | None:
+    """A scalar known at trace time: a literal, or a short chain of arithmetic on literals
+    (``x / jnp.sqrt(d)`` traces as ``sqrt`` of a literal, then ``div``)."""
+    if (c := _const(v)) is not None or isinstance(v, Literal) or depth == 0:
+        return c
+    j = g.producer.get(v)
+    if j is None or getattr(v.aval, "shape", None) != ():
+        return None
+    eqn = g.eqns[j]
+    fn = _SCALAR_FNS.get(eqn.primitive.name)
+    args = [_scalar_value(g, u, depth - 1) for u in eqn.invars]
+    if fn is None or any(a is None for a in args):
+        return None
+    try:
+        value = float(fn(*args))
+    except (ArithmeticError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _scalar_factor(g: _Graph, j: int) -> tuple[Any, float] | None:
+    """For ``mul``/``div`` by a scalar known at trace time at ``j``: the other operand and
+    the factor."""
+    eqn = g.eqns[j]
+    a, b = eqn.invars
+    if eqn.primitive.name == "mul":
+        if (c := _scalar_value(g, a)) is not None:
+            return b, c
+        if (c := _scalar_value(g, b)) is not None:
+            return a, c
+    elif eqn.primitive.name == "div" and (c := _scalar_value(g, b)) not in (None, 0.0):
+        return a, 1.0 / c
+    return None
+
+
+def _through_scaling(g: _Graph, v: Any) -> float:
+    """The product of the scalar-literal multiplies and divides ``v`` went through (shape
+    ops between them allowed): the query scaling a model applies before ``q k^T``."""
+    factor = 1.0
+    for _ in range(8):
+        j = g.prod(v, *_SHAPE_OPS, "mul", "div")
+        if j is None:
+            break
+        if g.eqns[j].primitive.name in _SHAPE_OPS:
+            v = g.eqns[j].invars[0]
+        elif (fc := _scalar_factor(g, j)) is not None:
+            v, c = fc
+            factor *= c
+        else:
+            break
+    return factor
+
+
+def _logits_source(g: _Graph, v: Any, depth: int = 8) -> tuple[int, float, bool] | None:
+    """From a softmax input back to the ``q k^T`` dot_general: its index, the scalar factor
+    applied to its output, and whether a mask (select or additive) was applied."""
+    if depth == 0 or isinstance(v, Literal) or v not in g.producer:
+        return None
+    j = g.producer[v]
+    eqn = g.eqns[j]
+    name = eqn.primitive.name
+    if name == "dot_general":
+        return j, 1.0, False
+    if name in _PASS_THROUGH:
+        return _logits_source(g, eqn.invars[0], depth - 1)
+    if name in ("mul", "div") and (fc := _scalar_factor(g, j)) is not None:
+        found = _logits_source(g, fc[0], depth - 1)
+        return None if found is None else (found[0], found[1] * fc[1], found[2])
+    call = name in _CALL_PRIMS and eqn.params.get("name") in _MASK_CALLS
+    if name in ("select_n", "add") or call:
+        operands = eqn.invars[1:] if name == "select_n" else eqn.invars
+        hits = [
+            hit
+            for u in operands
+            if not isinstance(u, Literal) and _is_float(u)
+            for hit in [_logits_source(g, u, depth - 1)]
+            if hit is not None
+        ]
+        if len(hits) == 1:
+            return hits[0][0], hits[0][1], True
+    return None
+
+
+def _match_attention(
+    g: _Graph, x: Any, out: Any, axis: int
+) -> tuple[int, int, int, float, bool] | None:
+    """``softmax(c · q k^T [masked]) v`` around a softmax over ``axis`` of ``x``:
+    ``(qk index, pv index, v position, c, masked)``."""
+    found = _logits_source(g, x)
+    if found is None:
+        return None
+    qk, c, masked = found
+    qk_eqn = g.eqns[qk]
+    c *= _through_scaling(g, qk_eqn.invars[0]) * _through_scaling(g, qk_eqn.invars[1])
+    probs = out
+    while (use := g.sole_consumer(probs, *_PASS_THROUGH)) is not None:
+        probs = g.eqns[use[0]].outvars[0]
+    use = g.sole_consumer(probs, "dot_general")
+    if use is None:
+        return None
+    pv, pos = use
+    pv_eqn = g.eqns[pv]
+    contracting = pv_eqn.params["dimension_numbers"][0][pos]
+    rank = len(x.aval.shape)
+    if tuple(contracting) != (axis % rank,):
+        return None
+    return qk, pv, 1 - pos, c, masked
+
+
 # -- the analysis ------------------------------------------------------------------------
 
 
@@ -507,6 +638,9 @@ def _analyse(jaxpr: Any, flags: Sequence[bool], opts: _Options, log: list[Rewrit
             if opts.readout and (r := _readout(g, x)) is not None:
                 readouts.add(r)
             continue
+        if kind == "softmax" and (att := _match_attention(g, x, out, axis)) is not None:
+            _plan_attention(plan, g, group, att, x.aval.shape[axis], log)
+            continue
         if kind == "softmax":
             o, s = softmax_scales(x.aval.shape[axis])
         elif kind == "gelu":
@@ -544,6 +678,27 @@ def _analyse(jaxpr: Any, flags: Sequence[bool], opts: _Options, log: list[Rewrit
     return plan
 
 
+def _plan_attention(
+    plan: _Plan,
+    g: _Graph,
+    group: set[int],
+    att: tuple[int, int, int, float, bool],
+    seq_k: int,
+    log: list[Rewrite],
+) -> None:
+    """`U.scaled_dot_product_attention`'s one scale on q, k, v gradients and the output;
+    the two products and the softmax between them get no scales of their own."""
+    qk, pv, v_pos, c, masked = att
+    d = _dot_dims(g.eqns[qk])[0]
+    s = attention_scale(seq_k, d, mult=c * d, is_causal=masked)
+    plan.operand[(qk, 0)] = plan.operand[(qk, 1)] = (1.0, s)
+    plan.operand[(pv, v_pos)] = (1.0, s)
+    plan.output[g.eqns[pv].outvars[0]] = s
+    plan.grouped.update({qk, pv})
+    prims = tuple(g.eqns[j].primitive.name for j in sorted(group | {qk, pv}))
+    log.append(Rewrite("attention", prims, s, (s, s, s), _where(g.eqns[qk])))
+
+
 def _plan_dot(plan: _Plan, eqn: Any, i: int, readout: bool, opts: _Options, log: list) -> None:
     """Unit-scaled matmul, linear (one operand a parameter) or readout."""
     k, lhs_free, rhs_free, lb, rb = _dot_dims(eqn)
@@ -572,7 +727,9 @@ def _plan_add(
     plan: _Plan, eqn: Any, i: int, anc: dict, index: dict, opts: _Options, log: list
 ) -> None:
     """A residual add (one operand is an ancestor of the other) becomes
-    residual_split/residual_add; an add of two activations is U.add; a bias add stays."""
+    residual_split/residual_add; a bias add (a parameter with one axis longer than 1)
+    keeps its value; any other add (of two activations, or of an activation and a table
+    such as a positional embedding) is U.add."""
     a, b = eqn.invars
     for skip, res, skip_pos, res_pos in ((a, b, 0, 1), (b, a, 1, 0)):
         if anc.get(res, 0) >> index[skip] & 1:
@@ -584,8 +741,10 @@ def _plan_add(
                 Rewrite("residual", (eqn.primitive.name,), 1.0, (res_s, skip_s), _where(eqn))
             )
             return
-    if plan.param_like.get(a) or plan.param_like.get(b):
-        return  # a bias (or other parameter) add keeps its value
+    if any(plan.param_like.get(v) and _extent(v) <= 1 for v in (a, b)):
+        return  # a bias (or a norm's shift) keeps its value
+    if plan.param_like.get(a) and plan.param_like.get(b):
+        return  # parameters combined: not an activation
     s = 2**-0.5
     plan.output[eqn.outvars[0]] = s
     log.append(Rewrite("add", (eqn.primitive.name,), s, (1.0, 1.0), _where(eqn)))
@@ -735,8 +894,9 @@ def unit_scale(
 
     ``fn`` is traced to a jaxpr on its array arguments (other leaves are static) and
     interpreted: dot_generals become unit-scaled matmuls (linear when one operand is a
-    parameter, the u-μP readout when it produces the logits of a recognised loss), GELU,
-    SiLU, ReLU, tanh, sigmoid and softmax get their unit scales, a log-softmax followed
+    parameter, the u-μP readout when it produces the logits of a recognised loss),
+    ``softmax(c·q k^T [mask]) v`` becomes one unit-scaled attention, GELU, SiLU, ReLU,
+    tanh, sigmoid and softmax get their unit scales, a log-softmax followed
     by a mean keeps its value and gets `U.cross_entropy`'s gradient scale, and an add
     whose operands share an ancestor becomes residual_split/residual_add with ``tau``.
     Weights are used as they are: initialise them with unit std. ``constraint`` ties
