@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from ..core import recipes as _recipes
 from ..core.scaled_array import ScaledArray
@@ -117,6 +119,39 @@ def _spec(formats: Sequence[str], histograms: bool, block: int, sample: int | No
     return StatSpec(fmts, bool(histograms), int(block), sample, recs)
 
 
+def _after(values: list[Any], outs: Any) -> list[Any]:
+    """``values`` with each scale tied by data to the scales (and scalars) of ``outs``.
+
+    An optimization barrier does not order computations on XLA's CPU backend, so the
+    shadow computation could run beside the plain one and hold its temporaries at the
+    same time (2x). Adding to every input scale an opaque zero that XLA cannot fold (the
+    bits set in each output scale, at most 32, shifted right by 6) makes the shadow wait
+    for the plain outputs, and their temporaries then share memory: 1.24x instead of
+    1.68x on the unrolled sample GPT. Values are unchanged (``scale + 0``). Buffers of
+    ``lax.scan`` loops are not shared between loops on CPU at all, so scanned models
+    gain nothing.
+    """
+    leaves = jax.tree_util.tree_leaves(outs, is_leaf=lambda v: isinstance(v, ScaledArray))
+    out_scales = [
+        v.scale if isinstance(v, ScaledArray) else v
+        for v in leaves
+        if isinstance(v, ScaledArray) or jnp.ndim(v) == 0
+    ]
+    if not out_scales:
+        return values
+    bits = jnp.zeros((), jnp.uint32)
+    for scale in out_scales:
+        word = lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32).reshape(()), jnp.uint32)
+        bits = bits | (lax.population_count(word) >> 6)
+    zero = bits.astype(jnp.float32)
+    return [
+        ScaledArray(v.data, v.scale + zero.astype(v.scale.dtype))
+        if isinstance(v, ScaledArray)
+        else v
+        for v in values
+    ]
+
+
 def instrument(
     fn: Callable[..., Any],
     *,
@@ -196,7 +231,7 @@ def instrument(
         if isolate:
             plain = Context(fallback=fallback, check=False, scaling=scalify)
             outs = eval_jaxpr(plain, closed.jaxpr, closed.consts, dyn)
-            observed = jax.lax.optimization_barrier(observed)
+            observed = _after(jax.lax.optimization_barrier(observed), outs)
         n_groups, group_size = (groups, 0.0) if grouped else (0, 0.0)
         if n_groups:
             if key not in weights:  # one abstract pass to learn the total to split
