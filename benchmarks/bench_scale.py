@@ -57,7 +57,7 @@ def _rss_mib() -> float:
 
 def _compile_and_time(fn, args, n_steps: int) -> tuple[float, float, float]:
     """(trace+compile s, median s per step, temporaries MiB): bench_probe's measure."""
-    compile_s, step_s, temp = _measure(fn, args, n_steps)
+    compile_s, step_s, temp, _ = _measure(fn, args, n_steps)
     return compile_s, step_s, temp / 2**20
 
 
