@@ -4,13 +4,22 @@
 // transposes). For each recipe it is cut into blocks (`block` elements of a row, or
 // `rows` x `block` tiles, or the whole tensor), each block gets its dequantisation scale
 // X from its abs-max by the recipe's rule, and every element is rounded to the element
-// format as d / X. The arithmetic is in double, where d * s (float32 times float32) and
-// d * S / s_b are exact or rounded once far from any of the element grid's ties, so the
-// one rounding to the element format is the exact one (see scalescope/core/recipes.py).
+// format as d / X. The arithmetic is exact where it decides a rounding: d * s (float32
+// times float32) carries its residual where s is no power of two, and the scale rules
+// that need more than float32 (NVFP4's block scale) are computed in double, so the one
+// rounding to the element format is the exact one (see scalescope/core/recipes.py).
 //
 // Results per recipe: floats [squared error in units of 2^k (k the exponent of the
 // value's finite abs-max), largest log2 X, -smallest log2 X] (-inf without a scaled
 // block); ints [underflowed, clipped (inf included), flushed blocks, non-empty blocks].
+//
+// How: one pass finds the value's abs-max (and the tiles' abs-maxima, for 2-D tiles);
+// the main pass loads chunks of rows into L1 (short rows packed several to a chunk) and
+// runs every recipe over each chunk. Per-block work is done across blocks, one block per
+// vector lane: the chunk's abs-max per vector (a transposing reduction), blocks' maxima
+// from those, then every block's scale, counters and flush test in lanes (a block is
+// flushed exactly when its abs-max quantises to zero: rounding is monotone). The element
+// loop then only loads each block's scale and accumulates errors and counts.
 
 #include <algorithm>
 #include <cmath>
@@ -21,10 +30,6 @@
 #include <vector>
 
 #include "common.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -35,6 +40,8 @@ using scalescope::Loader;
 
 constexpr int kMaxRecipes = 16;
 constexpr float kFltMin = 1.17549435e-38f;
+constexpr float kFltMax = std::numeric_limits<float>::max();
+constexpr float kInf = std::numeric_limits<float>::infinity();
 enum Rule { kTensor = 0, kMxFloor = 1, kMxRceil = 2, kNvfp4 = 3, kPow2Floor = 4 };
 
 struct Elem {  // an element format
@@ -68,18 +75,6 @@ inline double round_to(double a, const Elem& el) {
   return q < el.max ? q : el.max;
 }
 
-// How to quantise one block: d -> round(d * num / den) * den / num, with `zero` forcing
-// 0. `num` and `den` are float32 values: a power of two (MX, block128) or the float32
-// tensor factor (den 1), or NVFP4's factor over its E4M3 block scale. `g` is den / num
-// in units of 2^-k (the value's abs-max exponent), for the error sums. `key` orders the
-// blocks' dequantisation scales: log2 X itself, or for NVFP4 the block scale s_b (log2 X
-// = log2 s_b - log2 S_enc is taken once per value).
-struct BlockScale {
-  float num = 1, den = 1, g = 1;
-  double key = 0;
-  bool zero = false;
-};
-
 inline uint32_t bits_of(float x) {
   uint32_t b;
   std::memcpy(&b, &x, 4);
@@ -93,11 +88,25 @@ inline float from_bits(uint32_t b) {
 // 2^e as a float32 for integer e, 0 below the normal range (e <= 127).
 inline float pow2f(int e) { return e < -126 ? 0.0f : from_bits(uint32_t(e + 127) << 23); }
 
-inline __attribute__((always_inline)) BlockScale scale_of(const Recipe& r, float amax_b,
-                                                             float enc, int k) {
+// How to quantise with one scale: d -> round(d * num / den) * den / num. `num` and `den`
+// are float32 values: a power of two (MX, block128) or the float32 tensor factor (den
+// 1), or NVFP4's factor over its E4M3 block scale s_b; num = 0 where s_b is 0 (every
+// element quantises to 0). `g` is den / num in units of 2^-k (the value's abs-max
+// exponent), for the error sums. `key` orders the dequantisation scales: log2 X itself,
+// or for NVFP4 the block scale s_b (log2 X = log2 s_b - log2 S_enc is taken once).
+struct BlockScale {
+  float num = 1, den = 1, g = 1;
+  double key = 0;
+  bool zero = false;
+};
+
+// The scale of a block with abs-max amax_b (a positive normal float32) under the tensor
+// factor enc; computed once per value for whole-tensor recipes (`scales` computes the
+// same for many blocks at once).
+BlockScale scale_of(const Recipe& r, float amax_b, float enc, int k) {
   BlockScale s;
   const Elem& el = r.el;
-  const uint32_t b = bits_of(amax_b);  // a positive normal float32
+  const uint32_t b = bits_of(amax_b);
   const int e = int(b >> 23) - 127;
   const float mant = from_bits((b & 0x007fffffu) | 0x3f800000u);  // amax_b / 2^e
   const float top = pow2f(el.emax);
@@ -119,7 +128,7 @@ inline __attribute__((always_inline)) BlockScale scale_of(const Recipe& r, float
     default: {  // kNvfp4: an E4M3 block scale under the float32 tensor factor enc
       const double sb = round_to(double(amax_b) * double(enc) / 6.0, kE4m3);
       s.zero = sb == 0;
-      s.num = enc;
+      s.num = s.zero ? 0.0f : enc;
       s.den = s.zero ? 1.0f : static_cast<float>(sb);  // an E4M3 value: exact
       s.g = static_cast<float>(double(s.den) / double(enc) * double(pow2f(-k)));
       s.key = sb;
@@ -132,51 +141,66 @@ inline __attribute__((always_inline)) BlockScale scale_of(const Recipe& r, float
   return s;
 }
 
-// Vectors of kL float32 lanes (AVX-512 where the CPU has it; split by the compiler
-// elsewhere), as in stats.cc.
+// Vectors of kL float32 lanes, as wide as the CPU's vectors (AVX-512, AVX, else SSE-
+// sized; wider generic vectors than the CPU has compile to scalar code).
+#if defined(__AVX512F__)
 constexpr int kL = 16;
+#elif defined(__AVX__)
+constexpr int kL = 8;
+#else
+constexpr int kL = 4;
+#endif
 typedef float vf __attribute__((vector_size(4 * kL)));
 typedef int32_t vi __attribute__((vector_size(4 * kL)));
 typedef uint32_t vu __attribute__((vector_size(4 * kL)));
+typedef double vd __attribute__((vector_size(8 * kL)));
+typedef int64_t vl __attribute__((vector_size(8 * kL)));
+typedef uint64_t vul __attribute__((vector_size(8 * kL)));
 
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return x - vf{}; }
-// Horizontal maximum / OR by halving shuffles (a scalar loop over lanes is several times
-// slower, and it runs once per block).
-inline float hmax(vf v) {
-  const vi h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const vi h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const vi h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const vi h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  vf w = __builtin_shuffle(v, h8);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, h4);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, h2);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, h1);
-  v = v > w ? v : w;
-  return v[0];
-}
+inline vi splat_i(int32_t x) { return x - vi{}; }
+
+// Shuffles of the transposing reduction (see `vector_maxima`): at width w, lanes of two
+// vectors x, y paired so that max(shuffle(x, y, A), shuffle(x, y, B)) keeps half of each.
 #if defined(__AVX512F__)
-inline bool any(vi v) {
-  __m512i x;
-  std::memcpy(&x, &v, sizeof x);
-  return _mm512_test_epi32_mask(x, x) != 0;
-}
-inline float block_hmax(vf v) {
-  __m512 x;
-  std::memcpy(&x, &v, sizeof x);
-  return _mm512_reduce_max_ps(x);
-}
-#else
-inline bool any(vi v) { return hmax((vf)(v & 0x3f800000)) > 0; }  // true lanes -> 1.0f
-inline float block_hmax(vf v) { return hmax(v); }
+#define SS_MAX_LEVELS 4
+const vi kPickA[4] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+const vi kPickB[4] = {
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+#define SS_PICK(x, y, level)                                                  \
+  (level == 0   ? mx(__builtin_shuffle(x, y, kPickA[0]), __builtin_shuffle(x, y, kPickB[0])) \
+   : level == 1 ? mx(__builtin_shuffle(x, y, kPickA[1]), __builtin_shuffle(x, y, kPickB[1])) \
+   : level == 2 ? mx(__builtin_shuffle(x, y, kPickA[2]), __builtin_shuffle(x, y, kPickB[2])) \
+                : mx(__builtin_shuffle(x, y, kPickA[3]), __builtin_shuffle(x, y, kPickB[3])))
 #endif
+
+inline vf mx(vf a, vf b) { return a > b ? a : b; }
+inline vf mn(vf a, vf b) { return a < b ? a : b; }
+
+// Horizontal reductions (once per value or per fold: simple loops).
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int j = 1; j < kL; ++j) m = std::max(m, v[j]);
+  return m;
+}
+inline float hmin(vf v) {
+  float m = v[0];
+  for (int j = 1; j < kL; ++j) m = std::min(m, v[j]);
+  return m;
+}
 inline double hsum(vf v) {
   double t = 0;
   for (int j = 0; j < kL; ++j) t += v[j];
@@ -187,11 +211,43 @@ inline int64_t hcount(vi v) {  // lanes hold negated counts (true masks are -1)
   for (int j = 0; j < kL; ++j) t -= v[j];
   return t;
 }
-// a * b - p exactly, lane by lane (a fused multiply-add).
+
+// a * b - p exactly, lane by lane: a fused multiply-add, or without one the double
+// product (exact for two float32 factors) less p, exact and rounded once to float32.
 inline vf residual(vf a, vf b, vf p) {
+#if defined(__FMA__) || defined(__AVX512F__)
   vf r;
-  for (int j = 0; j < kL; ++j) r[j] = std::fmaf(a[j], b[j], -p[j]);
+  for (int j = 0; j < kL; ++j) r[j] = __builtin_fmaf(a[j], b[j], -p[j]);
   return r;
+#else
+  const vd ad = __builtin_convertvector(a, vd), bd = __builtin_convertvector(b, vd);
+  return __builtin_convertvector(ad * bd - __builtin_convertvector(p, vd), vf);
+#endif
+}
+
+// The abs-max of each of n vectors at a (a multiple of kL vectors: the caller pads with
+// zero vectors) into out[0, n): kL vectors at a time, reduced by halving shuffles that
+// keep each vector's partial maxima in its own lanes (log2(kL) levels of 2 shuffles and a
+// max for every two vectors, instead of a horizontal reduction per vector).
+void vector_maxima(const float* a, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += kL) {
+#if defined(SS_MAX_LEVELS)
+    vf v[kL];
+    for (int j = 0; j < kL; ++j) v[j] = load(a + (i + j) * kL);
+    int count = kL;
+    for (int level = 0; level < SS_MAX_LEVELS; ++level) {
+      const int h = count / 2;
+      for (int j = 0; j < h; ++j) v[j] = SS_PICK(v[j], v[j + h], level);
+      count = h;
+    }
+    store(out + i, v[0]);
+#else
+    for (int j = 0; j < kL; ++j) {
+      const vf x = load(a + (i + j) * kL);
+      out[i + j] = hmax(x);
+    }
+#endif
+  }
 }
 
 // An element format, for rounding float32 lanes: normal range by integer rounding of the
@@ -233,116 +289,174 @@ inline vf round_v(vf y, vf r, const ElemV& E) {
   return q < E.max ? q : splat(E.max);
 }
 
-// Per-lane accumulators of one recipe, folded into totals now and then.
-struct Lanes {
+// How a rule quantises elements: a power-of-two scale (d * num exact), an FP32 scale
+// (d * num carries its residual), NVFP4 (d * enc / s_b).
+enum Cat { kCatPow2 = 0, kCatExact = 1, kCatNv = 2 };
+inline int cat_of(int rule) {
+  return rule == kTensor ? kCatExact : rule == kNvfp4 ? kCatNv : kCatPow2;
+}
+
+// Magnitudes va (>= 0) quantised to the element grid as va * num / den; `over` gets the
+// lanes that clip (their exact scaled value above the format's max).
+template <int kCat>
+inline __attribute__((always_inline)) vf quant(vf va, vf num, vf den, const ElemV& E,
+                                               vi& over) {
+  if (kCat == kCatNv) {
+    // y = d * S_enc / s_b. Its float32 quotient y0 (of the rounded product p) lies
+    // between the right two E2M1 neighbours except exactly on one, where either pair
+    // gives the same answer; the exact product p + rr is then compared with the pair's
+    // midpoint times s_b (exact: a few significant bits each).
+    const vf half = splat(0.5f), one = splat(1.0f), six = splat(6.0f);
+    const vf p = va * num;
+    const vf rr = residual(va, num, p);
+    const vf y0 = p / den;
+    // Lower neighbour on the E2M1 grid (step 0.5 below 2, then a quarter of the binade).
+    const vu yb = (vu)y0;
+    const vf lo_n = (vf)(yb & 0xffc00000u);  // keep one mantissa bit: floor in [1, 8)
+    const vf y2 = y0 < one ? y0 * 2.0f : vf{};  // below 1: the step is 0.5
+    const vf lo_s = __builtin_convertvector(__builtin_convertvector(y2, vi), vf) * 0.5f;
+    vf lo = y0 >= one ? lo_n : lo_s;
+    lo = lo < six ? lo : six;
+    const vf step = lo >= one ? (vf)(((vu)lo & 0x7f800000u)) * half : half;
+    const vf hi = lo + step;
+    const vf c = (lo + hi) * half * den;  // the decision point, exact
+    const vi lo_even = lo >= one ? (vi)((((vu)lo >> 22) & 1u) == 0u) : (lo == 0);
+    const vi up = (p > c) | ((p == c) & ((rr > 0) | ((rr == 0) & ~lo_even)));
+    vf q = up ? hi : lo;
+    q = q < six ? q : six;
+    const vf lim = den * 6.0f;
+    over = (p > lim) | ((p == lim) & (rr > 0));
+    return q;
+  } else if (kCat == kCatExact) {
+    const vf y = va * num;
+    const vf rr = residual(va, num, y);
+    const vf mxv = splat(E.max);
+    over = (y > mxv) | ((y == mxv) & (rr > 0));
+    return round_v<true>(y, rr, E);
+  } else {
+    const vf y = va * num;
+    over = y > splat(E.max);
+    return round_v<false>(y, vf{}, E);
+  }
+}
+
+// Per-lane accumulators of one recipe, folded into totals now and then: squared errors,
+// elements quantised to zero (negated), elements clipped (negated). Underflows are the
+// zeros less the elements that were zero already (counted once per chunk for all).
+struct Acc {
   vf e2{};
-  vi under{}, over{};
+  vi zq{}, over{};
 };
 
 struct Totals {
   double err2 = 0;
   double smax = -std::numeric_limits<double>::infinity();
   double smin = std::numeric_limits<double>::infinity();
-  int64_t under = 0, over = 0, flush = 0, blocks = 0;
+  int64_t zq = 0, over = 0, flush = 0, blocks = 0;
+  double log2_enc = 0;  // NVFP4: log2 S_enc (keys are block scales)
 
-  void fold(Lanes& l) {
+  void fold(Acc& l) {
     err2 += hsum(l.e2);
-    under += hcount(l.under);
+    zq += hcount(l.zq);
     over += hcount(l.over);
-    l = Lanes{};
+    l = Acc{};
   }
 };
 
-// One block: magnitudes a and the same in units of 2^-k (au), n a multiple of kL (padded
-// with zeros). Returns whether every element quantised to zero.
-// Inlined into the chunk loops, whose accumulators are locals the compiler keeps in
-// registers.
-inline __attribute__((always_inline)) bool quantise(const float* a, const float* au,
-                                                    int64_t n, const Recipe& r,
-                                                    const ElemV& E, const BlockScale& s,
-                                                    Lanes& l) {
-  // Dequantisation back to units of 2^-k (tiny blocks may underflow: they add nothing
-  // measurable to sums in those units).
-  const float g = s.g;
-  vi nonzero{};
-  if (s.zero) {
-    for (int64_t i = 0; i < n; i += kL) {
-      const vf va = load(a + i), vu_ = load(au + i);
-      l.under += va > 0;
-      l.e2 += vu_ * vu_;
-    }
-    return true;
-  }
-  const vf vg = splat(g);
-  if (r.rule == kNvfp4) {
-    // y = d * S_enc / s_b. Its float32 quotient y0 (of the rounded product p) lies
-    // between the right two E2M1 neighbours except exactly on one, where either pair
-    // gives the same answer; the exact product p + rr is then compared with the pair's
-    // midpoint times s_b (exact: a few significant bits each).
-    const float sb = static_cast<float>(s.den), enc = static_cast<float>(s.num);
-    const vf venc = splat(enc), vsb = splat(sb), lim = splat(6.0f * sb), six = splat(6.0f);
-    const vf half = splat(0.5f), one = splat(1.0f);
-    for (int64_t i = 0; i < n; i += kL) {
-      const vf va = load(a + i), vau = load(au + i);
-      const vf p = va * venc;
-      const vf rr = residual(va, venc, p);
-      const vf y0 = p / vsb;
-      // Lower neighbour on the E2M1 grid (step 0.5 below 2, then a quarter of the binade).
-      const vu yb = (vu)y0;
-      const vf lo_n = (vf)(yb & 0xffc00000u);  // keep one mantissa bit: floor in [1, 8)
-      const vf y2 = y0 < one ? y0 * 2.0f : vf{};  // below 1: the step is 0.5
-      const vf lo_s = __builtin_convertvector(__builtin_convertvector(y2, vi), vf) * 0.5f;
-      vf lo = y0 >= one ? lo_n : lo_s;
-      lo = lo < six ? lo : six;
-      const vf step = lo >= one ? (vf)(((vu)lo & 0x7f800000u)) * half : half;
-      const vf hi = lo + step;
-      const vf c = (lo + hi) * half * vsb;  // the decision point, exact
-      const vi lo_even = lo >= one ? (vi)((((vu)lo >> 22) & 1u) == 0u) : (lo == 0);
-      const vi up = (p > c) | ((p == c) & ((rr > 0) | ((rr == 0) & ~lo_even)));
-      vf q = up ? hi : lo;
-      q = q < six ? q : six;
-      l.over += (p > lim) | ((p == lim) & (rr > 0));
-      l.under += (va > 0) & (q == 0);
-      nonzero |= q != 0;
-      const vf err = vau - q * vg;
-      l.e2 += err * err;
-    }
-  } else {
-    const vf mul = splat(static_cast<float>(s.num)), mx = splat(E.max);
-    const bool exact = r.rule == kTensor;  // an FP32 scale: d * s is not exact
-    for (int64_t i = 0; i < n; i += kL) {
-      const vf va = load(a + i), vau = load(au + i);
-      const vf y = va * mul;
-      vf q;
-      if (exact) {
-        const vf rr = residual(va, mul, y);
-        q = round_v<true>(y, rr, E);
-        l.over += (y > mx) | ((y == mx) & (rr > 0));
-      } else {
-        q = round_v<false>(y, vf{}, E);
-        l.over += y > mx;
-      }
-      l.under += (va > 0) & (q == 0);
-      nonzero |= q != 0;
-      const vf err = vau - q * vg;
-      l.e2 += err * err;
-    }
-  }
-  return !any(nonzero);
-}
+// Per-lane block counters of one recipe (scales of many blocks at once).
+struct BlockLanes {
+  vi blocks{}, flush{};
+  vf kmax = splat(-kInf), kmin = splat(kInf);
 
-inline __attribute__((always_inline)) void close_block(const Recipe& r, const ElemV& E,
-                                                       float amax_b, float enc, const float* a,
-                                                       const float* au, int64_t n, int k,
-                                                       Totals& t, Lanes& l) {
-  if (!(amax_b > 0)) return;  // no non-zero finite element: nothing to quantise
-  const BlockScale s = scale_of(r, amax_b, enc, k);
-  const bool flushed = quantise(a, au, n, r, E, s, l);
-  ++t.blocks;
-  t.flush += flushed;
-  if (!s.zero) {
-    t.smax = std::max(t.smax, s.key);
-    t.smin = std::min(t.smin, s.key);
+  void fold(Totals& t) {
+    t.blocks += hcount(blocks);
+    t.flush += hcount(flush);
+    const float hi = hmax(kmax), lo = hmin(kmin);
+    if (hi > -kInf) t.smax = std::max(t.smax, double(hi));
+    if (lo < kInf) t.smin = std::min(t.smin, double(lo));
+    *this = BlockLanes{};
+  }
+};
+
+// Scales of n blocks from their abs-maxima m (zero-padded to a multiple of kL; 0: a block
+// without non-zero finite elements, which is not counted) into num, den, g (as many
+// entries), and the blocks' counters: non-empty, flushed (the abs-max quantises to zero),
+// and the range of their scales' keys.
+void scales(const Recipe& r, const ElemV& E, const float* m, int64_t n, float enc, int k,
+            float* num, float* den, float* g, BlockLanes& bl) {
+  const int rule = r.rule;
+  const int emax = r.el.emax;
+  const vf fmax = splat(static_cast<float>(r.el.max)), top = splat(pow2f(emax));
+  const vf zero{};
+  const BlockScale t = rule == kTensor ? scale_of(r, 1.0f, enc, k) : BlockScale{};
+  const double unit = double(pow2f(-k));
+  for (int64_t i = 0; i < n; i += kL) {
+    const vf a = load(m + i);
+    const vi has = a > zero;
+    vf vnum, vden = splat(1.0f), vg, key;
+    vi ok = has;
+    if (rule == kTensor) {
+      vnum = splat(t.num);
+      vg = splat(t.g);
+      key = zero;  // constant: set from t.key at the end
+    } else if (rule == kNvfp4) {
+      const vd p = __builtin_convertvector(a, vd) * double(enc) / 6.0;
+      // round_to(p, E4M3), lane by lane
+      const vul b = (vul)p;
+      const uint64_t shift = 52 - kE4m3.mant, one = 1;
+      const vul rn = (b + ((one << (shift - 1)) - 1) + ((b >> shift) & one)) & ~((one << shift) - 1);
+      const double magic = kE4m3.min_sub * 0x1p52;
+      const vd qs = (p + magic) - magic;
+      vd sb = p >= kE4m3.min_normal ? (vd)rn : qs;
+      sb = sb < kE4m3.max ? sb : kE4m3.max - vd{};
+      const vl zl = sb == 0;
+      const vf sbf = __builtin_convertvector(sb, vf);
+      const vi zs = sbf == zero;  // the same lanes, float32-wide
+      vnum = zs ? zero : splat(enc);
+      vden = zs ? splat(1.0f) : sbf;
+      vg = __builtin_convertvector(__builtin_convertvector(vden, vd) / double(enc) * unit, vf);
+      key = sbf;
+      ok = has & ~zs;
+      (void)zl;
+    } else {
+      const vu b = (vu)a;
+      const vi e = (vi)(b >> 23) - 127;
+      const vf mant = (vf)((b & 0x007fffffu) | 0x3f800000u);
+      const vi big = mant * top > fmax;  // -1 where amax_b / 2^e * 2^emax > max
+      vi ex;
+      if (rule == kPow2Floor) {
+        vi t2 = emax - e + big;
+        t2 = t2 < 127 ? t2 : splat_i(127);
+        ex = -t2;
+      } else {
+        ex = e - emax - (rule == kMxRceil ? big : vi{});
+        ex = ex < -127 ? splat_i(-127) : ex;
+        ex = ex > 127 ? splat_i(127) : ex;
+      }
+      const vi en = -ex, eg = ex - k;  // 2^en, 2^eg: 0 below the normal range
+      vnum = en < -126 ? zero : (vf)((vu)(en + 127) << 23);
+      vg = eg < -126 ? zero : (vf)((vu)(eg + 127) << 23);
+      key = __builtin_convertvector(ex, vf);
+    }
+    store(num + i, vnum);
+    store(den + i, vden);
+    store(g + i, vg);
+    vi dummy;
+    vf q;
+    switch (cat_of(rule)) {
+      case kCatNv:
+        q = quant<kCatNv>(a, vnum, vden, E, dummy);
+        break;
+      case kCatExact:
+        q = quant<kCatExact>(a, vnum, vden, E, dummy);
+        break;
+      default:
+        q = quant<kCatPow2>(a, vnum, vden, E, dummy);
+    }
+    bl.blocks += has;
+    bl.flush += has & (q == zero);
+    bl.kmax = ok ? mx(bl.kmax, key) : bl.kmax;
+    bl.kmin = ok ? mn(bl.kmin, key) : bl.kmin;
   }
 }
 
@@ -351,36 +465,27 @@ struct Value {
   int64_t outer, rows, length;
 };
 
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+inline int64_t gcd(int64_t a, int64_t b) { return b == 0 ? a : gcd(b, a % b); }
+
 // Elements [c0, c0 + n) of row `row` as magnitudes (zeros, float32 subnormals and
-// non-finite elements as 0) and in units of 2^-k, zero-padded to a multiple of kL;
-// returns the padded size.
-int64_t load_row(const Value& v, int64_t row, int64_t c0, int64_t n, int k, float* a,
-                 float* au) {
+// non-finite elements as 0) into a and in units of 2^-k into au, zero-padded to a
+// multiple of kL; counts the zero lanes into `zeros` (negated).
+inline void load_row(const Value& v, int64_t row, int64_t c0, int64_t n, float unit_k, float* a,
+                     float* au, vi& zeros) {
   v.in.load(row * v.length + c0, n, a);
-  const int64_t np = (n + kL - 1) / kL * kL;
+  const int64_t np = round_up(n, kL);
   std::fill(a + n, a + np, 0.0f);
-  const vf unit = splat(pow2f(-k)), lo = splat(kFltMin);
-  const vf hi = splat(std::numeric_limits<float>::max());
+  const vf unit = splat(unit_k), lo = splat(kFltMin), hi = splat(kFltMax);
   for (int64_t i = 0; i < np; i += kL) {
     const vf m = (vf)((vu)load(a + i) & 0x7fffffffu);
-    const vf x = (m >= lo) & (m <= hi) ? m : vf{};
-    const vf xu = x * unit;
-    std::memcpy(a + i, &x, sizeof x);
-    std::memcpy(au + i, &xu, sizeof xu);
+    const vi keep = (m >= lo) & (m <= hi);
+    const vf x = keep ? m : vf{};
+    zeros += ~keep;
+    store(a + i, x);
+    store(au + i, x * unit);
   }
-  return np;
 }
-
-inline float block_max(const float* a, int64_t n) {
-  vf m{};
-  for (int64_t i = 0; i < n; i += kL) {
-    const vf x = load(a + i);
-    m = x > m ? x : m;
-  }
-  return block_hmax(m);
-}
-
-constexpr int64_t kRowChunk = 4096;  // a multiple of every 1-D block size
 
 // The float32 tensor factor of a rule: 448 / amax (e4m3_tensor), 448 * 6 / amax (NVFP4's
 // S_enc), float32's max where that overflows (amax below ~1.3e-36, as Transformer Engine
@@ -391,120 +496,386 @@ inline float tensor_factor(int rule, float amax) {
   return std::isinf(f) ? std::numeric_limits<float>::max() : f;
 }
 
-// The maxima of a chunk's blocks, per block size, computed once per chunk.
-struct MaximaCache {
-  int64_t size[4] = {0, 0, 0, 0};
-  std::vector<float> maxima[4];
-  int used = 0;
-  void clear() { used = 0; }
+// The value's finite abs-max and its infinities in one pass; with `tile` also the abs-max
+// of each of its tiles (0 for tiles without a normal non-zero element) into tmax,
+// indexed [outer][row group][column block].
+void scan(const Value& v, const Recipe* tile, float& amax, int64_t& n_inf,
+          std::vector<float>& tmax) {
+  const int64_t tr = tile ? tile->rows : 1, tb = tile ? tile->block : 1;
+  constexpr int64_t kSeg = 4096;
+  const int64_t seg = tile ? std::max(tb, kSeg / tb * tb) : kSeg;
+  const int64_t groups = (v.rows + tr - 1) / tr, ncb = (v.length + tb - 1) / tb;
+  std::vector<float> buf(round_up(seg, kL)), colmax(tile ? round_up(seg, kL) : 0);
+  if (tile) tmax.assign(round_up(v.outer * groups * ncb, kL) + kL, 0.0f);
+  const vf big = splat(kFltMax), inf = splat(kInf);
+  vf m{};
+  vi infs{};
+  for (int64_t o = 0; o < v.outer; ++o) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r1 = std::min(v.rows, (g + 1) * tr);
+      for (int64_t c = 0; c < v.length; c += seg) {
+        const int64_t n = std::min(seg, v.length - c), np = round_up(n, kL);
+        if (tile) std::fill(colmax.begin(), colmax.begin() + np, 0.0f);
+        for (int64_t r = g * tr; r < r1; ++r) {
+          v.in.load((o * v.rows + r) * v.length + c, n, buf.data());
+          std::fill(buf.data() + n, buf.data() + np, 0.0f);
+          for (int64_t i = 0; i < np; i += kL) {
+            const vf x = (vf)((vu)load(buf.data() + i) & 0x7fffffffu);
+            infs += x == inf;
+            const vi fin = x <= big;
+            m = fin & (x > m) ? x : m;
+            if (tile) store(colmax.data() + i, mx(load(colmax.data() + i), fin ? x : vf{}));
+          }
+        }
+        if (tile) {
+          float* out = tmax.data() + (o * groups + g) * ncb + c / tb;
+          for (int64_t j = 0; j * tb < n; ++j) {
+            float t = 0;
+            for (int64_t i = j * tb; i < std::min(n, (j + 1) * tb); ++i) t = std::max(t, colmax[i]);
+            out[j] = t < kFltMin ? 0.0f : t;
+          }
+        }
+      }
+    }
+  }
+  amax = hmax(m);
+  n_inf = hcount(infs);
+}
+
+// How a recipe finds each element's scale in the main pass.
+enum Mode {
+  kConst = 0,  // one scale (whole tensor)
+  kShift = 1,  // slot base[row] + (vector >> shift): blocks of 2^shift whole vectors
+  kLane = 2,   // slot base[row] + (off + element) / block, lane by lane (any block size)
 };
 
-float* block_maxima(const float* a, int64_t n, int64_t block, MaximaCache& c) {
-  for (int i = 0; i < c.used; ++i) {
-    if (c.size[i] == block) return c.maxima[i].data();
+struct Slots {  // scales per block of the chunk (1-D blocks) or of the value (tiles)
+  std::vector<float> num, den, g;
+  void resize(int64_t n) {
+    num.assign(n, 0.0f);
+    den.assign(n, 1.0f);
+    g.assign(n, 0.0f);
   }
-  const int i = c.used < 4 ? c.used++ : 3;
-  c.size[i] = block;
-  std::vector<float>& m = c.maxima[i];
-  m.resize((n + block - 1) / block);
-  for (int64_t b0 = 0, j = 0; b0 < n; b0 += block, ++j) {
-    const int64_t nb = std::min(block, n - b0);
-    m[j] = block_max(a + b0, (nb + kL - 1) / kL * kL);
-  }
-  return m.data();
-}
+};
 
-// Every recipe of `rs` that cuts rows into 1-D blocks (or takes the whole tensor), in one
-// pass over the value.
-void run_rows(const Value& v, const Recipe* rs, const int* which, int n_which, float amax,
-              int k, Totals* totals) {
-  std::vector<float> a(kRowChunk + kL), au(kRowChunk + kL);
-  std::vector<Lanes> lanes(n_which);
-  std::vector<BlockScale> whole(n_which);
-  std::vector<ElemV> elems(n_which);
-  for (int w = 0; w < n_which; ++w) elems[w] = elem_v(rs[which[w]].el);
-  for (int w = 0; w < n_which; ++w) {
-    if (rs[which[w]].block == 0 && amax > 0) {
-      whole[w] = scale_of(rs[which[w]], amax, tensor_factor(rs[which[w]].rule, amax), k);
+struct Chunk {
+  int64_t row0, nrows;  // rows row0 .. row0 + nrows - 1 of the [outer * rows, length] view
+  int64_t c0, n, stride;  // columns c0 .. c0 + n - 1 of each, at a stride of `stride` floats
+};
+
+// One recipe over one chunk: every element quantised, errors and counts into acc.
+template <int kCat, int kMode>
+void quantise_chunk(const Chunk& ch, const float* a, const float* au, const ElemV& E,
+                    const BlockScale& s, const float* num, const float* den, const float* g,
+                    const int64_t* base, int shift, int64_t off, int64_t block, Acc& acc) {
+  Acc l = acc;
+  const vf zero{};
+  const int64_t nv = ch.stride / kL;
+  for (int64_t r = 0; r < ch.nrows; ++r) {
+    const float* pa = a + r * ch.stride;
+    const float* pu = au + r * ch.stride;
+    for (int64_t v = 0; v < nv; ++v) {
+      vf vnum, vden, vg;
+      if (kMode == kConst) {
+        vnum = splat(s.num);
+        vden = splat(s.den);
+        vg = splat(s.g);
+      } else if (kMode == kShift) {
+        const int64_t i = base[r] + (v >> shift);
+        vnum = splat(num[i]);
+        vden = splat(den[i]);
+        vg = splat(g[i]);
+      } else {
+        for (int j = 0; j < kL; ++j) {
+          const int64_t i = base[r] + (off + v * kL + j) / block;
+          vnum[j] = num[i];
+          vden[j] = den[i];
+          vg[j] = g[i];
+        }
+      }
+      const vf va = load(pa + v * kL), vau = load(pu + v * kL);
+      vi over;
+      const vf q = quant<kCat>(va, vnum, vden, E, over);
+      l.over += over;
+      l.zq += q == zero;
+      const vf err = vau - q * vg;
+      l.e2 += err * err;
     }
   }
-  std::vector<bool> whole_flushed(n_which, true);
-  MaximaCache cache;
-  int64_t since_fold = 0;
-  for (int64_t row = 0; row < v.outer * v.rows; ++row) {
-    for (int64_t c = 0; c < v.length; c += kRowChunk) {
-      const int64_t n = std::min(kRowChunk, v.length - c);
-      load_row(v, row, c, n, k, a.data(), au.data());
-      cache.clear();
-      for (int w = 0; w < n_which; ++w) {
-        const Recipe& r = rs[which[w]];
-        const ElemV E = elems[w];
-        Totals t = totals[w];
-        Lanes l = lanes[w];
-        if (r.block == 0) {
-          if (amax > 0) {
-            const int64_t np = (n + kL - 1) / kL * kL;
-            whole_flushed[w] =
-                quantise(a.data(), au.data(), np, r, E, whole[w], l) && whole_flushed[w];
+  acc = l;
+}
+
+template <int kCat>
+void quantise_cat(int mode, const Chunk& ch, const float* a, const float* au, const ElemV& E,
+                  const BlockScale& s, const float* num, const float* den, const float* g,
+                  const int64_t* base, int shift, int64_t off, int64_t block, Acc& acc) {
+  switch (mode) {
+    case kConst:
+      return quantise_chunk<kCat, kConst>(ch, a, au, E, s, num, den, g, base, shift, off, block,
+                                          acc);
+    case kShift:
+      return quantise_chunk<kCat, kShift>(ch, a, au, E, s, num, den, g, base, shift, off, block,
+                                          acc);
+    default:
+      return quantise_chunk<kCat, kLane>(ch, a, au, E, s, num, den, g, base, shift, off, block,
+                                         acc);
+  }
+}
+
+void quantise(int cat, int mode, const Chunk& ch, const float* a, const float* au,
+              const ElemV& E, const BlockScale& s, const float* num, const float* den,
+              const float* g, const int64_t* base, int shift, int64_t off, int64_t block,
+              Acc& acc) {
+  switch (cat) {
+    case kCatNv:
+      return quantise_cat<kCatNv>(mode, ch, a, au, E, s, num, den, g, base, shift, off, block,
+                                  acc);
+    case kCatExact:
+      return quantise_cat<kCatExact>(mode, ch, a, au, E, s, num, den, g, base, shift, off,
+                                     block, acc);
+    default:
+      return quantise_cat<kCatPow2>(mode, ch, a, au, E, s, num, den, g, base, shift, off, block,
+                                    acc);
+  }
+}
+
+// log2(x) for x a power of two, -1 otherwise.
+inline int log2_exact(int64_t x) {
+  if (x <= 0 || (x & (x - 1))) return -1;
+  int s = 0;
+  while ((int64_t{1} << s) < x) ++s;
+  return s;
+}
+
+struct RecipeState {
+  const Recipe* r;
+  ElemV E;
+  int cat, mode, shift;
+  int64_t vpb;  // vectors per block (kShift)
+  float enc;
+  BlockScale whole;  // kConst
+  Slots tiles;       // 2-D tiles: scales of every tile of the value
+  int64_t groups = 0, ncb = 0;
+  Acc acc;
+  BlockLanes bl;
+  Totals t;
+};
+
+void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
+  // The value's finite abs-max (the tensor factor of e4m3_tensor and nvfp4, and the unit
+  // of the error sums), its infinities (clipped under every recipe) and tile maxima.
+  int first_tile = -1;
+  for (int i = 0; i < nr; ++i) {
+    if (recipes[i].rows > 1 && recipes[i].block > 0) {
+      first_tile = i;
+      break;
+    }
+  }
+  float amax = 0;
+  int64_t n_inf = 0;
+  std::vector<float> tmax;
+  scan(v, first_tile >= 0 ? &recipes[first_tile] : nullptr, amax, n_inf, tmax);
+  if (amax < kFltMin) amax = 0;
+  for (int i = 0; i < nr; ++i) out[i] = Totals{};
+  for (int i = 0; i < nr; ++i) out[i].over = n_inf;
+  if (!(amax > 0)) return;  // nothing to quantise: every statistic stays 0
+  const int k = std::clamp(std::ilogb(amax), -126, 126);
+
+  RecipeState st[kMaxRecipes];
+  // Columns per chunk segment: a multiple of every 1-D block size (blocks never straddle
+  // segments) and of the tile widths (whole vectors of a tile share its scale).
+  int64_t lcm = kL;
+  for (int i = 0; i < nr; ++i) {
+    const int64_t b = recipes[i].block;
+    if (b > 0 && lcm <= (int64_t{1} << 20)) lcm = lcm / gcd(lcm, b) * b;
+  }
+  constexpr int64_t kChunk = 4096;  // floats per chunk (L1-resident with their units)
+  const int64_t seg = std::max(lcm, kChunk / lcm * lcm);
+  bool need_vmax = false;
+  for (int i = 0; i < nr; ++i) {
+    const Recipe& r = recipes[i];
+    RecipeState& s = st[i];
+    s.r = &r;
+    s.E = elem_v(r.el);
+    s.cat = cat_of(r.rule);
+    s.enc = tensor_factor(r.rule, amax);
+    const int sh = r.block % kL == 0 ? log2_exact(r.block / kL) : -1;
+    if (r.block == 0) {
+      s.mode = kConst;
+      s.whole = scale_of(r, amax, s.enc, k);
+      // One block: flushed when the abs-max itself quantises to zero.
+      vi over;
+      const vf q = s.cat == kCatNv    ? quant<kCatNv>(splat(amax), splat(s.whole.num),
+                                                      splat(s.whole.den), s.E, over)
+                   : s.cat == kCatExact ? quant<kCatExact>(splat(amax), splat(s.whole.num),
+                                                           splat(s.whole.den), s.E, over)
+                                        : quant<kCatPow2>(splat(amax), splat(s.whole.num),
+                                                          splat(s.whole.den), s.E, over);
+      s.t.blocks = 1;
+      s.t.flush = q[0] == 0;
+      s.t.smax = s.t.smin = s.whole.key;
+    } else {
+      s.mode = (sh >= 0 && lcm <= (int64_t{1} << 20)) ? kShift : kLane;
+      s.shift = sh;
+      s.vpb = sh >= 0 ? r.block / kL : 0;
+      if (r.rows > 1) {
+        std::vector<float> own;
+        if (i != first_tile) {
+          float am;
+          int64_t ni;
+          scan(v, &r, am, ni, own);
+        }
+        const std::vector<float>& m = i == first_tile ? tmax : own;
+        s.groups = (v.rows + r.rows - 1) / r.rows;
+        s.ncb = (v.length + r.block - 1) / r.block;
+        const int64_t n = v.outer * s.groups * s.ncb;
+        s.tiles.resize(round_up(n, kL) + kL);
+        scales(r, s.E, m.data(), round_up(n, kL), s.enc, k, s.tiles.num.data(),
+               s.tiles.den.data(), s.tiles.g.data(), s.bl);
+      } else {
+        need_vmax |= s.mode == kShift && s.vpb > 0;
+      }
+    }
+  }
+
+  // The main pass: chunks of rows (several short rows, or a segment of a long one).
+  const int64_t nrows = v.outer * v.rows;
+  const int64_t n_max = std::min(v.length, seg);
+  const int64_t per_chunk =
+      v.length <= seg ? std::max<int64_t>(1, kChunk / round_up(n_max, kL)) : 1;
+  const int64_t cap = round_up(per_chunk * round_up(n_max, kL), kL * kL);
+  std::vector<float> a(cap), au(cap), vmax(cap / kL), bmax(cap / kL + kL);
+  std::vector<int64_t> base(per_chunk);
+  Slots slots;
+  slots.resize(cap / kL + 2 * kL);
+  const float unit_k = pow2f(-k);
+  int64_t zeros = 0, since_fold = 0;
+
+  auto process = [&](const Chunk& ch) {
+    const int64_t used = ch.nrows * ch.stride;
+    const int64_t vr = ch.stride / kL;
+    if (need_vmax) {
+      std::fill(a.begin() + used, a.begin() + round_up(used, kL * kL), 0.0f);
+      vector_maxima(a.data(), round_up(used / kL, kL), vmax.data());
+    }
+    for (int i = 0; i < nr; ++i) {
+      RecipeState& s = st[i];
+      const Recipe& r = *s.r;
+      if (s.mode == kConst) {
+        quantise(s.cat, kConst, ch, a.data(), au.data(), s.E, s.whole, nullptr, nullptr,
+                 nullptr, nullptr, 0, 0, 1, s.acc);
+        continue;
+      }
+      const float *num, *den, *g;
+      int64_t off = 0;
+      if (r.rows > 1) {
+        for (int64_t j = 0; j < ch.nrows; ++j) {
+          const int64_t gr = ch.row0 + j, o = gr / v.rows, rr = gr % v.rows;
+          base[j] = (o * s.groups + rr / r.rows) * s.ncb;
+          if (s.mode == kShift) base[j] += ch.c0 / r.block;
+        }
+        off = ch.c0;
+        num = s.tiles.num.data();
+        den = s.tiles.den.data();
+        g = s.tiles.g.data();
+      } else {
+        // The blocks' abs-maxima, from the vectors' (kShift) or from the elements (kLane).
+        int64_t spr;
+        float* m;
+        if (s.mode == kShift && s.vpb == 1) {
+          spr = vr;
+          m = vmax.data();
+        } else if (s.mode == kShift) {
+          spr = (vr + s.vpb - 1) / s.vpb;
+          m = bmax.data();
+          for (int64_t j = 0; j < ch.nrows; ++j) {
+            const float* src = vmax.data() + j * vr;
+            for (int64_t b = 0; b < spr; ++b) {
+              float t = 0;
+              for (int64_t q = b * s.vpb; q < std::min(vr, (b + 1) * s.vpb); ++q) {
+                t = std::max(t, src[q]);
+              }
+              m[j * spr + b] = t;
+            }
           }
         } else {
-          const float enc = tensor_factor(r.rule, amax);
-          // Block maxima are shared by the recipes of one block size (the four MX ones).
-          float* maxima = block_maxima(a.data(), n, r.block, cache);
-          for (int64_t b0 = 0, j = 0; b0 < n; b0 += r.block, ++j) {
-            const int64_t nb = std::min(r.block, n - b0);
-            const int64_t np = (nb + kL - 1) / kL * kL;  // the rest of the buffer is zeros
-            close_block(r, E, maxima[j], enc, a.data() + b0, au.data() + b0, np, k, t, l);
+          spr = (ch.n + r.block - 1) / r.block;
+          if (int64_t(bmax.size()) < ch.nrows * spr + kL) bmax.resize(ch.nrows * spr + kL);
+          m = bmax.data();
+          for (int64_t j = 0; j < ch.nrows; ++j) {
+            const float* src = a.data() + j * ch.stride;
+            for (int64_t b = 0; b < spr; ++b) {
+              float t = 0;
+              for (int64_t q = b * r.block; q < std::min(ch.n, (b + 1) * r.block); ++q) {
+                t = std::max(t, src[q]);
+              }
+              m[j * spr + b] = t;
+            }
           }
         }
-        totals[w] = t;
-        lanes[w] = l;
+        const int64_t ns = ch.nrows * spr, nsp = round_up(ns, kL);
+        std::fill(m + ns, m + nsp, 0.0f);
+        if (int64_t(slots.num.size()) < nsp + kL) slots.resize(nsp + kL);
+        scales(r, s.E, m, nsp, s.enc, k, slots.num.data(), slots.den.data(), slots.g.data(),
+               s.bl);
+        for (int64_t j = 0; j < ch.nrows; ++j) base[j] = j * spr;
+        num = slots.num.data();
+        den = slots.den.data();
+        g = slots.g.data();
       }
-      // Fold the float lanes before they lose precision or the counts could wrap.
-      if ((since_fold += n) >= (int64_t{1} << 20)) {
-        for (int w = 0; w < n_which; ++w) totals[w].fold(lanes[w]);
-        since_fold = 0;
-      }
+      quantise(s.cat, s.mode, ch, a.data(), au.data(), s.E, s.whole, num, den, g, base.data(),
+               s.shift, off, r.block, s.acc);
     }
-  }
-  for (int w = 0; w < n_which; ++w) {
-    totals[w].fold(lanes[w]);
-    const Recipe& r = rs[which[w]];
-    if (r.block == 0 && amax > 0) {
-      totals[w].blocks += 1;
-      totals[w].flush += whole_flushed[w];
-      totals[w].smax = totals[w].smin = whole[w].key;
+    // Fold the float lanes before they lose precision or the counts could wrap.
+    if (since_fold >= (int64_t{1} << 20)) {
+      for (int i = 0; i < nr; ++i) st[i].t.fold(st[i].acc);
+      since_fold = 0;
     }
-  }
-}
+  };
 
-// A recipe of 2-D tiles (rows x block over the last two axes).
-void run_tiles(const Value& v, const Recipe& r, float amax, int k, Totals& t) {
-  const int64_t b = r.block, tr = r.rows;
-  const int64_t bp = (b + kL - 1) / kL * kL;
-  std::vector<float> a(tr * bp), au(tr * bp);
-  const ElemV E = elem_v(r.el);
-  Lanes l;
-  const float enc = tensor_factor(r.rule, amax);
-  int64_t since_fold = 0;
-  for (int64_t o = 0; o < v.outer; ++o) {
-    for (int64_t r0 = 0; r0 < v.rows; r0 += tr) {
-      const int64_t nr = std::min(tr, v.rows - r0);
-      for (int64_t c0 = 0; c0 < v.length; c0 += b) {
-        const int64_t nc = std::min(b, v.length - c0);
-        int64_t np = 0;
-        for (int64_t i = 0; i < nr; ++i) {
-          np += load_row(v, o * v.rows + r0 + i, c0, nc, k, a.data() + np, au.data() + np);
-        }
-        close_block(r, E, block_max(a.data(), np), enc, a.data(), au.data(), np, k, t, l);
-        if ((since_fold += np) >= (int64_t{1} << 20)) {
-          t.fold(l);
-          since_fold = 0;
-        }
+  if (v.length <= seg) {
+    // Short rows: as many to a chunk as fit, until the accumulators are due to be folded.
+    const int64_t stride = round_up(v.length, kL);
+    for (int64_t row = 0; row < nrows;) {
+      Chunk ch{row, 0, 0, v.length, stride};
+      vi z{};
+      while (row < nrows && ch.nrows < per_chunk) {
+        load_row(v, row, 0, v.length, unit_k, a.data() + ch.nrows * stride,
+                 au.data() + ch.nrows * stride, z);
+        ++ch.nrows;
+        ++row;
+        if ((since_fold += v.length) >= (int64_t{1} << 20)) break;
+      }
+      zeros += hcount(z);
+      process(ch);
+    }
+  } else {
+    for (int64_t row = 0; row < nrows; ++row) {
+      for (int64_t c = 0; c < v.length; c += seg) {
+        const int64_t n = std::min(seg, v.length - c);
+        Chunk ch{row, 1, c, n, round_up(n, kL)};
+        vi z{};
+        load_row(v, row, c, n, unit_k, a.data(), au.data(), z);
+        zeros += hcount(z);
+        since_fold += n;
+        process(ch);
       }
     }
   }
-  t.fold(l);
+  for (int i = 0; i < nr; ++i) {
+    RecipeState& s = st[i];
+    s.t.fold(s.acc);
+    if (s.mode != kConst) {
+      s.bl.fold(s.t);
+      if (s.r->rule == kTensor && s.t.smax > -std::numeric_limits<double>::infinity()) {
+        s.t.smax = s.t.smin = scale_of(*s.r, 1.0f, s.enc, k).key;
+      }
+    }
+    s.t.zq -= zeros;
+    s.t.log2_enc = std::log2(double(tensor_factor(kNvfp4, amax)));
+    s.t.over += n_inf;
+    out[i] = s.t;
+  }
 }
 
 struct Job {
@@ -555,61 +926,21 @@ ffi::Error prepare(Job& job, ffi::AnyBuffer x, ffi::Span<const float> lut,
 }
 
 void run_job(const Job& job) {
-  const Value& v = job.v;
-  // The value's finite abs-max (the tensor factor of e4m3_tensor and nvfp4, and the unit
-  // of the error sums) and its infinities (clipped under every recipe).
-  float amax = 0;
-  int64_t n_inf = 0;
-  {
-    std::vector<float> buf(kRowChunk + kL);
-    const vf big = splat(std::numeric_limits<float>::max());
-    const vf inf = splat(std::numeric_limits<float>::infinity());
-    vf m{};
-    vi infs{};
-    for (int64_t row = 0; row < v.outer * v.rows; ++row) {
-      for (int64_t c = 0; c < v.length; c += kRowChunk) {
-        const int64_t n = std::min(kRowChunk, v.length - c);
-        v.in.load(row * v.length + c, n, buf.data());
-        std::fill(buf.data() + n, buf.data() + (n + kL - 1) / kL * kL, 0.0f);
-        for (int64_t i = 0; i < n; i += kL) {
-          const vf x = (vf)((vu)load(buf.data() + i) & 0x7fffffffu);
-          infs += x == inf;
-          m = (x <= big) & (x > m) ? x : m;
-        }
-      }
-    }
-    amax = hmax(m);
-    n_inf = hcount(infs);
-  }
-  if (amax < kFltMin) amax = 0;
-  const int k = amax > 0 ? std::clamp(std::ilogb(amax), -126, 126) : 0;
   Totals totals[kMaxRecipes];
-  int rows_of[kMaxRecipes];
-  int n_rows = 0;
-  for (int i = 0; i < job.nr; ++i) {
-    if (job.recipes[i].rows > 1) {
-      run_tiles(v, job.recipes[i], amax, k, totals[i]);
-    } else {
-      rows_of[n_rows++] = i;
-    }
-  }
-  Totals row_totals[kMaxRecipes];
-  run_rows(v, job.recipes, rows_of, n_rows, amax, k, row_totals);
-  for (int w = 0; w < n_rows; ++w) totals[rows_of[w]] = row_totals[w];
+  run_job_impl(job.v, job.recipes, job.nr, totals);
   const float ninf = -std::numeric_limits<float>::infinity();
-  const double log2_enc_nv = std::log2(double(tensor_factor(kNvfp4, amax)));
   for (int i = 0; i < job.nr; ++i) {
     Totals& t = totals[i];
     const bool scaled = t.smax > -std::numeric_limits<double>::infinity();
     if (scaled && job.recipes[i].rule == kNvfp4) {  // keys are block scales s_b
-      t.smax = std::log2(t.smax) - log2_enc_nv;
-      t.smin = std::log2(t.smin) - log2_enc_nv;
+      t.smax = std::log2(t.smax) - t.log2_enc;
+      t.smin = std::log2(t.smin) - t.log2_enc;
     }
     job.of[3 * i] = static_cast<float>(t.err2);
     job.of[3 * i + 1] = scaled ? static_cast<float>(t.smax) : ninf;
     job.of[3 * i + 2] = scaled ? static_cast<float>(-t.smin) : ninf;
-    job.oi[4 * i] = static_cast<int32_t>(t.under);
-    job.oi[4 * i + 1] = static_cast<int32_t>(t.over + n_inf);
+    job.oi[4 * i] = static_cast<int32_t>(t.zq);
+    job.oi[4 * i + 1] = static_cast<int32_t>(t.over);
     job.oi[4 * i + 2] = static_cast<int32_t>(t.flush);
     job.oi[4 * i + 3] = static_cast<int32_t>(t.blocks);
   }
