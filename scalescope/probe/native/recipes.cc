@@ -32,6 +32,10 @@
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -95,7 +99,7 @@ inline float pow2f(int e) { return e < -126 ? 0.0f : from_bits(uint32_t(e + 127)
 // exponent), for the error sums. `key` orders the dequantisation scales: log2 X itself,
 // or for NVFP4 the block scale s_b (log2 X = log2 s_b - log2 S_enc is taken once).
 struct BlockScale {
-  float num = 1, den = 1, g = 1;
+  float num = 1, den = 1, rden = 1, g = 1;  // rden: 1 / den rounded (NVFP4's quotients)
   double key = 0;
   bool zero = false;
 };
@@ -130,6 +134,7 @@ BlockScale scale_of(const Recipe& r, float amax_b, float enc, int k) {
       s.zero = sb == 0;
       s.num = s.zero ? 0.0f : enc;
       s.den = s.zero ? 1.0f : static_cast<float>(sb);  // an E4M3 value: exact
+      s.rden = 1.0f / s.den;
       s.g = static_cast<float>(double(s.den) / double(enc) * double(pow2f(-k)));
       s.key = sb;
       return s;
@@ -154,8 +159,6 @@ typedef float vf __attribute__((vector_size(4 * kL)));
 typedef int32_t vi __attribute__((vector_size(4 * kL)));
 typedef uint32_t vu __attribute__((vector_size(4 * kL)));
 typedef double vd __attribute__((vector_size(8 * kL)));
-typedef int64_t vl __attribute__((vector_size(8 * kL)));
-typedef uint64_t vul __attribute__((vector_size(8 * kL)));
 
 inline vf load(const float* p) {
   vf v;
@@ -213,12 +216,27 @@ inline int64_t hcount(vi v) {  // lanes hold negated counts (true masks are -1)
 }
 
 // a * b - p exactly, lane by lane: a fused multiply-add, or without one the double
-// product (exact for two float32 factors) less p, exact and rounded once to float32.
+// product (exact for two float32 factors) less p, exact and rounded once to float32
+// (the same value).
 inline vf residual(vf a, vf b, vf p) {
-#if defined(__FMA__) || defined(__AVX512F__)
-  vf r;
-  for (int j = 0; j < kL; ++j) r[j] = __builtin_fmaf(a[j], b[j], -p[j]);
-  return r;
+#if defined(__AVX512F__)
+  __m512 x, y, z;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  std::memcpy(&z, &p, sizeof z);
+  const __m512 r = _mm512_fmsub_ps(x, y, z);
+  vf out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+#elif defined(__AVX__) && defined(__FMA__)
+  __m256 x, y, z;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  std::memcpy(&z, &p, sizeof z);
+  const __m256 r = _mm256_fmsub_ps(x, y, z);
+  vf out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
 #else
   const vd ad = __builtin_convertvector(a, vd), bd = __builtin_convertvector(b, vd);
   return __builtin_convertvector(ad * bd - __builtin_convertvector(p, vd), vf);
@@ -299,17 +317,18 @@ inline int cat_of(int rule) {
 // Magnitudes va (>= 0) quantised to the element grid as va * num / den; `over` gets the
 // lanes that clip (their exact scaled value above the format's max).
 template <int kCat>
-inline __attribute__((always_inline)) vf quant(vf va, vf num, vf den, const ElemV& E,
-                                               vi& over) {
+inline __attribute__((always_inline)) vf quant(vf va, vf num, vf den, vf rden,
+                                               const ElemV& E, vi& over) {
   if (kCat == kCatNv) {
-    // y = d * S_enc / s_b. Its float32 quotient y0 (of the rounded product p) lies
-    // between the right two E2M1 neighbours except exactly on one, where either pair
-    // gives the same answer; the exact product p + rr is then compared with the pair's
-    // midpoint times s_b (exact: a few significant bits each).
+    // y = d * S_enc / s_b. Its float32 approximation y0 (the rounded product p times
+    // the rounded 1 / s_b, within a few float32 steps of y) lies between the right two
+    // E2M1 neighbours except where y is that close to one of them, g, and then either
+    // pair has g as an end and gives it; the exact product p + rr is compared with the
+    // pair's midpoint times s_b (exact: a few significant bits each).
     const vf half = splat(0.5f), one = splat(1.0f), six = splat(6.0f);
     const vf p = va * num;
     const vf rr = residual(va, num, p);
-    const vf y0 = p / den;
+    const vf y0 = p * rden;
     // Lower neighbour on the E2M1 grid (step 0.5 below 2, then a quarter of the binade).
     const vu yb = (vu)y0;
     const vf lo_n = (vf)(yb & 0xffc00000u);  // keep one mantissa bit: floor in [1, 8)
@@ -378,12 +397,49 @@ struct BlockLanes {
   }
 };
 
+struct Slots {  // scales per block of the chunk (1-D blocks) or of the value (tiles)
+  std::vector<float> num, den, rden, g;
+  void resize(int64_t n) {
+    num.assign(n, 0.0f);
+    den.assign(n, 1.0f);
+    rden.assign(n, 1.0f);
+    g.assign(n, 0.0f);
+  }
+};
+
+// NVFP4's block scales s_b = RN_e4m3(amax_b * enc / 6) and g = (s_b or 1) / enc in
+// units of 2^-k (`scale_of`'s double arithmetic, lane by lane), half a vector of lanes at
+// a time: a vector of doubles as wide as the CPU's.
+typedef double vdh __attribute__((vector_size(4 * kL)));
+typedef uint64_t vuh __attribute__((vector_size(4 * kL)));
+typedef float vfh __attribute__((vector_size(2 * kL)));
+inline void nv_scales(vf a, float enc, double unit, vf& sb_out, vf& g_out) {
+  constexpr int kH = kL / 2;
+  const uint64_t shift = 52 - kE4m3.mant, one = 1;
+  const double magic = kE4m3.min_sub * 0x1p52;
+  for (int h = 0; h < 2; ++h) {
+    vfh ah;
+    std::memcpy(&ah, reinterpret_cast<const float*>(&a) + h * kH, sizeof ah);
+    const vdh p = __builtin_convertvector(ah, vdh) * double(enc) / 6.0;
+    const vuh b = (vuh)p;
+    const vuh rn = (b + ((one << (shift - 1)) - 1) + ((b >> shift) & one)) & ~((one << shift) - 1);
+    const vdh qs = (p + magic) - magic;
+    vdh sb = p >= kE4m3.min_normal ? (vdh)rn : qs;
+    sb = sb < kE4m3.max ? sb : kE4m3.max - vdh{};
+    const vdh den = sb == 0 ? 1.0 - vdh{} : sb;
+    const vfh sbf = __builtin_convertvector(sb, vfh);
+    const vfh gf = __builtin_convertvector(den / double(enc) * unit, vfh);
+    std::memcpy(reinterpret_cast<float*>(&sb_out) + h * kH, &sbf, sizeof sbf);
+    std::memcpy(reinterpret_cast<float*>(&g_out) + h * kH, &gf, sizeof gf);
+  }
+}
+
 // Scales of n blocks from their abs-maxima m (zero-padded to a multiple of kL; 0: a block
 // without non-zero finite elements, which is not counted) into num, den, g (as many
 // entries), and the blocks' counters: non-empty, flushed (the abs-max quantises to zero),
 // and the range of their scales' keys.
 void scales(const Recipe& r, const ElemV& E, const float* m, int64_t n, float enc, int k,
-            float* num, float* den, float* g, BlockLanes& bl) {
+            Slots& out, BlockLanes& bl) {
   const int rule = r.rule;
   const int emax = r.el.emax;
   const vf fmax = splat(static_cast<float>(r.el.max)), top = splat(pow2f(emax));
@@ -400,24 +456,14 @@ void scales(const Recipe& r, const ElemV& E, const float* m, int64_t n, float en
       vg = splat(t.g);
       key = zero;  // constant: set from t.key at the end
     } else if (rule == kNvfp4) {
-      const vd p = __builtin_convertvector(a, vd) * double(enc) / 6.0;
-      // round_to(p, E4M3), lane by lane
-      const vul b = (vul)p;
-      const uint64_t shift = 52 - kE4m3.mant, one = 1;
-      const vul rn = (b + ((one << (shift - 1)) - 1) + ((b >> shift) & one)) & ~((one << shift) - 1);
-      const double magic = kE4m3.min_sub * 0x1p52;
-      const vd qs = (p + magic) - magic;
-      vd sb = p >= kE4m3.min_normal ? (vd)rn : qs;
-      sb = sb < kE4m3.max ? sb : kE4m3.max - vd{};
-      const vl zl = sb == 0;
-      const vf sbf = __builtin_convertvector(sb, vf);
-      const vi zs = sbf == zero;  // the same lanes, float32-wide
+      vf sbf, gf;
+      nv_scales(a, enc, unit, sbf, gf);
+      const vi zs = sbf == zero;  // s_b rounded to 0: the block quantises to 0
       vnum = zs ? zero : splat(enc);
       vden = zs ? splat(1.0f) : sbf;
-      vg = __builtin_convertvector(__builtin_convertvector(vden, vd) / double(enc) * unit, vf);
+      vg = gf;
       key = sbf;
       ok = has & ~zs;
-      (void)zl;
     } else {
       const vu b = (vu)a;
       const vi e = (vi)(b >> 23) - 127;
@@ -438,20 +484,22 @@ void scales(const Recipe& r, const ElemV& E, const float* m, int64_t n, float en
       vg = eg < -126 ? zero : (vf)((vu)(eg + 127) << 23);
       key = __builtin_convertvector(ex, vf);
     }
-    store(num + i, vnum);
-    store(den + i, vden);
-    store(g + i, vg);
+    const vf vrden = splat(1.0f) / vden;
+    store(out.num.data() + i, vnum);
+    store(out.den.data() + i, vden);
+    store(out.rden.data() + i, vrden);
+    store(out.g.data() + i, vg);
     vi dummy;
     vf q;
     switch (cat_of(rule)) {
       case kCatNv:
-        q = quant<kCatNv>(a, vnum, vden, E, dummy);
+        q = quant<kCatNv>(a, vnum, vden, vrden, E, dummy);
         break;
       case kCatExact:
-        q = quant<kCatExact>(a, vnum, vden, E, dummy);
+        q = quant<kCatExact>(a, vnum, vden, vrden, E, dummy);
         break;
       default:
-        q = quant<kCatPow2>(a, vnum, vden, E, dummy);
+        q = quant<kCatPow2>(a, vnum, vden, vrden, E, dummy);
     }
     bl.blocks += has;
     bl.flush += has & (q == zero);
@@ -549,14 +597,10 @@ enum Mode {
   kLane = 2,   // slot base[row] + (off + element) / block, lane by lane (any block size)
 };
 
-struct Slots {  // scales per block of the chunk (1-D blocks) or of the value (tiles)
-  std::vector<float> num, den, g;
-  void resize(int64_t n) {
-    num.assign(n, 0.0f);
-    den.assign(n, 1.0f);
-    g.assign(n, 0.0f);
-  }
+struct SP {  // where quantise_chunk finds the scales (Slots' arrays)
+  const float *num = nullptr, *den = nullptr, *rden = nullptr, *g = nullptr;
 };
+inline SP sp_of(const Slots& s) { return SP{s.num.data(), s.den.data(), s.rden.data(), s.g.data()}; }
 
 struct Chunk {
   int64_t row0, nrows;  // rows row0 .. row0 + nrows - 1 of the [outer * rows, length] view
@@ -566,7 +610,7 @@ struct Chunk {
 // One recipe over one chunk: every element quantised, errors and counts into acc.
 template <int kCat, int kMode>
 void quantise_chunk(const Chunk& ch, const float* a, const float* au, const ElemV& E,
-                    const BlockScale& s, const float* num, const float* den, const float* g,
+                    const BlockScale& s, const SP& sp,
                     const int64_t* base, int shift, int64_t off, int64_t block, Acc& acc) {
   Acc l = acc;
   const vf zero{};
@@ -575,27 +619,30 @@ void quantise_chunk(const Chunk& ch, const float* a, const float* au, const Elem
     const float* pa = a + r * ch.stride;
     const float* pu = au + r * ch.stride;
     for (int64_t v = 0; v < nv; ++v) {
-      vf vnum, vden, vg;
+      vf vnum{}, vden{}, vrden{}, vg{};
       if (kMode == kConst) {
         vnum = splat(s.num);
         vden = splat(s.den);
+        vrden = splat(s.rden);
         vg = splat(s.g);
       } else if (kMode == kShift) {
         const int64_t i = base[r] + (v >> shift);
-        vnum = splat(num[i]);
-        vden = splat(den[i]);
-        vg = splat(g[i]);
+        vnum = splat(sp.num[i]);
+        vden = splat(sp.den[i]);
+        vrden = splat(sp.rden[i]);
+        vg = splat(sp.g[i]);
       } else {
         for (int j = 0; j < kL; ++j) {
           const int64_t i = base[r] + (off + v * kL + j) / block;
-          vnum[j] = num[i];
-          vden[j] = den[i];
-          vg[j] = g[i];
+          vnum[j] = sp.num[i];
+          vden[j] = sp.den[i];
+          vrden[j] = sp.rden[i];
+          vg[j] = sp.g[i];
         }
       }
       const vf va = load(pa + v * kL), vau = load(pu + v * kL);
       vi over;
-      const vf q = quant<kCat>(va, vnum, vden, E, over);
+      const vf q = quant<kCat>(va, vnum, vden, vrden, E, over);
       l.over += over;
       l.zq += q == zero;
       const vf err = vau - q * vg;
@@ -607,34 +654,33 @@ void quantise_chunk(const Chunk& ch, const float* a, const float* au, const Elem
 
 template <int kCat>
 void quantise_cat(int mode, const Chunk& ch, const float* a, const float* au, const ElemV& E,
-                  const BlockScale& s, const float* num, const float* den, const float* g,
+                  const BlockScale& s, const SP& sp,
                   const int64_t* base, int shift, int64_t off, int64_t block, Acc& acc) {
   switch (mode) {
     case kConst:
-      return quantise_chunk<kCat, kConst>(ch, a, au, E, s, num, den, g, base, shift, off, block,
+      return quantise_chunk<kCat, kConst>(ch, a, au, E, s, sp, base, shift, off, block,
                                           acc);
     case kShift:
-      return quantise_chunk<kCat, kShift>(ch, a, au, E, s, num, den, g, base, shift, off, block,
+      return quantise_chunk<kCat, kShift>(ch, a, au, E, s, sp, base, shift, off, block,
                                           acc);
     default:
-      return quantise_chunk<kCat, kLane>(ch, a, au, E, s, num, den, g, base, shift, off, block,
+      return quantise_chunk<kCat, kLane>(ch, a, au, E, s, sp, base, shift, off, block,
                                          acc);
   }
 }
 
 void quantise(int cat, int mode, const Chunk& ch, const float* a, const float* au,
-              const ElemV& E, const BlockScale& s, const float* num, const float* den,
-              const float* g, const int64_t* base, int shift, int64_t off, int64_t block,
+              const ElemV& E, const BlockScale& s, const SP& sp, const int64_t* base, int shift, int64_t off, int64_t block,
               Acc& acc) {
   switch (cat) {
     case kCatNv:
-      return quantise_cat<kCatNv>(mode, ch, a, au, E, s, num, den, g, base, shift, off, block,
+      return quantise_cat<kCatNv>(mode, ch, a, au, E, s, sp, base, shift, off, block,
                                   acc);
     case kCatExact:
-      return quantise_cat<kCatExact>(mode, ch, a, au, E, s, num, den, g, base, shift, off,
+      return quantise_cat<kCatExact>(mode, ch, a, au, E, s, sp, base, shift, off,
                                      block, acc);
     default:
-      return quantise_cat<kCatPow2>(mode, ch, a, au, E, s, num, den, g, base, shift, off, block,
+      return quantise_cat<kCatPow2>(mode, ch, a, au, E, s, sp, base, shift, off, block,
                                     acc);
   }
 }
@@ -705,12 +751,11 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
       s.whole = scale_of(r, amax, s.enc, k);
       // One block: flushed when the abs-max itself quantises to zero.
       vi over;
-      const vf q = s.cat == kCatNv    ? quant<kCatNv>(splat(amax), splat(s.whole.num),
-                                                      splat(s.whole.den), s.E, over)
-                   : s.cat == kCatExact ? quant<kCatExact>(splat(amax), splat(s.whole.num),
-                                                           splat(s.whole.den), s.E, over)
-                                        : quant<kCatPow2>(splat(amax), splat(s.whole.num),
-                                                          splat(s.whole.den), s.E, over);
+      const vf am = splat(amax), wn = splat(s.whole.num), wd = splat(s.whole.den),
+               wr = splat(s.whole.rden);
+      const vf q = s.cat == kCatNv      ? quant<kCatNv>(am, wn, wd, wr, s.E, over)
+                   : s.cat == kCatExact ? quant<kCatExact>(am, wn, wd, wr, s.E, over)
+                                        : quant<kCatPow2>(am, wn, wd, wr, s.E, over);
       s.t.blocks = 1;
       s.t.flush = q[0] == 0;
       s.t.smax = s.t.smin = s.whole.key;
@@ -730,8 +775,7 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
         s.ncb = (v.length + r.block - 1) / r.block;
         const int64_t n = v.outer * s.groups * s.ncb;
         s.tiles.resize(round_up(n, kL) + kL);
-        scales(r, s.E, m.data(), round_up(n, kL), s.enc, k, s.tiles.num.data(),
-               s.tiles.den.data(), s.tiles.g.data(), s.bl);
+        scales(r, s.E, m.data(), round_up(n, kL), s.enc, k, s.tiles, s.bl);
       } else {
         need_vmax |= s.mode == kShift && s.vpb > 0;
       }
@@ -762,11 +806,11 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
       RecipeState& s = st[i];
       const Recipe& r = *s.r;
       if (s.mode == kConst) {
-        quantise(s.cat, kConst, ch, a.data(), au.data(), s.E, s.whole, nullptr, nullptr,
-                 nullptr, nullptr, 0, 0, 1, s.acc);
+        quantise(s.cat, kConst, ch, a.data(), au.data(), s.E, s.whole, SP{}, nullptr, 0, 0, 1,
+                 s.acc);
         continue;
       }
-      const float *num, *den, *g;
+      SP sp;
       int64_t off = 0;
       if (r.rows > 1) {
         for (int64_t j = 0; j < ch.nrows; ++j) {
@@ -775,9 +819,7 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
           if (s.mode == kShift) base[j] += ch.c0 / r.block;
         }
         off = ch.c0;
-        num = s.tiles.num.data();
-        den = s.tiles.den.data();
-        g = s.tiles.g.data();
+        sp = sp_of(s.tiles);
       } else {
         // The blocks' abs-maxima, from the vectors' (kShift) or from the elements (kLane).
         int64_t spr;
@@ -816,14 +858,11 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
         const int64_t ns = ch.nrows * spr, nsp = round_up(ns, kL);
         std::fill(m + ns, m + nsp, 0.0f);
         if (int64_t(slots.num.size()) < nsp + kL) slots.resize(nsp + kL);
-        scales(r, s.E, m, nsp, s.enc, k, slots.num.data(), slots.den.data(), slots.g.data(),
-               s.bl);
+        scales(r, s.E, m, nsp, s.enc, k, slots, s.bl);
         for (int64_t j = 0; j < ch.nrows; ++j) base[j] = j * spr;
-        num = slots.num.data();
-        den = slots.den.data();
-        g = slots.g.data();
+        sp = sp_of(slots);
       }
-      quantise(s.cat, s.mode, ch, a.data(), au.data(), s.E, s.whole, num, den, g, base.data(),
+      quantise(s.cat, s.mode, ch, a.data(), au.data(), s.E, s.whole, sp, base.data(),
                s.shift, off, r.block, s.acc);
     }
     // Fold the float lanes before they lose precision or the counts could wrap.
