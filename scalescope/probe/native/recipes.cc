@@ -268,6 +268,28 @@ void vector_maxima(const float* a, int64_t n, float* out) {
   }
 }
 
+// out[i] = max(in[2i], in[2i + 1]) for i < round_up(n, kL) (in: 2 * round_up(n, kL)
+// entries).
+void pair_maxima(const float* in, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi odd = even + 1;
+#elif defined(__AVX__)
+  const vi even = {0, 2, 4, 6, 8, 10, 12, 14};
+  const vi odd = even + 1;
+#else
+  const vi even = {0, 2, 4, 6};
+  const vi odd = even + 1;
+#endif
+  for (int64_t i = 0; i < n; i += kL) {
+    const vf x = load(in + 2 * i), y = load(in + 2 * i + kL);
+    store(out + i, mx(__builtin_shuffle(x, y, even), __builtin_shuffle(x, y, odd)));
+  }
+}
+
+// Block sizes of up to 2^(kLevels - 1) vectors find their maxima through pair_maxima.
+constexpr int kLevels = 6;
+
 // An element format, for rounding float32 lanes: normal range by integer rounding of the
 // dropped mantissa bits, subnormal range by adding a number whose step is the format's.
 struct ElemV {
@@ -519,20 +541,35 @@ inline int64_t gcd(int64_t a, int64_t b) { return b == 0 ? a : gcd(b, a % b); }
 // Elements [c0, c0 + n) of row `row` as magnitudes (zeros, float32 subnormals and
 // non-finite elements as 0) into a and in units of 2^-k into au, zero-padded to a
 // multiple of kL; counts the zero lanes into `zeros` (negated).
+// n float32 elements from `start` of the value: read where they are (float32 values), or
+// widened into buf; the caller reads whole vectors below n & -kL and the rest by `tail`.
+inline const float* elements(const Value& v, int64_t start, int64_t n, float* buf) {
+  if (v.in.dtype == ffi::DataType::F32) return static_cast<const float*>(v.in.data) + start;
+  v.in.load(start, n, buf);
+  return buf;
+}
+// The elements [i, n) of src (fewer than kL), zero-padded to a vector.
+inline vf tail(const float* src, int64_t i, int64_t n) {
+  float t[kL] = {};
+  std::memcpy(t, src + i, (n - i) * sizeof(float));
+  return load(t);
+}
+
 inline void load_row(const Value& v, int64_t row, int64_t c0, int64_t n, float unit_k, float* a,
                      float* au, vi& zeros) {
-  v.in.load(row * v.length + c0, n, a);
-  const int64_t np = round_up(n, kL);
-  std::fill(a + n, a + np, 0.0f);
+  const float* src = elements(v, row * v.length + c0, n, a);
+  const int64_t np = round_up(n, kL), nf = n / kL * kL;
   const vf unit = splat(unit_k), lo = splat(kFltMin), hi = splat(kFltMax);
-  for (int64_t i = 0; i < np; i += kL) {
-    const vf m = (vf)((vu)load(a + i) & 0x7fffffffu);
+  auto one = [&](int64_t i, vf d) {
+    const vf m = (vf)((vu)d & 0x7fffffffu);
     const vi keep = (m >= lo) & (m <= hi);
     const vf x = keep ? m : vf{};
     zeros += ~keep;
     store(a + i, x);
     store(au + i, x * unit);
-  }
+  };
+  for (int64_t i = 0; i < nf; i += kL) one(i, load(src + i));
+  if (nf < np) one(nf, tail(src, nf, n));
 }
 
 // The float32 tensor factor of a rule: 448 / amax (e4m3_tensor), 448 * 6 / amax (NVFP4's
@@ -565,15 +602,25 @@ void scan(const Value& v, const Recipe* tile, float& amax, int64_t& n_inf,
         const int64_t n = std::min(seg, v.length - c), np = round_up(n, kL);
         if (tile) std::fill(colmax.begin(), colmax.begin() + np, 0.0f);
         for (int64_t r = g * tr; r < r1; ++r) {
-          v.in.load((o * v.rows + r) * v.length + c, n, buf.data());
-          std::fill(buf.data() + n, buf.data() + np, 0.0f);
-          for (int64_t i = 0; i < np; i += kL) {
-            const vf x = (vf)((vu)load(buf.data() + i) & 0x7fffffffu);
+          const float* src = elements(v, (o * v.rows + r) * v.length + c, n, buf.data());
+          const int64_t nf = n / kL * kL;
+          auto one = [&](int64_t i, vf d) {
+            const vf x = (vf)((vu)d & 0x7fffffffu);
             infs += x == inf;
             const vi fin = x <= big;
             m = fin & (x > m) ? x : m;
             if (tile) store(colmax.data() + i, mx(load(colmax.data() + i), fin ? x : vf{}));
+          };
+          if (tile) {
+            for (int64_t i = 0; i < nf; i += kL) one(i, load(src + i));
+          } else {
+            for (int64_t i = 0; i < nf; i += kL) {
+              const vf x = (vf)((vu)load(src + i) & 0x7fffffffu);
+              infs += x == inf;
+              m = (x <= big) & (x > m) ? x : m;
+            }
           }
+          if (nf < np) one(nf, tail(src, nf, n));
         }
         if (tile) {
           float* out = tmax.data() + (o * groups + g) * ncb + c / tb;
@@ -760,7 +807,7 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
       s.t.flush = q[0] == 0;
       s.t.smax = s.t.smin = s.whole.key;
     } else {
-      s.mode = (sh >= 0 && lcm <= (int64_t{1} << 20)) ? kShift : kLane;
+      s.mode = (sh >= 0 && sh < kLevels && lcm <= (int64_t{1} << 20)) ? kShift : kLane;
       s.shift = sh;
       s.vpb = sh >= 0 ? r.block / kL : 0;
       if (r.rows > 1) {
@@ -777,7 +824,7 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
         s.tiles.resize(round_up(n, kL) + kL);
         scales(r, s.E, m.data(), round_up(n, kL), s.enc, k, s.tiles, s.bl);
       } else {
-        need_vmax |= s.mode == kShift && s.vpb > 0;
+        need_vmax |= s.mode == kShift;
       }
     }
   }
@@ -788,19 +835,54 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
   const int64_t per_chunk =
       v.length <= seg ? std::max<int64_t>(1, kChunk / round_up(n_max, kL)) : 1;
   const int64_t cap = round_up(per_chunk * round_up(n_max, kL), kL * kL);
-  std::vector<float> a(cap), au(cap), vmax(cap / kL), bmax(cap / kL + kL);
+  std::vector<float> a(cap), au(cap), bmax(cap / kL + kL);
   std::vector<int64_t> base(per_chunk);
   Slots slots;
   slots.resize(cap / kL + 2 * kL);
   const float unit_k = pow2f(-k);
   int64_t zeros = 0, since_fold = 0;
 
+  // Abs-maxima of blocks of 2^t vectors of the chunk's rows (nrows rows of vr vectors),
+  // [row][block], computed once per chunk for all recipes of that block size: pairs of
+  // the next smaller ones where every row has whole pairs, else from the vectors'.
+  std::vector<float> levels[kLevels];
+  for (auto& l : levels) l.assign(cap / kL + 2 * kL, 0.0f);
+  bool level_done[kLevels] = {};
+  auto level_maxima = [&](int t, int64_t nrows, int64_t vr) -> float* {
+    for (int u = 1; u <= t; ++u) {  // level 0 is always done
+      if (level_done[u]) continue;
+      level_done[u] = true;
+      float* out = levels[u].data();
+      const int64_t vpb = int64_t{1} << u, spr = (vr + vpb - 1) / vpb, n_out = nrows * spr;
+      if (vr % vpb == 0) {
+        pair_maxima(levels[u - 1].data(), n_out, out);
+      } else {
+        for (int64_t j = 0; j < nrows; ++j) {
+          const float* src = levels[0].data() + j * vr;
+          for (int64_t b = 0; b < spr; ++b) {
+            float m = 0;
+            for (int64_t q = b * vpb; q < std::min(vr, (b + 1) * vpb); ++q) {
+              m = std::max(m, src[q]);
+            }
+            out[j * spr + b] = m;
+          }
+        }
+      }
+      std::fill(out + n_out, out + round_up(n_out, 2 * kL), 0.0f);
+    }
+    return levels[t].data();
+  };
+
   auto process = [&](const Chunk& ch) {
     const int64_t used = ch.nrows * ch.stride;
     const int64_t vr = ch.stride / kL;
+    std::fill(level_done, level_done + kLevels, false);
     if (need_vmax) {
       std::fill(a.begin() + used, a.begin() + round_up(used, kL * kL), 0.0f);
-      vector_maxima(a.data(), round_up(used / kL, kL), vmax.data());
+      vector_maxima(a.data(), round_up(used / kL, kL), levels[0].data());
+      std::fill(levels[0].data() + round_up(used / kL, kL),
+                levels[0].data() + round_up(used / kL, 2 * kL), 0.0f);
+      level_done[0] = true;
     }
     for (int i = 0; i < nr; ++i) {
       RecipeState& s = st[i];
@@ -824,22 +906,9 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
         // The blocks' abs-maxima, from the vectors' (kShift) or from the elements (kLane).
         int64_t spr;
         float* m;
-        if (s.mode == kShift && s.vpb == 1) {
-          spr = vr;
-          m = vmax.data();
-        } else if (s.mode == kShift) {
+        if (s.mode == kShift) {
           spr = (vr + s.vpb - 1) / s.vpb;
-          m = bmax.data();
-          for (int64_t j = 0; j < ch.nrows; ++j) {
-            const float* src = vmax.data() + j * vr;
-            for (int64_t b = 0; b < spr; ++b) {
-              float t = 0;
-              for (int64_t q = b * s.vpb; q < std::min(vr, (b + 1) * s.vpb); ++q) {
-                t = std::max(t, src[q]);
-              }
-              m[j * spr + b] = t;
-            }
-          }
+          m = level_maxima(s.shift, ch.nrows, vr);
         } else {
           spr = (ch.n + r.block - 1) / r.block;
           if (int64_t(bmax.size()) < ch.nrows * spr + kL) bmax.resize(ch.nrows * spr + kL);
