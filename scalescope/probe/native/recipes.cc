@@ -389,6 +389,10 @@ struct Acc {
   vi zq{}, over{};
 };
 
+// Elements between folds of the float32 lanes into double totals: 2^16 per lane (as many
+// as 16 lanes every 2^20 elements).
+constexpr int64_t kFold = int64_t{kL} << 16;
+
 struct Totals {
   double err2 = 0;
   double smax = -std::numeric_limits<double>::infinity();
@@ -776,11 +780,17 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
 
   RecipeState st[kMaxRecipes];
   // Columns per chunk segment: a multiple of every 1-D block size (blocks never straddle
-  // segments) and of the tile widths (whole vectors of a tile share its scale).
+  // segments), and of the tile widths where that keeps it small (whole vectors of a tile
+  // then share its scale).
   int64_t lcm = kL;
   for (int i = 0; i < nr; ++i) {
     const int64_t b = recipes[i].block;
-    if (b > 0 && lcm <= (int64_t{1} << 20)) lcm = lcm / gcd(lcm, b) * b;
+    if (b > 0 && recipes[i].rows == 1) lcm = lcm / gcd(lcm, b) * b;
+  }
+  for (int i = 0; i < nr; ++i) {
+    const int64_t b = recipes[i].block;
+    const int64_t with = b > 0 ? lcm / gcd(lcm, b) * b : lcm;
+    if (recipes[i].rows > 1 && with <= std::max<int64_t>(lcm, 1 << 16)) lcm = with;
   }
   constexpr int64_t kChunk = 4096;  // floats per chunk (L1-resident with their units)
   const int64_t seg = std::max(lcm, kChunk / lcm * lcm);
@@ -807,7 +817,8 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
       s.t.flush = q[0] == 0;
       s.t.smax = s.t.smin = s.whole.key;
     } else {
-      s.mode = (sh >= 0 && sh < kLevels && lcm <= (int64_t{1} << 20)) ? kShift : kLane;
+      const bool whole_vectors = r.rows > 1 ? seg % r.block == 0 : sh < kLevels;
+      s.mode = sh >= 0 && whole_vectors ? kShift : kLane;
       s.shift = sh;
       s.vpb = sh >= 0 ? r.block / kL : 0;
       if (r.rows > 1) {
@@ -935,7 +946,7 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
                s.shift, off, r.block, s.acc);
     }
     // Fold the float lanes before they lose precision or the counts could wrap.
-    if (since_fold >= (int64_t{1} << 20)) {
+    if (since_fold >= kFold) {
       for (int i = 0; i < nr; ++i) st[i].t.fold(st[i].acc);
       since_fold = 0;
     }
@@ -952,7 +963,7 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
                  au.data() + ch.nrows * stride, z);
         ++ch.nrows;
         ++row;
-        if ((since_fold += v.length) >= (int64_t{1} << 20)) break;
+        if ((since_fold += v.length) >= kFold) break;
       }
       zeros += hcount(z);
       process(ch);
