@@ -338,33 +338,70 @@ inline int cat_of(int rule) {
 
 // Magnitudes va (>= 0) quantised to the element grid as va * num / den; `over` gets the
 // lanes that clip (their exact scaled value above the format's max).
+// NVFP4's element rounding, exact for every lane: y = d * S_enc / s_b with p + rr the
+// exact product d * S_enc. Its float32 approximation y0 (the rounded product p times the
+// rounded 1 / s_b, within a few float32 steps of y) lies between the right two E2M1
+// neighbours except where y is that close to one of them, g, and then either pair has g
+// as an end and gives it; the exact product is compared with the pair's midpoint times
+// s_b (exact: a few significant bits each).
+inline vf nv_exact(vf p, vf rr, vf y0, vf den) {
+  const vf half = splat(0.5f), one = splat(1.0f), six = splat(6.0f);
+  // Lower neighbour on the E2M1 grid (step 0.5 below 2, then a quarter of the binade).
+  const vu yb = (vu)y0;
+  const vf lo_n = (vf)(yb & 0xffc00000u);  // keep one mantissa bit: floor in [1, 8)
+  const vf y2 = y0 < one ? y0 * 2.0f : vf{};  // below 1: the step is 0.5
+  const vf lo_s = __builtin_convertvector(__builtin_convertvector(y2, vi), vf) * 0.5f;
+  vf lo = y0 >= one ? lo_n : lo_s;
+  lo = lo < six ? lo : six;
+  const vf step = lo >= one ? (vf)(((vu)lo & 0x7f800000u)) * half : half;
+  const vf hi = lo + step;
+  const vf c = (lo + hi) * half * den;  // the decision point, exact
+  const vi lo_even = lo >= one ? (vi)((((vu)lo >> 22) & 1u) == 0u) : (lo == 0);
+  const vi up = (p > c) | ((p == c) & ((rr > 0) | ((rr == 0) & ~lo_even)));
+  const vf q = up ? hi : lo;
+  return q < six ? q : six;
+}
+
+// Whether any lane of a mask is set.
+inline bool any(vi m) {
+#if defined(__AVX512F__)
+  __m512i x;
+  std::memcpy(&x, &m, sizeof x);
+  return _mm512_test_epi32_mask(x, x) != 0;
+#elif defined(__AVX__)
+  __m256i x;
+  std::memcpy(&x, &m, sizeof x);
+  return !_mm256_testz_si256(x, x);
+#else
+  int64_t t[kL / 2];
+  std::memcpy(t, &m, sizeof t);
+  int64_t o = 0;
+  for (int j = 0; j < kL / 2; ++j) o |= t[j];
+  return o != 0;
+#endif
+}
+
+// Magnitudes va (>= 0) quantised to the element grid as va * num / den; `over` gets the
+// lanes that clip (their exact scaled value above the format's max).
 template <int kCat>
 inline __attribute__((always_inline)) vf quant(vf va, vf num, vf den, vf rden,
                                                const ElemV& E, vi& over) {
   if (kCat == kCatNv) {
-    // y = d * S_enc / s_b. Its float32 approximation y0 (the rounded product p times
-    // the rounded 1 / s_b, within a few float32 steps of y) lies between the right two
-    // E2M1 neighbours except where y is that close to one of them, g, and then either
-    // pair has g as an end and gives it; the exact product p + rr is compared with the
-    // pair's midpoint times s_b (exact: a few significant bits each).
-    const vf half = splat(0.5f), one = splat(1.0f), six = splat(6.0f);
+    // y0 rounded as it is (E is E2M1) unless it lies within a few float32 steps of a
+    // midpoint of the grid, where y0's error could decide: those vectors take nv_exact.
     const vf p = va * num;
     const vf rr = residual(va, num, p);
     const vf y0 = p * rden;
-    // Lower neighbour on the E2M1 grid (step 0.5 below 2, then a quarter of the binade).
-    const vu yb = (vu)y0;
-    const vf lo_n = (vf)(yb & 0xffc00000u);  // keep one mantissa bit: floor in [1, 8)
-    const vf y2 = y0 < one ? y0 * 2.0f : vf{};  // below 1: the step is 0.5
-    const vf lo_s = __builtin_convertvector(__builtin_convertvector(y2, vi), vf) * 0.5f;
-    vf lo = y0 >= one ? lo_n : lo_s;
-    lo = lo < six ? lo : six;
-    const vf step = lo >= one ? (vf)(((vu)lo & 0x7f800000u)) * half : half;
-    const vf hi = lo + step;
-    const vf c = (lo + hi) * half * den;  // the decision point, exact
-    const vi lo_even = lo >= one ? (vi)((((vu)lo >> 22) & 1u) == 0u) : (lo == 0);
-    const vi up = (p > c) | ((p == c) & ((rr > 0) | ((rr == 0) & ~lo_even)));
-    vf q = up ? hi : lo;
-    q = q < six ? q : six;
+    const vu b = (vu)y0;
+    const vu rn = (b + (E.half_bit - 1) + ((b >> E.shift) & 1u)) & E.keep;
+    const vf qs = (y0 + E.magic) - E.magic;
+    const vi normal = y0 >= E.min_normal;
+    vf q = normal ? (vf)rn : qs;
+    q = q < E.max ? q : splat(E.max);
+    const vi near_n = (vi)(((b & E.low) - (E.half_bit - 8u)) <= 16u);
+    const vf ds = (vf)((vu)(y0 - qs) & 0x7fffffffu);
+    const vi near_s = ds >= E.half_sub - 0x1p-21f;
+    if (__builtin_expect(any(normal ? near_n : near_s), 0)) q = nv_exact(p, rr, y0, den);
     const vf lim = den * 6.0f;
     over = (p > lim) | ((p == lim) & (rr > 0));
     return q;
