@@ -410,7 +410,14 @@ inline __attribute__((always_inline)) vf quant(vf va, vf num, vf den, vf rden,
     const vf rr = residual(va, num, y);
     const vf mxv = splat(E.max);
     over = (y > mxv) | ((y == mxv) & (rr > 0));
-    return round_v<true>(y, rr, E);
+    // The residual decides only where y is a tie of the grid (rare): those vectors take
+    // round_v<true>.
+    const vu b = (vu)y;
+    const vf qs = (y + E.magic) - E.magic;
+    const vi tie = y >= E.min_normal ? (vi)((b & E.low) == E.half_bit)
+                                     : (vi)((vf)((vu)(y - qs) & 0x7fffffffu) == E.half_sub);
+    if (__builtin_expect(any(tie), 0)) return round_v<true>(y, rr, E);
+    return round_v<false>(y, vf{}, E);
   } else {
     const vf y = va * num;
     over = y > splat(E.max);
