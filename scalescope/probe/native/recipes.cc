@@ -482,23 +482,73 @@ struct Slots {  // scales per block of the chunk (1-D blocks) or of the value (t
 // a time: a vector of doubles as wide as the CPU's.
 typedef double vdh __attribute__((vector_size(4 * kL)));
 typedef uint64_t vuh __attribute__((vector_size(4 * kL)));
+typedef int64_t vih __attribute__((vector_size(4 * kL)));
 typedef float vfh __attribute__((vector_size(2 * kL)));
-inline void nv_scales(vf a, float enc, double unit, vf& sb_out, vf& g_out) {
+
+// What NVFP4's block scales need once per value: S_enc, 2^-k, and for g the quotients
+// RN(m / S_enc) * 2^-k of the eight E4M3 significands m = 1 + j / 8 (a block scale
+// s_b = m 2^e has RN(s_b / S_enc) = 2^e RN(m / S_enc): no division per block).
+struct NvConst {
+  float enc;
+  double unit;
+  double quot[8];
+};
+NvConst nv_const(float enc, int k) {
+  NvConst c;
+  c.enc = enc;
+  c.unit = double(pow2f(-k));
+  for (int j = 0; j < 8; ++j) c.quot[j] = (1.0 + j / 8.0) / double(enc) * c.unit;
+  return c;
+}
+
+inline void nv_scales(vf a, const NvConst& c, vf& sb_out, vf& g_out) {
   constexpr int kH = kL / 2;
   const uint64_t shift = 52 - kE4m3.mant, one = 1;
+  const uint64_t half = one << (shift - 1), low = (one << shift) - 1;
   const double magic = kE4m3.min_sub * 0x1p52;
+  // round_to(p, E4M3) lane by lane
+  auto e4m3 = [&](vdh p) {
+    const vuh b = (vuh)p;
+    const vuh rn = (b + (half - 1) + ((b >> shift) & one)) & ~low;
+    const vdh qs = (p + magic) - magic;
+    const vdh sb = p >= kE4m3.min_normal ? (vdh)rn : qs;
+    return sb < kE4m3.max ? sb : kE4m3.max - vdh{};
+  };
   for (int h = 0; h < 2; ++h) {
     vfh ah;
     std::memcpy(&ah, reinterpret_cast<const float*>(&a) + h * kH, sizeof ah);
-    const vdh p = __builtin_convertvector(ah, vdh) * double(enc) / 6.0;
-    const vuh b = (vuh)p;
-    const vuh rn = (b + ((one << (shift - 1)) - 1) + ((b >> shift) & one)) & ~((one << shift) - 1);
-    const vdh qs = (p + magic) - magic;
-    vdh sb = p >= kE4m3.min_normal ? (vdh)rn : qs;
-    sb = sb < kE4m3.max ? sb : kE4m3.max - vdh{};
-    const vdh den = sb == 0 ? 1.0 - vdh{} : sb;
+    const vdh x = __builtin_convertvector(ah, vdh) * double(c.enc);  // exact
+    // x / 6 within a few double steps, unless near a midpoint of the E4M3 grid where
+    // only the rounded quotient itself decides as scale_of does (rare).
+    const vdh t = x * (1.0 / 6.0);
+    const vuh tb = (vuh)t;
+    const vdh ds = t - ((t + magic) - magic);
+    const vih near = t >= kE4m3.min_normal ? (vih)(((tb & low) - (half - 16)) <= 32u)
+                                           : (vih)((ds >= kE4m3.min_sub / 2 * (1 - 0x1p-40)) |
+                                                   (ds <= -kE4m3.min_sub / 2 * (1 - 0x1p-40)));
+    bool any_near = false;
+    for (int j = 0; j < kH; ++j) any_near |= near[j] != 0;
+    vdh q6 = t;
+    if (__builtin_expect(any_near, 0)) q6 = x / 6.0;
+    const vdh sb = e4m3(q6);
     const vfh sbf = __builtin_convertvector(sb, vfh);
-    const vfh gf = __builtin_convertvector(den / double(enc) * unit, vfh);
+    // g = RN(den / S_enc) * 2^-k with den = s_b, or 1 where s_b is 0.
+#if defined(__AVX512F__)
+    const vuh db = (vuh)(sb == 0 ? 1.0 - vdh{} : sb);
+    __m512i idx;
+    const vuh j3 = (db >> 49) & 7u;
+    std::memcpy(&idx, &j3, sizeof idx);
+    __m512d tab;
+    std::memcpy(&tab, c.quot, sizeof tab);
+    const __m512d qv = _mm512_permutexvar_pd(idx, tab);
+    vdh quot;
+    std::memcpy(&quot, &qv, sizeof quot);
+    const vdh p2 = (vdh)(db & 0x7ff0000000000000u);  // 2^e
+    const vfh gf = __builtin_convertvector(quot * p2, vfh);
+#else
+    const vdh den = sb == 0 ? 1.0 - vdh{} : sb;
+    const vfh gf = __builtin_convertvector(den / double(c.enc) * c.unit, vfh);
+#endif
     std::memcpy(reinterpret_cast<float*>(&sb_out) + h * kH, &sbf, sizeof sbf);
     std::memcpy(reinterpret_cast<float*>(&g_out) + h * kH, &gf, sizeof gf);
   }
@@ -508,14 +558,14 @@ inline void nv_scales(vf a, float enc, double unit, vf& sb_out, vf& g_out) {
 // without non-zero finite elements, which is not counted) into num, den, g (as many
 // entries), and the blocks' counters: non-empty, flushed (the abs-max quantises to zero),
 // and the range of their scales' keys.
-void scales(const Recipe& r, const ElemV& E, const float* m, int64_t n, float enc, int k,
-            Slots& out, BlockLanes& bl) {
-  const int rule = r.rule;
+template <int rule>
+void scales_rule(const Recipe& r, const ElemV& E, const float* m, int64_t n, float enc, int k,
+                 Slots& out, BlockLanes& bl) {
   const int emax = r.el.emax;
   const vf fmax = splat(static_cast<float>(r.el.max)), top = splat(pow2f(emax));
   const vf zero{};
   const BlockScale t = rule == kTensor ? scale_of(r, 1.0f, enc, k) : BlockScale{};
-  const double unit = double(pow2f(-k));
+  const NvConst nc = rule == kNvfp4 ? nv_const(enc, k) : NvConst{};
   for (int64_t i = 0; i < n; i += kL) {
     const vf a = load(m + i);
     const vi has = a > zero;
@@ -527,7 +577,7 @@ void scales(const Recipe& r, const ElemV& E, const float* m, int64_t n, float en
       key = zero;  // constant: set from t.key at the end
     } else if (rule == kNvfp4) {
       vf sbf, gf;
-      nv_scales(a, enc, unit, sbf, gf);
+      nv_scales(a, nc, sbf, gf);
       const vi zs = sbf == zero;  // s_b rounded to 0: the block quantises to 0
       vnum = zs ? zero : splat(enc);
       vden = zs ? splat(1.0f) : sbf;
@@ -560,21 +610,28 @@ void scales(const Recipe& r, const ElemV& E, const float* m, int64_t n, float en
     store(out.rden.data() + i, vrden);
     store(out.g.data() + i, vg);
     vi dummy;
-    vf q;
-    switch (cat_of(rule)) {
-      case kCatNv:
-        q = quant<kCatNv>(a, vnum, vden, vrden, E, dummy);
-        break;
-      case kCatExact:
-        q = quant<kCatExact>(a, vnum, vden, vrden, E, dummy);
-        break;
-      default:
-        q = quant<kCatPow2>(a, vnum, vden, vrden, E, dummy);
-    }
+    const vf q = quant<rule == kNvfp4 ? kCatNv : rule == kTensor ? kCatExact : kCatPow2>(
+        a, vnum, vden, vrden, E, dummy);
     bl.blocks += has;
     bl.flush += has & (q == zero);
     bl.kmax = ok ? mx(bl.kmax, key) : bl.kmax;
     bl.kmin = ok ? mn(bl.kmin, key) : bl.kmin;
+  }
+}
+
+void scales(const Recipe& r, const ElemV& E, const float* m, int64_t n, float enc, int k,
+            Slots& out, BlockLanes& bl) {
+  switch (r.rule) {
+    case kTensor:
+      return scales_rule<kTensor>(r, E, m, n, enc, k, out, bl);
+    case kMxFloor:
+      return scales_rule<kMxFloor>(r, E, m, n, enc, k, out, bl);
+    case kMxRceil:
+      return scales_rule<kMxRceil>(r, E, m, n, enc, k, out, bl);
+    case kNvfp4:
+      return scales_rule<kNvfp4>(r, E, m, n, enc, k, out, bl);
+    default:
+      return scales_rule<kPow2Floor>(r, E, m, n, enc, k, out, bl);
   }
 }
 
