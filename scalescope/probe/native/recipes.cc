@@ -295,6 +295,8 @@ constexpr int kLevels = 6;
 struct ElemV {
   uint32_t shift, half_bit, low, keep;
   float max, min_normal, magic, half_sub;
+  uint32_t cshift;  // (23 - mantissa bits) << 23: 2^e's bits to the grid step's magic number
+  bool fast;        // values below 2^(emax + 1) have magic numbers below float32's max
 };
 
 ElemV elem_v(const Elem& el) {
@@ -307,6 +309,8 @@ ElemV elem_v(const Elem& el) {
   e.min_normal = static_cast<float>(el.min_normal);
   e.magic = static_cast<float>(el.min_sub * 0x1p23);
   e.half_sub = static_cast<float>(el.min_sub / 2);
+  e.cshift = uint32_t(23 - el.mant) << 23;
+  e.fast = el.emax + 23 - el.mant <= 126;
   return e;
 }
 
@@ -331,9 +335,10 @@ inline vf round_v(vf y, vf r, const ElemV& E) {
 
 // How a rule quantises elements: a power-of-two scale (d * num exact), an FP32 scale
 // (d * num carries its residual), NVFP4 (d * enc / s_b).
-enum Cat { kCatPow2 = 0, kCatExact = 1, kCatNv = 2 };
-inline int cat_of(int rule) {
-  return rule == kTensor ? kCatExact : rule == kNvfp4 ? kCatNv : kCatPow2;
+// (kCatPow2Wide: a power-of-two scale for element formats too wide for round_fast.)
+enum Cat { kCatPow2 = 0, kCatExact = 1, kCatNv = 2, kCatPow2Wide = 3 };
+inline int cat_of(int rule, const ElemV& E) {
+  return rule == kTensor ? kCatExact : rule == kNvfp4 ? kCatNv : E.fast ? kCatPow2 : kCatPow2Wide;
 }
 
 // Magnitudes va (>= 0) quantised to the element grid as va * num / den; `over` gets the
@@ -418,6 +423,14 @@ inline __attribute__((always_inline)) vf quant(vf va, vf num, vf den, vf rden,
                                      : (vi)((vf)((vu)(y - qs) & 0x7fffffffu) == E.half_sub);
     if (__builtin_expect(any(tie), 0)) return round_v<true>(y, rr, E);
     return round_v<false>(y, vf{}, E);
+  } else if (kCat == kCatPow2) {
+    // y < 2^(emax + 1) (every power-of-two rule keeps the block's abs-max below it):
+    // y + c, with c = 2^(e + 23 - mant) for y in [2^e, 2^(e + 1)) (the grid step's magic
+    // number; the subnormal range's below it), rounds y to the grid, nearest even.
+    const vf y = va * num;
+    over = y > splat(E.max);
+    const vf c = mx((vf)(((vu)y & 0x7f800000u) + E.cshift), splat(E.magic));
+    return mn((y + c) - c, splat(E.max));
   } else {
     const vf y = va * num;
     over = y > splat(E.max);
@@ -455,6 +468,7 @@ struct Totals {
 // Per-lane block counters of one recipe (scales of many blocks at once).
 struct BlockLanes {
   vi blocks{}, flush{};
+  vi clips{};  // blocks whose abs-max clips (only their elements can)
   vf kmax = splat(-kInf), kmin = splat(kInf);
 
   void fold(Totals& t) {
@@ -464,6 +478,12 @@ struct BlockLanes {
     if (hi > -kInf) t.smax = std::max(t.smax, double(hi));
     if (lo < kInf) t.smin = std::min(t.smin, double(lo));
     *this = BlockLanes{};
+  }
+  // Whether any block since the last call clips; then forgets.
+  bool take_clips() {
+    const bool c = any(clips);
+    clips = vi{};
+    return c;
   }
 };
 
@@ -610,8 +630,17 @@ void scales_rule(const Recipe& r, const ElemV& E, const float* m, int64_t n, flo
     store(out.rden.data() + i, vrden);
     store(out.g.data() + i, vg);
     vi dummy;
-    const vf q = quant<rule == kNvfp4 ? kCatNv : rule == kTensor ? kCatExact : kCatPow2>(
-        a, vnum, vden, vrden, E, dummy);
+    vf q;
+    if (rule == kNvfp4) {
+      q = quant<kCatNv>(a, vnum, vden, vrden, E, dummy);
+    } else if (rule == kTensor) {
+      q = quant<kCatExact>(a, vnum, vden, vrden, E, dummy);
+    } else if (E.fast) {
+      q = quant<kCatPow2>(a, vnum, vden, vrden, E, dummy);
+    } else {
+      q = quant<kCatPow2Wide>(a, vnum, vden, vrden, E, dummy);
+    }
+    bl.clips |= has & dummy;
     bl.blocks += has;
     bl.flush += has & (q == zero);
     bl.kmax = ok ? mx(bl.kmax, key) : bl.kmax;
@@ -760,10 +789,12 @@ struct Chunk {
 };
 
 // One recipe over one chunk: every element quantised, errors and counts into acc.
-template <int kCat, int kMode>
+// One recipe over one chunk: every element quantised, errors and counts into acc
+// (clipped elements only with kOver: without, no block of the chunk clips).
+template <int kCat, int kMode, bool kOver>
 void quantise_chunk(const Chunk& ch, const float* a, const float* au, const ElemV& E,
-                    const BlockScale& s, const SP& sp,
-                    const int64_t* base, int shift, int64_t off, int64_t block, Acc& acc) {
+                    const BlockScale& s, const SP& sp, const int64_t* base, int shift,
+                    int64_t off, int64_t block, Acc& acc) {
   Acc l = acc;
   const vf zero{};
   const int64_t nv = ch.stride / kL;
@@ -795,8 +826,9 @@ void quantise_chunk(const Chunk& ch, const float* a, const float* au, const Elem
       const vf va = load(pa + v * kL), vau = load(pu + v * kL);
       vi over;
       const vf q = quant<kCat>(va, vnum, vden, vrden, E, over);
-      l.over += over;
-      l.zq += q == zero;
+      // Counts as masked decrements (one instruction with AVX-512 masks).
+      if (kOver) l.over = over ? l.over - 1 : l.over;
+      l.zq = q == zero ? l.zq - 1 : l.zq;
       const vf err = vau - q * vg;
       l.e2 += err * err;
     }
@@ -804,35 +836,49 @@ void quantise_chunk(const Chunk& ch, const float* a, const float* au, const Elem
   acc = l;
 }
 
-template <int kCat>
-void quantise_cat(int mode, const Chunk& ch, const float* a, const float* au, const ElemV& E,
-                  const BlockScale& s, const SP& sp,
-                  const int64_t* base, int shift, int64_t off, int64_t block, Acc& acc) {
+template <int kCat, bool kOver>
+void quantise_mode(int mode, const Chunk& ch, const float* a, const float* au, const ElemV& E,
+                   const BlockScale& s, const SP& sp, const int64_t* base, int shift,
+                   int64_t off, int64_t block, Acc& acc) {
   switch (mode) {
     case kConst:
-      return quantise_chunk<kCat, kConst>(ch, a, au, E, s, sp, base, shift, off, block,
-                                          acc);
+      return quantise_chunk<kCat, kConst, kOver>(ch, a, au, E, s, sp, base, shift, off, block,
+                                                 acc);
     case kShift:
-      return quantise_chunk<kCat, kShift>(ch, a, au, E, s, sp, base, shift, off, block,
-                                          acc);
+      return quantise_chunk<kCat, kShift, kOver>(ch, a, au, E, s, sp, base, shift, off, block,
+                                                 acc);
     default:
-      return quantise_chunk<kCat, kLane>(ch, a, au, E, s, sp, base, shift, off, block,
-                                         acc);
+      return quantise_chunk<kCat, kLane, kOver>(ch, a, au, E, s, sp, base, shift, off, block,
+                                                acc);
   }
 }
 
-void quantise(int cat, int mode, const Chunk& ch, const float* a, const float* au,
-              const ElemV& E, const BlockScale& s, const SP& sp, const int64_t* base, int shift, int64_t off, int64_t block,
-              Acc& acc) {
+template <int kCat>
+void quantise_cat(int mode, bool clips, const Chunk& ch, const float* a, const float* au,
+                  const ElemV& E, const BlockScale& s, const SP& sp, const int64_t* base,
+                  int shift, int64_t off, int64_t block, Acc& acc) {
+  if (clips) {
+    quantise_mode<kCat, true>(mode, ch, a, au, E, s, sp, base, shift, off, block, acc);
+  } else {
+    quantise_mode<kCat, false>(mode, ch, a, au, E, s, sp, base, shift, off, block, acc);
+  }
+}
+
+void quantise(int cat, int mode, bool clips, const Chunk& ch, const float* a, const float* au,
+              const ElemV& E, const BlockScale& s, const SP& sp, const int64_t* base, int shift,
+              int64_t off, int64_t block, Acc& acc) {
   switch (cat) {
     case kCatNv:
-      return quantise_cat<kCatNv>(mode, ch, a, au, E, s, sp, base, shift, off, block,
+      return quantise_cat<kCatNv>(mode, clips, ch, a, au, E, s, sp, base, shift, off, block,
                                   acc);
     case kCatExact:
-      return quantise_cat<kCatExact>(mode, ch, a, au, E, s, sp, base, shift, off,
-                                     block, acc);
+      return quantise_cat<kCatExact>(mode, clips, ch, a, au, E, s, sp, base, shift, off, block,
+                                     acc);
+    case kCatPow2Wide:
+      return quantise_cat<kCatPow2Wide>(mode, clips, ch, a, au, E, s, sp, base, shift, off,
+                                        block, acc);
     default:
-      return quantise_cat<kCatPow2>(mode, ch, a, au, E, s, sp, base, shift, off, block,
+      return quantise_cat<kCatPow2>(mode, clips, ch, a, au, E, s, sp, base, shift, off, block,
                                     acc);
   }
 }
@@ -849,6 +895,7 @@ struct RecipeState {
   const Recipe* r;
   ElemV E;
   int cat, mode, shift;
+  bool clips = true;  // whether a block being quantised may clip
   int64_t vpb;  // vectors per block (kShift)
   float enc;
   BlockScale whole;  // kConst
@@ -901,7 +948,7 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
     RecipeState& s = st[i];
     s.r = &r;
     s.E = elem_v(r.el);
-    s.cat = cat_of(r.rule);
+    s.cat = cat_of(r.rule, s.E);
     s.enc = tensor_factor(r.rule, amax);
     const int sh = r.block % kL == 0 ? log2_exact(r.block / kL) : -1;
     if (r.block == 0) {
@@ -913,7 +960,9 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
                wr = splat(s.whole.rden);
       const vf q = s.cat == kCatNv      ? quant<kCatNv>(am, wn, wd, wr, s.E, over)
                    : s.cat == kCatExact ? quant<kCatExact>(am, wn, wd, wr, s.E, over)
-                                        : quant<kCatPow2>(am, wn, wd, wr, s.E, over);
+                   : s.cat == kCatPow2  ? quant<kCatPow2>(am, wn, wd, wr, s.E, over)
+                                        : quant<kCatPow2Wide>(am, wn, wd, wr, s.E, over);
+      s.clips = over[0] != 0;
       s.t.blocks = 1;
       s.t.flush = q[0] == 0;
       s.t.smax = s.t.smin = s.whole.key;
@@ -935,6 +984,7 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
         const int64_t n = v.outer * s.groups * s.ncb;
         s.tiles.resize(round_up(n, kL) + kL);
         scales(r, s.E, m.data(), round_up(n, kL), s.enc, k, s.tiles, s.bl);
+        s.clips = s.bl.take_clips();
       } else {
         need_vmax |= s.mode == kShift;
       }
@@ -1000,7 +1050,8 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
       RecipeState& s = st[i];
       const Recipe& r = *s.r;
       if (s.mode == kConst) {
-        quantise(s.cat, kConst, ch, a.data(), au.data(), s.E, s.whole, SP{}, nullptr, 0, 0, 1,
+        quantise(s.cat, kConst, s.clips, ch, a.data(), au.data(), s.E, s.whole, SP{}, nullptr, 0,
+                 0, 1,
                  s.acc);
         continue;
       }
@@ -1040,10 +1091,11 @@ void run_job_impl(const Value& v, const Recipe* recipes, int nr, Totals* out) {
         std::fill(m + ns, m + nsp, 0.0f);
         if (int64_t(slots.num.size()) < nsp + kL) slots.resize(nsp + kL);
         scales(r, s.E, m, nsp, s.enc, k, slots, s.bl);
+        s.clips = s.bl.take_clips();
         for (int64_t j = 0; j < ch.nrows; ++j) base[j] = j * spr;
         sp = sp_of(slots);
       }
-      quantise(s.cat, s.mode, ch, a.data(), au.data(), s.E, s.whole, sp, base.data(),
+      quantise(s.cat, s.mode, s.clips, ch, a.data(), au.data(), s.E, s.whole, sp, base.data(),
                s.shift, off, r.block, s.acc);
     }
     // Fold the float lanes before they lose precision or the counts could wrap.
