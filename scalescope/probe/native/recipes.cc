@@ -1267,3 +1267,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeRecipes, RecipesImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScalescopeRecipesAsync, RecipesAsyncImpl,
                               recipes_signature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+// Float32 lanes per vector the kernel was built with (tests tell the builds apart).
+extern "C" int scalescope_recipes_lanes() { return kL; }
