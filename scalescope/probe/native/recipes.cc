@@ -169,10 +169,11 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return x - vf{}; }
 inline vi splat_i(int32_t x) { return x - vi{}; }
 
-// Shuffles of the transposing reduction (see `vector_maxima`): at width w, lanes of two
-// vectors x, y paired so that max(shuffle(x, y, A), shuffle(x, y, B)) keeps half of each.
+// Shuffles of the transposing reduction (see `vector_maxima`): at level l (lane pairs
+// kL / 2^(l+1) apart), lanes of two vectors x, y paired so that max(shuffle(x, y, A),
+// shuffle(x, y, B)) keeps half of each.
 #if defined(__AVX512F__)
-#define SS_MAX_LEVELS 4
+constexpr int kMaxLevels = 4;
 const vi kPickA[4] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
     {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
@@ -183,11 +184,14 @@ const vi kPickB[4] = {
     {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
     {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
     {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
-#define SS_PICK(x, y, level)                                                  \
-  (level == 0   ? mx(__builtin_shuffle(x, y, kPickA[0]), __builtin_shuffle(x, y, kPickB[0])) \
-   : level == 1 ? mx(__builtin_shuffle(x, y, kPickA[1]), __builtin_shuffle(x, y, kPickB[1])) \
-   : level == 2 ? mx(__builtin_shuffle(x, y, kPickA[2]), __builtin_shuffle(x, y, kPickB[2])) \
-                : mx(__builtin_shuffle(x, y, kPickA[3]), __builtin_shuffle(x, y, kPickB[3])))
+#elif defined(__AVX__)
+constexpr int kMaxLevels = 3;
+const vi kPickA[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
+const vi kPickB[3] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
+#else
+constexpr int kMaxLevels = 2;
+const vi kPickA[2] = {{0, 1, 4, 5}, {0, 4, 2, 6}};
+const vi kPickB[2] = {{2, 3, 6, 7}, {1, 5, 3, 7}};
 #endif
 
 inline vf mx(vf a, vf b) { return a > b ? a : b; }
@@ -249,22 +253,18 @@ inline vf residual(vf a, vf b, vf p) {
 // max for every two vectors, instead of a horizontal reduction per vector).
 void vector_maxima(const float* a, int64_t n, float* out) {
   for (int64_t i = 0; i < n; i += kL) {
-#if defined(SS_MAX_LEVELS)
     vf v[kL];
     for (int j = 0; j < kL; ++j) v[j] = load(a + (i + j) * kL);
     int count = kL;
-    for (int level = 0; level < SS_MAX_LEVELS; ++level) {
+    for (int level = 0; level < kMaxLevels; ++level) {
       const int h = count / 2;
-      for (int j = 0; j < h; ++j) v[j] = SS_PICK(v[j], v[j + h], level);
+      for (int j = 0; j < h; ++j) {
+        v[j] = mx(__builtin_shuffle(v[j], v[j + h], kPickA[level]),
+                  __builtin_shuffle(v[j], v[j + h], kPickB[level]));
+      }
       count = h;
     }
     store(out + i, v[0]);
-#else
-    for (int j = 0; j < kL; ++j) {
-      const vf x = load(a + (i + j) * kL);
-      out[i + j] = hmax(x);
-    }
-#endif
   }
 }
 
