@@ -186,8 +186,10 @@ const vi kPickB[4] = {
     {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
 #elif defined(__AVX__)
 constexpr int kMaxLevels = 3;
-const vi kPickA[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
-const vi kPickB[3] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
+const vi kPickA[3] = {
+    {0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
+const vi kPickB[3] = {
+    {4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
 #else
 constexpr int kMaxLevels = 2;
 const vi kPickA[2] = {{0, 1, 4, 5}, {0, 4, 2, 6}};
@@ -314,8 +316,9 @@ ElemV elem_v(const Elem& el) {
   return e;
 }
 
-// y >= 0 rounded to the element grid, nearest even, saturating. With kExact, r is the
-// residual of y's exact value (|r| below y's float32 step) and decides where y is a tie.
+// y >= 0 rounded to the element grid, nearest even, saturating (any y; quant's kCatPow2
+// path is shorter for y below 2^(emax + 1)). With kExact, r is the residual of y's exact
+// value (|r| below y's float32 step) and decides where y is a tie.
 template <bool kExact>
 inline vf round_v(vf y, vf r, const ElemV& E) {
   const vu b = (vu)y;
@@ -341,8 +344,6 @@ inline int cat_of(int rule, const ElemV& E) {
   return rule == kTensor ? kCatExact : rule == kNvfp4 ? kCatNv : E.fast ? kCatPow2 : kCatPow2Wide;
 }
 
-// Magnitudes va (>= 0) quantised to the element grid as va * num / den; `over` gets the
-// lanes that clip (their exact scaled value above the format's max).
 // NVFP4's element rounding, exact for every lane: y = d * S_enc / s_b with p + rr the
 // exact product d * S_enc. Its float32 approximation y0 (the rounded product p times the
 // rounded 1 / s_b, within a few float32 steps of y) lies between the right two E2M1
@@ -672,9 +673,6 @@ struct Value {
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 inline int64_t gcd(int64_t a, int64_t b) { return b == 0 ? a : gcd(b, a % b); }
 
-// Elements [c0, c0 + n) of row `row` as magnitudes (zeros, float32 subnormals and
-// non-finite elements as 0) into a and in units of 2^-k into au, zero-padded to a
-// multiple of kL; counts the zero lanes into `zeros` (negated).
 // n float32 elements from `start` of the value: read where they are (float32 values), or
 // widened into buf; the caller reads whole vectors below n & -kL and the rest by `tail`.
 inline const float* elements(const Value& v, int64_t start, int64_t n, float* buf) {
@@ -689,6 +687,9 @@ inline vf tail(const float* src, int64_t i, int64_t n) {
   return load(t);
 }
 
+// Elements [c0, c0 + n) of row `row` as magnitudes (zeros, float32 subnormals and
+// non-finite elements as 0) into a and in units of 2^-k into au, zero-padded to a
+// multiple of kL; counts the zero lanes into `zeros` (negated).
 inline void load_row(const Value& v, int64_t row, int64_t c0, int64_t n, float unit_k, float* a,
                      float* au, vi& zeros) {
   const float* src = elements(v, row * v.length + c0, n, a);
@@ -781,14 +782,15 @@ enum Mode {
 struct SP {  // where quantise_chunk finds the scales (Slots' arrays)
   const float *num = nullptr, *den = nullptr, *rden = nullptr, *g = nullptr;
 };
-inline SP sp_of(const Slots& s) { return SP{s.num.data(), s.den.data(), s.rden.data(), s.g.data()}; }
+inline SP sp_of(const Slots& s) {
+  return SP{s.num.data(), s.den.data(), s.rden.data(), s.g.data()};
+}
 
 struct Chunk {
   int64_t row0, nrows;  // rows row0 .. row0 + nrows - 1 of the [outer * rows, length] view
   int64_t c0, n, stride;  // columns c0 .. c0 + n - 1 of each, at a stride of `stride` floats
 };
 
-// One recipe over one chunk: every element quantised, errors and counts into acc.
 // One recipe over one chunk: every element quantised, errors and counts into acc
 // (clipped elements only with kOver: without, no block of the chunk clips).
 template <int kCat, int kMode, bool kOver>
