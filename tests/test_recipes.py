@@ -574,3 +574,116 @@ def test_dot_operands_are_blocked_along_the_contracting_axis(kernel, monkeypatch
             for value in (w, v):  # the test tells the axes apart
                 along_k, along_n = recipe_stats(value, recipe, 0), recipe_stats(value, recipe, -1)
                 assert along_k["snr"] != along_n["snr"], recipe
+
+
+# -- the native kernel's code paths against the XLA kernel -----------------------------------
+
+
+def _path_recipes():
+    """The eight recipes and custom ones that take the native kernel's other paths."""
+    from scalescope.core import formats
+    from scalescope.core import recipes as rc
+
+    e4m3, e5m2, bf16 = (formats.get(n) for n in ("e4m3", "e5m2", "bf16"))
+    custom = (
+        rc.Recipe("blocks_24", e4m3, "mx_floor", 24),  # blocks of no whole number of vectors
+        rc.Recipe("nv_8", rc.E2M1, "nvfp4", 8),  # blocks narrower than a vector
+        rc.Recipe("rceil_48", e5m2, "mx_rceil", 48),  # 3 AVX-512 vectors: not a power of two
+        rc.Recipe("tiles_3x24", e4m3, "pow2_floor", 24, rows=3),  # tiles of part vectors
+        rc.Recipe("tiles_4x64", e4m3, "mx_floor", 64, rows=4),  # a second tile recipe
+        rc.Recipe("wide_32", bf16, "mx_floor", 32),  # an element format of float32's range
+        rc.Recipe("tensor_32", e4m3, "tensor", 32),  # the tensor's FP32 scale, blocked
+    )
+    return tuple(rc.get(n) for n in RECIPES) + custom
+
+
+def _path_values() -> dict[str, np.ndarray]:
+    """Values whose shapes take the native kernel's chunking paths."""
+    rng = np.random.default_rng(12)
+    band = lambda shape: np.exp2(rng.integers(-10, 11, shape[:-1] + (1,)))  # noqa: E731
+    d = {
+        # rows longer than a chunk: segments of 4096 and a partial one
+        "long_rows": rng.normal(size=(3, 9000)) * band((3, 9000)),
+        # short rows packed several to a chunk, 65 no multiple of a vector
+        "odd_rows": (rng.standard_t(2, size=(300, 65)), np.float16),
+        # row counts no multiple of the tile rows
+        "tiles": rng.normal(size=(2, 130, 200)) * band((2, 130, 200)),
+        "bytes": (rng.normal(size=(40, 96)) * 8, ml_dtypes.float8_e4m3fn),
+        "tiny": rng.normal(size=(3,)),
+        "scalar": np.float32(3.0),
+        # more than 2^20 elements in short rows: the float lanes are folded between chunks
+        "fold": rng.normal(size=(1100, 1000)),
+    }
+    return {k: np.asarray(*v) if isinstance(v, tuple) else np.asarray(v, F32) for k, v in d.items()}
+
+
+PATH_VALUES = _path_values()
+
+
+@pytest.mark.parametrize("name", PATH_VALUES)
+def test_native_code_paths_match_the_xla_kernel(name):
+    """Counts and scale ranges exactly as the XLA kernel computes them, error sums to
+    float32 summation order, for every chunking path and custom block shapes (the XLA
+    kernel's one-block-per-row design has no such paths)."""
+    from scalescope.probe import recipe_kernel
+
+    if jax.default_backend() != "cpu" or not native.available():
+        pytest.skip("the native kernel is the CPU path")
+    recipes = _path_recipes()
+    x = jax.numpy.asarray(PATH_VALUES[name])
+    nf, ni, nm = (np.asarray(v) for v in native.recipe_raw(x, recipes, None))
+    xla = jax.jit(lambda v: recipe_kernel.recipe_group_raw([(v, None)], recipes))(x)
+    xf, xi, xm = (np.asarray(v)[0] for v in xla)
+    for i, r in enumerate(recipes):
+        label = f"{name}: {r.name}"
+        np.testing.assert_array_equal(ni[4 * i : 4 * i + 4], xi[4 * i : 4 * i + 4], label)
+        exact = r.rule not in ("tensor", "nvfp4")  # else float32 log2 of the scales
+        tol = 0 if exact else 1e-5
+        np.testing.assert_allclose(nm[2 * i : 2 * i + 2], xm[2 * i : 2 * i + 2], 0, tol, label)
+        if r.name != "wide_32":  # its dequantised values underflow the native kernel's units
+            np.testing.assert_allclose(nf[i], xf[i], 1e-4, 1e-10 * x.size, label)
+
+
+_PORTABLE = """
+import json, sys
+import jax, numpy as np
+sys.path.insert(0, {tests!r})
+import test_recipes as t
+from scalescope.probe import native
+assert native.available()
+out = {{"lanes": native.recipe_lanes()}}
+for name in ("long_rows", "odd_rows", "tiles", "fold"):
+    r = native.recipe_raw(jax.numpy.asarray(t.PATH_VALUES[name]), t._path_recipes(), None)
+    out[name] = [np.asarray(v).tolist() for v in r]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_native_portable_build_matches(tmp_path):
+    """The kernel built without -march (4-lane vectors, no FMA: the loader's fallback)
+    gives the same counts and scale ranges as this process's build, and its error sums to
+    float32 summation order."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if jax.default_backend() != "cpu" or not native.available():
+        pytest.skip("the native kernel is the CPU path")
+    env = dict(os.environ, SCALESCOPE_NATIVE_MARCH="none", SCALESCOPE_CACHE=str(tmp_path))
+    env["SCALESCOPE_PROBE_KERNEL"] = "native"
+    code = _PORTABLE.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got.pop("lanes") == 4
+    recipes = _path_recipes()
+    for name, (pf, pi, pm) in got.items():
+        nf, ni, nm = (np.asarray(v) for v in native.recipe_raw(PATH_VALUES[name], recipes, None))
+        np.testing.assert_array_equal(np.asarray(pi), ni, name)
+        np.testing.assert_array_equal(np.asarray(pm, F32), nm, name)
+        np.testing.assert_allclose(np.asarray(pf, F32), nf, 1e-4, 1e-10 * PATH_VALUES[name].size)

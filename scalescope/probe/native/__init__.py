@@ -9,7 +9,9 @@ against the XLA FFI headers that jaxlib ships, and cached (``SCALESCOPE_CACHE`` 
 as it does on GPUs (where XLA's fused reductions are bandwidth-bound).
 
 ``SCALESCOPE_PROBE_KERNEL=xla`` forces the pure-XLA kernel; ``=native`` makes a failed
-build an error instead of a warning.
+build an error instead of a warning. The build tries ``-march=native`` first (the CPU's
+vector width) and then no ``-march``; ``SCALESCOPE_NATIVE_MARCH`` names another target
+(``haswell``) or ``none`` for only the portable build (the tests use it).
 """
 
 from __future__ import annotations
@@ -67,20 +69,34 @@ def _compiler() -> str | None:
     return None
 
 
+def _marches() -> tuple[tuple[str, ...], ...]:
+    """The ``-march`` flags to try, in order (the last: none, a portable build)."""
+    march = os.environ.get("SCALESCOPE_NATIVE_MARCH", "native").strip()
+    if march in ("", "none"):
+        return ((),)
+    return ((f"-march={march}",), ())
+
+
 def _build(cxx: str) -> Path:
-    """Compile the kernels into the cache (once per source, jaxlib and machine)."""
+    """Compile the kernels into the cache (once per source, jaxlib, machine and target)."""
     include = jax.ffi.include_dir()
     src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    marches = _marches()
     key = hashlib.sha256(
-        src + jax.__version__.encode() + cxx.encode() + os.uname().machine.encode()
+        src
+        + jax.__version__.encode()
+        + cxx.encode()
+        + os.uname().machine.encode()
+        + repr(marches).encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"libscalescope_stats-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    # -march=native first (AVX2 where the CPU has it); plain -O3 if the compiler refuses.
-    for arch in (("-march=native",), ()):
+    # -march=native first (AVX2 or AVX-512 where the CPU has them); plain -O3 if the
+    # compiler refuses.
+    for arch in marches:
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             cmd = [cxx, *_FLAGS, *arch, f"-I{include}", f"-I{_HERE}", *map(str, SOURCES)]
@@ -137,6 +153,13 @@ def clock() -> tuple[float, int]:
     lib.scalescope_stats_nanos.restype = ctypes.c_uint64
     lib.scalescope_stats_calls.restype = ctypes.c_uint64
     return lib.scalescope_stats_nanos() * 1e-9, int(lib.scalescope_stats_calls())
+
+
+def recipe_lanes() -> int:
+    """Float32 lanes per vector of the loaded recipe kernel: 16 (AVX-512), 8 (AVX), 4
+    (a portable build); 0 where none is loaded."""
+    lib = _state.get("lib")
+    return int(lib.scalescope_recipes_lanes()) if lib is not None else 0
 
 
 def use_native() -> bool:

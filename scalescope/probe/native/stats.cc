@@ -38,9 +38,15 @@ using scalescope::Loader;
 // Wall time spent in the kernel and calls made, for benchmarks (scalescope_stats_clock).
 std::atomic<uint64_t> g_nanos{0}, g_calls{0};
 
-// Lanes per vector: 16 (AVX-512 where the CPU has it; two AVX2 or four SSE operations
-// each elsewhere, as the compiler splits them).
+// Lanes per vector: as wide as the CPU's vectors (16 with AVX-512, 8 with AVX, else 4;
+// generic vectors wider than the CPU's compile to scalar code, 10x slower).
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
 constexpr int kVecBytes = 4 * kLanes;
 typedef float v8f __attribute__((vector_size(kVecBytes)));
 typedef int32_t v8i __attribute__((vector_size(kVecBytes)));
@@ -117,7 +123,7 @@ inline v8f finite_lanes(const float* p, v8u& ab, v8u& keep) {
   return as_f(xb & keep);
 }
 
-// One chunk of n8 elements (a multiple of kLanes, n8 <= kChunk) into totals.
+// One chunk of n8 elements (a multiple of kLanes and of 8, n8 <= kChunk) into totals.
 void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t) {
   // Pass one: sums, abs-max, NaN count; |x| (finite, normal, else 0) and its bits (all)
   // kept for the format passes. While the chunk's abs-max lies in [1, 2^60) (unit-scaled
@@ -227,7 +233,8 @@ void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int 
       since_fold = 0;
     }
     int64_t count = std::min(kChunk, hi - i);
-    int64_t n8 = (count + kLanes - 1) / kLanes * kLanes;
+    constexpr int64_t kPad = kLanes > 8 ? kLanes : 8;  // whole vectors, whole histogram rows
+    int64_t n8 = (count + kPad - 1) / kPad * kPad;
     in.load(i, count, buf);
     // A partial chunk is padded with zeros that are taken back out of the zero count.
     std::fill(buf + count, buf + n8, 0.0f);
