@@ -451,8 +451,8 @@ def _scalar_factor(g: _Graph, j: int) -> tuple[Any, float] | None:
 
 
 def _through_scaling(g: _Graph, v: Any) -> float:
-    """The product of the scalar-literal multiplies and divides ``v`` went through (shape
-    ops between them allowed): the query scaling a model applies before ``q k^T``."""
+    """The product of the multiplies and divides by trace-time scalars ``v`` went through
+    (shape ops between them allowed): the query scaling a model applies before ``q k^T``."""
     factor = 1.0
     for _ in range(8):
         j = g.prod(v, *_SHAPE_OPS, "mul", "div")
