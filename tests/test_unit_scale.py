@@ -366,6 +366,33 @@ def test_flax_nnx_mlp():
     _check_unit_mlp(ss.unit_scale(apply), state, x, "silu")
 
 
+def test_flax_attention_is_one_op_and_keeps_its_biases():
+    """Flax's attention module: one attention; its DenseGeneral biases, shaped
+    (heads, head_dim), are biases (kept), not positional tables (U.add)."""
+    nn = pytest.importorskip("flax.linen")
+    module = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 32, 64))
+    mask = nn.make_causal_mask(jnp.ones((8, 32)))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        module.init(jax.random.PRNGKey(1), x, mask=mask)
+    )
+    keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
+    variables = treedef.unflatten(  # unit-normal kernels, zero biases
+        [
+            jax.random.normal(key, a.shape)
+            if "kernel" in jax.tree_util.keystr(path)
+            else jnp.zeros_like(a)
+            for key, (path, a) in zip(keys, leaves, strict=True)
+        ]
+    )
+    scaled = ss.unit_scale(lambda v, x: module.apply(v, x, mask=mask))
+    out = scaled(variables, x)
+    kinds = [r.kind for r in scaled.rewrites]
+    assert kinds.count("attention") == 1 and kinds.count("linear") == 4
+    assert "add" not in kinds and "softmax" not in kinds and "matmul" not in kinds
+    assert abs(float(jnp.std(out)) - 1) < 0.3
+
+
 def test_scan_layers_gpt_is_transformed():
     cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_heads=2, n_layers=2, scan_layers=True)
     params = _unit_normal_like(init_gpt(jax.random.PRNGKey(0), cfg))

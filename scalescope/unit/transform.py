@@ -661,7 +661,7 @@ def _analyse(jaxpr: Any, flags: Sequence[bool], opts: _Options, log: list[Rewrit
         if name == "dot_general":
             _plan_dot(plan, eqn, i, i in readouts, opts, log)
         elif name in ("add", "add_any") and not any(isinstance(v, Literal) for v in eqn.invars):
-            _plan_add(plan, eqn, i, anc, index, opts, log)
+            _plan_add(plan, g, eqn, i, anc, index, opts, log)
         elif name == "gather" and pl.get(eqn.invars[0]) and _size(eqn.outvars[0]):
             s = (_size(eqn.invars[0]) / _size(eqn.outvars[0])) ** 0.5
             plan.operand[(i, 0)] = (1.0, s)
@@ -723,13 +723,34 @@ def _plan_dot(plan: _Plan, eqn: Any, i: int, readout: bool, opts: _Options, log:
     log.append(Rewrite(kind, ("dot_general",), out_s, (lhs_s, rhs_s), _where(eqn)))
 
 
+def _affine_output(g: _Graph, v: Any, param_like: dict[Any, bool]) -> bool:
+    """Whether ``v`` comes (through shape ops) from a dot_general or a multiply by a
+    parameter: what a bias or a norm's shift is added to."""
+    while (j := g.prod(v, *_SHAPE_OPS, "dot_general", "mul")) is not None:
+        eqn = g.eqns[j]
+        if eqn.primitive.name == "dot_general":
+            return True
+        if eqn.primitive.name == "mul":
+            return any(param_like.get(u) for u in eqn.invars if not isinstance(u, Literal))
+        v = eqn.invars[0]
+    return False
+
+
 def _plan_add(
-    plan: _Plan, eqn: Any, i: int, anc: dict, index: dict, opts: _Options, log: list
+    plan: _Plan,
+    g: _Graph,
+    eqn: Any,
+    i: int,
+    anc: dict,
+    index: dict,
+    opts: _Options,
+    log: list,
 ) -> None:
     """A residual add (one operand is an ancestor of the other) becomes
-    residual_split/residual_add; a bias add (a parameter with one axis longer than 1)
-    keeps its value; any other add (of two activations, or of an activation and a table
-    such as a positional embedding) is U.add."""
+    residual_split/residual_add; a bias add (a parameter with one axis longer than 1, or
+    any parameter added to a linear's or a norm's output: Flax's `DenseGeneral` bias is
+    ``(heads, head_dim)``) keeps its value; any other add (of two activations, or of an
+    activation and a table such as a positional embedding) is U.add."""
     a, b = eqn.invars
     for skip, res, skip_pos, res_pos in ((a, b, 0, 1), (b, a, 1, 0)):
         if anc.get(res, 0) >> index[skip] & 1:
@@ -741,10 +762,12 @@ def _plan_add(
                 Rewrite("residual", (eqn.primitive.name,), 1.0, (res_s, skip_s), _where(eqn))
             )
             return
-    if any(plan.param_like.get(v) and _extent(v) <= 1 for v in (a, b)):
-        return  # a bias (or a norm's shift) keeps its value
-    if plan.param_like.get(a) and plan.param_like.get(b):
+    pl = plan.param_like
+    if pl.get(a) and pl.get(b):
         return  # parameters combined: not an activation
+    for param, act in ((a, b), (b, a)):
+        if pl.get(param) and (_extent(param) <= 1 or _affine_output(g, act, pl)):
+            return  # a bias (or a norm's shift) keeps its value
     s = 2**-0.5
     plan.output[eqn.outvars[0]] = s
     log.append(Rewrite("add", (eqn.primitive.name,), s, (1.0, 1.0), _where(eqn)))
