@@ -173,7 +173,6 @@ def main() -> None:
             f"{(m + o) / base_f:11.2f}",
             flush=True,
         )
-    c, t, m, _ = results["all ops, histograms (default)"]
     added = max(results["Run.track statistics program"][1] - base_t, 1e-9)
     sum_bw = _sum_bandwidth(n_bytes)
     print(

@@ -395,7 +395,6 @@ class Recorder(Observer):
         value,
         const,
         src: _Info | None,
-        through=True,
         var=None,
         early=False,
     ):
@@ -433,15 +432,14 @@ class Recorder(Observer):
                 # The same data as a value measured before (a rule changed only the
                 # scale): the same statistics of the data, no second read.
                 self.scope.values.append(seen._replace(scale=scale))
-            elif (
-                through and not early and self.shared.at_once and native.passes_through(data.dtype)
-            ):
-                # Handed back for consumers to read. Not a value computed elementwise from
-                # the inputs alone (the optimizer's ``b1 * mu``, ``wd * p``): XLA may
-                # compute such a value first thing, and handed back it would then stay in
-                # memory until the optimizer reads it, a parameter-sized buffer each (GPT-2
-                # size: 1.63x -> 1.33x the step's temporaries); measured from a copy
-                # instead, it is freed once read and recomputed where it is used.
+            elif not early and self.shared.at_once and native.passes_through(data.dtype):
+                # Handed back for consumers to read. Not an input, nor a value computed
+                # elementwise from the inputs alone (the optimizer's ``b1 * mu``,
+                # ``wd * p``): XLA may compute such a value first thing, and handed back it
+                # would then stay in memory until the optimizer reads it, a
+                # parameter-sized buffer each (GPT-2 size: 1.63x -> 1.33x the step's
+                # temporaries); measured from a copy instead, it is freed once read and
+                # recomputed where it is used.
                 data, floats, ints = native.measure_through(data, *self.shared.native_args)
                 recipes = None
                 if self.shared.spec.recipes:
@@ -522,7 +520,6 @@ class Recorder(Observer):
             value,
             False,
             None,
-            through=False,
             var=var,
             early=True,
         )
