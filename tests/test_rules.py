@@ -76,6 +76,20 @@ def _conv(x):
     return lax.conv_general_dilated(lhs, rhs, (1,), "SAME")
 
 
+def _pool(init, op, padding="SAME"):
+    """A 2-wide, stride-1 window on every axis (avg/max/min pooling of any rank)."""
+
+    def pool(x):
+        dims = tuple(min(2, n) for n in x.shape)
+        return lax.reduce_window(x, init, op, dims, (1,) * x.ndim, padding)
+
+    return pool
+
+
+_sum_pool = _pool(0.0, lax.add)
+_max_pool = _pool(-jnp.inf, lax.max, "VALID")
+
+
 def _grad(f):
     return jax.grad(lambda x: jnp.sum(f(x)))
 
@@ -187,6 +201,24 @@ UNARY = {
     "dot_self": (lambda x: x.reshape(x.shape[0], -1) @ x.reshape(x.shape[0], -1).T, "any"),
     "dot_const": (lambda x: x.reshape(-1) @ jnp.arange(x.size, dtype=jnp.float32), "any"),
     "conv": (_conv, "any"),
+    "avg_pool": (lambda x: _sum_pool(x) / 4.0, "any"),
+    "max_pool": (_max_pool, "any"),
+    "min_pool": (_pool(jnp.inf, lax.min), "any"),
+    "grad_avg_pool": (lambda x: jax.grad(lambda y: jnp.sum(_sum_pool(y) ** 2))(x), "any"),
+    # select_and_scatter_add: the cotangent goes to each window's max
+    "grad_max_pool": (lambda x: jax.grad(lambda y: jnp.sum(jnp.sin(_max_pool(y))))(x), "any"),
+    # select_and_gather_add: the tangent at each window's max
+    "jvp_max_pool": (lambda x: jax.jvp(_max_pool, (x,), (jnp.cos(x) * 3.0,))[1], "any"),
+    "device_put": (lambda x: jax.device_put(x) * 2.0, "any"),
+    "approx_max_k": (lambda x: lax.approx_max_k(x.reshape(-1), 3), "any"),
+    "bessel": (lambda x: (lax.bessel_i0e(x), lax.bessel_i1e(x)), "any"),
+    "igamma": (
+        lambda x: (lax.igamma(2.0, x), lax.igammac(2.0, x), lax.igamma_grad_a(2.0, x)),
+        "pos",
+    ),
+    "polygamma": (lambda x: lax.polygamma(1.0, x), "pos"),
+    "zeta": (lambda x: lax.zeta(2.5, x), "pos"),
+    "betainc": (lambda x: lax.betainc(2.0, 3.0, jnp.abs(x)), "unit"),
     "jit": (jax.jit(lambda x: jnp.sin(x) * x), "any"),
     "custom_jvp": (_custom_jvp_fn, "any"),
     "custom_vjp": (_custom_vjp_fn, "any"),

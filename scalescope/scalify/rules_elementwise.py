@@ -284,7 +284,9 @@ def scaled_rsqrt(x, **params):
 
 _NON_LINEAR = (
     "exp exp2 log log1p expm1 tanh logistic sin cos tan asin acos atan sinh cosh asinh "
-    "acosh atanh erf erfc erf_inv lgamma digamma floor ceil round cbrt pow rem nextafter"
+    "acosh atanh erf erfc erf_inv lgamma digamma floor ceil round cbrt pow rem nextafter "
+    "bessel_i0e bessel_i1e igamma igammac igamma_grad_a polygamma zeta "
+    "regularized_incomplete_beta"
 ).split()
 
 RULES = {

@@ -1,9 +1,12 @@
-"""Scaled rules for reductions, scans over an axis, and contractions.
+"""Scaled rules for reductions, windowed reductions (pooling), scans over an axis, and
+contractions.
 
 Unit scaling: a sum of ``N`` independent unit-RMS terms has RMS ``sqrt(N)``, so
-``reduce_sum``, ``cumsum`` and ``dot_general`` divide their data by the power of two of
-``sqrt(N)`` (``N`` = reduced elements, or the contraction size ``K``) and multiply it
-into the scale. The factor is known at trace time.
+``reduce_sum``, ``reduce_window_sum``, ``cumsum`` and ``dot_general`` divide their data by
+the power of two of ``sqrt(N)`` (``N`` = reduced elements, the window size, or the
+contraction size ``K``) and multiply it into the scale. The factor is known at trace time.
+Max pooling's derivatives (``select_and_scatter_add``, ``select_and_gather_add``) pick an
+element per window by comparing the operand, which a positive scale does not reorder.
 """
 
 from __future__ import annotations
@@ -68,6 +71,42 @@ def scaled_cumsum(x, *, axis, **params):
     return _narrow_safe_sum(x, lambda d: lax.cumsum_p.bind(d, axis=axis, **params), x.shape[axis])
 
 
+def scaled_reduce_window_sum(x, *, window_dimensions, **params):
+    n = math.prod(window_dimensions)
+    return _narrow_safe_sum(
+        x,
+        lambda d: lax.reduce_window_sum_p.bind(d, window_dimensions=window_dimensions, **params),
+        n,
+    )
+
+
+def _ordering_data(x):
+    """Data whose order within a window is that of ``x``'s values: the data itself for a
+    positive (or zero: all-zero data) scale; NaN where the scale is NaN, as the values are."""
+    if not is_scaled(x):
+        return x
+    if is_static(x.scale):
+        return jnp.full_like(x.data, np.nan) if np.isnan(x.scale) else x.data
+    return lax.select(
+        lax.ne(x.scale, x.scale),
+        lax.full_like(x.data, np.nan),
+        x.data,
+    )
+
+
+def _selects_by_operand(prim):
+    """Max/min pooling's derivatives: ``prim(values, operand)`` moves each window's value
+    to (or takes it from) the position the operand's comparison selects. The output has
+    the values' scale; the operand only decides positions."""
+
+    def rule(values, operand, **params):
+        data = values.data if is_scaled(values) else values
+        out = prim.bind(data, _ordering_data(operand), **params)
+        return make_scaled(out, values.scale) if is_scaled(values) else out
+
+    return rule
+
+
 def _on_data(prim):
     """Index-valued reductions: a positive scale does not change the argmax; a NaN scale
     makes every value NaN, whose argmax/argmin is the first index."""
@@ -110,6 +149,9 @@ def scaled_conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
 
 RULES = {
     "reduce_sum": scaled_reduce_sum,
+    "reduce_window_sum": scaled_reduce_window_sum,
+    "select_and_scatter_add": _selects_by_operand(lax.select_and_scatter_add_p),
+    "select_and_gather_add": _selects_by_operand(lax.select_and_gather_add_p),
     "cumsum": scaled_cumsum,
     "argmax": _on_data(lax.argmax_p),
     "argmin": _on_data(lax.argmin_p),

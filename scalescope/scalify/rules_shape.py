@@ -86,9 +86,20 @@ def scaled_sort(*operands, **params):
     return [make_scaled(d, o.scale) if is_scaled(o) else d for d, o in zip(outs, operands)]
 
 
-def scaled_top_k(x, *rest, **params):
-    values, indices = lax.top_k_p.bind(x.data, *[unscale(r) for r in rest], **params)
-    return [make_scaled(values, x.scale), indices]
+def _top_k(prim):
+    """top_k and approx_top_k: a positive scale keeps the order; values keep the scale."""
+
+    def rule(x, *rest, **params):
+        values, indices = prim.bind(x.data, *[unscale(r) for r in rest], **params)
+        return [make_scaled(values, x.scale), indices]
+
+    return rule
+
+
+def scaled_device_put(*xs, **params):
+    """``jax.device_put`` inside a traced function: the data moves, each scale stays."""
+    outs = lax.device_put_p.bind(*[x.data if is_scaled(x) else x for x in xs], **params)
+    return [make_scaled(o, x.scale) if is_scaled(x) else o for o, x in zip(outs, xs)]
 
 
 def scaled_optimization_barrier(*operands, **params):
@@ -113,7 +124,7 @@ def scaled_iota(**params):
 _KEEPS_SCALE = (
     "reshape broadcast_in_dim transpose squeeze expand_dims slice rev copy "
     "reduce_precision dynamic_slice gather split tile sharding_constraint real "
-    "reduce_max reduce_min cummax cummin unstack"
+    "reduce_max reduce_min cummax cummin unstack reduce_window_max reduce_window_min"
 ).split()
 
 RULES = {
@@ -131,7 +142,9 @@ RULES = {
     "bitcast_convert_type": scaled_bitcast_convert_type,
     "stop_gradient": scaled_stop_gradient,
     "sort": scaled_sort,
-    "top_k": scaled_top_k,
+    "top_k": _top_k(lax.top_k_p),
+    "approx_top_k": _top_k(lax.approx_top_k_p),
+    "device_put": scaled_device_put,
     "optimization_barrier": scaled_optimization_barrier,
     "iota": scaled_iota,
 }
