@@ -1,0 +1,144 @@
+"""The public API on models written the way Flax's own examples write them: an MNIST CNN
+(average and max pooling), a ResNet block with BatchNorm, the SST-2 LSTM classifier, the
+VAE, a decoder LM with dropout and a warmup-cosine AdamW, an NNX model trained with
+split/merge, and GroupNorm with depthwise and transposed convolutions (`other_models`).
+
+For each training step:
+
+- ``jit(scalify(step))`` on the parameters and optimizer state at scale 1 gives the plain
+  jitted step's loss, parameters, optimizer state (and batch statistics);
+- so it does with every float input at scale 2^k (same values: the data is ``x / 2^k``);
+- ``instrument(step)`` runs under jit, with one statistics row per recorded op and a
+  finite RMS for the loss.
+
+The default fallback ("raise") is used throughout: a primitive without a scaled rule fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from other_models import MODELS
+
+import scalescope as ss
+
+RTOL, ATOL = 1e-4, 1e-5
+SCALES = (-20, 17)
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _scaled(args, k: int | None):
+    """Float leaves as ScaledArrays holding the same values: scale 1 (``k=None``) or 2^k
+    (data ``x / 2^k``); other leaves (labels, lengths, keys) as they are."""
+    if k is None:
+        return ss.as_scaled_array(args)
+    return jax.tree.map(lambda x: ss.as_scaled_array(x, scale=2.0**k) if _is_float(x) else x, args)
+
+
+def _comparable(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def _mismatches(got, expected) -> list[str]:
+    """Leaves of ``got`` that differ from ``expected`` (rtol 1e-4, atol 1e-5)."""
+    flat_e, tree_e = jax.tree_util.tree_flatten_with_path(expected)
+    flat_g, tree_g = jax.tree.flatten(got)
+    if tree_g != tree_e:
+        return [f"output structure {tree_g} != {tree_e}"]
+    bad = []
+    for (path, e), g in zip(flat_e, flat_g, strict=True):
+        e, g = _comparable(e), _comparable(g)
+        where = jax.tree_util.keystr(path)
+        if e.shape != g.shape or e.dtype != g.dtype:
+            bad.append(f"{where}: {g.dtype}{g.shape} != {e.dtype}{e.shape}")
+            continue
+        try:
+            if np.issubdtype(e.dtype, np.floating):
+                np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL)
+            else:
+                np.testing.assert_array_equal(g, e)
+        except AssertionError:
+            with np.errstate(all="ignore"):
+                diff = np.abs(g.astype(np.float64) - e.astype(np.float64))
+            bad.append(
+                f"{where}: max abs err {np.nanmax(diff):.3g} (max |expected| "
+                f"{np.max(np.abs(e)):.3g}), nonfinite {int(np.sum(~np.isfinite(g)))}/{g.size}"
+            )
+    return bad
+
+
+class Case:
+    """One model's step, its arguments, the plain jitted result and the jitted scalify."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.step, self.args, self.loss_index = MODELS[name]()
+        self.expected = jax.device_get(jax.jit(self.step)(*self.args))
+        self.scalified = jax.jit(ss.scalify(self.step))
+
+    def check(self, k: int | None) -> None:
+        got = ss.asarray(self.scalified(*_scaled(self.args, k)))
+        bad = _mismatches(got, self.expected)
+        label = "scale 1" if k is None else f"scale 2^{k}"
+        shown = "\n".join(bad[:12]) + ("\n..." if len(bad) > 12 else "")
+        assert not bad, f"{self.name} at {label}: {len(bad)} leaves differ:\n{shown}"
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def case(request) -> Case:
+    return Case(request.param)
+
+
+def test_plain_step_is_sane(case):
+    loss = case.expected[case.loss_index]
+    assert np.isfinite(loss) and loss > 0, loss
+
+
+def test_scalify_at_scale_one_matches_plain(case):
+    case.check(None)
+
+
+@pytest.mark.parametrize("k", SCALES)
+def test_scalify_at_scale_2k_matches_plain(case, k):
+    case.check(k)
+
+
+def test_instrument_records_every_op_and_the_loss(case):
+    # light: forward ops only, statistics read from the values themselves (no shadow copy)
+    inst = ss.instrument(case.step, formats=(), histograms=False, select="^fwd/", isolate=False)
+    args = _scaled(case.args, None)
+    out, stats = jax.jit(inst)(*args)
+    table = inst.op_table(*args)
+    assert table.n_rows > 0
+    assert all(np.shape(v)[0] == table.n_rows for v in stats.values())
+    assert sum(op.n_rows for op in table if op.recorded) == table.n_rows
+    (loss_op,) = [op for op in table if op.name == f"output/{case.loss_index}"]
+    rows = table.rows(loss_op)
+    rms = np.asarray(stats["rms"])[rows]
+    assert rms.size == 1 and np.all(np.isfinite(rms)) and np.all(rms > 0), rms
+    # the loss itself
+    loss = float(ss.asarray(out[case.loss_index]))
+    np.testing.assert_allclose(loss, case.expected[case.loss_index], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        rms, abs(loss) / float(np.asarray(stats["scale"])[rows][0]), rtol=1e-5
+    )
+
+
+def test_typed_prng_key_argument():
+    """Flax's examples now pass ``jax.random.key`` (typed) keys; NNX keeps them in the
+    module state. A step taking one next to scaled arrays must run."""
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+
+    def f(key, x):
+        return x * jax.random.normal(key, x.shape)
+
+    key = jax.random.key(0)
+    got = ss.asarray(jax.jit(ss.scalify(f))(key, ss.as_scaled_array(x)))
+    np.testing.assert_allclose(got, f(key, x), rtol=RTOL, atol=ATOL)
