@@ -30,6 +30,7 @@ import pytest
 from exactness_models import MODELS, fori, transformer_params
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
+from jax import lax
 
 import scalescope as ss
 
@@ -244,7 +245,43 @@ def test_normalize_moves_far_data_into_the_scale_and_keeps_near_data():
     assert float(nn.scale) == 2.0**-3
     # FP8 data is the user's representation: never normalised
     fp8 = ss.ScaledArray(jnp.asarray(params["wq"] * 200, jnp.float8_e4m3fn), jnp.float32(1))
-    assert normalize_input(fp8) is fp8
+    n8 = normalize_input(fp8)
+    assert n8.data is fp8.data and float(n8.scale) == 1.0
     # normalize=False: the data reaches the rules as passed
     out = ss.scalify(lambda a: a * 1.0, normalize=False)(far)
     np.testing.assert_array_equal(np.asarray(out.data), np.asarray(far.data))
+
+
+@pytest.mark.parametrize("k", [-50, 17, 50])
+def test_all_zero_inputs_get_scale_zero_and_leave_sums_alone(k):
+    """A zero-initialised bias passed at scale 2^k: its scale must not become the scale
+    of every sum it joins (the data would be 2^k times too small, and a LayerNorm
+    backward through it underflowed to zero: issue found on a Flax decoder LM)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)
+    w = jnp.asarray(0.3 * rng.normal(size=(16, 16)), jnp.float32)
+    t = jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)
+
+    def layer_norm(h):
+        c = h - h.mean(-1, keepdims=True)
+        return c * lax.rsqrt((c**2).mean(-1, keepdims=True) + 1e-6)
+
+    grad = jax.grad(lambda w, b: jnp.sum(layer_norm(x @ w + b) * t), argnums=(0, 1))
+    expected = grad(w, jnp.zeros(16))
+    zero_bias = ss.as_scaled_array(jnp.zeros(16), scale=2.0**k)
+    got = ss.asarray(jax.jit(ss.scalify(grad))(ss.as_scaled_array(w), zero_bias))
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
+
+    from scalescope.scalify import normalize_input
+
+    for dtype in (jnp.float32, jnp.float16, jnp.float8_e4m3fn):
+        z = normalize_input(ss.as_scaled_array(jnp.zeros(4, dtype), scale=2.0**k))
+        assert float(z.scale) == 0.0, dtype
+    # an additive mask (0 and -inf) has no finite non-zero element but is not zero
+    mask = jnp.where(jnp.tril(jnp.ones((4, 4))) > 0, 0.0, -jnp.inf)
+    m = normalize_input(ss.as_scaled_array(mask, scale=2.0**k))
+    np.testing.assert_array_equal(np.asarray(m.to_array()), np.asarray(mask))
+    # a NaN scale stays NaN (the value is NaN)
+    nan = normalize_input(ss.ScaledArray(jnp.zeros(4), jnp.float32(np.nan)))
+    assert np.isnan(float(nan.scale))

@@ -142,3 +142,27 @@ def test_typed_prng_key_argument():
     key = jax.random.key(0)
     got = ss.asarray(jax.jit(ss.scalify(f))(key, ss.as_scaled_array(x)))
     np.testing.assert_allclose(got, f(key, x), rtol=RTOL, atol=ATOL)
+
+
+def test_typed_prng_key_through_instrument_and_run(tmp_path):
+    """The probe with a typed key in and out: keys are listed in the op table and never
+    measured, and a Run records the step."""
+
+    def f(key, x):
+        k1, k2 = jax.random.split(key)
+        return x * (1.0 + 0.1 * jax.random.normal(k1, x.shape)), k2
+
+    x = ss.as_scaled_array(jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32))
+    inst = ss.instrument(f)
+    (y, k2), _ = jax.jit(inst)(jax.random.key(0), x)
+    np.testing.assert_allclose(ss.asarray(y), f(jax.random.key(0), ss.asarray(x))[0], rtol=RTOL)
+    assert jnp.issubdtype(k2.dtype, jax.dtypes.prng_key)
+    table = inst.op_table(jax.random.key(0), x)
+    keys = [op for op in table if op.dtype.startswith("key")]
+    assert keys and not any(op.recorded for op in keys)
+    with ss.Run(tmp_path / "run", every=1) as run:
+        step = run.track(f)
+        key = jax.random.key(0)
+        for _ in range(2):
+            x, key = step(key, x)
+    assert list(ss.open_run(tmp_path / "run").steps) == [0, 1]

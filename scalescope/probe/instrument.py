@@ -119,6 +119,12 @@ def _spec(formats: Sequence[str], histograms: bool, block: int, sample: int | No
     return StatSpec(fmts, bool(histograms), int(block), sample, recs)
 
 
+def _is_float(v: Any) -> bool:
+    """A floating scalar (not an int, a bool or a typed PRNG key)."""
+    dtype = getattr(v, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
 def _after(values: list[Any], outs: Any) -> list[Any]:
     """``values`` with each scale tied by data to the scales (and scalars) of ``outs``.
 
@@ -135,7 +141,7 @@ def _after(values: list[Any], outs: Any) -> list[Any]:
     out_scales = [
         v.scale if isinstance(v, ScaledArray) else v
         for v in leaves
-        if isinstance(v, ScaledArray) or jnp.ndim(v) == 0
+        if isinstance(v, ScaledArray) or (jnp.ndim(v) == 0 and _is_float(v))
     ]
     if not out_scales:
         return values

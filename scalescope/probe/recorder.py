@@ -531,7 +531,9 @@ class Recorder(Observer):
         info = self.shared.lookup(value)
         scaled = isinstance(value, ScaledArray)
         data = value.data if scaled else value
-        dtype, shape = np.result_type(data), tuple(np.shape(data))
+        # (a typed PRNG key has a JAX dtype that NumPy does not know)
+        dtype = getattr(data, "dtype", None) or np.result_type(data)
+        shape = tuple(np.shape(data))
         pass_ = "fwd" if info is None or info.record is None else info.record.pass_
         rec = OpRecord(
             f"output/{path}" if path else "output",

@@ -283,26 +283,35 @@ def materialized(scale: Any) -> Any:
     return lax.rem(scale, np.asarray(_INF, scale.dtype))
 
 
-def renormalized(x: ScaledArray, amax: Any, band: int) -> ScaledArray:
+def renormalized(x: ScaledArray, amax: Any, band: int | None, *, zero_scale: bool = False):
     """``x`` with data divided by the power of two of ``amax`` (its abs-max, measured)
     and the scale multiplied by it, when that power of two is beyond 2^±band; ``x``
-    unchanged (bit for bit) otherwise. The value is the same either way.
+    unchanged (bit for bit) otherwise. The value is the same either way. ``band=None``
+    never shifts the data.
+
+    ``zero_scale``: all-zero data (``amax == 0``) gets scale 0, the mark of an exactly
+    zero tensor, unless the scale is not finite (the value is then NaN, and stays so).
 
     Integer work on the float32 exponent field (a dozen scalar ops): the chain is pulled
     into every fusion that reads the data, so it is kept short.
     """
-    i32 = np.int32
-    bits = lax.bitwise_and(
-        lax.bitcast_convert_type(as_f32(amax), jnp.int32),
-        i32(0x7F800000),
-    )
-    biased = lax.shift_right_logical(bits, i32(23))
-    far = lax.gt(lax.abs(lax.sub(biased, i32(127))), i32(band))
-    usable = lax.bitwise_and(lax.gt(biased, i32(0)), lax.lt(biased, i32(254)))
-    p2_bits = lax.select(lax.bitwise_and(far, usable), bits, i32(127 << 23))
-    p2 = lax.bitcast_convert_type(p2_bits, SCALE_DTYPE)
-    inverse = lax.bitcast_convert_type(lax.sub(i32(254 << 23), p2_bits), SCALE_DTYPE)
-    return make_scaled(rescale_data(x.data, materialized(inverse)), materialized(x.scale * p2))
+    amax = as_f32(amax)
+    data, scale = x.data, as_f32(x.scale)
+    if band is not None:
+        i32 = np.int32
+        bits = lax.bitwise_and(lax.bitcast_convert_type(amax, jnp.int32), i32(0x7F800000))
+        biased = lax.shift_right_logical(bits, i32(23))
+        far = lax.gt(lax.abs(lax.sub(biased, i32(127))), i32(band))
+        usable = lax.bitwise_and(lax.gt(biased, i32(0)), lax.lt(biased, i32(254)))
+        p2_bits = lax.select(lax.bitwise_and(far, usable), bits, i32(127 << 23))
+        p2 = lax.bitcast_convert_type(p2_bits, SCALE_DTYPE)
+        inverse = lax.bitcast_convert_type(lax.sub(i32(254 << 23), p2_bits), SCALE_DTYPE)
+        data = rescale_data(data, materialized(inverse))
+        scale = scale * p2
+    if zero_scale:
+        zero = lax.bitwise_and(lax.eq(amax, np.float32(0)), lax.is_finite(scale))
+        scale = lax.select(zero, np.float32(0), scale)
+    return make_scaled(data, materialized(scale))
 
 
 def data_absmax(data: Any) -> jax.Array:

@@ -268,22 +268,29 @@ NORMALIZE_BAND = 4
 def normalize_input(x: Any) -> Any:
     """A scaled input whose float32/float64/bfloat16 data is far from unit, re-expressed
     with data of abs-max in [1, 2) (a power-of-two shift moved into the scale; the value
-    is unchanged).
+    is unchanged); an all-zero input of any float dtype gets scale 0.
 
     The rules follow unit scaling: they assume data near unit and let scales carry
     magnitude. Data passed far from it (``as_scaled_array(x, scale=2**-24)`` holds
     ``x * 2**24``) would drift further at every product and leave float32's range.
     Data whose abs-max is within 2^±4 (unit-RMS data, LayerNorm gains, a one-hot
     batch) is left bit-identical; FP8/FP16 data is the user's chosen
-    representation and is never touched.
-    """
-    if not isinstance(x, ScaledArray) or np.dtype(x.dtype) not in NORMALIZED_DTYPES:
-        return x
-    if np.size(x.data) == 0:
-        return x
-    from .common import data_absmax, renormalized
+    representation and is never touched. Data holding an inf or a NaN is left as passed.
 
-    return renormalized(x, data_absmax(x.data), NORMALIZE_BAND)
+    Scale 0 marks an exactly-zero tensor, which a sum ignores: a zero-initialised bias
+    passed at scale 2^17 would otherwise give every sum it joins scale 2^17 and data
+    2^-17 times too small, and a backward pass through it underflowed to zero.
+    """
+    if not isinstance(x, ScaledArray) or np.size(x.data) == 0:
+        return x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    from .common import renormalized
+
+    # NaN and inf propagate into the abs-max: such data is neither shifted nor zero
+    amax = jnp.max(jnp.abs(x.data.astype(SCALE_DTYPE)))
+    band = NORMALIZE_BAND if np.dtype(x.dtype) in NORMALIZED_DTYPES else None
+    return renormalized(x, amax, band, zero_scale=True)
 
 
 def normalize_inputs(values: Sequence[Any]) -> list[Any]:
@@ -376,7 +383,7 @@ def _signature(leaves: Sequence[Any]) -> tuple[list[Any], list[Any], tuple[Any, 
             avals.append(
                 jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, **mat)
             )
-            key.append(("array", tuple(aval.shape), np.dtype(aval.dtype), aval.weak_type, varying))
+            key.append(("array", tuple(aval.shape), aval.dtype, aval.weak_type, varying))
         else:
             try:
                 hash(leaf)
