@@ -35,6 +35,13 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _default_sigint() -> None:
+    # A job started in the background by a non-interactive shell inherits SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt: give the demo the
+    # disposition a terminal gives it, whatever launched the test run.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _demo_process(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "scalescope.cli", "demo", "--data", "vendored", *args],
@@ -43,6 +50,7 @@ def _demo_process(args: list[str], cwd: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_default_sigint,
     )
 
 
