@@ -189,6 +189,37 @@ def test_dynamic_rescale_grad_rescales_only_the_gradient():
     assert jax.grad(loss)(jnp.ones(3)).tolist() == [2.0**-20] * 3
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_ops_take_scaled_arrays_outside_scalify(jit):
+    # float16 data [2, -3] * 4 (abs-max 12), [1, -6] * 4 (mean |.| 14), [4, -8] * 4
+    # (RMS 25.3): the scale moves to the power of two of the norm, the value stays
+    wrap = jax.jit if jit else (lambda f: f)
+    cases = [
+        (ss.ops.dynamic_rescale_max, [2.0, -3.0], 8.0),
+        (ss.ops.dynamic_rescale_l1, [1.0, -6.0], 8.0),
+        (ss.ops.dynamic_rescale_l2, [4.0, -8.0], 16.0),
+    ]
+    for op, data, scale in cases:
+        x = ss.ScaledArray(jnp.asarray(data, jnp.float16), jnp.float32(4.0))
+        out = wrap(op)(x)
+        assert isinstance(out, ss.ScaledArray) and out.dtype == jnp.float16
+        assert float(out.scale) == scale, op.__name__
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.float32(data) * 4)
+    x = ss.ScaledArray(jnp.asarray([3.0, 300.0]), jnp.float32(0.5))
+    cast = wrap(lambda v: ss.ops.cast_on_forward(v, jnp.float8_e4m3fn))(x)
+    expected = np.float32([3.0, 300.0]).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(cast.data), expected)  # 300 -> 288
+    assert float(cast.scale) == 0.5
+    plain = wrap(ss.ops.stop_scaling)(x)
+    assert not isinstance(plain, ss.ScaledArray)
+    np.testing.assert_array_equal(np.asarray(plain), [1.5, 150.0])
+    moved = wrap(ss.ops.set_scaling)(x, 2.0**-3)
+    assert float(moved.scale) == 2.0**-3
+    np.testing.assert_array_equal(np.asarray(moved.data), [12.0, 1200.0])
+    same = wrap(ss.ops.dynamic_rescale_l2_grad)(x)  # the identity forward
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(x))
+
+
 def test_ops_reject_bad_dtypes():
     with pytest.raises(TypeError, match="dynamic_rescale_l2"):
         ss.ops.dynamic_rescale_l2(jnp.arange(3))

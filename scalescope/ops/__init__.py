@@ -1,4 +1,8 @@
-"""User-facing operations: per-pass casts and scale control (all work outside scalify)."""
+"""User-facing operations: per-pass casts and scale control.
+
+All work outside scalify too: on plain arrays as identities or plain casts, on a
+`ScaledArray` through their scaled rule (`dispatch.accepts_scaled`).
+"""
 
 from .cast import cast_on_backward, cast_on_forward
 from .scaling import (

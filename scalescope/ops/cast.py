@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from .dispatch import accepts_scaled
+
 
 def _round_trip(x: jax.Array, dtype) -> jax.Array:
     return lax.convert_element_type(lax.convert_element_type(x, dtype), x.dtype)
@@ -61,6 +63,7 @@ def _check_float_dtype(dtype, where: str) -> np.dtype:
     return dtype
 
 
+@accepts_scaled
 def cast_on_forward(x, dtype):
     """Round ``x`` to ``dtype`` in the forward pass; the gradient passes through unchanged.
 
@@ -70,6 +73,7 @@ def cast_on_forward(x, dtype):
     return _cast_fwd_only(x, dtype)
 
 
+@accepts_scaled
 def cast_on_backward(x, dtype):
     """Identity in the forward pass; rounds the incoming gradient to ``dtype``."""
     dtype = _check_float_dtype(dtype, "cast_on_backward")

@@ -19,6 +19,7 @@ from jax.interpreters import ad, batching, mlir
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray
 from ..scalify.common import make_scaled, rescale_data, unit_scale, unscale
 from ..scalify.registry import register_rule
+from .dispatch import accepts_scaled
 
 NORMS = ("l1", "l2", "max")
 
@@ -59,16 +60,19 @@ def _dynamic_rescale(x, norm: str):
     return dynamic_rescale_p.bind(x, norm=norm)
 
 
+@accepts_scaled
 def dynamic_rescale_l1(x):
     """Move the mean absolute value of the data into the scale (identity on values)."""
     return _dynamic_rescale(x, "l1")
 
 
+@accepts_scaled
 def dynamic_rescale_l2(x):
     """Move the RMS of the data into the scale, so the data has unit RMS again."""
     return _dynamic_rescale(x, "l2")
 
 
+@accepts_scaled
 def dynamic_rescale_max(x):
     """Move the abs-max of the data into the scale, so the data fits in [-1, 1]."""
     return _dynamic_rescale(x, "max")
@@ -90,30 +94,35 @@ def _rescale_grad_bwd(norm, _, ct):
 _rescale_grad.defvjp(_rescale_grad_fwd, _rescale_grad_bwd)
 
 
+@accepts_scaled
 def dynamic_rescale_l1_grad(x):
     """Identity forward; dynamic L1 rescaling of the gradient in the backward pass."""
     _check_float(x, "dynamic_rescale_l1_grad")
     return _rescale_grad(x, "l1")
 
 
+@accepts_scaled
 def dynamic_rescale_l2_grad(x):
     """Identity forward; dynamic RMS rescaling of the gradient in the backward pass."""
     _check_float(x, "dynamic_rescale_l2_grad")
     return _rescale_grad(x, "l2")
 
 
+@accepts_scaled
 def dynamic_rescale_max_grad(x):
     """Identity forward; dynamic abs-max rescaling of the gradient in the backward pass."""
     _check_float(x, "dynamic_rescale_max_grad")
     return _rescale_grad(x, "max")
 
 
+@accepts_scaled
 def set_scaling(x, scale):
     """Re-express ``x`` with the given ``scale`` (identity on values)."""
     _check_float(x, "set_scaling")
     return set_scaling_p.bind(x, jnp.asarray(scale, SCALE_DTYPE))
 
 
+@accepts_scaled
 def stop_scaling(x):
     """Turn a scaled value back into a plain array inside `scalify` (identity outside)."""
     _check_float(x, "stop_scaling")
