@@ -193,6 +193,8 @@ UNARY = {
     "argmax": (lambda x: jnp.argmax(x, axis=0), "any"),
     "argmin": (jnp.argmin, "any"),
     "cumsum": (lambda x: jnp.cumsum(x, axis=0), "any"),
+    # the callback receives the unscaled value (test_scalify checks what it sees)
+    "debug_callback": (lambda x: (jax.debug.callback(lambda v: None, x), x)[1], "any"),
     "cumprod": (lambda x: jnp.cumprod(x, axis=0), "unit"),
     "cummax": (lambda x: lax.cummax(x, axis=0), "any"),
     "cummin": (lambda x: lax.cummin(x, axis=0), "any"),
@@ -393,6 +395,7 @@ def test_binary_rule_preserves_values(name, second, exp_a, exp_b, si, seed):
 
 # Names registered only as aliases for older/newer JAX spellings of the same primitive.
 _ALIASES = {
+    "debug_print",  # the name of debug_callback in other JAX releases
     "pjit",
     "checkpoint",
     "custom_vjp_call_jaxpr",

@@ -395,3 +395,58 @@ def test_rules_that_read_the_data_see_a_nan_scale(jit):
     np.testing.assert_array_equal(np.asarray(out["gt"]), value > 0)
     # positions follow JAX's own selection on the NaN values
     np.testing.assert_array_equal(np.asarray(out["pool_grad"]), expected["pool_grad"])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_debug_callbacks_see_the_values(jit):
+    seen = []
+
+    def f(a):
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), a)
+        jax.debug.print("a={a}", a=a)
+        return a * 2
+
+    fn = ss.scalify(f, normalize=False)
+    x = ss.ScaledArray(jnp.asarray([2.0, 3.0]), jnp.float32(0.25))
+    out = (jax.jit(fn) if jit else fn)(x)
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(out), [1.0, 1.5])
+    assert len(seen) == 1
+    np.testing.assert_array_equal(seen[0], [0.5, 0.75])
+
+
+def test_dtype_classes_are_static_arguments():
+    x = ss.ScaledArray(jnp.asarray([1.0, 300.0]), jnp.float32(2.0))
+    out = ss.scalify(lambda a, dt: a.astype(dt))(x, np.float16)
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), [2.0, 600.0])
+    cast = ss.ops.cast_on_forward(x, ml_dtypes.float8_e4m3fn)  # eager, an ml_dtypes class
+    np.testing.assert_array_equal(np.asarray(cast.data), [1.0, 288.0])
+
+
+def test_unscaled_rules_keep_narrow_data_in_range():
+    """A non-linear rule computes the value in float32; FP16 data far beyond its range
+    gets the power of two of its abs-max in the scale instead of becoming inf."""
+    data = np.float16([1.5, -2.5])
+    x = ss.ScaledArray(jnp.asarray(data), jnp.float32(2.0**20))
+    out = ss.scalify(lax.floor)(x)
+    expected = np.floor(np.float64(data) * 2.0**20)  # beyond float16's max
+    assert out.dtype == np.float16 and float(out.scale) > 1
+    np.testing.assert_array_equal(np.asarray(out, np.float64), expected)
+    halves = ss.ScaledArray(jnp.full(5, 0.5, jnp.float16), jnp.float32(2.0**10))
+    prod = ss.scalify(lambda a: lax.reduce_prod_p.bind(a, axes=(0,), out_sharding=None))(halves)
+    assert float(np.asarray(prod, np.float64)) == 2.0**45
+    # near unit the data is the float32 result cast to float16, at scale 1
+    y = ss.ScaledArray(jnp.asarray(np.float16([0.5, -1.25, 2.0])), jnp.float32(1.0))
+    e = ss.scalify(jnp.exp)(y)
+    assert float(e.scale) == 1.0
+    ref = np.exp(np.float32([0.5, -1.25, 2.0])).astype(np.float16)
+    np.testing.assert_array_equal(np.asarray(e.data), ref)
+
+
+def test_set_scaling_to_zero_gives_the_zero_tensor():
+    x = ss.ScaledArray(jnp.asarray([1.0, -2.0]), jnp.float32(1.0))
+    for fn in (ss.ops.set_scaling, ss.scalify(ss.ops.set_scaling, check=True)):
+        out = fn(x, 0.0)
+        assert float(out.scale) == 0.0
+        np.testing.assert_array_equal(np.asarray(out.data), [0.0, 0.0])

@@ -166,6 +166,16 @@ def test_gelu(constraint, mult):
         assert_unit(g)
 
 
+def test_gelu_takes_pytorch_approximate_names():
+    x = jnp.asarray(X)
+    exact, tanh = U.gelu(x), U.gelu(x, approximate=True)
+    assert float(jnp.max(jnp.abs(exact - tanh))) > 1e-4  # the two forms differ
+    np.testing.assert_array_equal(U.gelu(x, approximate="none"), exact)
+    np.testing.assert_array_equal(U.gelu(x, approximate="tanh"), tanh)
+    with pytest.raises(ValueError, match="approximate"):
+        U.gelu(x, approximate="erf")
+
+
 @pytest.mark.parametrize("constraint", CONSTRAINTS)
 def test_silu(constraint):
     mult = 1.0
@@ -492,6 +502,32 @@ def test_mse_loss():
     np.testing.assert_allclose(gt, -2 * d / math.sqrt(8), rtol=1e-5, atol=1e-6)
     assert_unit(gi)
     assert_unit(gt)
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "mse_loss"])
+def test_loss_sum_reduction_changes_the_value_not_the_gradient(name):
+    if name == "cross_entropy":
+        x, other, count = LOGITS, jnp.asarray(LABELS), LABELS.size
+    else:
+        x, other, count = X, jnp.asarray(G), X.size
+    fn = getattr(U, name)
+    mean_v, (mean_g,), _ = vjp(lambda v: fn(v, other), x)
+    sum_v, (sum_g,), _ = vjp(lambda v: fn(v, other, reduction="sum"), x)
+    np.testing.assert_allclose(float(sum_v), float(mean_v) * count, rtol=1e-5)
+    np.testing.assert_array_equal(sum_g, mean_g)
+    with pytest.raises(ValueError, match="reduction"):
+        fn(jnp.asarray(x), other, reduction="none")
+
+
+def test_scale_elementwise_builds_an_op():
+    op = U.scale_elementwise(jnp.tanh, 3.0, 0.5, constraint=None)
+    y, (g,), ct = vjp(op, X)
+    x = X.astype(np.float64)
+    np.testing.assert_allclose(y, 3.0 * np.tanh(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, 0.5 * ct * (1 - np.tanh(x) ** 2), rtol=1e-4, atol=1e-6)
+    tied = U.scale_elementwise(jnp.tanh, 3.0, 0.5)  # to_output_scale: both scales 3
+    _, (g3,), ct3 = vjp(tied, X)
+    np.testing.assert_allclose(g3, 3.0 * ct3 * (1 - np.tanh(x) ** 2), rtol=1e-4, atol=1e-6)
 
 
 # -- jit and scalify ------------------------------------------------------------------------

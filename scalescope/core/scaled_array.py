@@ -72,7 +72,15 @@ class ScaledArray:
         return value.astype(out_dtype)
 
     def __array__(self, dtype=None, copy=None):
-        return np.asarray(self.to_array(), dtype=dtype)
+        if dtype is None:
+            return np.asarray(self.to_array())
+        dtype = np.dtype(dtype)
+        if dtype.itemsize == 8:  # float64 (or int64) even where JAX runs without x64
+            wide = np.asarray(self.data).astype(np.float64) * np.float64(np.asarray(self.scale))
+            return np.asarray(wide, dtype)
+        # computed in the requested dtype: float16 data at a large scale may only be
+        # representable in float32
+        return np.asarray(self.to_array(dtype))
 
     def __repr__(self) -> str:
         return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"

@@ -117,7 +117,8 @@ def dynamic_rescale_max_grad(x):
 
 @accepts_scaled
 def set_scaling(x, scale):
-    """Re-express ``x`` with the given ``scale`` (identity on values)."""
+    """Re-express ``x`` with the given ``scale`` (identity on values). Scale 0, the
+    mark of an exactly-zero tensor, gives zeros."""
     _check_float(x, "set_scaling")
     return set_scaling_p.bind(x, jnp.asarray(scale, SCALE_DTYPE))
 
@@ -174,10 +175,12 @@ def scaled_dynamic_rescale(x, *, norm: str):
 
 
 def scaled_set_scaling(x, scale):
-    scale = unscale(scale).astype(SCALE_DTYPE)
-    if isinstance(x, ScaledArray):
-        return make_scaled(rescale_data(x.data, x.scale / scale), scale)
-    return make_scaled(rescale_data(x, 1.0 / scale), scale)
+    scale = jnp.asarray(unscale(scale), SCALE_DTYPE)
+    data, old = (x.data, x.scale) if isinstance(x, ScaledArray) else (x, unit_scale())
+    # scale 0 marks an exactly-zero tensor: the data becomes 0, never x / 0
+    zero = lax.eq(scale, jnp.zeros((), SCALE_DTYPE))
+    factor = jnp.where(zero, 0.0, old / jnp.where(zero, 1.0, scale)).astype(SCALE_DTYPE)
+    return make_scaled(rescale_data(data, factor), scale)
 
 
 def scaled_stop_scaling(x):

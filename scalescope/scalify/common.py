@@ -354,13 +354,35 @@ def split_pow2(c: float) -> tuple[float, float]:
     return 2.0 * f, math.ldexp(1.0, e - 1)
 
 
+# Data whose abs-max is within 2^±FIT_BAND is left where it is (`renormalized`).
+FIT_BAND = 4
+
+
+def narrow_range(dtype: Any) -> bool:
+    """A float dtype with a smaller exponent range than float32 (FP16, FP8, FP4)."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    return jnp.finfo(dtype).maxexp < jnp.finfo(np.float32).maxexp
+
+
+def fit_to(value: jax.Array, dtype: Any) -> ScaledArray:
+    """The wide ``value`` as ``dtype`` data: scale 1, or for a narrow-range ``dtype``
+    with the power of two of its abs-max moved into the scale when it is beyond
+    2^±FIT_BAND, so a value beyond FP16/FP8 range is not cast to inf."""
+    if not narrow_range(dtype):
+        return make_scaled(value.astype(dtype), unit_scale())
+    fitted = renormalized(make_scaled(value, unit_scale()), data_absmax(value), FIT_BAND)
+    return make_scaled(fitted.data.astype(dtype), fitted.scale)
+
+
 def on_unscaled(prim):
-    """Rule evaluating ``prim`` on unscaled values (in at least float32); scale 1 out."""
+    """Rule evaluating ``prim`` on unscaled values (in at least float32). The result is
+    data at scale 1, except for narrow data dtypes (see `fit_to`)."""
 
     def rule(*args, **params):
         dtype = next(a.dtype for a in args if is_scaled(a))
         wide = wide_dtype(dtype)
         vals = [unscale(a, wide) for a in args]
-        return make_scaled(prim.bind(*vals, **params).astype(dtype), unit_scale())
+        return fit_to(prim.bind(*vals, **params), dtype)
 
     return rule

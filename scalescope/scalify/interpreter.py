@@ -347,6 +347,10 @@ def check_scale_invariant(eqn: Any, outvals: Sequence[Any], source: str) -> None
 
 
 def is_array_like(x: Any) -> bool:
+    """An array value (a dtype class such as ``np.float16`` has ``shape`` and ``dtype``
+    attributes too, but is a static argument)."""
+    if isinstance(x, type):
+        return False
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or (
         hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, ScaledArray)
     )

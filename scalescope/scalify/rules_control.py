@@ -26,6 +26,7 @@ from .common import (
     unit_scale,
     unscale,
 )
+from .interpreter import bind_plain
 from .registry import register_rule
 
 
@@ -248,7 +249,18 @@ def scaled_cond(ctx, eqn, invals):
         return list(outs)
 
 
+# -- effects -----------------------------------------------------------------------------
+
+
+def scaled_debug_callback(ctx, eqn, invals):
+    """`jax.debug.print` / `jax.debug.callback`: the callback sees the values the user
+    would see without scalify (``data * scale``)."""
+    return bind_plain(eqn, [unscale(x) for x in invals])
+
+
 RULES = {
+    "debug_callback": scaled_debug_callback,
+    "debug_print": scaled_debug_callback,
     "jit": scaled_jit,
     "pjit": scaled_jit,
     "custom_jvp_call": scaled_custom_call,

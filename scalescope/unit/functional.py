@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .constraints import apply_constraint, validate_constraint
 from .scale import check_float, logarithmic_interpolation, scale_bwd, scale_fwd
@@ -67,6 +68,42 @@ def _scale_elementwise(
     """``scale_fwd(f(scale_bwd(x, g)), o)`` with (o, g) tied by ``constraint``."""
     o, g = apply_constraint(constraint, output_scale, grad_input_scale, op=op)
     return scale_fwd(f(scale_bwd(x, g)), o)
+
+
+def scale_elementwise(
+    f: Callable[..., Array],
+    output_scale: float,
+    grad_input_scale: float,
+    constraint: str | None = "to_output_scale",
+) -> Callable[..., Array]:
+    """``f`` (an elementwise function of its first argument) with its output scaled by
+    ``output_scale`` and its input gradient by ``grad_input_scale``, tied by
+    ``constraint``: the building block of the elementwise ops, for your own."""
+    validate_constraint(constraint, "scale_elementwise")
+
+    def scaled(x: Array, *args: Any, **kwargs: Any) -> Array:
+        x = check_float(x, "scale_elementwise", "x")
+        return _scale_elementwise(
+            lambda v: f(v, *args, **kwargs),
+            x,
+            output_scale,
+            grad_input_scale,
+            constraint,
+            "scale_elementwise",
+        )
+
+    return scaled
+
+
+REDUCTIONS = ("mean", "sum")
+
+
+def _reduce_loss(total: Array, count: int, reduction: str, op: str) -> Array:
+    """The loss value: ``total`` or its mean; the gradient is the same either way (unit
+    scaling scales it, it is never divided by ``count``)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return total if reduction == "sum" else scale_fwd(total, 1.0 / max(count, 1))
 
 
 def _broadcast_shape(op: str, **shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -136,12 +173,14 @@ def gelu(
     x: Array,
     mult: float = 1.0,
     constraint: str | None = "to_output_scale",
-    approximate: bool = False,
+    approximate: bool | str = False,
 ) -> Array:
     """Unit-scaled GELU, ``gelu(mult * x) / mult``.
 
     Exact (erf) GELU by default, as in PyTorch; ``approximate=True`` uses the tanh form.
+    PyTorch's spellings ``"none"`` and ``"tanh"`` are accepted too.
     """
+    approximate = _gelu_approximate(approximate)
     x = check_float(x, "gelu", "x")
     mult = _check_mult(mult, "gelu")
     validate_constraint(constraint, "gelu")
@@ -153,6 +192,21 @@ def gelu(
         return jax.nn.gelu(v * mult, approximate=approximate) / mult
 
     return _scale_elementwise(f, x, output_scale, grad_scale, constraint, "gelu")
+
+
+_GELU_APPROXIMATE = {"none": False, "tanh": True}
+
+
+def _gelu_approximate(approximate: bool | str) -> bool:
+    """``approximate`` as a bool: a bool, or PyTorch's ``"none"``/``"tanh"`` (any other
+    string would be truthy and silently select the tanh form)."""
+    if isinstance(approximate, (bool, np.bool_)):
+        return bool(approximate)
+    if isinstance(approximate, str) and approximate in _GELU_APPROXIMATE:
+        return _GELU_APPROXIMATE[approximate]
+    raise ValueError(
+        f"gelu: approximate must be True, False, 'none' or 'tanh', got {approximate!r}"
+    )
 
 
 def _silu(x: Array, mult: float) -> Array:
@@ -538,12 +592,15 @@ def transformer_residual_scaling_rule(
 # -- losses ------------------------------------------------------------------------------
 
 
-def cross_entropy(logits: Array, labels: Array, mult: float = 1.0) -> Array:
+def cross_entropy(
+    logits: Array, labels: Array, mult: float = 1.0, reduction: str = "mean"
+) -> Array:
     """Mean cross entropy of ``mult * logits: [..., vocab]`` against integer ``labels: [...]``.
 
-    The value is the standard mean loss. Its gradient is not divided by the batch size and
-    the logits gradient is scaled by ``vocab / sqrt(vocab - 1)``, so it is unit at a flat
-    softmax (the gradient of the mean loss times ``batch * vocab / sqrt(vocab - 1)``).
+    The value is the standard mean loss (the sum with ``reduction="sum"``). Its gradient
+    is not divided by the batch size and the logits gradient is scaled by
+    ``vocab / sqrt(vocab - 1)``, so it is unit at a flat softmax (the gradient of the
+    mean loss times ``batch * vocab / sqrt(vocab - 1)``), whatever the reduction.
     """
     logits = check_float(logits, "cross_entropy", "logits")
     labels = jnp.asarray(labels)
@@ -560,16 +617,16 @@ def cross_entropy(logits: Array, labels: Array, mult: float = 1.0) -> Array:
     if vocab < 2:
         raise ValueError(f"cross_entropy: need at least 2 classes, got {vocab}")
     mult = _check_mult(mult, "cross_entropy")
-    batch = max(labels.size, 1)
     x = scale_fwd(scale_bwd(logits, cross_entropy_grad_scale(vocab)), mult)
     logp = jax.nn.log_softmax(x.astype(_compute_dtype(x.dtype)), axis=-1)
     picked = jnp.take_along_axis(logp, labels[..., None], axis=-1)
-    return scale_fwd(-jnp.sum(picked), 1.0 / batch)
+    return _reduce_loss(-jnp.sum(picked), labels.size, reduction, "cross_entropy")
 
 
-def mse_loss(input: Array, target: Array) -> Array:
-    """Mean squared error (standard value); both gradients scaled by ``8^-1/2`` and not
-    divided by the size, which makes them unit for unit, independent input and target."""
+def mse_loss(input: Array, target: Array, reduction: str = "mean") -> Array:
+    """Mean squared error (standard value; the sum with ``reduction="sum"``); both
+    gradients scaled by ``8^-1/2`` and not divided by the size, which makes them unit for
+    unit, independent input and target."""
     input = check_float(input, "mse_loss", "input")
     target = check_float(target, "mse_loss", "target")
     if input.shape != target.shape:
@@ -579,7 +636,7 @@ def mse_loss(input: Array, target: Array) -> Array:
     s = 8**-0.5
     diff = scale_bwd(input, s) - scale_bwd(target, s)
     diff = diff.astype(_compute_dtype(diff.dtype))
-    return scale_fwd(jnp.sum(diff * diff), 1.0 / max(input.size, 1))
+    return _reduce_loss(jnp.sum(diff * diff), input.size, reduction, "mse_loss")
 
 
 __all__ = [
@@ -601,6 +658,7 @@ __all__ = [
     "residual_scales",
     "residual_split",
     "rms_norm",
+    "scale_elementwise",
     "scaled_dot_product_attention",
     "silu",
     "silu_glu",
