@@ -19,9 +19,10 @@ demo: venv
 	$(BIN)/scalescope demo
 
 # Whole test modules to each of the 2 workers (tests of a module share fixtures and
-# compiled steps), slowest modules first (tests/conftest.py orders them).
+# compiled steps), slowest modules first (tests/conftest.py orders them; --durations
+# shows what to reorder).
 test: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -61,6 +61,7 @@ SLOWEST_MODULES = (
     "test_sample_models.py",
     "test_engine_models.py",
     "test_rules.py",
+    "test_other_models.py",
     "test_probe_models.py",
     "test_dashboard.py",
     "test_advisor_recorded.py",
