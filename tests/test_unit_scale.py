@@ -77,6 +77,80 @@ def test_mlp_outputs_and_gradients_are_unit(mlp_setup):
     assert "residual" not in kinds
 
 
+def test_default_constraint_is_lifted_where_no_residual_follows(mlp_setup):
+    """As in the library, ops with no residual add after them are unconstrained: the
+    default transform of a plain MLP is unit in both passes, like ``constraint=None``."""
+    params, x = mlp_setup
+    scaled = ss.unit_scale(_mlp)
+    out_std, grad_stds = jax.jit(lambda p, x: _vjp_stats(scaled, p, x))(params, x)
+    assert abs(float(out_std) - 1) < 0.2
+    assert all(abs(float(s) - 1) < 0.2 for s in grad_stds), grad_stds
+
+    def block(w1, w2, x):
+        h = x + jnp.tanh(x @ w1)  # a residual block: its linear stays constrained
+        return h @ w2  # after the last residual add: unconstrained
+
+    w1 = jax.random.normal(jax.random.PRNGKey(0), (128, 128))
+    w2 = jax.random.normal(jax.random.PRNGKey(1), (128, 32))
+    scaled = ss.unit_scale(block)
+    scaled(w1, w2, x[:, :128])
+    first, second = (r for r in scaled.rewrites if r.kind == "linear")
+    assert first.grad_scales[0] == first.output_scale  # tied (to_output_scale)
+    assert second.output_scale == pytest.approx(128**-0.5)
+    assert second.grad_scales[0] == pytest.approx(32**-0.5)  # its own, unit backward
+
+
+def _library_mlp_layer(p, x, key):
+    """The unit-scaling library's own `unit_scale` test model, in JAX: LayerNorm, a
+    hand-written tanh GELU (``pow(x, 3.0)``), two linears with biases, inverted dropout
+    (p = 0.2) and a sum loss."""
+
+    def custom_gelu(v):
+        inner = np.sqrt(2.0 / np.pi) * (v + 0.044715 * jnp.power(v, 3.0))
+        return 0.5 * v * (1.0 + jnp.tanh(inner))
+
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    v = (x - mean) / jnp.sqrt(var + 1e-5) * p["ln_w"] + p["ln_b"]
+    v = custom_gelu(v @ p["w1"] + p["b1"])
+    v = v @ p["w2"] + p["b2"]
+    keep = jax.random.bernoulli(key, 0.8, v.shape)
+    v = jnp.where(keep, v / 0.8, 0)
+    return v, v.sum()
+
+
+def test_library_mlp_layer_is_unit_scaled():
+    """The library's test: output and the gradients of the input, the LayerNorm gain and
+    both weights within 1 ± 0.2 (unit-std weights, zero biases)."""
+    h = 256
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    p = {
+        "ln_w": jnp.ones(h),
+        "ln_b": jnp.zeros(h),
+        "w1": jax.random.normal(k[0], (h, 4 * h)),
+        "b1": jnp.zeros(4 * h),
+        "w2": jax.random.normal(k[1], (4 * h, h)),
+        "b2": jnp.zeros(h),
+    }
+    x = jax.random.normal(k[2], (64, h))
+    scaled = ss.unit_scale(_library_mlp_layer)
+
+    def stats(fn):
+        (out, loss), back = jax.vjp(lambda p, x: fn(p, x, k[3]), p, x)
+        gp, gx = back((jnp.zeros_like(out), jnp.ones_like(loss)))
+        return [jnp.std(t) for t in (out, gx, gp["ln_w"], gp["w1"], gp["w2"])], out
+
+    unit, out = jax.jit(lambda: stats(scaled))()
+    assert all(abs(float(s) - 1) < 0.2 for s in unit), unit
+    kinds = [r.kind for r in scaled.rewrites]
+    assert kinds.count("gelu") == 1 and kinds.count("dropout") == 1
+    assert "residual" not in kinds  # nor inside jax.random.uniform (an add of constants)
+    plain, plain_out = jax.jit(lambda: stats(_library_mlp_layer))()
+    assert min(float(s) for s in plain) > 10
+    # the same elements are dropped: the random numbers are left as they are
+    np.testing.assert_array_equal(np.asarray(out) == 0, np.asarray(plain_out) == 0)
+
+
 def test_composes_with_jit_and_grad(mlp_setup):
     params, x = mlp_setup
     loss = ss.unit_scale(lambda p, x: jnp.mean(_mlp(p, x) ** 2))

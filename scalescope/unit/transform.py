@@ -107,6 +107,10 @@ class _Plan:
     call_groups: set[int] = field(default_factory=set)
     grouped: set[int] = field(default_factory=set)
     param_like: dict[Any, bool] = field(default_factory=dict)
+    live: dict[Any, bool] = field(default_factory=dict)
+    # eqns with a residual add downstream (in this jaxpr, or everything when the enclosing
+    # call has one): they keep the constraint; the others are unconstrained
+    constrained: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -527,10 +531,16 @@ def _match_attention(
 # -- the analysis ------------------------------------------------------------------------
 
 
-def _param_like(g: _Graph, flags: Sequence[bool]) -> dict[Any, bool]:
+# What an input of a jaxpr is to the analysis: a parameter (an input of the function, or a
+# value computed from parameters by shape-only ops), an activation, or a constant (a key,
+# a literal, or a value computed from those alone: random numbers, masks, positions).
+PARAM, ACT, CONST = "param", "act", "const"
+
+
+def _param_like(g: _Graph, flags: Sequence[str]) -> dict[Any, bool]:
     """Variables that are inputs (or consts) seen through shape-only ops: parameters."""
     out: dict[Any, bool] = {v: True for v in g.jaxpr.constvars}
-    out.update(zip(g.jaxpr.invars, flags, strict=True))
+    out.update((v, f == PARAM) for v, f in zip(g.jaxpr.invars, flags, strict=True))
     for eqn in g.eqns:
         name = eqn.primitive.name
         floats = [v for v in eqn.invars if not isinstance(v, Literal) and _is_float(v)]
@@ -538,6 +548,25 @@ def _param_like(g: _Graph, flags: Sequence[bool]) -> dict[Any, bool]:
         for v in eqn.outvars:
             out[v] = like
     return out
+
+
+def _live(g: _Graph, flags: Sequence[str]) -> dict[Any, bool]:
+    """Variables that depend on a parameter or an activation. The others (random numbers
+    from a key, masks and positions from constants) are never rewritten: the add inside
+    ``jax.random.uniform`` is not a residual add."""
+    out: dict[Any, bool] = {v: True for v in g.jaxpr.constvars}
+    out.update((v, f != CONST) for v, f in zip(g.jaxpr.invars, flags, strict=True))
+    for eqn in g.eqns:
+        live = any(out.get(v, False) for v in eqn.invars if not isinstance(v, Literal))
+        for v in eqn.outvars:
+            out[v] = live
+    return out
+
+
+def _flag(v: Any, param_like: dict[Any, bool], live: dict[Any, bool]) -> str:
+    if isinstance(v, Literal) or not live.get(v, False):
+        return CONST
+    return PARAM if param_like.get(v) else ACT
 
 
 def _ancestors(g: _Graph) -> tuple[dict[Any, int], dict[Any, int]]:
@@ -605,12 +634,89 @@ def _dot_dims(eqn: Any) -> tuple[int, int, int, bool, bool]:
     return k, lhs_free, rhs_free, bool(lb), bool(rb)
 
 
-def _analyse(jaxpr: Any, flags: Sequence[bool], opts: _Options, log: list[Rewrite]) -> _Plan:
-    """Find the ops of one jaxpr to rewrite and the constants to apply."""
+def _match_dropout(g: _Graph, i: int, live: dict) -> tuple[int, float] | None:
+    """Inverted dropout as Flax and hand-written code spell it: ``x / keep`` selected by
+    a mask computed from a key (not from activations) against zeros: ``select_n(mask,
+    0, x / keep)`` or ``jnp.where(mask, x / keep, 0)``. Returns the select (or where
+    call) and ``keep``."""
+    eqn = g.eqns[i]
+    if eqn.primitive.name != "div" or not live.get(eqn.invars[0]):
+        return None
+    keep = _scalar_value(g, eqn.invars[1])
+    if keep is None or not 0 < keep < 1:
+        return None
+    use = g.consumers.get(eqn.outvars[0], [])
+    if len(use) != 1:
+        return None
+    j, pos = use[0]
+    sel = g.eqns[j]
+    is_where = sel.primitive.name in _CALL_PRIMS and sel.params.get("name") in _MASK_CALLS
+    if sel.primitive.name != "select_n" and not is_where:
+        return None
+    others = [v for k, v in enumerate(sel.invars) if k != pos]
+    if len(others) != 2 or any(not isinstance(v, Literal) and live.get(v) for v in others):
+        return None  # the mask and the zeros come from constants (a key) alone
+    return j, keep
+
+
+def _residual_operands(
+    g: _Graph, eqn: Any, anc: dict, index: dict, live: dict
+) -> tuple[int, int] | None:
+    """``(skip_pos, residual_pos)`` when ``eqn`` is a residual add: an add of two
+    activations one of which is an ancestor of the other."""
+    if eqn.primitive.name not in ("add", "add_any") or len(eqn.invars) != 2:
+        return None
+    a, b = eqn.invars
+    if any(isinstance(v, Literal) for v in (a, b)) or not (live.get(a) and live.get(b)):
+        return None
+    if not (eqn.outvars and _is_float(eqn.outvars[0])):
+        return None
+    for skip, res, skip_pos, res_pos in ((a, b, 0, 1), (b, a, 1, 0)):
+        if anc.get(res, 0) >> index[skip] & 1:
+            return skip_pos, res_pos
+    return None
+
+
+def _constrained(
+    g: _Graph, grouped: set[int], anc: dict, index: dict, live: dict, everywhere: bool
+) -> set[int]:
+    """Eqns that have a residual add downstream (the residual adds included), or all of
+    them when ``everywhere``. The library's `unit_scale` unconstrains every op after the
+    last residual add: no skip connection needs their two scales tied, and untied
+    scales keep both the output and the gradients unit."""
+    if everywhere:
+        return set(range(len(g.eqns)))
+    upstream = 0
+    for i, eqn in enumerate(g.eqns):
+        if i not in grouped and _residual_operands(g, eqn, anc, index, live):
+            upstream |= anc[eqn.outvars[0]]
+    return {
+        i
+        for i, eqn in enumerate(g.eqns)
+        if any(upstream >> index[v] & 1 for v in eqn.outvars if v in index)
+    }
+
+
+def _analyse(
+    jaxpr: Any,
+    flags: Sequence[str],
+    opts: _Options,
+    log: list[Rewrite],
+    before_residual: bool = False,
+) -> _Plan:
+    """Find the ops of one jaxpr to rewrite and the constants to apply.
+    ``before_residual``: the enclosing call has a residual add downstream."""
     g = _Graph(jaxpr)
-    plan = _Plan(param_like=_param_like(g, flags))
-    pl = plan.param_like
+    plan = _Plan(param_like=_param_like(g, flags), live=_live(g, flags))
+    pl, live = plan.param_like, plan.live
     readouts: set[int] = set()
+    groups = _find_groups(g)
+    anc, index = _ancestors(g)
+    grouped = set().union(*(group for _, group, *_ in groups)) if groups else set()
+    plan.constrained = _constrained(g, grouped, anc, index, live, before_residual)
+
+    def constraint(i: int) -> str | None:
+        return opts.constraint if i in plan.constrained else None
 
     def scale_group(group: set[int], x: Any, out: Any, o: float, s: float) -> None:
         for j in group:
@@ -620,12 +726,14 @@ def _analyse(jaxpr: Any, flags: Sequence[bool], opts: _Options, log: list[Rewrit
         if o != 1.0:
             plan.output[out] = o
 
-    for kind, group, x, out, axis in _find_groups(g):
+    for kind, group, x, out, axis in groups:
         first = g.eqns[min(group)]
         prims = tuple(g.eqns[j].primitive.name for j in sorted(group))
         if len(group) == 1 and first.primitive.name in _CALL_PRIMS | {"custom_jvp_call"}:
             plan.call_groups.add(min(group))
         plan.grouped.update(group)
+        if not live.get(x, False):
+            continue  # computed from constants alone: left as it is
         if kind == "log_softmax":
             mean = _loss_mean(g, out)
             if mean is None:
@@ -649,17 +757,24 @@ def _analyse(jaxpr: Any, flags: Sequence[bool], opts: _Options, log: list[Rewrit
             o, s = silu_scales()
         else:
             o, s = ELEMENTWISE_SCALES[kind]
-        o, s = apply_constraint(opts.constraint, o, s, op=f"unit_scale({kind})")
+        o, s = apply_constraint(constraint(max(group)), o, s, op=f"unit_scale({kind})")
         scale_group(group, x, out, o, s)
         log.append(Rewrite(kind, prims, o, (s,), _where(first)))
 
-    anc, index = _ancestors(g)
     for i, eqn in enumerate(g.eqns):
         name = eqn.primitive.name
         if i in plan.grouped or not eqn.outvars or not _is_float(eqn.outvars[0]):
             continue
+        if not live.get(eqn.outvars[0], False):
+            continue
         if name == "dot_general":
-            _plan_dot(plan, eqn, i, i in readouts, opts, log)
+            _plan_dot(plan, eqn, i, i in readouts, constraint(i), log)
+        elif name == "div" and (drop := _match_dropout(g, i, live)) is not None:
+            j, keep = drop
+            s = keep**0.5  # U.dropout: kept values / sqrt(keep), forward and backward
+            plan.operand[(i, 0)] = (1.0, s)
+            plan.output[g.eqns[j].outvars[0]] = s
+            log.append(Rewrite("dropout", ("div", g.eqns[j].primitive.name), s, (s,), _where(eqn)))
         elif name in ("add", "add_any") and not any(isinstance(v, Literal) for v in eqn.invars):
             _plan_add(plan, g, eqn, i, anc, index, opts, log)
         elif name == "gather" and pl.get(eqn.invars[0]) and _size(eqn.outvars[0]):
@@ -699,7 +814,9 @@ def _plan_attention(
     log.append(Rewrite("attention", prims, s, (s, s, s), _where(g.eqns[qk])))
 
 
-def _plan_dot(plan: _Plan, eqn: Any, i: int, readout: bool, opts: _Options, log: list) -> None:
+def _plan_dot(
+    plan: _Plan, eqn: Any, i: int, readout: bool, constraint: str | None, log: list
+) -> None:
     """Unit-scaled matmul, linear (one operand a parameter) or readout."""
     k, lhs_free, rhs_free, lb, rb = _dot_dims(eqn)
     out_s, lhs_s, rhs_s = dot_scales(k, lhs_free, rhs_free)
@@ -709,13 +826,13 @@ def _plan_dot(plan: _Plan, eqn: Any, i: int, readout: bool, opts: _Options, log:
         weight = 0
     if weight is None:
         kind = "matmul"
-        out_s, lhs_s, rhs_s = apply_constraint(opts.constraint, out_s, lhs_s, rhs_s, op=kind)
+        out_s, lhs_s, rhs_s = apply_constraint(constraint, out_s, lhs_s, rhs_s, op=kind)
     elif readout:
         kind, out_s = "readout", 1.0 / k
     else:
         kind = "linear"
         grads = [lhs_s, rhs_s]
-        out_s, grads[1 - weight] = apply_constraint(opts.constraint, out_s, grads[1 - weight])
+        out_s, grads[1 - weight] = apply_constraint(constraint, out_s, grads[1 - weight])
         lhs_s, rhs_s = grads
     plan.operand[(i, 0)] = (1.0, lhs_s)
     plan.operand[(i, 1)] = (1.0, rhs_s)
@@ -752,16 +869,16 @@ def _plan_add(
     ``(heads, head_dim)``) keeps its value; any other add (of two activations, or of an
     activation and a table such as a positional embedding) is U.add."""
     a, b = eqn.invars
-    for skip, res, skip_pos, res_pos in ((a, b, 0, 1), (b, a, 1, 0)):
-        if anc.get(res, 0) >> index[skip] & 1:
-            res_s, skip_s = residual_scales(opts.tau)
-            plan.operand[(i, skip_pos)] = (skip_s, skip_s)
-            plan.operand[(i, res_pos)] = (res_s, 1.0)
-            plan.default_read[skip] = (1.0, res_s)
-            log.append(
-                Rewrite("residual", (eqn.primitive.name,), 1.0, (res_s, skip_s), _where(eqn))
-            )
-            return
+    if not (plan.live.get(a) and plan.live.get(b)):
+        return  # an activation plus a constant (a mask, a position table): its value
+    if (found := _residual_operands(g, eqn, anc, index, plan.live)) is not None:
+        skip_pos, res_pos = found
+        res_s, skip_s = residual_scales(opts.tau)
+        plan.operand[(i, skip_pos)] = (skip_s, skip_s)
+        plan.operand[(i, res_pos)] = (res_s, 1.0)
+        plan.default_read[eqn.invars[skip_pos]] = (1.0, res_s)
+        log.append(Rewrite("residual", (eqn.primitive.name,), 1.0, (res_s, skip_s), _where(eqn)))
+        return
     pl = plan.param_like
     if pl.get(a) and pl.get(b):
         return  # parameters combined: not an activation
@@ -801,14 +918,15 @@ class _Interpreter:
     def __init__(self, opts: _Options):
         self.opts = opts
         self.log: list[Rewrite] = []
+        self.before_residual = False  # the call being interpreted has a residual add after it
 
-    def run_closed(self, closed: Any, args: Sequence[Any], flags: Sequence[bool]) -> list[Any]:
+    def run_closed(self, closed: Any, args: Sequence[Any], flags: Sequence[str]) -> list[Any]:
         return self.run(closed.jaxpr, closed.consts, args, flags)
 
     def run(
-        self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], flags: Sequence[bool]
+        self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], flags: Sequence[str]
     ) -> list[Any]:
-        plan = _analyse(jaxpr, flags, self.opts, self.log)
+        plan = _analyse(jaxpr, flags, self.opts, self.log, self.before_residual)
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
         cache: dict[tuple[Any, tuple[float, float]], Any] = {}
@@ -830,15 +948,17 @@ class _Interpreter:
             elif i in plan.call_groups:
                 outvals = bind_plain(eqn, invals)
             else:
-                sub_flags = [
-                    not isinstance(v, Literal) and bool(plan.param_like.get(v)) for v in eqn.invars
-                ]
-                outvals = self.apply(eqn, invals, sub_flags)
+                sub_flags = [_flag(v, plan.param_like, plan.live) for v in eqn.invars]
+                outer, self.before_residual = self.before_residual, i in plan.constrained
+                try:
+                    outvals = self.apply(eqn, invals, sub_flags)
+                finally:
+                    self.before_residual = outer
             for v, out in zip(eqn.outvars, outvals, strict=True):
                 env[v] = scale_fwd(out, plan.output[v]) if v in plan.output else out
         return [read(v, -1, -1) for v in jaxpr.outvars]
 
-    def apply(self, eqn: Any, invals: list[Any], flags: list[bool]) -> list[Any]:
+    def apply(self, eqn: Any, invals: list[Any], flags: list[str]) -> list[Any]:
         """Bind ``eqn``, recursing into the bodies of higher-order primitives."""
         name, p = eqn.primitive.name, eqn.params
         if name in _CALL_PRIMS:
@@ -863,10 +983,12 @@ class _Interpreter:
             return self._cond(p, invals, flags)
         return bind_plain(eqn, invals)
 
-    def _scan(self, p: dict, invals: list[Any], flags: list[bool]) -> list[Any]:
+    def _scan(self, p: dict, invals: list[Any], flags: list[str]) -> list[Any]:
+        # a loop body feeds its next iteration: everything in it stays constrained
+        self.before_residual = True
         nc, nk = p["num_consts"], p["num_carry"]
         consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-        body_flags = [*flags[:nc], *([False] * nk), *flags[nc + nk :]]
+        body_flags = [*flags[:nc], *([ACT] * nk), *flags[nc + nk :]]
 
         def step(carry: list, x: list) -> tuple[list, list]:
             outs = self.run_closed(p["jaxpr"], [*consts, *carry, *x], body_flags)
@@ -877,10 +999,11 @@ class _Interpreter:
         )
         return [*carry, *ys]
 
-    def _while(self, p: dict, invals: list[Any], flags: list[bool]) -> list[Any]:
+    def _while(self, p: dict, invals: list[Any], flags: list[str]) -> list[Any]:
+        self.before_residual = True  # as for scan
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         cc, bc, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-        bflags = [*flags[nc : nc + nb], *([False] * len(init))]
+        bflags = [*flags[nc : nc + nb], *([ACT] * len(init))]
 
         def cond_fn(carry: list) -> Any:
             return jax.extend.core.jaxpr_as_fun(p["cond_jaxpr"])(*cc, *carry)[0]
@@ -890,7 +1013,7 @@ class _Interpreter:
 
         return list(lax.while_loop(cond_fn, body_fn, list(init)))
 
-    def _cond(self, p: dict, invals: list[Any], flags: list[bool]) -> list[Any]:
+    def _cond(self, p: dict, invals: list[Any], flags: list[str]) -> list[Any]:
         index, ops = invals[0], invals[1:]
         branches = [
             functools.partial(lambda b, *a: self.run_closed(b, a, flags[1:]), b)
@@ -954,7 +1077,7 @@ def unit_scale(
         dyn_vals = [leaves[i] for i in dyn]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
         interp = _Interpreter(opts)
-        flags = [_is_float(v) for v in closed.jaxpr.invars]
+        flags = [PARAM if _is_float(v) else CONST for v in closed.jaxpr.invars]
         outs = interp.run_closed(closed, dyn_vals, flags)
         wrapped.rewrites = interp.log
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
