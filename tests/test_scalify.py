@@ -213,6 +213,9 @@ def test_ops_take_scaled_arrays_outside_scalify(jit):
     plain = wrap(ss.ops.stop_scaling)(x)
     assert not isinstance(plain, ss.ScaledArray)
     np.testing.assert_array_equal(np.asarray(plain), [1.5, 150.0])
+    half = wrap(lambda v: ss.ops.stop_scaling(v, np.float16))(x)
+    assert half.dtype == np.float16 and not isinstance(half, ss.ScaledArray)
+    np.testing.assert_array_equal(np.asarray(half), np.float16([1.5, 150.0]))
     moved = wrap(ss.ops.set_scaling)(x, 2.0**-3)
     assert float(moved.scale) == 2.0**-3
     np.testing.assert_array_equal(np.asarray(moved.data), [12.0, 1200.0])

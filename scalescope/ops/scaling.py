@@ -124,10 +124,12 @@ def set_scaling(x, scale):
 
 
 @accepts_scaled
-def stop_scaling(x):
-    """Turn a scaled value back into a plain array inside `scalify` (identity outside)."""
+def stop_scaling(x, dtype=None):
+    """Turn a scaled value back into a plain array inside `scalify` (identity outside),
+    converted to ``dtype`` when given."""
     _check_float(x, "stop_scaling")
-    return stop_scaling_p.bind(x)
+    out = stop_scaling_p.bind(x)
+    return out if dtype is None else out.astype(dtype)
 
 
 # -- scaled rules -----------------------------------------------------------------------
