@@ -142,6 +142,14 @@ def test_bad_fallback_policy_is_rejected():
         ss.scalify(jnp.sin, fallback="ignore")
 
 
+def test_transforms_reject_non_callables(tmp_path):
+    for make, name in ((ss.scalify, "scalify"), (ss.instrument, "instrument")):
+        with pytest.raises(TypeError, match=f"{name}: fn must be callable, got int"):
+            make(3)
+    with ss.Run(tmp_path / "run") as run, pytest.raises(TypeError, match="Run.track"):
+        run.track(None)
+
+
 def test_unscaled_inputs_run_unchanged():
     x = _rng((5,))
     out = ss.scalify(lambda v: jnp.tanh(v) @ v)(x)

@@ -128,6 +128,26 @@ def _plain_steps(fn, args, n):
     return state
 
 
+def test_python_number_arguments_are_traced_as_under_jit(tmp_path):
+    """`Run.track` jits the step, which makes ``lr=0.1`` a traced scalar: the op table
+    must be traced the same way (it was traced with ``lr`` a constant, one op short, and
+    the writer failed on the first recorded step)."""
+
+    def step(p, x, *, lr=0.1):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(p)
+        return p - lr * g, loss
+
+    p, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    with ss.Run(tmp_path / "run", every=1) as run:
+        tracked = run.track(step)
+        for _ in range(2):
+            p, _ = tracked(p, x, lr=0.05)
+    reader = ss.open_run(tmp_path / "run")
+    stats = reader.stats()
+    assert sorted(set(stats["step"])) == [0, 1]
+    assert set(stats["op"]) <= set(reader.ops.index) and len(stats)
+
+
 def test_long_stats_filters_metric_ops_steps(tmp_path, data):
     _record(tmp_path / "r", mlp_step, data, 5, every=1)
     reader = ss.open_run(tmp_path / "r")

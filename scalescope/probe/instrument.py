@@ -158,6 +158,17 @@ def _after(values: list[Any], outs: Any) -> list[Any]:
     ]
 
 
+def _as_jit_passes(tree: Any) -> Any:
+    """``tree`` with Python numbers as weakly typed JAX scalars, as `jax.jit` traces them."""
+
+    def convert(leaf: Any) -> Any:
+        if isinstance(leaf, bool | int | float | complex):
+            return jax.numpy.asarray(leaf)
+        return leaf
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, ScaledArray))
+
+
 def instrument(
     fn: Callable[..., Any],
     *,
@@ -205,6 +216,8 @@ def instrument(
     compiled program (each group behind a `lax.cond`); the other groups' rows have count
     0 and NaN statistics. This is how `Run`'s overhead budget rotates what it measures.
     """
+    if not callable(fn):
+        raise TypeError(f"instrument: fn must be callable, got {type(fn).__name__}")
     if fallback not in FALLBACK_POLICIES:
         raise ValueError(
             f"instrument: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}"
@@ -276,7 +289,10 @@ def instrument(
 
     def op_table(*args, **kwargs) -> OpTable:
         """The op table for these arguments (shapes and dtypes matter, not values),
-        computed by tracing without running anything."""
+        computed by tracing without running anything. Arguments are taken as `jax.jit`
+        passes them to the function: a Python number is a traced scalar, not a constant
+        (``step(params, batch, lr=0.1)`` under jit multiplies by a traced ``lr``)."""
+        args, kwargs = _as_jit_passes((args, kwargs))
         leaves, treedef, dyn, avals, key = flatten_args(args, kwargs)
         if key not in tables:
             positions = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]

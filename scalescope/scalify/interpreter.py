@@ -473,6 +473,8 @@ def scalify(
     The traced jaxpr is cached per input signature (tree structure, shapes, dtypes,
     which leaves are scaled, static leaves). Non-array leaves are static.
     """
+    if not callable(fn):
+        raise TypeError(f"scalify: fn must be callable, got {type(fn).__name__}")
     if fallback not in FALLBACK_POLICIES:
         raise ValueError(f"scalify: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}")
     check = check_default() if check is None else bool(check)

@@ -684,6 +684,8 @@ class Run:
         recording one at the first recorded call.
         """
         self._check_open()
+        if not callable(fn):
+            raise TypeError(f"Run.track: fn must be callable, got {type(fn).__name__}")
         if every is not None:
             _check_int("every", every, 1)
         return Tracked(self, fn, scalify=scalify, every=every or self.every)
