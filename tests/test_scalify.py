@@ -461,3 +461,41 @@ def test_set_scaling_to_zero_gives_the_zero_tensor():
         out = fn(x, 0.0)
         assert float(out.scale) == 0.0
         np.testing.assert_array_equal(np.asarray(out.data), [0.0, 0.0])
+
+
+def test_nnx_state_assigned_and_not_returned_is_warned_about():
+    """A step assigning to a module argument (``optimizer.update(model, grads)``) loses
+    the update under scalify as under jax.jit: warned. The functional NNX pattern (merge,
+    update, return ``nnx.state``) is not warned about and matches the plain step."""
+    import optax
+    from flax import nnx
+
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    batch = jnp.ones((2, 8))
+
+    def loss_fn(m, b):
+        return jnp.mean(m(b) ** 2)
+
+    def stateful(m, opt, b):
+        loss, grads = nnx.value_and_grad(loss_fn)(m, b)
+        opt.update(m, grads)
+        return loss
+
+    with pytest.warns(UserWarning, match="not written back"):
+        ss.scalify(stateful)(model, optimizer, batch)
+
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, b):
+        m, opt = nnx.merge(graphdef, state)
+        loss = stateful(m, opt, b)
+        return loss, nnx.state((m, opt))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, new = jax.jit(ss.scalify(step))(ss.as_scaled_array(state), batch)
+    plain_loss, plain_new = jax.jit(step)(state, batch)
+    assert float(ss.asarray(loss)) == pytest.approx(float(plain_loss), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(ss.asarray(new)), jax.tree.leaves(plain_new), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -424,6 +424,35 @@ def flatten_args(args: tuple, kwargs: dict):
     return leaves, treedef, dyn, avals, (treedef, key, jax.sharding.get_abstract_mesh())
 
 
+def _warn_if_arguments_changed(before: list[Any], args: Any, out: Any, fn: Any) -> None:
+    """Warn when ``fn`` assigned to a mutable part of its arguments (an NNX Variable of a
+    module passed in: ``optimizer.update(model, grads)``) and does not return the new
+    value. Like `jax.jit`, a transform over pytrees does not write such changes back, so
+    the caller's objects keep their old values; silently, unless told. (Merging NNX state
+    and returning ``nnx.state(...)`` also assigns to the argument's leaves, but returns
+    them: no warning.)"""
+
+    def flat(tree: Any) -> list[Any]:
+        return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ScaledArray))
+
+    after = flat(args)
+    if len(after) != len(before):
+        changed = after
+    else:
+        changed = [y for x, y in zip(before, after, strict=True) if x is not y]
+    returned = {id(leaf) for leaf in flat(out)}
+    if all(id(leaf) in returned for leaf in changed):
+        return
+    name = getattr(fn, "__name__", type(fn).__name__)
+    warnings.warn(
+        f"scalescope: {name} assigned new values to (NNX) state of its arguments; as "
+        "under jax.jit, such changes are not written back to the objects passed in. "
+        "Return the new state instead (nnx.split / nnx.merge; docs/engine.md, "
+        "'Stateful arguments').",
+        stacklevel=4,
+    )
+
+
 def trace_flat(fn, leaves, treedef, avals):
     dyn_pos = [
         i for i, leaf in enumerate(leaves) if isinstance(leaf, ScaledArray) or is_array_like(leaf)
@@ -434,7 +463,9 @@ def trace_flat(fn, leaves, treedef, avals):
         for pos, val in zip(dyn_pos, dyn_vals):
             full[pos] = val
         a, k = jax.tree_util.tree_unflatten(treedef, full)
-        return fn(*a, **k)
+        out = fn(*a, **k)
+        _warn_if_arguments_changed(full, (a, k), out, fn)
+        return out
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
     return closed, jax.tree_util.tree_structure(out_shape)
