@@ -270,6 +270,12 @@ def test_bad_arguments_raise_clear_errors():
         ss.instrument(f, sample=0)
     with pytest.raises(TypeError, match="scalify=False"):
         ss.instrument(f, scalify=False)(ss.as_scaled_array(jnp.ones(3)))
+    inst = ss.instrument(lambda x: x * 2.0)
+    x = ss.as_scaled_array(jnp.ones(3))
+    table, (_, stats) = inst.op_table(x), inst(x)
+    assert len(ss.stats_frame(table, stats)) == table.n_rows
+    with pytest.raises(TypeError, match=r"the arguments are \(table, stats\)"):
+        ss.stats_frame(stats, table)
 
 
 def test_outputs_bit_identical_to_uninstrumented():

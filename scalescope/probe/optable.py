@@ -160,6 +160,9 @@ def stats_frame(table: OpTable, stats: dict[str, Any], names: Sequence[str] | No
     primitive and one column per statistic."""
     import pandas as pd
 
+    if not isinstance(table, OpTable):
+        hint = " (the arguments are (table, stats))" if isinstance(stats, OpTable) else ""
+        raise TypeError(f"stats_frame: table must be an OpTable, got {type(table).__name__}{hint}")
     names = list(names or table.stat_names)
     frame = pd.DataFrame({name: np.asarray(stats[name]) for name in names})
     frame.insert(0, "iteration", table.row_iter)
