@@ -1,16 +1,21 @@
 """Training steps of models written the way Flax's own examples write them (MNIST CNN,
 ResNet block, SST-2 LSTM, VAE, a decoder LM, an NNX model, GroupNorm with depthwise and
-transposed convolutions), at toy sizes, for `test_other_models.py`.
+transposed convolutions, the seq2seq LSTM encoder-decoder, an ogbg_molpcba-style graph
+network, the WMT encoder-decoder transformer, the PPO loss, lm1b's sampling loop with a
+KV cache) and a zoo of optax optimizers on one MLP, at toy sizes, for
+`test_other_models.py`.
 
 Each builder returns ``(step, args, loss_index)``: ``step(*args)`` is one training step
 returning a tuple of the new parameters, the new optimizer state (and new batch statistics
-where the model has them) and the loss, at position ``loss_index``. Everything random in
-the step comes from a key passed as an argument.
+where the model has them) and the loss, at position ``loss_index``; the sampling loop is
+forward only and returns the sampled tokens, every step's logits and their negative
+log-likelihood. Everything random in the step comes from a key passed as an argument.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -19,6 +24,8 @@ import numpy as np
 import optax
 from flax import linen as nn
 from flax import nnx
+from flax.training import common_utils
+from jax import lax
 
 Built = tuple[Callable[..., Any], tuple[Any, ...], int]
 BATCH = 4
@@ -384,6 +391,592 @@ def groupnorm_convs() -> Built:
     return step, (params, tx.init(params), images, targets), 2
 
 
+# -- 8. LSTM encoder-decoder with nn.scan over time (flax/examples/seq2seq) ------------
+
+S2S_VOCAB, S2S_IN, S2S_OUT, S2S_HIDDEN, EOS = 8, 7, 5, 16, 1
+
+
+class EncoderLSTM(nn.Module):
+    """The encoder's recurrence: an LSTM cell scanned over time, carrying its state past
+    each sequence's EOS unchanged."""
+
+    @partial(
+        nn.scan, variable_broadcast="params", in_axes=1, out_axes=1, split_rngs={"params": False}
+    )
+    @nn.compact
+    def __call__(self, carry, x):
+        lstm_state, is_eos = carry
+        new_lstm_state, y = nn.LSTMCell(S2S_HIDDEN)(lstm_state, x)
+
+        # pass the previous state forward once EOS has been reached
+        def select_carried_state(new_state, old_state):
+            return jnp.where(is_eos[:, np.newaxis], old_state, new_state)
+
+        carried = tuple(select_carried_state(*s) for s in zip(new_lstm_state, lstm_state))
+        is_eos = jnp.logical_or(is_eos, x[:, EOS])
+        return (carried, is_eos), y
+
+
+class DecoderLSTM(nn.Module):
+    teacher_force: bool
+
+    @partial(
+        nn.scan,
+        variable_broadcast="params",
+        in_axes=1,
+        out_axes=1,
+        split_rngs={"params": False, "lstm": True},
+    )
+    @nn.compact
+    def __call__(self, carry, x):
+        lstm_state, last_prediction = carry
+        if not self.teacher_force:
+            x = last_prediction
+        lstm_state, y = nn.LSTMCell(S2S_HIDDEN)(lstm_state, x)
+        logits = nn.Dense(features=S2S_VOCAB)(y)
+        # sample the predicted token from the logits
+        predicted_token = jax.random.categorical(self.make_rng("lstm"), logits)
+        prediction = jax.nn.one_hot(predicted_token, S2S_VOCAB, dtype=jnp.float32)
+        return (lstm_state, prediction), (logits, prediction)
+
+
+class Seq2seq(nn.Module):
+    teacher_force: bool = True
+
+    @nn.compact
+    def __call__(self, encoder_inputs, decoder_inputs):
+        batch_size = encoder_inputs.shape[0]
+        zeros = jnp.zeros((batch_size, S2S_HIDDEN), encoder_inputs.dtype)
+        init_carry = ((zeros, zeros), jnp.zeros(batch_size, dtype=bool))
+        (encoder_state, _), _ = EncoderLSTM(name="encoder")(init_carry, encoder_inputs)
+        decoder = DecoderLSTM(teacher_force=self.teacher_force, name="decoder")
+        inputs = decoder_inputs[:, :-1]
+        _, (logits, predictions) = decoder((encoder_state, inputs[:, 0]), inputs)
+        return logits, predictions
+
+
+def _sequence_lengths(sequence_batch):
+    """Lengths up to and including the first EOS (the whole length where none)."""
+    eos_row = sequence_batch[:, :, EOS]
+    eos_idx = jnp.argmax(eos_row, axis=-1)
+    has_eos = eos_row[jnp.arange(eos_row.shape[0]), eos_idx]
+    return jnp.where(has_eos, eos_idx + 1, sequence_batch.shape[1])
+
+
+def _mask_sequences(sequence_batch, lengths):
+    return sequence_batch * (lengths[:, np.newaxis] > np.arange(sequence_batch.shape[1]))
+
+
+def seq2seq() -> Built:
+    model = Seq2seq(teacher_force=True)
+    rng = _rng(8)
+    query = rng.integers(2, S2S_VOCAB, (BATCH, S2S_IN))
+    query[np.arange(BATCH), [6, 3, 4, 2]] = EOS  # one EOS per query, padding after it
+    answer = rng.integers(2, S2S_VOCAB, (BATCH, S2S_OUT))
+    answer[:, 0] = 0  # the decoder's start token
+    answer[np.arange(BATCH), [4, 2, 3, 4]] = EOS
+    query = jnp.asarray(np.eye(S2S_VOCAB)[query], jnp.float32)
+    answer = jnp.asarray(np.eye(S2S_VOCAB)[answer], jnp.float32)
+    init_rngs = {"params": jax.random.PRNGKey(0), "lstm": jax.random.PRNGKey(1)}
+    params = jax.jit(model.init)(init_rngs, query, answer)["params"]
+    tx = optax.adam(3e-3)
+
+    def step(params, opt_state, query, answer, lstm_rng):
+        labels = answer[:, 1:]
+
+        def loss_fn(params):
+            logits, _ = model.apply({"params": params}, query, answer, rngs={"lstm": lstm_rng})
+            xe = jnp.sum(nn.log_softmax(logits) * labels, axis=-1)
+            return -jnp.mean(_mask_sequences(xe, _sequence_lengths(labels)))
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), query, answer, jax.random.PRNGKey(9)), 2
+
+
+# -- 9. graph network with segment sums (flax/examples/ogbg_molpcba) -------------------
+
+GNN_LATENT, GNN_TASKS = 16, 3
+
+
+def segment_mean(data, segment_ids, num_segments):
+    """jraph.segment_mean."""
+    nominator = jax.ops.segment_sum(data, segment_ids, num_segments)
+    denominator = jax.ops.segment_sum(jnp.ones_like(data), segment_ids, num_segments)
+    return nominator / jnp.maximum(denominator, jnp.ones(shape=[], dtype=denominator.dtype))
+
+
+class MLP(nn.Module):
+    features: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        for size in self.features:
+            x = nn.relu(nn.Dense(size)(x))
+        return x
+
+
+class GraphNet(nn.Module):
+    """A jraph.GraphNetwork written out: edge, node and global updates on concatenated
+    features, edges aggregated into nodes by segment sum and max, nodes and edges pooled
+    into their graph by segment mean and sum; skip connections and LayerNorm between
+    message-passing steps, and a Dense decoder of the globals. One message-passing step
+    and no dropout (covered by `decoder_lm`): each would add compile time, not coverage."""
+
+    steps: int = 1
+
+    @nn.compact
+    def __call__(self, nodes, edges, senders, receivers, n_node, n_edge):
+        n_graph = n_node.shape[0]
+        sum_n_node, sum_n_edge = nodes.shape[0], edges.shape[0]
+        node_graph = jnp.repeat(jnp.arange(n_graph), n_node, total_repeat_length=sum_n_node)
+        edge_graph = jnp.repeat(jnp.arange(n_graph), n_edge, total_repeat_length=sum_n_edge)
+        nodes = nn.Dense(GNN_LATENT)(nodes)
+        edges = nn.Dense(GNN_LATENT)(edges)
+        globals_ = jnp.zeros((n_graph, GNN_TASKS), nodes.dtype)
+        mlp = partial(MLP, (GNN_LATENT, GNN_LATENT))
+        for _ in range(self.steps):
+            # edge update
+            new_edges = mlp()(
+                jnp.concatenate(
+                    [edges, nodes[senders], nodes[receivers], globals_[edge_graph]], axis=-1
+                )
+            )
+            # node update
+            sent = jax.ops.segment_sum(new_edges, senders, sum_n_node)
+            received = jax.ops.segment_sum(new_edges, receivers, sum_n_node)
+            received_max = jax.ops.segment_max(new_edges, receivers, sum_n_node)
+            # -inf where a node receives no edge
+            received_max = jnp.where(jnp.isfinite(received_max), received_max, 0.0)
+            new_nodes = mlp()(
+                jnp.concatenate([nodes, sent, received, received_max, globals_[node_graph]], -1)
+            )
+            # global update
+            pooled_nodes = segment_mean(new_nodes, node_graph, n_graph)
+            pooled_edges = jax.ops.segment_sum(new_edges, edge_graph, n_graph)
+            new_globals = mlp()(jnp.concatenate([pooled_nodes, pooled_edges, globals_], -1))
+            # skip connections and layer norm
+            nodes = nn.LayerNorm()(new_nodes + nodes)
+            edges = nn.LayerNorm()(new_edges + edges)
+            globals_ = new_globals
+        return nn.Dense(GNN_TASKS)(globals_)
+
+
+def gnn() -> Built:
+    model = GraphNet()
+    rng = _rng(9)
+    # three molecules and jraph's padding graph (its second node receives no edge)
+    n_node = np.array([4, 3, 5, 2])
+    n_edge = np.array([6, 4, 7, 1])
+    offsets = np.concatenate([[0], np.cumsum(n_node)[:-1]])
+    senders, receivers = [], []
+    for g, (nn_, ne) in enumerate(zip(n_node, n_edge)):
+        senders.append(offsets[g] + rng.integers(0, nn_, ne))
+        receivers.append(offsets[g] + rng.integers(0, nn_, ne))
+    senders, receivers = np.concatenate(senders), np.concatenate(receivers)
+    senders[-1] = receivers[-1] = offsets[-1]  # the padding graph's self-loop
+    nodes = jnp.asarray(rng.normal(size=(n_node.sum(), 9)), jnp.float32)
+    edges = jnp.asarray(rng.normal(size=(n_edge.sum(), 3)), jnp.float32)
+    labels = rng.integers(0, 2, (len(n_node), GNN_TASKS)).astype(np.float32)
+    labels[0, 1] = labels[2, 0] = np.nan  # tasks without a label in molpcba are NaN
+    graph = tuple(
+        jnp.asarray(a, jnp.int32) for a in (senders, receivers, n_node, n_edge)
+    )  # senders, receivers, n_node, n_edge
+    labels = jnp.asarray(labels)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), nodes, edges, *graph)["params"]
+    tx = optax.adam(1e-3)
+
+    def step(params, opt_state, nodes, edges, graph, labels):
+        def loss_fn(params):
+            logits = model.apply({"params": params}, nodes, edges, *graph)
+            # valid: a label, and a real graph (not jraph's padding graph, the last)
+            graph_mask = jnp.arange(labels.shape[0]) < labels.shape[0] - 1
+            mask = ~jnp.isnan(labels) & graph_mask[:, None]
+            loss = optax.sigmoid_binary_cross_entropy(logits, jnp.where(mask, labels, -1.0))
+            return jnp.sum(jnp.where(mask, loss, 0)) / jnp.sum(mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), nodes, edges, graph, labels), 2
+
+
+# -- 10. encoder-decoder transformer (flax/examples/wmt) -------------------------------
+
+WMT_VOCAB, WMT_IN, WMT_OUT, WMT_D, WMT_HEADS = 20, 7, 6, 16, 2
+
+
+def sinusoidal_init(max_len=32, min_scale=1.0, max_scale=10000.0):
+    def init(key, shape, dtype=np.float32):
+        d_feature = shape[-1]
+        pe = np.zeros((max_len, d_feature), dtype=np.float32)
+        position = np.arange(0, max_len)[:, np.newaxis]
+        scale_factor = -np.log(max_scale / min_scale) / (d_feature // 2 - 1)
+        div_term = min_scale * np.exp(np.arange(0, d_feature // 2) * scale_factor)
+        pe[:, : d_feature // 2] = np.sin(position * div_term)
+        pe[:, d_feature // 2 : 2 * (d_feature // 2)] = np.cos(position * div_term)
+        return jnp.array(pe[np.newaxis, :, :])
+
+    return init
+
+
+def add_position_embs(x):
+    """The fixed sinusoidal position embedding of the example (no parameter)."""
+    return x + sinusoidal_init()(None, (1, 32, x.shape[-1]))[:, : x.shape[1], :]
+
+
+def shift_right(x, axis=1):
+    pad_widths = [(0, 0)] * len(x.shape)
+    pad_widths[axis] = (1, 0)
+    padded = jnp.pad(x, pad_widths, mode="constant", constant_values=x.dtype.type(0))
+    return padded[:, :-1]
+
+
+class MlpBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = nn.relu(nn.Dense(2 * WMT_D)(x))
+        return nn.Dense(x.shape[-1])(y)
+
+
+def _attention():
+    return nn.MultiHeadDotProductAttention(num_heads=WMT_HEADS, qkv_features=WMT_D, use_bias=False)
+
+
+class Encoder1DBlock(nn.Module):
+    @nn.compact
+    def __call__(self, inputs, encoder_mask):
+        x = nn.LayerNorm()(inputs)
+        x = _attention()(x, mask=encoder_mask) + inputs
+        return x + MlpBlock()(nn.LayerNorm()(x))
+
+
+class EncoderDecoder1DBlock(nn.Module):
+    @nn.compact
+    def __call__(self, targets, encoded, decoder_mask, encoder_decoder_mask):
+        x = nn.LayerNorm()(targets)
+        x = _attention()(x, mask=decoder_mask) + targets
+        y = nn.LayerNorm()(x)
+        y = _attention()(y, encoded, mask=encoder_decoder_mask) + x  # cross-attention
+        return y + MlpBlock()(nn.LayerNorm()(y))
+
+
+class Transformer(nn.Module):
+    """One encoder and one decoder block, without the example's dropout (covered by
+    `decoder_lm`; it adds compile time, not coverage)."""
+
+    def setup(self):
+        self.shared_embedding = nn.Embed(
+            WMT_VOCAB, WMT_D, embedding_init=nn.initializers.normal(stddev=1.0)
+        )
+        self.encoder_block = Encoder1DBlock()
+        self.encoder_norm = nn.LayerNorm()
+        self.decoder_block = EncoderDecoder1DBlock()
+        self.decoder_norm = nn.LayerNorm()
+
+    def encode(self, inputs):
+        # padding rows and columns masked: a padded query attends to nothing
+        encoder_mask = nn.make_attention_mask(inputs > 0, inputs > 0)
+        x = add_position_embs(self.shared_embedding(inputs.astype("int32")))
+        return self.encoder_norm(self.encoder_block(x, encoder_mask))
+
+    def decode(self, encoded, inputs, targets):
+        decoder_mask = nn.combine_masks(
+            nn.make_attention_mask(targets > 0, targets > 0), nn.make_causal_mask(targets)
+        )
+        encoder_decoder_mask = nn.make_attention_mask(targets > 0, inputs > 0)
+        y = add_position_embs(self.shared_embedding(shift_right(targets).astype("int32")))
+        y = self.decoder_block(y, encoded, decoder_mask, encoder_decoder_mask)
+        y = self.decoder_norm(y)
+        logits = self.shared_embedding.attend(y)  # shared embedding for the logits
+        return logits / jnp.sqrt(y.shape[-1])
+
+    def __call__(self, inputs, targets):
+        return self.decode(self.encode(inputs), inputs, targets)
+
+
+def compute_weighted_cross_entropy(logits, targets, weights, label_smoothing=0.1):
+    vocab_size = logits.shape[-1]
+    confidence = 1.0 - label_smoothing
+    low_confidence = (1.0 - confidence) / (vocab_size - 1)
+    normalizing_constant = -(
+        confidence * jnp.log(confidence)
+        + (vocab_size - 1) * low_confidence * jnp.log(low_confidence + 1e-20)
+    )
+    soft_targets = common_utils.onehot(
+        targets, vocab_size, on_value=confidence, off_value=low_confidence
+    )
+    loss = -jnp.sum(soft_targets * nn.log_softmax(logits), axis=-1)
+    loss = loss - normalizing_constant
+    return (loss * weights).sum(), weights.sum()
+
+
+def wmt_transformer() -> Built:
+    model = Transformer()
+    rng = _rng(10)
+    inputs = rng.integers(1, WMT_VOCAB, (BATCH, WMT_IN))
+    targets = rng.integers(1, WMT_VOCAB, (BATCH, WMT_OUT))
+    for row, (n_in, n_out) in enumerate([(7, 6), (4, 5), (2, 3), (5, 1)]):
+        inputs[row, n_in:] = 0  # padding
+        targets[row, n_out:] = 0
+    inputs, targets = jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), inputs, targets)["params"]
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(1e-4, 1e-3, 4), lambda step: 1e-3 * jnp.sqrt(4 / (step + 4))],
+        [4],
+    )  # linear warmup, then rsqrt decay
+    tx = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1)
+
+    def step(params, opt_state, inputs, targets):
+        weights = jnp.where(targets > 0, 1, 0).astype(jnp.float32)
+
+        def loss_fn(params):
+            logits = model.apply({"params": params}, inputs, targets)
+            loss, weight_sum = compute_weighted_cross_entropy(logits, targets, weights)
+            return loss / weight_sum
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), inputs, targets), 2
+
+
+# -- 11. PPO loss (flax/examples/ppo) --------------------------------------------------
+
+PPO_ACTIONS = 4
+
+
+class ActorCritic(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(jnp.float32) / 255.0
+        x = nn.relu(nn.Conv(8, (4, 4), strides=(2, 2), name="conv1")(x))
+        x = nn.relu(nn.Conv(8, (3, 3), strides=(1, 1), name="conv2")(x))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.relu(nn.Dense(32, name="hidden")(x))
+        logits = nn.Dense(PPO_ACTIONS, name="logits")(x)
+        policy_log_probabilities = nn.log_softmax(logits)
+        value = nn.Dense(1, name="value")(x)
+        return policy_log_probabilities, value
+
+
+def ppo() -> Built:
+    model = ActorCritic()
+    rng = _rng(11)
+    n = 2 * BATCH
+    states = jnp.asarray(rng.integers(0, 256, (n, 12, 12, 4)), jnp.float32)
+    actions = jnp.asarray(rng.integers(0, PPO_ACTIONS, n), jnp.int32)
+    old_log_probs = jnp.asarray(np.log(rng.uniform(0.1, 0.5, n)), jnp.float32)
+    returns = jnp.asarray(rng.normal(1.0, 1.0, n), jnp.float32)
+    advantages = jnp.asarray(rng.normal(0.0, 2.0, n), jnp.float32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), states)["params"]
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(2.5e-4))
+    clip_param, vf_coeff, entropy_coeff = 0.1, 0.5, 0.01
+
+    def step(params, opt_state, minibatch):
+        def loss_fn(params):
+            states, actions, old_log_probs, returns, advantages = minibatch
+            log_probs, values = model.apply({"params": params}, states)
+            values = values[:, 0]
+            probs = jnp.exp(log_probs)
+            value_loss = jnp.mean(jnp.square(returns - values), axis=0)
+            entropy = jnp.sum(-probs * log_probs, axis=1).mean()
+            log_probs_act_taken = jax.vmap(lambda lp, a: lp[a])(log_probs, actions)
+            ratios = jnp.exp(log_probs_act_taken - old_log_probs)
+            # advantage normalization (following the OpenAI baselines)
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+            pg_loss = ratios * advantages
+            clipped_loss = advantages * jnp.clip(ratios, 1.0 - clip_param, 1.0 + clip_param)
+            ppo_loss = -jnp.mean(jnp.minimum(pg_loss, clipped_loss), axis=0)
+            return ppo_loss + vf_coeff * value_loss - entropy_coeff * entropy
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    minibatch = (states, actions, old_log_probs, returns, advantages)
+    return step, (params, tx.init(params), minibatch), 2
+
+
+# -- 12. sampling loop with a KV cache (flax/examples/lm1b temperature_sampler) --------
+
+DEC_VOCAB, DEC_LEN, DEC_D, DEC_TOPK = 24, 8, 16, 8
+
+
+class AddPositionEmbs(nn.Module):
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, inputs):
+        pos_embedding = self.param(
+            "pos_embedding", nn.initializers.normal(0.02), (1, DEC_LEN, inputs.shape[-1])
+        )
+        if self.decode:
+            is_initialized = self.has_variable("cache", "cache_index")
+            cache_index = self.variable(
+                "cache", "cache_index", lambda: jnp.array(0, dtype=jnp.uint32)
+            )
+            if is_initialized:
+                i = cache_index.value
+                cache_index.value = i + 1
+                pe = lax.dynamic_slice(pos_embedding, jnp.array((0, i, 0)), (1, 1, DEC_D))
+                return inputs + pe
+        return inputs + pos_embedding[:, : inputs.shape[1], :]
+
+
+class SamplingLM(nn.Module):
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(DEC_VOCAB, DEC_D)
+        x = AddPositionEmbs(decode=self.decode)(embed(tokens))
+        mask = None if self.decode else nn.make_causal_mask(tokens)
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=2, use_bias=False, decode=self.decode)(
+            h, mask=mask
+        )  # decode: keys and values go to the cache by lax.dynamic_update_slice
+        x = x + h
+        h = nn.Dense(DEC_D)(nn.gelu(nn.Dense(4 * DEC_D)(nn.LayerNorm()(x))))
+        return embed.attend(nn.LayerNorm()(x + h))
+
+
+def temperature_sample(prompt_inputs, init_cache, tokens_to_logits, prng_key, temperature):
+    """lm1b's temperature_sample with top-k (no EOS: every sequence runs to the end), which
+    also keeps each step's logits."""
+    batch_size, max_decode_len = prompt_inputs.shape
+    i0 = jnp.array(-1)
+    token0 = jnp.zeros((batch_size, 1), dtype=jnp.int32)
+    logits0 = jnp.zeros((batch_size, max_decode_len, DEC_VOCAB), jnp.float32)
+
+    def sampling_loop_cond_fn(state):
+        return state[0] < max_decode_len - 1
+
+    def sampling_loop_body_fn(state):
+        i, sequences, cache, cur_token, all_logits, rng = state
+        rng1, rng2 = jax.random.split(rng)
+        logits, new_cache = tokens_to_logits(cur_token, cache)
+        # sample within the top-k logits
+        topk_logits, topk_idxs = lax.top_k(logits, DEC_TOPK)
+        topk_token = jnp.expand_dims(
+            jax.random.categorical(rng1, topk_logits / temperature).astype(jnp.int32), axis=-1
+        )
+        next_token = jnp.squeeze(jnp.take_along_axis(topk_idxs, topk_token, axis=-1), axis=-1)
+        # only use sampled tokens past the prompt
+        out_of_prompt = sequences[:, i + 1] == 0
+        next_token = next_token * out_of_prompt + sequences[:, i + 1] * ~out_of_prompt
+        new_sequences = lax.dynamic_update_slice(sequences, next_token[:, None], (0, i + 1))
+        all_logits = lax.dynamic_update_slice(all_logits, logits[:, None], (0, i + 1, 0))
+        return i + 1, new_sequences, new_cache, next_token[:, None], all_logits, rng2
+
+    init_state = (i0, prompt_inputs, init_cache, token0, logits0, prng_key)
+    _, sequences, _, _, all_logits, _ = lax.while_loop(
+        sampling_loop_cond_fn, sampling_loop_body_fn, init_state
+    )
+    return sequences, all_logits
+
+
+def lm_sampling() -> Built:
+    rng = _rng(12)
+    prompts = np.zeros((BATCH, DEC_LEN), np.int32)
+    prompts[:, :2] = rng.integers(1, DEC_VOCAB, (BATCH, 2))
+    prompts[0, 2] = 5  # prompts of different lengths
+    prompts = jnp.asarray(prompts)
+    params = jax.jit(SamplingLM().init)(jax.random.PRNGKey(0), prompts)["params"]
+    # lm1b: the cache comes from initialising the decoding model on the full length
+    model = SamplingLM(decode=True)
+    cache = jax.jit(model.init)(jax.random.PRNGKey(0), prompts)["cache"]
+
+    def sample(params, cache, prompts, rng, temperature):
+        def tokens_ids_to_logits(ids, cache):
+            logits, new_vars = model.apply(
+                {"params": params, "cache": cache}, ids, mutable=["cache"]
+            )
+            return logits.squeeze(axis=1), new_vars["cache"]
+
+        sequences, all_logits = temperature_sample(
+            prompts, cache, tokens_ids_to_logits, rng, temperature
+        )
+        # the negative log-likelihood of the sampled continuation
+        log_probs = nn.log_softmax(all_logits[:, :-1])
+        nll = -jnp.take_along_axis(log_probs, sequences[:, 1:, None], axis=-1)[..., 0]
+        return sequences, all_logits, jnp.mean(nll[:, 1:])
+
+    temperature = jnp.asarray(0.7, jnp.float32)
+    return sample, (params, cache, prompts, jax.random.PRNGKey(13), temperature), 2
+
+
+# -- 13. an optax optimizer zoo on one MLP ---------------------------------------------
+
+
+class ZooMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(16)(x))
+        x = nn.relu(nn.Dense(16)(x))
+        return nn.Dense(4)(x)
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda p: p.ndim > 1, params)  # kernels, not biases
+
+
+def _warmup_cosine():
+    schedule = optax.warmup_cosine_decay_schedule(1e-4, 1e-2, 3, 50, 1e-5)
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.scale_by_adam(),
+        optax.scale_by_schedule(lambda count: -schedule(count)),
+    )
+
+
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    # factored second moments for the 12x16 and 16x16 kernels
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+    "lion": lambda: optax.lion(1e-3, weight_decay=1e-2),
+    "lamb": lambda: optax.lamb(1e-2, weight_decay=1e-2),
+    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.9, centered=True),
+    "adamw_masked": lambda: optax.adamw(1e-3, weight_decay=1e-2, mask=_decay_mask),
+    "multisteps_adam": lambda: optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2),
+    "chain_warmup_cosine": _warmup_cosine,
+}
+
+
+def optimizer(name: str) -> Built:
+    model = ZooMLP()
+    rng = _rng(13)
+    x = jnp.asarray(rng.normal(size=(2 * BATCH, 12)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 4, 2 * BATCH), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    tx = OPTIMIZERS[name]()
+    applications = 2 if name.startswith("multisteps") else 1  # accumulate, then apply
+
+    def step(params, opt_state, x, y):
+        def loss_fn(params):
+            logits = model.apply({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        losses = []
+        for _ in range(applications):
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            losses.append(loss)
+        # the loss at the step's parameters (a later application's loss is computed from
+        # updated parameters, which the probe counts as the optimizer pass)
+        return params, opt_state, losses[0]
+
+    # one plain step first, so the optimizer state holds non-zero statistics and a count
+    params, opt_state, _ = jax.jit(step)(params, tx.init(params), x, y)
+    return step, (params, opt_state, x, y), 2
+
+
 MODELS: dict[str, Callable[[], Built]] = {
     "mnist_cnn_avg_pool": lambda: mnist_cnn("avg"),
     "mnist_cnn_max_pool": lambda: mnist_cnn("max"),
@@ -393,4 +986,10 @@ MODELS: dict[str, Callable[[], Built]] = {
     "decoder_lm": decoder_lm,
     "nnx_functional": nnx_model,
     "groupnorm_depthwise_transpose": groupnorm_convs,
+    "seq2seq_lstm_scan": seq2seq,
+    "gnn_segment_sum": gnn,
+    "wmt_encoder_decoder": wmt_transformer,
+    "ppo_loss": ppo,
+    "lm_sampling_kv_cache": lm_sampling,
+    **{f"optax_{name}": partial(optimizer, name) for name in OPTIMIZERS},
 }

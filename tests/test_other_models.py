@@ -1,7 +1,11 @@
 """The public API on models written the way Flax's own examples write them: an MNIST CNN
 (average and max pooling), a ResNet block with BatchNorm, the SST-2 LSTM classifier, the
 VAE, a decoder LM with dropout and a warmup-cosine AdamW, an NNX model trained with
-split/merge, and GroupNorm with depthwise and transposed convolutions (`other_models`).
+split/merge, GroupNorm with depthwise and transposed convolutions, the seq2seq LSTM
+(nn.scan, teacher forcing), a graph network (segment sum/max/mean, masked BCE), the WMT
+encoder-decoder transformer (padding masks, cross-attention, label smoothing), the PPO
+loss, lm1b's sampling loop (while_loop, KV cache, top-k categorical), and optax
+optimizers one by one on an MLP (`other_models`).
 
 For each training step:
 
