@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
 from flax import linen as nn
 from flax import nnx
 from flax.training import common_utils
@@ -945,6 +946,8 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw_masked": lambda: optax.adamw(1e-3, weight_decay=1e-2, mask=_decay_mask),
     "multisteps_adam": lambda: optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2),
     "chain_warmup_cosine": _warmup_cosine,
+    # Newton-Schulz orthogonalisation of the kernels' momentum (x @ x.T, a @ a)
+    "muon": lambda: optax.contrib.muon(1e-3),
 }
 
 

@@ -30,6 +30,7 @@ from .common import (
     unit_scale,
 )
 from .registry import register_rule
+from .rules_elementwise import _before_power
 
 
 def _sum_like(data, n: int, *scales):
@@ -127,7 +128,22 @@ def _scales(lhs, rhs):
     )
 
 
+def _same_value(lhs, rhs) -> bool:
+    """Both operands carry the very same scale object: one value, or views of it that
+    passed its scale through (``x @ x.T``, ``a @ a``). Distinct rule outputs get distinct
+    scales, so unrelated operands never match (slices of one tensor, such as a fused
+    q/k projection split in two, do: re-centring them only costs a reduction)."""
+    return is_scaled(lhs) and is_scaled(rhs) and lhs.scale is rhs.scale
+
+
 def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
+    if _same_value(lhs, rhs):
+        # a product of a value with itself is a power: it multiplies the data's distance
+        # from unit, and iterated (a Gram matrix, Muon's Newton-Schulz steps) the distance
+        # grows geometrically; far data is brought back to unit first, as `square` does
+        same = lhs is rhs
+        lhs = _before_power(lhs)
+        rhs = lhs if same else _before_power(rhs)
     (lhs_contract, _), _ = dimension_numbers
     lhs_data = lhs.data if is_scaled(lhs) else lhs
     rhs_data = rhs.data if is_scaled(rhs) else rhs
