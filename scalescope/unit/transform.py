@@ -108,6 +108,8 @@ class _Plan:
     grouped: set[int] = field(default_factory=set)
     param_like: dict[Any, bool] = field(default_factory=dict)
     live: dict[Any, bool] = field(default_factory=dict)
+    # residual adds: eqn index -> (skip operand position, residual operand position)
+    residuals: dict[int, tuple[int, int]] = field(default_factory=dict)
     # eqns with a residual add downstream (in this jaxpr, or everything when the enclosing
     # call has one): they keep the constraint; the others are unconstrained
     constrained: set[int] = field(default_factory=set)
@@ -677,8 +679,19 @@ def _residual_operands(
     return None
 
 
+def _residual_adds(
+    g: _Graph, grouped: set[int], anc: dict, index: dict, live: dict
+) -> dict[int, tuple[int, int]]:
+    """The residual adds outside recognised ops: eqn index -> operand positions."""
+    found = {}
+    for i, eqn in enumerate(g.eqns):
+        if i not in grouped and (pos := _residual_operands(g, eqn, anc, index, live)):
+            found[i] = pos
+    return found
+
+
 def _constrained(
-    g: _Graph, grouped: set[int], anc: dict, index: dict, live: dict, everywhere: bool
+    g: _Graph, residuals: dict[int, Any], anc: dict, index: dict, everywhere: bool
 ) -> set[int]:
     """Eqns that have a residual add downstream (the residual adds included), or all of
     them when ``everywhere``. The library's `unit_scale` unconstrains every op after the
@@ -687,9 +700,8 @@ def _constrained(
     if everywhere:
         return set(range(len(g.eqns)))
     upstream = 0
-    for i, eqn in enumerate(g.eqns):
-        if i not in grouped and _residual_operands(g, eqn, anc, index, live):
-            upstream |= anc[eqn.outvars[0]]
+    for i in residuals:
+        upstream |= anc[g.eqns[i].outvars[0]]
     return {
         i
         for i, eqn in enumerate(g.eqns)
@@ -713,7 +725,8 @@ def _analyse(
     groups = _find_groups(g)
     anc, index = _ancestors(g)
     grouped = set().union(*(group for _, group, *_ in groups)) if groups else set()
-    plan.constrained = _constrained(g, grouped, anc, index, live, before_residual)
+    plan.residuals = _residual_adds(g, grouped, anc, index, live)
+    plan.constrained = _constrained(g, plan.residuals, anc, index, before_residual)
 
     def constraint(i: int) -> str | None:
         return opts.constraint if i in plan.constrained else None
@@ -776,7 +789,7 @@ def _analyse(
             plan.output[g.eqns[j].outvars[0]] = s
             log.append(Rewrite("dropout", ("div", g.eqns[j].primitive.name), s, (s,), _where(eqn)))
         elif name in ("add", "add_any") and not any(isinstance(v, Literal) for v in eqn.invars):
-            _plan_add(plan, g, eqn, i, anc, index, opts, log)
+            _plan_add(plan, g, eqn, i, opts, log)
         elif name == "gather" and pl.get(eqn.invars[0]) and _size(eqn.outvars[0]):
             s = (_size(eqn.invars[0]) / _size(eqn.outvars[0])) ** 0.5
             plan.operand[(i, 0)] = (1.0, s)
@@ -853,16 +866,7 @@ def _affine_output(g: _Graph, v: Any, param_like: dict[Any, bool]) -> bool:
     return False
 
 
-def _plan_add(
-    plan: _Plan,
-    g: _Graph,
-    eqn: Any,
-    i: int,
-    anc: dict,
-    index: dict,
-    opts: _Options,
-    log: list,
-) -> None:
+def _plan_add(plan: _Plan, g: _Graph, eqn: Any, i: int, opts: _Options, log: list) -> None:
     """A residual add (one operand is an ancestor of the other) becomes
     residual_split/residual_add; a bias add (a parameter with one axis longer than 1, or
     any parameter added to a linear's or a norm's output: Flax's `DenseGeneral` bias is
@@ -871,8 +875,8 @@ def _plan_add(
     a, b = eqn.invars
     if not (plan.live.get(a) and plan.live.get(b)):
         return  # an activation plus a constant (a mask, a position table): its value
-    if (found := _residual_operands(g, eqn, anc, index, plan.live)) is not None:
-        skip_pos, res_pos = found
+    if i in plan.residuals:
+        skip_pos, res_pos = plan.residuals[i]
         res_s, skip_s = residual_scales(opts.tau)
         plan.operand[(i, skip_pos)] = (skip_s, skip_s)
         plan.operand[(i, res_pos)] = (res_s, 1.0)
