@@ -145,8 +145,10 @@ def bind_plain(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _unscale_all(invals: Sequence[Any]) -> list[Any]:
-    return [x.to_array() if isinstance(x, ScaledArray) else x for x in invals]
+def bind_unscaled(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Bind ``eqn`` as it is on the values of its inputs (``data * scale`` for scaled
+    ones, in their own dtypes): plain outputs."""
+    return bind_plain(eqn, [x.to_array() if isinstance(x, ScaledArray) else x for x in invals])
 
 
 def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
@@ -161,7 +163,7 @@ def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
         source = ctx.source(eqn)
         if ctx.fallback == "unscale":
             ctx.fallbacks.append(Fallback(prim.name, source))
-            return bind_plain(eqn, _unscale_all(invals))
+            return bind_unscaled(eqn, invals)
         raise ScalifyError(
             f"scalify: no scaled rule for primitive '{prim.name}' (at {source}). "
             "Use scalify(fn, fallback='unscale') to run it on unscaled values, or "

@@ -26,7 +26,7 @@ from .common import (
     unit_scale,
     unscale,
 )
-from .interpreter import bind_plain
+from .interpreter import bind_unscaled
 from .registry import register_rule
 
 
@@ -249,18 +249,20 @@ def scaled_cond(ctx, eqn, invals):
         return list(outs)
 
 
-# -- effects -----------------------------------------------------------------------------
+# -- bound whole on the values -----------------------------------------------------------
 
 
-def scaled_debug_callback(ctx, eqn, invals):
-    """`jax.debug.print` / `jax.debug.callback`: the callback sees the values the user
-    would see without scalify (``data * scale``)."""
-    return bind_plain(eqn, [unscale(x) for x in invals])
+def scaled_on_values(ctx, eqn, invals):
+    """Bound as it is on the unscaled values: `jax.debug.print` / `jax.debug.callback`
+    (the callback sees what the user would see without scalify) and
+    `lax.custom_linear_solve` (``jnp.linalg.solve``: its matvec and solve bodies)."""
+    return bind_unscaled(eqn, invals)
 
 
 RULES = {
-    "debug_callback": scaled_debug_callback,
-    "debug_print": scaled_debug_callback,
+    "debug_callback": scaled_on_values,
+    "debug_print": scaled_on_values,
+    "custom_linear_solve": scaled_on_values,
     "jit": scaled_jit,
     "pjit": scaled_jit,
     "custom_jvp_call": scaled_custom_call,

@@ -7,8 +7,8 @@ factor scales with ``sqrt(s)``, an inverse with ``1/s``, eigenvectors not at all
 each is computed on the represented value, in at least float32, exactly as the plain
 function does. Real floating outputs come back as `ScaledArray` at scale 1 (see
 `common.fit_to` for FP16/FP8 data); integer and complex outputs (pivots, spectra) as
-plain arrays. ``custom_linear_solve`` (``jnp.linalg.solve``) is bound on the unscaled
-values as a whole.
+plain arrays. (``custom_linear_solve``, ``jnp.linalg.solve``, is a higher-order
+primitive: `rules_control.scaled_on_values` binds it whole on the unscaled values.)
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import jax.lax.linalg as lax_linalg
 import jax.numpy as jnp
 from jax import lax
 
-from .common import fit_to, is_scaled, unscale, wide_dtype
-from .interpreter import bind_plain
+from .common import fit_to, is_scaled, wide_dtype
 from .registry import register_rule
 
 
@@ -83,12 +82,3 @@ _PRIMITIVES = [lax.fft_p] + [
 
 for _prim in _PRIMITIVES:
     register_rule(_prim, on_values(_prim))
-
-
-def scaled_custom_linear_solve(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
-    """`lax.custom_linear_solve` (``jnp.linalg.solve``): its matvec and solve bodies
-    are bound on the unscaled values, in their own dtypes; plain outputs."""
-    return bind_plain(eqn, [unscale(x) for x in invals])
-
-
-register_rule("custom_linear_solve", scaled_custom_linear_solve, higher_order=True)
