@@ -2,7 +2,8 @@
 ResNet block, SST-2 LSTM, VAE, a decoder LM, an NNX model, GroupNorm with depthwise and
 transposed convolutions, the seq2seq LSTM encoder-decoder, an ogbg_molpcba-style graph
 network, the WMT encoder-decoder transformer, the PPO loss, lm1b's sampling loop with a
-KV cache) and a zoo of optax optimizers on one MLP, at toy sizes, for
+KV cache), a Gemma-style NNX decoder (RoPE, grouped-query attention, soft-capping) and a
+zoo of optax optimizers on one MLP, at toy sizes, for
 `test_other_models.py`.
 
 Each builder returns ``(step, args, loss_index)``: ``step(*args)`` is one training step
@@ -911,7 +912,159 @@ def lm_sampling() -> Built:
     return sample, (params, cache, prompts, jax.random.PRNGKey(13), temperature), 2
 
 
-# -- 13. an optax optimizer zoo on one MLP ---------------------------------------------
+# -- 13. a Gemma-style decoder in NNX (flax/examples/gemma) ----------------------------
+# RoPE, GemmaRMSNorm with a (1 + scale) gain, grouped-query attention (5-D einsums), attention
+# and final-logit soft-capping (tanh), a sliding-window layer, a GeGLU feed-forward, tied
+# embeddings scaled by sqrt(d), positions from the padding mask, a padded-token mask in
+# the loss.
+
+K_MASK = -2.3819763e38
+G_VOCAB, G_SEQ, G_D, G_HEADS, G_KV, G_HEAD_DIM, G_FF = 32, 8, 16, 4, 2, 8, 32
+
+
+def apply_rope(inputs, positions, max_wavelength=10_000):
+    first_half, second_half = jnp.split(inputs, 2, axis=-1)
+    fraction = 2 * jnp.arange(0, inputs.shape[-1] // 2) / inputs.shape[-1]
+    timescale = max_wavelength**fraction
+    sinusoid_inp = positions[..., jnp.newaxis] / timescale[jnp.newaxis, jnp.newaxis, :]
+    sinusoid_inp = sinusoid_inp[..., jnp.newaxis, :]
+    sin, cos = jnp.sin(sinusoid_inp), jnp.cos(sinusoid_inp)
+    first_part = first_half * cos - second_half * sin
+    second_part = second_half * cos + first_half * sin
+    return jnp.concatenate([first_part, second_part], axis=-1).astype(inputs.dtype)
+
+
+class GemmaRMSNorm(nnx.Module):
+    def __init__(self, dim, *, rngs):
+        self.scale = nnx.Param(jnp.zeros((dim,)))
+
+    def __call__(self, x):
+        var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        normed = x * jax.lax.rsqrt(var + 1e-06)
+        scale = jnp.expand_dims(self.scale[...], axis=range(len(x.shape) - 1))
+        return normed * (1 + scale)
+
+
+class GemmaEinsum(nnx.Module):
+    def __init__(self, shape, *, rngs):
+        self.w = nnx.Param(nnx.initializers.normal(0.2)(rngs.params(), shape))
+
+    def __call__(self, eqn, x):
+        return jnp.einsum(eqn, x, self.w[...])
+
+
+class GemmaAttention(nnx.Module):
+    def __init__(self, sliding_window=None, *, rngs):
+        self.q_einsum = GemmaEinsum((G_HEADS, G_D, G_HEAD_DIM), rngs=rngs)
+        self.kv_einsum = GemmaEinsum((2, G_KV, G_D, G_HEAD_DIM), rngs=rngs)
+        self.attn_vec_einsum = GemmaEinsum((G_HEADS, G_HEAD_DIM, G_D), rngs=rngs)
+        self.sliding_window = sliding_window
+        self.softcap = 50.0
+
+    def __call__(self, x, positions, mask):
+        query = self.q_einsum("BTD,NDH->BTNH", x)
+        key, value = self.kv_einsum("BSD,CKDH->CBSKH", x)
+        query = apply_rope(query, positions)
+        query = query * G_HEAD_DIM**-0.5
+        key = apply_rope(key, positions)
+        b, t, kg, h = query.shape
+        query = query.reshape((b, t, G_KV, kg // G_KV, h))
+        logits = jnp.einsum("BTKGH,BSKH->BTKGS", query, key)
+        b, t, k, g, s = logits.shape
+        logits = logits.reshape((b, t, k * g, s))
+        logits = jnp.tanh(logits / self.softcap) * self.softcap
+        if self.sliding_window is not None:
+            all_ones = jnp.ones_like(mask)
+            sliding_mask = jnp.triu(all_ones, -1 * self.sliding_window + 1) * jnp.tril(
+                all_ones, self.sliding_window - 1
+            )
+            mask = sliding_mask * mask
+        padded = jnp.where(jnp.expand_dims(mask, -2), logits, K_MASK)
+        probs = jax.nn.softmax(padded, axis=-1).astype(key.dtype)
+        probs = probs.reshape((b, t, k, g, s))
+        encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, value)
+        encoded = encoded.reshape((b, t, k * g, h))
+        return self.attn_vec_einsum("BTNH,NHD->BTD", encoded)
+
+
+class GemmaFeedForward(nnx.Module):
+    def __init__(self, *, rngs):
+        self.gating = nnx.Param(nnx.initializers.normal(0.2)(rngs.params(), (2, G_D, G_FF)))
+        self.linear = nnx.Param(nnx.initializers.normal(0.2)(rngs.params(), (G_FF, G_D)))
+
+    def __call__(self, x):
+        ff_gate = jnp.dot(x, self.gating[...][0])
+        gate_value = jax.nn.gelu(ff_gate)
+        ff1 = jnp.dot(x, self.gating[...][1])
+        return jnp.dot(gate_value * ff1, self.linear[...])
+
+
+class GemmaBlock(nnx.Module):
+    def __init__(self, sliding_window, *, rngs):
+        self.pre_attention_norm = GemmaRMSNorm(G_D, rngs=rngs)
+        self.attn = GemmaAttention(sliding_window, rngs=rngs)
+        self.post_attention_norm = GemmaRMSNorm(G_D, rngs=rngs)
+        self.pre_ffw_norm = GemmaRMSNorm(G_D, rngs=rngs)
+        self.mlp = GemmaFeedForward(rngs=rngs)
+        self.post_ffw_norm = GemmaRMSNorm(G_D, rngs=rngs)
+
+    def __call__(self, x, positions, mask):
+        attn = self.post_attention_norm(self.attn(self.pre_attention_norm(x), positions, mask))
+        x = x + attn
+        return x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x)))
+
+
+class Gemma(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embedding = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (G_VOCAB, G_D)))
+        self.layers = nnx.List([GemmaBlock(None, rngs=rngs), GemmaBlock(4, rngs=rngs)])
+        self.final_norm = GemmaRMSNorm(G_D, rngs=rngs)
+        self.final_logit_softcap = 30.0
+
+    def __call__(self, tokens, positions, mask):
+        x = self.embedding[...][(tokens,)]
+        x *= jnp.sqrt(G_D).astype(x.dtype)
+        for layer in self.layers:
+            x = layer(x, positions, mask)
+        x = self.final_norm(x)
+        logits = jnp.dot(x, self.embedding[...].T)
+        logits /= self.final_logit_softcap
+        logits = jnp.tanh(logits) * self.final_logit_softcap
+        return logits
+
+
+def gemma_lm() -> Built:
+    model = Gemma(rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = _rng(14)
+    tokens = rng.integers(1, G_VOCAB, (4, G_SEQ + 1))
+    tokens[1, -3:] = 0  # padding
+    tokens = jnp.asarray(tokens, jnp.int32)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
+
+    def step(params, opt_state, tokens):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        input_mask = inputs != 0
+        positions = jnp.cumsum(input_mask, axis=-1) - 1  # Gemma's build_positions_from_mask
+        causal = jnp.tril(jnp.ones((G_SEQ, G_SEQ), jnp.bool_))
+        attn_mask = input_mask[:, None, :] & causal[None]
+
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            logits = model(inputs, positions, attn_mask)
+            one_hot = jax.nn.one_hot(targets, G_VOCAB)
+            one_hot = one_hot * (targets != 0)[..., None]
+            norm = jnp.sum(targets != 0)
+            return -jnp.sum(jax.nn.log_softmax(logits) * one_hot) / norm
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), tokens), 2
+
+
+# -- 14. an optax optimizer zoo on one MLP ---------------------------------------------
 
 
 class ZooMLP(nn.Module):
@@ -993,5 +1146,6 @@ MODELS: dict[str, Callable[[], Built]] = {
     "wmt_encoder_decoder": wmt_transformer,
     "ppo_loss": ppo,
     "lm_sampling_kv_cache": lm_sampling,
+    "gemma_nnx": gemma_lm,
     **{f"optax_{name}": partial(optimizer, name) for name in OPTIMIZERS},
 }

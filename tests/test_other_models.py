@@ -4,7 +4,8 @@ VAE, a decoder LM with dropout and a warmup-cosine AdamW, an NNX model trained w
 split/merge, GroupNorm with depthwise and transposed convolutions, the seq2seq LSTM
 (nn.scan, teacher forcing), a graph network (segment sum/max/mean, masked BCE), the WMT
 encoder-decoder transformer (padding masks, cross-attention, label smoothing), the PPO
-loss, lm1b's sampling loop (while_loop, KV cache, top-k categorical), and optax
+loss, lm1b's sampling loop (while_loop, KV cache, top-k categorical), a Gemma-style NNX
+decoder (RoPE, grouped-query attention, soft-capping, a sliding window), and optax
 optimizers one by one on an MLP (`other_models`).
 
 For each training step:

@@ -148,6 +148,37 @@ def test_python_number_arguments_are_traced_as_under_jit(tmp_path):
     assert set(stats["op"]) <= set(reader.ops.index) and len(stats)
 
 
+def test_the_step_is_interpreted_once_for_the_op_table_and_the_recording(
+    tmp_path, monkeypatch
+):
+    """Registering a tracked step traces the recording program itself, and jit keeps
+    that trace: the probe interprets the step once, not once for the op table and again
+    for the first recorded step (each is seconds on a transformer)."""
+    import importlib
+
+    instrument_module = importlib.import_module("scalescope.probe.instrument")
+    built = []
+    root = instrument_module.Recorder.root
+    monkeypatch.setattr(
+        instrument_module.Recorder, "root", lambda *a, **k: built.append(1) or root(*a, **k)
+    )
+
+    def step(p, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(p)
+        return p - 0.1 * g, loss
+
+    p, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    for budget in (None, 0.5):
+        built.clear()
+        with ss.Run(tmp_path / f"run{budget}", every=1, budget=budget) as run:
+            tracked = run.track(step)
+            for _ in range(3):
+                p, _ = tracked(p, x)
+        # under a budget, one more abstract pass weighs the values to split into groups
+        assert len(built) == (1 if budget is None else 2), budget
+        assert len(ss.open_run(tmp_path / f"run{budget}").steps) >= 1
+
+
 def test_long_stats_filters_metric_ops_steps(tmp_path, data):
     _record(tmp_path / "r", mlp_step, data, 5, every=1)
     reader = ss.open_run(tmp_path / "r")

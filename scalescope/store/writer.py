@@ -842,12 +842,16 @@ class Tracked:
         # Trace (no compile) and check the graph against the run before anything of this
         # call reaches the directory, recorded step or not.
         t0 = time.perf_counter()
-        table = self.instrumented.op_table(*args, **kwargs)
-        self.run._register(table, self.scalify)
-        self._registered = True
         mesh = _global_mesh((args, kwargs))
         if mesh is not None:
             self._recording = self._recording_fn(mesh)
+        # The op table comes from tracing the recording program itself: jit keeps that
+        # trace, so the first recorded step compiles without tracing the step again.
+        lead = (np.ones(self.instrumented.groups, bool),) if self.budgeted else ()
+        self._recording.trace(*lead, *args, **kwargs)
+        table = self.instrumented.op_table(*args, **kwargs)
+        self.run._register(table, self.scalify)
+        self._registered = True
         if self.budgeted:
             self.controller = _budget.BudgetController(
                 self.run.budget,
