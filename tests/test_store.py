@@ -148,9 +148,7 @@ def test_python_number_arguments_are_traced_as_under_jit(tmp_path):
     assert set(stats["op"]) <= set(reader.ops.index) and len(stats)
 
 
-def test_the_step_is_interpreted_once_for_the_op_table_and_the_recording(
-    tmp_path, monkeypatch
-):
+def test_the_step_is_interpreted_once_for_the_op_table_and_the_recording(tmp_path, monkeypatch):
     """Registering a tracked step traces the recording program itself, and jit keeps
     that trace: the probe interprets the step once, not once for the op table and again
     for the first recorded step (each is seconds on a transformer)."""
