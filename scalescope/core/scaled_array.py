@@ -8,6 +8,7 @@ through `jax.jit`, `jax.grad`, optax and flax unchanged.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -135,6 +136,22 @@ def _norm_scale(arr: jax.Array, norm: str) -> jax.Array:
     return jnp.where(jnp.isfinite(n), n, jnp.ones((), SCALE_DTYPE))
 
 
+# One compiled program per leaf shape for what follows, instead of one per eager op:
+# a model's leaves then take a handful of small compiles, not hundreds.
+@jax.jit
+def _divided(arr: jax.Array, s: jax.Array) -> jax.Array:
+    """``arr / s`` in at least float32, as ``arr``'s dtype (``arr`` itself for s = 0)."""
+    wide = wide_float(arr.dtype)
+    divisor = jnp.where(s > 0, s, 1.0).astype(wide)
+    return (arr.astype(wide) / divisor).astype(arr.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _normalized(arr: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
+    s = _norm_scale(arr, norm)
+    return _divided(arr, s), s
+
+
 def as_scaled_array(tree: Any, scale: Any = None) -> Any:
     """Turn every floating-point leaf of ``tree`` into a `ScaledArray`.
 
@@ -153,10 +170,10 @@ def as_scaled_array(tree: Any, scale: Any = None) -> Any:
         arr = jnp.asarray(leaf)
         if scale is None:
             return ScaledArray(arr, jnp.ones((), SCALE_DTYPE))
-        s = _norm_scale(arr, scale) if isinstance(scale, str) else _check_scale(scale)
-        wide = wide_float(arr.dtype)
-        divisor = jnp.where(s > 0, s, 1.0).astype(wide)
-        return ScaledArray((arr.astype(wide) / divisor).astype(arr.dtype), s)
+        if isinstance(scale, str):
+            return ScaledArray(*_normalized(arr, scale))
+        s = _check_scale(scale)
+        return ScaledArray(_divided(arr, s), s)
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_array)
 
