@@ -370,6 +370,34 @@ def _inner_axis(eqn: Any) -> int | None:
     return None
 
 
+def _match_softcap(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
+    """Soft-capping at tanh ``i``: ``tanh(x / cap) * cap`` (Gemma's attention logits and
+    final logits). It is close to the identity on values well below ``cap``, so it is left
+    unchanged, and attention and readout matching see through it."""
+    j = g.prod(g.eqns[i].invars[0], "mul", "div")
+    use = g.sole_consumer(g.eqns[i].outvars[0], "mul")
+    if j is None or use is None or (inner := _scalar_factor(g, j)) is None:
+        return None
+    outer = _scalar_factor(g, use[0])
+    if outer is None or outer[0] is not g.eqns[i].outvars[0]:
+        return None
+    if inner[1] <= 0 or not math.isclose(inner[1] * outer[1], 1.0, rel_tol=1e-4):
+        return None
+    return {j, i, use[0]}, inner[0], g.eqns[use[0]].outvars[0]
+
+
+def _softcap_input(g: _Graph, v: Any) -> Any:
+    """``x`` when ``v`` is ``tanh(x / cap) * cap``, else None."""
+    j = g.prod(v, "mul")
+    if j is None:
+        return None
+    for u in g.eqns[j].invars:
+        t = g.prod(u, "tanh")
+        if t is not None and (m := _match_softcap(g, t)) is not None and m[2] is v:
+            return m[1]
+    return None
+
+
 def _find_groups(g: _Graph) -> list[tuple[str, set[int], Any, Any, Any]]:
     """Recognised activations, softmaxes and named calls: (kind, eqns, x, out, axis)."""
     found: list[tuple[str, set[int], Any, Any, Any]] = []
@@ -384,6 +412,8 @@ def _find_groups(g: _Graph) -> list[tuple[str, set[int], Any, Any, Any]]:
         name = eqn.primitive.name
         if name == "tanh" and (m := _match_gelu_tanh(g, i)):
             add("gelu", *m)
+        elif name == "tanh" and (m := _match_softcap(g, i)):
+            add("softcap", *m)
         elif name in ("erf", "erfc") and (m := _match_gelu_erf(g, i)):
             add("gelu", *m)
         elif name == "exp" and (m := _match_softmax(g, i)):
@@ -474,7 +504,7 @@ def _through_scaling(g: _Graph, v: Any) -> float:
     return factor
 
 
-def _logits_source(g: _Graph, v: Any, depth: int = 8) -> tuple[int, float, bool] | None:
+def _logits_source(g: _Graph, v: Any, depth: int = 10) -> tuple[int, float, bool] | None:
     """From a softmax input back to the ``q k^T`` dot_general: its index, the scalar factor
     applied to its output, and whether a mask (select or additive) was applied."""
     if depth == 0 or isinstance(v, Literal) or v not in g.producer:
@@ -484,8 +514,10 @@ def _logits_source(g: _Graph, v: Any, depth: int = 8) -> tuple[int, float, bool]
     name = eqn.primitive.name
     if name == "dot_general":
         return j, 1.0, False
-    if name in _PASS_THROUGH:
+    if name in _PASS_THROUGH or name in ("reshape", "transpose"):
         return _logits_source(g, eqn.invars[0], depth - 1)
+    if (capped := _softcap_input(g, v)) is not None:
+        return _logits_source(g, capped, depth - 1)
     if name in ("mul", "div") and (fc := _scalar_factor(g, j)) is not None:
         found = _logits_source(g, fc[0], depth - 1)
         return None if found is None else (found[0], found[1] * fc[1], found[2])
@@ -515,17 +547,22 @@ def _match_attention(
     qk, c, masked = found
     qk_eqn = g.eqns[qk]
     c *= _through_scaling(g, qk_eqn.invars[0]) * _through_scaling(g, qk_eqn.invars[1])
-    probs = out
-    while (use := g.sole_consumer(probs, *_PASS_THROUGH)) is not None:
-        probs = g.eqns[use[0]].outvars[0]
+    probs, axis = out, axis % len(x.aval.shape)
+    # (grouped-query attention reshapes the probabilities to 5-D before the product)
+    while (use := g.sole_consumer(probs, *_PASS_THROUGH, "reshape")) is not None:
+        nxt = g.eqns[use[0]].outvars[0]
+        if g.eqns[use[0]].primitive.name == "reshape":
+            before, after = probs.aval.shape, nxt.aval.shape
+            if axis != len(before) - 1 or after[-1:] != before[-1:]:
+                return None  # only a reshape that keeps the keys' axis last is followed
+            axis = len(after) - 1
+        probs = nxt
     use = g.sole_consumer(probs, "dot_general")
     if use is None:
         return None
     pv, pos = use
-    pv_eqn = g.eqns[pv]
-    contracting = pv_eqn.params["dimension_numbers"][0][pos]
-    rank = len(x.aval.shape)
-    if tuple(contracting) != (axis % rank,):
+    contracting = g.eqns[pv].params["dimension_numbers"][0][pos]
+    if tuple(contracting) != (axis,):
         return None
     return qk, pv, 1 - pos, c, masked
 
@@ -539,14 +576,21 @@ def _match_attention(
 PARAM, ACT, CONST = "param", "act", "const"
 
 
+_PARAM_ARITHMETIC = {"add", "sub", "mul", "div", "neg"}
+
+
 def _param_like(g: _Graph, flags: Sequence[str]) -> dict[Any, bool]:
-    """Variables that are inputs (or consts) seen through shape-only ops: parameters."""
+    """Variables that are inputs (or consts) seen through shape-only ops, or through
+    arithmetic whose other operands are literals or parameters too: parameters."""
     out: dict[Any, bool] = {v: True for v in g.jaxpr.constvars}
     out.update((v, f == PARAM) for v, f in zip(g.jaxpr.invars, flags, strict=True))
     for eqn in g.eqns:
         name = eqn.primitive.name
         floats = [v for v in eqn.invars if not isinstance(v, Literal) and _is_float(v)]
-        like = name in _SHAPE_OPS and bool(floats) and all(out.get(v, False) for v in floats)
+        # shape ops, and arithmetic with literals (Gemma's ``1 + scale`` gain), keep a
+        # parameter a parameter
+        kept = name in _SHAPE_OPS or name in _PARAM_ARITHMETIC
+        like = kept and bool(floats) and all(out.get(v, False) for v in floats)
         for v in eqn.outvars:
             out[v] = like
     return out
@@ -617,13 +661,19 @@ def _loss_mean(g: _Graph, out: Any, depth: int = 12) -> int | None:
 
 
 def _readout(g: _Graph, logits: Any) -> int | None:
-    """The dot_general whose output reaches ``logits`` through shape-only ops."""
+    """The dot_general whose output reaches ``logits`` through shape-only ops (and a
+    soft-cap)."""
     v = logits
-    while (j := g.prod(v, *_SHAPE_OPS, "dot_general")) is not None:
+    while True:
+        if (capped := _softcap_input(g, v)) is not None:
+            v = capped
+            continue
+        j = g.prod(v, *_SHAPE_OPS, "dot_general")
+        if j is None:
+            return None
         if g.eqns[j].primitive.name == "dot_general":
             return j
         v = g.eqns[j].invars[0]
-    return None
 
 
 def _dot_dims(eqn: Any) -> tuple[int, int, int, bool, bool]:
@@ -745,8 +795,8 @@ def _analyse(
         if len(group) == 1 and first.primitive.name in _CALL_PRIMS | {"custom_jvp_call"}:
             plan.call_groups.add(min(group))
         plan.grouped.update(group)
-        if not live.get(x, False):
-            continue  # computed from constants alone: left as it is
+        if kind == "softcap" or not live.get(x, False):
+            continue  # soft-capping, or computed from constants alone: left as it is
         if kind == "log_softmax":
             mean = _loss_mean(g, out)
             if mean is None:
@@ -866,12 +916,22 @@ def _affine_output(g: _Graph, v: Any, param_like: dict[Any, bool]) -> bool:
     return False
 
 
+def _weighted(g: _Graph, v: Any, live: dict[Any, bool]) -> bool:
+    """``v`` is an activation times an array computed from constants alone (sin and cos
+    of positions, a mask): a term of a combination with fixed coefficients."""
+    j = g.prod(v, "mul")
+    if j is None:
+        return False
+    return any(not isinstance(u, Literal) and not live.get(u, False) for u in g.eqns[j].invars)
+
+
 def _plan_add(plan: _Plan, g: _Graph, eqn: Any, i: int, opts: _Options, log: list) -> None:
     """A residual add (one operand is an ancestor of the other) becomes
     residual_split/residual_add; a bias add (a parameter with one axis longer than 1, or
     any parameter added to a linear's or a norm's output: Flax's `DenseGeneral` bias is
     ``(heads, head_dim)``) keeps its value; any other add (of two activations, or of an
-    activation and a table such as a positional embedding) is U.add."""
+    activation and a table such as a positional embedding) is U.add, unless both terms
+    are weighted by constants (a rotation such as RoPE keeps unit scale by itself)."""
     a, b = eqn.invars
     if not (plan.live.get(a) and plan.live.get(b)):
         return  # an activation plus a constant (a mask, a position table): its value
@@ -889,6 +949,8 @@ def _plan_add(plan: _Plan, g: _Graph, eqn: Any, i: int, opts: _Options, log: lis
     for param, act in ((a, b), (b, a)):
         if pl.get(param) and (_extent(param) <= 1 or _affine_output(g, act, pl)):
             return  # a bias (or a norm's shift) keeps its value
+    if _weighted(g, a, plan.live) and _weighted(g, b, plan.live):
+        return  # a combination with fixed coefficients (RoPE's x1·cos + x2·sin): its value
     s = 2**-0.5
     plan.output[eqn.outvars[0]] = s
     log.append(Rewrite("add", (eqn.primitive.name,), s, (1.0, 1.0), _where(eqn)))
