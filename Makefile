@@ -29,6 +29,7 @@ lint: venv
 
 bench: venv
 	$(BIN)/python benchmarks/bench_scalify.py
+	$(BIN)/python benchmarks/bench_scale_kernels.py
 	$(BIN)/python benchmarks/bench_probe.py
 	$(BIN)/python benchmarks/bench_run.py
 	$(BIN)/python benchmarks/bench_dashboard.py

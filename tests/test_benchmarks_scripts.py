@@ -1,4 +1,5 @@
-"""The benchmark scripts: `bench_numerics.py` (the paper's table) and `check_gpu_fp8.py`."""
+"""The benchmark scripts: `bench_numerics.py` (the paper's table), `check_gpu_fp8.py` and
+`bench_scale_kernels.py`."""
 
 from __future__ import annotations
 
@@ -165,3 +166,26 @@ def test_bench_numerics_runs_a_tiny_config_end_to_end(tmp_path):
     assert fp8["lr"] == 2e-3  # the recipe's own peak rate (no --lr)
     assert math.isfinite(fp8["val_loss"]) and math.isfinite(fp8["val_gap_pct"])
     assert data["machine"]["jax"] and data["command"].startswith("python benchmarks/")
+
+
+# --- bench_scale_kernels.py -----------------------------------------------------------
+
+
+def test_bench_scale_kernels_prints_every_variant():
+    """A tiny chain: each variant compiles and is printed with its fusions; the
+    materialised variants share one structure (only constants differ), the duplicated
+    one has fewer, larger fusions. Bad options are refused."""
+    done = _run("bench_scale_kernels.py", "--layers", "6", "--ops", "4", timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {}
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 5 and parts[0] == "4":
+            rows[parts[1]] = (float(parts[2]), int(parts[3]), float(parts[4]))
+    assert set(rows) == {"duplicated", "identical", "distinct", "barrier"}, done.stdout
+    assert all(seconds > 0 for seconds, _, _ in rows.values())
+    assert rows["identical"][1] == rows["distinct"][1] == rows["barrier"][1]
+    assert rows["duplicated"][1] < rows["identical"][1]
+    assert rows["identical"][2] == 1.0
+    bad = _run("bench_scale_kernels.py", "--ops", "four", timeout=120)
+    assert bad.returncode == 2 and "--ops" in bad.stderr
