@@ -847,8 +847,8 @@ class Tracked:
             self._recording = self._recording_fn(mesh)
         # The op table comes from tracing the recording program itself: jit keeps that
         # trace, so the first recorded step compiles without tracing the step again.
-        lead = (np.ones(self.instrumented.groups, bool),) if self.budgeted else ()
-        self._recording.trace(*lead, *args, **kwargs)
+        mask = self._every_group()
+        self._recording.trace(*(() if mask is None else (mask,)), *args, **kwargs)
         table = self.instrumented.op_table(*args, **kwargs)
         self.run._register(table, self.scalify)
         self._registered = True
@@ -886,6 +886,10 @@ class Tracked:
         self.run._submit(step, stats)
         return out
 
+    def _every_group(self) -> np.ndarray | None:
+        """The mask that measures every group (None outside a budget: no mask)."""
+        return np.ones(self.instrumented.groups, bool) if self.budgeted else None
+
     def _record(self, mask: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """``(outputs, statistics)`` of a recorded step (``mask``: the groups to measure,
         under a budget)."""
@@ -902,8 +906,7 @@ class Tracked:
         if not self._registered:
             self._register(args, kwargs)
         jax.block_until_ready(self._plain(*args, **kwargs))
-        mask = np.ones(self.instrumented.groups, bool) if self.budgeted else None
-        jax.block_until_ready(self._record(mask, args, kwargs))
+        jax.block_until_ready(self._record(self._every_group(), args, kwargs))
         self._warm |= {"plain", "recording"}
 
     def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
