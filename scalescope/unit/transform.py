@@ -587,8 +587,8 @@ def _param_like(g: _Graph, flags: Sequence[str]) -> dict[Any, bool]:
     for eqn in g.eqns:
         name = eqn.primitive.name
         floats = [v for v in eqn.invars if not isinstance(v, Literal) and _is_float(v)]
-        # shape ops, and arithmetic with literals (Gemma's ``1 + scale`` gain), keep a
-        # parameter a parameter
+        # shape ops, and arithmetic of parameters with literals or other parameters
+        # (Gemma's ``1 + scale`` gain), keep a parameter a parameter
         kept = name in _SHAPE_OPS or name in _PARAM_ARITHMETIC
         like = kept and bool(floats) and all(out.get(v, False) for v in floats)
         for v in eqn.outvars:
