@@ -148,6 +148,48 @@ def test_python_number_arguments_are_traced_as_under_jit(tmp_path):
     assert set(stats["op"]) <= set(reader.ops.index) and len(stats)
 
 
+@pytest.mark.parametrize("scalify", [True, False])
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_non_array_arguments_are_static_as_with_static_argnums(tmp_path, scalify, budget):
+    """A step written for a plain loop takes its optax transformation, a loss function
+    and a string among its arguments (as track-and-visualize's examples do). `Run.track`
+    keeps "the same signature as fn": such leaves are static, each distinct value its own
+    compile, and the outputs equal `jax.jit` with ``static_argnums`` on the same call."""
+    optax = pytest.importorskip("optax")
+
+    def update(p, s, optimizer, loss_fn, x, *, act="tanh"):
+        g = jax.grad(lambda w: loss_fn(getattr(jnp, act)(x @ w)))(p)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def mean_square(y):
+        return jnp.mean(y**2)
+
+    opt = optax.adam(1e-2)
+    p, x = jnp.linspace(-1, 1, 12).reshape(4, 3), jnp.ones((2, 4))
+    s = opt.init(p)
+    reference = jax.jit(update, static_argnums=(2, 3), static_argnames="act")
+    with ss.Run(tmp_path / "run", every=1, budget=budget) as run:
+        tracked = run.track(update, scalify=scalify)
+        for act in ("tanh", "tanh", "sin", "tanh"):
+            want = reference(p, s, opt, mean_square, x, act=act)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = tracked(p, s, opt, mean_square, x, act=act)
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got, want)
+            # sin traces another graph than the run's: it runs, unrecorded, and says so
+            assert len(caught) == (act == "sin"), [str(w.message) for w in caught]
+            if act == "sin":
+                assert "graph other than" in str(caught[0].message)
+        with pytest.raises(TypeError, match=r"kwargs\['act'\] is a set.*hashable"):
+            tracked(p, s, opt, mean_square, x, act={"tanh"})
+    reader = ss.open_run(tmp_path / "run")
+    assert {"input/p", "input/x"} <= set(reader.ops["name"])
+    assert not any("optimizer" in n or "loss_fn" in n for n in reader.ops["name"])
+    assert "tanh" in set(reader.ops["primitive"]) and "sin" not in set(reader.ops["primitive"])
+    assert 2 not in set(reader.steps) and len(reader.steps) >= 1
+
+
 def test_the_step_is_interpreted_once_for_the_op_table_and_the_recording(tmp_path, monkeypatch):
     """Registering a tracked step traces the recording program itself, and jit keeps
     that trace: the probe interprets the step once, not once for the op table and again

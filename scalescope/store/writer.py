@@ -26,6 +26,7 @@ import queue
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ from ..probe.optable import OpTable
 from ..scalify import scalify as _scalify
 from . import budget as _budget
 from . import layout as L
+from .jitting import StaticLeafJit, partition, signature
 
 try:  # advisory lock so two writers never share a process slot; absent on Windows
     import fcntl
@@ -634,11 +636,10 @@ class Run:
         records = table.to_records()
         fingerprint = L.graph_fingerprint(records, table.stat_names, table.hist_columns)
         frame = L.ops_frame(records)
-        if self._graph is not None and self._graph["fingerprint"] != fingerprint:
-            old = self._ops if self._ops is not None else pd.DataFrame()
+        difference = self._graph_difference(table)
+        if difference is not None:
             raise L.RunMismatchError(
-                f"Run: {self.path} holds a run of a different graph "
-                f"({L.first_difference(old, frame) if len(old) else 'op tables differ'}); "
+                f"Run: {self.path} holds a run of a different graph ({difference}); "
                 "record into a new directory. Appending needs the same function, shapes "
                 "and dtypes."
             )
@@ -670,6 +671,16 @@ class Run:
                 },
             )
         )
+
+    def _graph_difference(self, table: OpTable) -> str | None:
+        """None when ``table`` is the run's graph (or the run has none yet), else where
+        the two first differ."""
+        records = table.to_records()
+        fingerprint = L.graph_fingerprint(records, table.stat_names, table.hist_columns)
+        if self._graph is None or self._graph["fingerprint"] == fingerprint:
+            return None
+        old = self._ops if self._ops is not None else pd.DataFrame()
+        return L.first_difference(old, L.ops_frame(records)) if len(old) else "op tables differ"
 
     # -- public ---------------------------------------------------------------------
 
@@ -785,6 +796,10 @@ class Run:
         return f"Run({str(self.path)!r}, every={self.every}, {state})"
 
 
+#: How a tracked step's arguments are named in errors (see `jitting.partition`).
+_WHERE = "Run.track: the step's argument"
+
+
 class Tracked:
     """What `Run.track` returns: call it like the step function it wraps.
 
@@ -815,8 +830,9 @@ class Tracked:
         )
         self.separate = run.isolate
         self._recording = self._recording_fn(None)
-        self._plain = jax.jit(_scalify(fn, fallback=run.fallback) if scalify else fn)
+        self._plain = StaticLeafJit(_scalify(fn, fallback=run.fallback) if scalify else fn, _WHERE)
         self._registered = False
+        self._signatures: dict[Any, bool] = {}  # call signature -> records (same graph)?
         self.controller: _budget.BudgetController | None = None
         self._warm: set[str] = set()  # variants already compiled (their first call is not timed)
         functools.update_wrapper(self, fn)
@@ -826,13 +842,13 @@ class Tracked:
         several processes) its statistics are replicated on every device of the mesh."""
         inst = self.instrumented.masked if self.budgeted else self.instrumented
         if self.separate:
-            return jax.jit(lambda *a, **k: _replicated(inst(*a, **k)[1], mesh))
+            return StaticLeafJit(lambda *a, **k: _replicated(inst(*a, **k)[1], mesh), _WHERE)
 
         def both(*a: Any, **k: Any) -> tuple[Any, Any]:
             out, stats = inst(*a, **k)
             return out, _replicated(stats, mesh)
 
-        return jax.jit(both)
+        return StaticLeafJit(both, _WHERE)
 
     def records(self, step: int) -> bool:
         """Whether call number ``step`` records statistics (every-``every`` mode)."""
@@ -875,8 +891,9 @@ class Tracked:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.run._check_open()
-        if not self._registered:
-            self._register(args, kwargs)
+        if not self._records_signature(args, kwargs):
+            self.step += 1
+            return self._plain(*args, **kwargs)
         step, self.step = self.step, self.step + 1
         if self.budgeted:
             return self._budgeted_call(step, args, kwargs)
@@ -885,6 +902,32 @@ class Tracked:
         out, stats = self._record(None, args, kwargs)
         self.run._submit(step, stats)
         return out
+
+    def _records_signature(self, args: tuple, kwargs: dict) -> bool:
+        """Whether calls like this one are recorded: the first call registers the run's
+        graph; a later call whose arguments trace differently (other shapes, dtypes or
+        static values) is recorded if its graph is the same, and otherwise runs
+        unrecorded, with a warning once: a run holds one graph."""
+        key = signature(*partition(args, kwargs, where=_WHERE))
+        known = self._signatures.get(key)
+        if known is not None:
+            return known
+        if not self._registered:
+            self._register(args, kwargs)
+            known = True
+        else:
+            difference = self.run._graph_difference(self.instrumented.op_table(*args, **kwargs))
+            known = difference is None
+            if not known:
+                warnings.warn(
+                    f"Run.track: call {self.step} of {getattr(self, '__name__', 'the step')} "
+                    f"traces a graph other than the one {self.run.path} records "
+                    f"({difference}); such calls run unrecorded. A run holds one graph: "
+                    "track the other variant into a Run of its own.",
+                    stacklevel=3,
+                )
+        self._signatures[key] = known
+        return known
 
     def _every_group(self) -> np.ndarray | None:
         """The mask that measures every group (None outside a budget: no mask)."""
@@ -903,11 +946,12 @@ class Tracked:
         """Compile both variants now (each runs once on these arguments; nothing is
         recorded and the step counter does not move), so no training step pays for it."""
         self.run._check_open()
-        if not self._registered:
-            self._register(args, kwargs)
+        recorded = self._records_signature(args, kwargs)
         jax.block_until_ready(self._plain(*args, **kwargs))
-        jax.block_until_ready(self._record(self._every_group(), args, kwargs))
-        self._warm |= {"plain", "recording"}
+        self._warm.add("plain")
+        if recorded:
+            jax.block_until_ready(self._record(self._every_group(), args, kwargs))
+            self._warm.add("recording")
 
     def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         """Run ``fn`` alone on the device and time it; None on its first (compiling) call."""

@@ -1,0 +1,104 @@
+"""`jax.jit` for a training step whose arguments include values that are not arrays.
+
+A step written for a plain Python loop often takes an optax transformation, a model
+definition, a loss function or a string among its arguments (``update(params, state,
+optimizer, batch)``). `jax.jit` needs such arguments named in ``static_argnums``;
+`Run.track` promises "the same signature as fn", so it finds them itself: every pytree
+leaf that is not an array (a `ScaledArray` flattens to arrays) or a Python number is
+passed as a static value (hashed, compared by equality, a new value compiles again), as
+if it had been listed in ``static_argnums``. Python numbers stay traced, as under
+`jax.jit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..core.scaled_array import ScaledArray
+from ..scalify.interpreter import is_array_like
+
+_NUMBERS = (bool, int, float, complex)
+#: Leaf types known to be traced, so the common case skips `is_array_like`'s checks.
+_TRACED_TYPES: set[type] = {*_NUMBERS, np.ndarray, type(jax.numpy.zeros(()))}
+
+
+def _is_traced(leaf: Any) -> bool:
+    if type(leaf) in _TRACED_TYPES:
+        return True
+    return isinstance(leaf, (ScaledArray, *_NUMBERS)) or is_array_like(leaf)
+
+
+def signature(static: Hashable, dynamic: list) -> Hashable:
+    """What decides a call's trace: the static part and each traced leaf's shape and
+    dtype (its type for a Python number)."""
+    return static, tuple(_leaf_signature(leaf) for leaf in dynamic)
+
+
+def _leaf_signature(leaf: Any) -> Any:
+    aval = getattr(leaf, "aval", None)
+    if aval is not None:
+        return aval
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return (tuple(leaf.shape), np.dtype(leaf.dtype))
+    return type(leaf)
+
+
+def partition(args: tuple, kwargs: dict, *, where: str = "argument") -> tuple[Hashable, list]:
+    """``(static, dynamic)``: the hashable description of every non-array leaf of
+    ``(args, kwargs)`` with the tree's structure, and the traced leaves in order."""
+    flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    fixed, dynamic = [], []
+    for i, leaf in enumerate(flat):
+        if _is_traced(leaf):
+            dynamic.append(leaf)
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            raise TypeError(
+                f"{where} {_describe(args, kwargs, i)} is a {type(leaf).__name__}, which is "
+                "not an array and not hashable: non-array arguments are passed as static "
+                "values (as with jax.jit's static_argnums) and must be hashable"
+            ) from None
+        fixed.append((i, leaf))
+    return (treedef, tuple(fixed)), dynamic
+
+
+def _describe(args: tuple, kwargs: dict, index: int) -> str:
+    """``args[2].init`` / ``kwargs['act']`` for the ``index``-th leaf of ``(args, kwargs)``."""
+    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    head, *rest = paths[index][0]
+    root = "args" if getattr(head, "idx", 0) == 0 else "kwargs"
+    return root + jax.tree_util.keystr(tuple(rest))
+
+
+def _rebuild(static: Hashable, dynamic: list) -> tuple[tuple, dict]:
+    treedef, fixed = static
+    given = dict(fixed)
+    it = iter(dynamic)
+    leaves = [given[i] if i in given else next(it) for i in range(treedef.num_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class StaticLeafJit:
+    """``jax.jit(fn)`` with non-array argument leaves made static; call it like ``fn``.
+    ``trace(*args, **kwargs)`` traces without compiling (as `jax.jit(...).trace`)."""
+
+    def __init__(self, fn: Callable[..., Any], where: str) -> None:
+        self.where = where
+
+        def core(static: Hashable, dynamic: list) -> Any:
+            args, kwargs = _rebuild(static, dynamic)
+            return fn(*args, **kwargs)
+
+        self._jitted = jax.jit(core, static_argnums=0)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jitted(*partition(args, kwargs, where=self.where))
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jitted.trace(*partition(args, kwargs, where=self.where))
