@@ -356,6 +356,32 @@ def test_while_aggregates_iterations():
     np.testing.assert_allclose(float(stats["rms"][row]), reference(all_iters)["rms"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("start", [2.0**-10, 2.0**12])
+def test_while_keeps_negative_maxima_of_every_iteration(start):
+    """A while loop folds its iterations into one row by maximum, starting from an empty
+    accumulator. A recipe's block-scale exponents can be negative (small values) or their
+    negations can be (large values): the empty start must not count as a 0 among them
+    (scale_log2_max came out 0 for values around 2^-11, the maximum with the start)."""
+    from recipe_reference import recipe_stats
+
+    def f(x):
+        return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 0.5, c[1] + 1), (x, 0))
+
+    x = jnp.full((64,), start, jnp.float32).at[::3].multiply(3.0)
+    inst = ss.instrument(f, scalify=False, formats=("e4m3", "mxfp8_e4m3"))
+    _, stats = jax.jit(inst)(x)
+    table = inst.op_table(x)
+    (mul,) = [op for op in table if op.primitive == "mul"]
+    row = table.rows(mul).start
+    iters = [np.asarray(x) * 0.5**k for k in (1, 2, 3)]
+    ref = [recipe_stats(v, "mxfp8_e4m3") for v in iters]
+    got_lo = float(stats["scale_log2_min_mxfp8_e4m3"][row])
+    got_hi = float(stats["scale_log2_max_mxfp8_e4m3"][row])
+    assert got_lo == min(r["scale_log2_min"] for r in ref)
+    assert got_hi == max(r["scale_log2_max"] for r in ref)
+    assert float(stats["absmax"][row]) == np.abs(np.concatenate(iters)).max()
+
+
 @pytest.mark.parametrize("which", [0, 1])
 def test_cond_records_the_branch_taken(which):
     def f(i, x):

@@ -123,11 +123,20 @@ def accumulate(acc: dict[str, jax.Array], new: dict[str, jax.Array]) -> dict[str
     out = {}
     for k, v in new.items():
         how = _AGGREGATE[k]
-        out[k] = acc[k] + v if how == "add" else jnp.maximum(acc[k], v) if how == "max" else v
+        out[k] = acc[k] + v if how == "add" else v
+    out["max"] = jnp.maximum(_ran_maxima(acc), _ran_maxima(new))
     k_acc, k_new = _row_exponent(acc["max"][:, 0]), _row_exponent(new["max"][:, 0])
     k_out = _row_exponent(out["max"][:, 0])
     out["sum"] = _rescale_sums(acc["sum"], k_acc, k_out) + _rescale_sums(new["sum"], k_new, k_out)
     return out
+
+
+def _ran_maxima(raw: dict[str, jax.Array]) -> jax.Array:
+    """``raw["max"]`` with the rows that measured nothing (count 0: a while loop's
+    initial accumulator, a group a budget skipped, a device's dropped copy) at -inf, so
+    that taking the maximum with them keeps the other side's values; some maxima are
+    negative (a recipe's block-scale exponents)."""
+    return jnp.where(raw["cnt"][:, :1] > 0, raw["max"], -np.inf)
 
 
 def across_devices(
@@ -141,7 +150,7 @@ def across_devices(
     if keep is not None:
         k = keep[:, None]
         raw = {name: jnp.where(k, v, jnp.zeros_like(v)) for name, v in raw.items()}
-    top = lax.pmax(raw["max"], axes)
+    top = lax.pmax(_ran_maxima(raw), axes)
     k_own, k_top = _row_exponent(raw["max"][:, 0]), _row_exponent(top[:, 0])
     out = {
         "sum": lax.psum(_rescale_sums(raw["sum"], k_own, k_top), axes),
