@@ -34,7 +34,14 @@ from scalescope.store.reader import measured_by_op
 from .grid import StatGrid
 
 #: Metrics offered by the heatmap, before the per-format ones.
-BASE_METRICS = ("log2_rms", "log2_scale", "log2_absmax", "frac_zero", "frac_nonfinite")
+BASE_METRICS = (
+    "log2_rms",
+    "log2_scale",
+    "log2_absmax",
+    "dynamic_range",
+    "frac_zero",
+    "frac_nonfinite",
+)
 #: Per-format metrics offered for every audited format.
 FORMAT_METRICS = ("underflow", "overflow", "snr")
 #: Per-recipe metrics offered for every recorded block-scaled recipe (after the formats').

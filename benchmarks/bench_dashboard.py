@@ -251,7 +251,12 @@ def write_run(
             "std": np.sqrt(np.maximum(rms**2 - mean**2, 0.0)),
             "frac_zero": frac_zero,
             "frac_nonfinite": np.zeros(shape2),
+            "min": -absmax * rng.uniform(0.5, 1.0, shape2).astype(np.float32),
+            "max": absmax,
         }
+        # The smallest non-zero magnitude: some 10 to 20 octaves below the abs-max.
+        cols["absmin"] = absmax * np.exp2(-rng.uniform(10.0, 20.0, shape2)).astype(np.float32)
+        cols["dynamic_range"] = np.log2(absmax) - np.log2(cols["absmin"])
         log2_absmax = np.log2(absmax)
         for f in FORMATS:
             low = np.clip(-lr - 3.0, 0.0, None)  # small values underflow more

@@ -35,7 +35,15 @@ def reference(data, formats=tuple(FORMATS)) -> dict[str, float]:
         "std": np.std(x) if x.size else np.nan,
         "frac_zero": np.mean(d == 0),
         "frac_nonfinite": np.mean(~fin),
+        "min": np.min(x) if x.size else np.nan,
+        "max": np.max(x) if x.size else np.nan,
     }
+    nonzero = np.abs(x[x != 0])
+    out["absmin"] = np.min(nonzero) if nonzero.size else np.nan
+    # Transformer Engine's dynamic_range: log2(amax) - log2(nonzero amin)
+    out["dynamic_range"] = (
+        np.log2(out["absmax"]) - np.log2(out["absmin"]) if nonzero.size else np.nan
+    )
     for name in formats:
         dtype, fmax = FORMATS[name]
         info = ml_dtypes.finfo(dtype)

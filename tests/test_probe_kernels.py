@@ -92,6 +92,36 @@ def test_rounding_boundaries_match_reference(which):
         _check(g, reference(data), f"{which}:{name}")
 
 
+@pytest.mark.parametrize("which", ["native", "xla"])
+def test_extremes_ignore_padding_and_specials(which):
+    """min, max, absmin and dynamic_range (Transformer Engine's log2(amax) - log2(nonzero
+    amin)) on values whose lengths leave partial blocks and chunks: the padding must not
+    count as an element (an all-positive value has no 0 to be its min), non-finite
+    elements and float32 subnormals (read as zeros) neither."""
+    if which == "native" and not native.available():
+        pytest.fail("native kernel unavailable")
+    rng = np.random.default_rng(7)
+    tiny = np.finfo(np.float32).tiny
+    pieces = {
+        "positive_1000": rng.uniform(0.5, 3.0, 1000).astype(np.float32),
+        "negative_77": -rng.uniform(2.0**-20, 2.0**5, 77).astype(np.float32),
+        "zeros": np.zeros(600, np.float32),
+        "specials": np.array([np.nan, np.inf, -np.inf, 3.0, -2.0, 0.0], np.float32),
+        "subnormal_and_normal": np.array([tiny / 4, -tiny / 8, 2.0**-100, 5.0], np.float32),
+        "all_nan": np.full(9, np.nan, np.float32),
+    }
+    got = _stats(list(pieces.values()), which)
+    for (name, data), g in zip(pieces.items(), got, strict=True):
+        _check(g, reference(data), f"{which}:{name}")
+    by = dict(zip(pieces, got, strict=True))
+    assert by["positive_1000"]["min"] >= 0.5 and by["negative_77"]["max"] < 0
+    assert by["zeros"]["min"] == by["zeros"]["max"] == 0 and np.isnan(by["zeros"]["absmin"])
+    assert by["specials"]["dynamic_range"] == np.float32(np.log2(1.5))
+    assert by["subnormal_and_normal"]["absmin"] == np.float32(2.0**-100)
+    assert by["subnormal_and_normal"]["dynamic_range"] == np.float32(np.log2(5.0) + 100)
+    assert all(np.isnan(by["all_nan"][k]) for k in ("min", "max", "absmin", "dynamic_range"))
+
+
 @needs_native
 @pytest.mark.parametrize(
     "dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float64]

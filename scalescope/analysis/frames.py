@@ -29,11 +29,13 @@ DERIVED_METRICS: dict[str, tuple[tuple[str, ...], str]] = {
 
 #: Metrics that cannot be negative (a log2 ratio between two runs is meaningful).
 POSITIVE_METRICS = frozenset(
-    {"count", "scale", "rms", "absmax", "std", "value_rms", "value_absmax"}
+    {"count", "scale", "rms", "absmax", "absmin", "std", "value_rms", "value_absmax"}
 )
 
 _MAX_PREFIXES = ("overflow_", "underflow_", "subnormal_", "block_flush_", "scale_log2_max_")
-_MAX_NAMES = frozenset({"frac_nonfinite", "frac_zero", "absmax", "value_absmax"})
+_MAX_NAMES = frozenset(
+    {"frac_nonfinite", "frac_zero", "absmax", "value_absmax", "max", "dynamic_range"}
+)
 
 #: Order in which passes are listed (others follow alphabetically).
 PASS_ORDER = ("input", "fwd", "bwd", "opt", "output")
@@ -243,7 +245,7 @@ def metric_direction(metric: str) -> Direction:
     otherwise."""
     if metric.startswith(_MAX_PREFIXES) or metric in _MAX_NAMES:
         return "max"
-    if metric.startswith(("snr", "scale_log2_min_")):
+    if metric.startswith(("snr", "scale_log2_min_")) or metric in ("min", "absmin"):
         return "min"
     if metric.startswith("log2_"):
         return "abs"

@@ -38,7 +38,24 @@ HIST_HI = 23
 HIST_EXPONENTS = tuple(range(HIST_LO, HIST_HI + 1))
 HIST_COLUMNS = ("zero", "below", *(f"2^{e}" for e in HIST_EXPONENTS), "above", "nonfinite")
 
-BASIC_STATS = ("count", "scale", "rms", "absmax", "mean", "std", "frac_zero", "frac_nonfinite")
+BASIC_STATS = (
+    "count",
+    "scale",
+    "rms",
+    "absmax",
+    "mean",
+    "std",
+    "frac_zero",
+    "frac_nonfinite",
+    "min",
+    "max",
+    "absmin",
+    "dynamic_range",
+)
+#: Raw columns aggregated by maximum for every value: the abs-max, the largest finite
+#: element, the negated smallest one, and the negated smallest non-zero magnitude
+#: (negated so that one maximum folds blocks, iterations and devices; -inf for none).
+BASIC_MAXIMA = ("absmax", "max", "negmin", "negabsmin")
 FORMAT_STATS = ("underflow", "subnormal", "overflow", "snr")
 
 DEFAULT_BLOCK = 512
@@ -86,9 +103,9 @@ class StatSpec:
 
     @property
     def max_columns(self) -> tuple[str, ...]:
-        """Columns aggregated by maximum: the abs-max, then per recipe the largest and
-        the negated smallest block-scale exponent."""
-        cols = ["absmax"]
+        """Columns aggregated by maximum: `BASIC_MAXIMA`, then per recipe the largest
+        and the negated smallest block-scale exponent."""
+        cols = list(BASIC_MAXIMA)
         for r in self.recipes:
             cols += [f"scale_max_{r.name}", f"scale_negmin_{r.name}"]
         return tuple(cols)
@@ -200,17 +217,20 @@ def _exponent(x: jax.Array) -> jax.Array:
     return ((bits >> 23) & 0xFF) - 127
 
 
-def _reduce(operands: list[jax.Array], n_max: int = 0) -> list[jax.Array]:
-    """One variadic reduction over axis 1: sums, then ``n_max`` maxima. A few operands
-    per reduction keep XLA's CPU loop in registers; one huge one is many times slower."""
+def _reduce(operands: list[jax.Array], n_max: int = 0, n_low: int = 0) -> list[jax.Array]:
+    """One variadic reduction over axis 1: sums, then ``n_max`` maxima, the last
+    ``n_low`` of them starting from -inf (for values that may be negative; the others
+    start from 0). A few operands per reduction keep XLA's CPU loop in registers; one huge
+    one is many times slower."""
     n_add = len(operands) - n_max
+    init = [np.float32(0)] * (len(operands) - n_low) + [np.float32(-np.inf)] * n_low
 
     def combine(a, b):
         return tuple(
             lax.add(a[i], b[i]) if i < n_add else lax.max(a[i], b[i]) for i in range(len(a))
         )
 
-    return list(lax.reduce(operands, [np.float32(0)] * len(operands), combine, (1,)))
+    return list(lax.reduce(operands, init, combine, (1,)))
 
 
 def _pow2(k: jax.Array) -> jax.Array:
@@ -230,7 +250,8 @@ def _row_exponent(absmax: jax.Array) -> jax.Array:
 def _block_stats(x: jax.Array, spec: StatSpec):
     """Per-block statistics of ``x`` (``[blocks, block]`` float32).
 
-    Pass one: zeros, non-finite and abs-max. Pass two: sums of ``x`` and ``x**2`` in
+    Pass one: zeros, non-finite and the `BASIC_MAXIMA` (over finite elements; padding
+    is NaN, so it counts only as non-finite). Pass two: sums of ``x`` and ``x**2`` in
     units of ``2**k`` (k the block abs-max exponent). Then one pass per format: its
     rounding error (same units) and range flags. A few operands per reduction keep XLA's
     CPU loop fast; one reduction of every feature is several times slower.
@@ -239,7 +260,22 @@ def _block_stats(x: jax.Array, spec: StatSpec):
     finite = a < np.float32(np.inf)
     xf = jnp.where(finite, x, 0.0)
     as_f = lambda m: m.astype(_F32)
-    zero, nonfinite, amax = _reduce([as_f(x == 0), as_f(~finite), jnp.where(finite, a, 0.0)], 1)
+    low = np.float32(-np.inf)
+    # Extremes read float32 subnormals as zeros, as the native kernel does.
+    normal = a >= np.float32(np.finfo(np.float32).tiny)
+    xn = jnp.where(normal, xf, 0.0)
+    zero, nonfinite, amax, top, negmin, negabsmin = _reduce(
+        [
+            as_f(x == 0),
+            as_f(~finite),
+            jnp.where(finite, a, 0.0),
+            jnp.where(finite, xn, low),
+            jnp.where(finite, -xn, low),
+            jnp.where(finite & normal, -a, low),
+        ],
+        4,
+        3,
+    )
     k = _row_exponent(amax)
     unit = _pow2(-k)[:, None]
     xs = xf * unit
@@ -259,7 +295,8 @@ def _block_stats(x: jax.Array, spec: StatSpec):
         )
         sums.append(e2)
         counts += [under, sub, over]
-    return jnp.stack(sums, axis=1), jnp.stack(counts, axis=1), amax[:, None], k
+    maxima = jnp.stack([amax, top, negmin, negabsmin], axis=1)
+    return jnp.stack(sums, axis=1), jnp.stack(counts, axis=1), maxima, k
 
 
 def _rescale_sums(sums: jax.Array, k_from: jax.Array, k_to: jax.Array) -> jax.Array:
@@ -399,7 +436,7 @@ def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
         nb = -(-n // b)
         pad = nb * b - n
         if pad:
-            flat = jnp.concatenate([flat, jnp.zeros((pad,), _F32)])
+            flat = jnp.concatenate([flat, jnp.full((pad,), np.nan, _F32)])
         pieces.append(flat)
         blocks_per_value.append(nb)
         sizes.append(n)
@@ -409,19 +446,19 @@ def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
     seg = np.repeat(np.arange(rows, dtype=np.int32), blocks_per_value)
     s, c, m, k = _block_stats(x, spec)
     seg_sum = lambda v: jax.ops.segment_sum(v, seg, rows, indices_are_sorted=True)
-    absmax = jax.ops.segment_max(m, seg, rows, indices_are_sorted=True)
-    row_k = _row_exponent(absmax[:, 0])
+    maxima = jax.ops.segment_max(m, seg, rows, indices_are_sorted=True)
+    row_k = _row_exponent(maxima[:, 0])
     s = _rescale_sums(s, k, row_k[seg])
     counts = seg_sum(c.astype(jnp.int32))
-    # Padding adds zeros only: correct the zero count; the element count is static.
+    # Padding adds NaNs only: correct the non-finite count; the element count is static.
     pads = np.asarray(pads, np.int32)
     fix = np.zeros((rows, counts.shape[1] + 1), np.int32)
     fix[:, 0] = sizes
-    fix[:, 1] = -pads
+    fix[:, 2] = -pads
     raw = {
         "sum": seg_sum(s),
         "cnt": jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), counts], axis=1) + fix,
-        "max": absmax,
+        "max": maxima,
         "last": _scales(values),
     }
     if spec.histograms:
@@ -429,7 +466,7 @@ def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
         index = (jnp.asarray(seg)[:, None] * h + _hist_bins(x)).reshape(-1)
         hist = jnp.zeros((rows * h,), jnp.int32).at[index].add(1, mode="promise_in_bounds")
         fix = np.zeros((rows, h), np.int32)
-        fix[:, 0] = -pads
+        fix[:, -1] = -pads
         raw["hist"] = hist.reshape(rows, h) + fix
     if spec.recipes:  # every value's blocks in one buffer per recipe
         parts = recipe_kernel.recipe_group_raw(
@@ -439,10 +476,27 @@ def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
     return raw
 
 
+def _extremes(maxima: jax.Array, measured: jax.Array) -> dict[str, jax.Array]:
+    """min, max, the smallest non-zero magnitude and the dynamic range
+    ``log2(absmax) - log2(absmin)`` (Transformer Engine's definition) from the raw
+    `BASIC_MAXIMA`; NaN where no finite (for the last two: non-zero) element was seen."""
+    nan = np.float32(np.nan)
+    absmax, top, negmin, negabsmin = (maxima[:, i] for i in range(len(BASIC_MAXIMA)))
+    nonzero = measured & (negabsmin > -np.inf)
+    absmin = jnp.where(nonzero, -negabsmin, nan)
+    return {
+        "min": jnp.where(measured, -negmin, nan),
+        "max": jnp.where(measured, top, nan),
+        "absmin": absmin,
+        "dynamic_range": jnp.where(nonzero, jnp.log2(absmax) - jnp.log2(absmin), nan),
+    }
+
+
 def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
     """Published statistics from raw rows (see DESIGN.md, "The probe").
 
-    Moments (rms, mean, std, absmax) are over the finite elements; fractions over all
+    Moments and extremes (rms, mean, std, absmax, min, max, absmin) are over the finite
+    elements (float32 subnormals count as zeros); fractions over all
     elements. A row whose code never ran (the untaken branch of a cond) has count 0 and
     NaN statistics.
     """
@@ -466,6 +520,7 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
         "std": jnp.sqrt(jnp.maximum(meansq_u - mean_u * mean_u, 0.0)) * unit,
         "frac_zero": frac(counts[:, col["zero"]]),
         "frac_nonfinite": frac(counts[:, col["nonfinite"]]),
+        **_extremes(raw["max"], ran & (finite_n > 0)),
     }
     for i, fmt in enumerate(spec.formats):
         name = fmt.name
@@ -483,7 +538,8 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
         snr = jnp.where(err2 > 0, 10.0 * jnp.log10(sums[:, 1] / err2), np.float32(np.inf))
         blocks = counts[:, col[f"blocks_{name}"]]
         flush = counts[:, col[f"flush_{name}"]].astype(_F32) / jnp.maximum(blocks, 1)
-        hi, neg_lo = maxima[:, 1 + 2 * i], maxima[:, 2 + 2 * i]
+        base = len(BASIC_MAXIMA) + 2 * i
+        hi, neg_lo = maxima[:, base], maxima[:, base + 1]
         scaled = ran & (hi > -np.inf)
         stats = {
             "underflow": frac(counts[:, col[f"under_{name}"]]),

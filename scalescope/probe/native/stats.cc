@@ -81,6 +81,9 @@ struct Totals {
   int64_t hist[256] = {};  // by float32 exponent field: 0 zero (or flushed), 255 non-finite
   uint32_t lanes[8][256] = {};  // hist being counted: 8 interleaved copies (no store stalls)
   float amax = 0;
+  // Over finite elements (subnormals read as 0): the largest, the negated smallest, and
+  // the negated smallest non-zero magnitude; -inf while none was seen.
+  float top = -INFINITY, negmin = -INFINITY, negabsmin = -INFINITY;
 };
 
 inline v8u as_u(v8f v) { return (v8u)v; }
@@ -131,6 +134,8 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
   // 2^-126 of the abs-max squared, as in units of its power of two. Otherwise the sums are
   // taken again in units of the chunk's power of two.
   v8f s1 = {}, s2 = {}, vmax = {};
+  const v8f ninf = -INFINITY - v8f{};
+  v8f vtop = ninf, vnegmin = ninf, vnegabs = ninf;
   v8i c_nan = {};
   alignas(64) float abs_buf[kChunk];
   alignas(64) uint32_t bits_buf[kChunk];
@@ -142,11 +147,19 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     c_nan += (v8i)(ab > kInfBits);
     v8f af = as_f(ab & keep);
     vmax = af > vmax ? af : vmax;
+    v8f hi = ab < kInfBits ? xf : ninf, lo = ab < kInfBits ? -xf : ninf;
+    v8f nz = af > 0 ? -af : ninf;
+    vtop = hi > vtop ? hi : vtop;
+    vnegmin = lo > vnegmin ? lo : vnegmin;
+    vnegabs = nz > vnegabs ? nz : vnegabs;
     std::memcpy(abs_buf + i, &af, kVecBytes);
     std::memcpy(bits_buf + i, &ab, kVecBytes);
   }
   float amax = hmax(vmax);
   t.amax = std::max(t.amax, amax);
+  t.top = std::max(t.top, hmax(vtop));
+  t.negmin = std::max(t.negmin, hmax(vnegmin));
+  t.negabsmin = std::max(t.negabsmin, hmax(vnegabs));
   int k = 0;
   if (amax > 0 && (amax >= 0x1p60f || amax < 1.0f)) {
     k = exponent_of(amax);
@@ -236,10 +249,11 @@ void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int 
     constexpr int64_t kPad = kLanes > 8 ? kLanes : 8;  // whole vectors, whole histogram rows
     int64_t n8 = (count + kPad - 1) / kPad * kPad;
     in.load(i, count, buf);
-    // A partial chunk is padded with zeros that are taken back out of the zero count.
-    std::fill(buf + count, buf + n8, 0.0f);
+    // A partial chunk is padded with NaNs, taken back out of the non-finite count (they
+    // stay in `nan`, which only corrects the overflow counts, where they also are).
+    std::fill(buf + count, buf + n8, NAN);
     chunk_stats(buf, n8, fmts, nf, t);
-    t.hist[0] -= n8 - count;
+    t.hist[255] -= n8 - count;
   }
   fold_lanes(t);
 }
@@ -256,6 +270,9 @@ void merge(Totals& into, const Totals& t, int nf) {
   }
   for (int e = 0; e < 256; ++e) into.hist[e] += t.hist[e];
   into.amax = std::max(into.amax, t.amax);
+  into.top = std::max(into.top, t.top);
+  into.negmin = std::max(into.negmin, t.negmin);
+  into.negabsmin = std::max(into.negabsmin, t.negabsmin);
 }
 
 // One call's work, with everything it needs copied out of the call's attributes (an
@@ -285,7 +302,7 @@ ffi::Error prepare(Job& job, ffi::AnyBuffer x, ffi::Span<const float> lut,
   job.nf = nf;
   job.n_hist = hist_hi >= hist_lo ? hist_hi - hist_lo + 5 : 0;
   job.hist_lo = hist_lo;
-  if (out_f->element_count() != static_cast<size_t>(3 + nf) ||
+  if (out_f->element_count() != static_cast<size_t>(6 + nf) ||
       out_i->element_count() != static_cast<size_t>(3 + 3 * nf + job.n_hist)) {
     return ffi::Error::InvalidArgument("scalescope_stats: bad output sizes");
   }
@@ -351,6 +368,9 @@ void run_job(const Job& job) {
   of[1] = static_cast<float>(total.sumsq * sq);
   for (int f = 0; f < nf; ++f) of[2 + f] = static_cast<float>(total.err2[f] * sq);
   of[2 + nf] = total.amax;
+  of[3 + nf] = total.top;
+  of[4 + nf] = total.negmin;
+  of[5 + nf] = total.negabsmin;
 
   int32_t* oi = job.oi;
   oi[0] = static_cast<int32_t>(n);
