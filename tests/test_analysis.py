@@ -180,6 +180,36 @@ def test_underflow_threshold():
     assert row["severity"] == "medium" and "2.0%" in row["evidence"]
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_underflow_of_a_value_wider_than_the_format_calls_for_block_scaling(scaled):
+    """e4m3 spans log2(448 / 2^-9) = 17.81 octaves from its max to its smallest
+    subnormal. A value whose dynamic range (log2 absmax - log2 absmin) is wider loses
+    elements at any one scale: the finding says so and the fix is a block-scaled recipe
+    or a format with more range, never a rescale; 17.5 octaves is not wider."""
+    span = math.log2(448) + 9
+    ops = make_ops(
+        {"name": "wide", "cast_to": "e4m3", "scaled": scaled},
+        {"name": "narrow", "cast_to": "e4m3", "scaled": scaled},
+    )
+    stats = make_stats(
+        series(
+            0,
+            STEPS,
+            underflow_e4m3=[0.05, 0.08, 0.05, 0.05, 0.05],  # worst at step 100
+            dynamic_range=[20.0, 24.0, 20.0, 20.0, 20.0],
+        )
+        + series(1, STEPS, underflow_e4m3=0.05, dynamic_range=17.5, rms=2.0**-6)
+    )
+    under = findings_of(A.advise(stats, ops), "underflow").set_index("op")
+    wide, narrow = under.loc[0], under.loc[1]
+    assert f"{24.0:.1f} octaves" in wide["evidence"] and f"{span:.1f}" in wide["evidence"]
+    assert "mxfp8_e4m3 recipe" in wide["fix"] and "e5m2" in wide["fix"]
+    assert "dynamic_rescale" not in wide["fix"]
+    assert "octaves" not in narrow["evidence"] and "mxfp8_e4m3 recipe" not in narrow["fix"]
+    if scaled:  # an ordinary underflow of a value off unit scale: rescale it
+        assert "dynamic_rescale_l2" in narrow["fix"]
+
+
 def test_snr_threshold_default_and_custom():
     thr = A.Thresholds().snr_db["e4m3"]
     ops = make_ops(

@@ -45,7 +45,10 @@ op's source line (`fix_line`). Under scalify (or on a scaled op): drift and tren
 value; overflow -> ``dynamic_rescale_max`` (``_max_grad``), which puts the abs-max, not
 the RMS, at 1; underflow and SNR -> ``dynamic_rescale_l2`` when the value is off unit
 scale where it fails, else a format with more range (underflow) or more mantissa (SNR),
-or a block-scaled recipe; delayed -> a shorter amax history, ``most_recent``, current
+or a block-scaled recipe (an underflow of a value whose ``dynamic_range`` is wider than
+the format's span from max to smallest subnormal, `format_span`: a block-scaled recipe or
+a format with more range, whatever the scaling); delayed -> a shorter amax history,
+``most_recent``, current
 scaling or ``dynamic_rescale_max``. Not under scalify (naive low-precision casts): run
 the step under scalify, or cast with a block-scaled recipe: the cheapest recipe the
 recorded recipe statistics show safe for that op (`scalescope.analysis.format_whatif`),
@@ -631,9 +634,14 @@ def fix_line(
     log2_rms: float = math.nan,
     origin: Mapping[str, Any] | None = None,
     recorded: Sequence[str] = (),
+    too_wide: bool = False,
 ) -> str:
     """The one-line fix for a ``rule`` finding on ``op`` (a row of the op table with a
     ``label``), naming the op's source line.
+
+    An underflow of a value whose dynamic range is wider than the format's span
+    (``too_wide``: `format_span`) is not fixed by any one scale, rescaled or not: a
+    block-scaled recipe (per-block scales) or a format with more range.
 
     Under scalify (``scalified``: the run or the op): drift and trend,
     ``dynamic_rescale_l2`` after a forward/optimizer value, ``dynamic_rescale_l2_grad``
@@ -664,6 +672,13 @@ def fix_line(
         if better == fmt or (better == "mxfp8_e4m3" and element.mantissa_bits >= 3):
             better = "bf16"
         return f"{what} than {fmt} at {where}, e.g. {better}"
+    if rule == "underflow" and too_wide:
+        other = _MORE_RANGE.get(fmt, "fp32")
+        block = recipe or DEFAULT_RECIPE
+        return (
+            f"cast {where} with the {block} recipe (a scale per block) or to {other}  # "
+            f"its dynamic range is wider than {fmt or 'its format'} holds at any one scale"
+        )
     if not scalified:
         what = f"naive {fmt} casts" if fmt else "naive low-precision casts"
         return (
@@ -730,6 +745,13 @@ def _format_findings(
                 elif rule == "underflow":
                     bound = f" (|x| < {_num(tiny)})" if tiny else ""
                     text = f"{pct(v)} of non-zero values flush to zero in {fmt}{bound} at step {at}"
+                    wide = _too_wide(cells, op, at, info)
+                    if wide is not None:
+                        text += (
+                            f"; its dynamic range, {wide[0]:.1f} octaves, is wider than "
+                            f"{fmt}'s {wide[1]:.1f} (max to smallest subnormal): no single "
+                            "scale keeps every element"
+                        )
                 else:
                     text = f"SNR in {fmt} falls to {v:.1f} dB (threshold {thr:g} dB) at step {at}"
                 rows.append(
@@ -746,6 +768,28 @@ def _format_findings(
                     )
                 )
     return rows
+
+
+def format_span(info: Mapping[str, Any]) -> float:
+    """Octaves from a format's max down to its smallest subnormal (17.8 for e4m3): the
+    widest dynamic range one scale can keep without flushing or clipping; NaN when the
+    limits are unknown (a block-scaled recipe has per-block scales, no single span)."""
+    top, tiny = info.get("max"), info.get("min_subnormal")
+    if not top or not tiny:
+        return math.nan
+    return math.log2(float(top)) - math.log2(float(tiny))
+
+
+def _too_wide(
+    cells: _Cells | _Dense, op: int, step: int, info: Mapping[str, Any]
+) -> tuple[float, float] | None:
+    """``(dynamic range, format span)`` when the op's recorded dynamic range at ``step``
+    is wider than the format's span, else None (also when it was not recorded)."""
+    if "dynamic_range" not in cells.cols:
+        return None
+    span = format_span(info)
+    octaves = cells.at("dynamic_range", op, int(step))
+    return (octaves, span) if octaves > span else None
 
 
 def _mask_groups(cells: _Cells | _Dense, values: np.ndarray, min_steps: int) -> np.ndarray:
@@ -1307,6 +1351,7 @@ def advisor_columns(
     audit_list = set([audit] if isinstance(audit, str) else audit)
     cast = set(op_table(ops)["cast_to"].astype(str)) if len(ops) else set()
     keep = ["step", "op", "iteration", "frac_nonfinite", "rms", "absmax", "scale", "count"]
+    keep.append("dynamic_range")
     for fmt in recorded_formats(have):
         if fmt in cast or fmt in audit_list:
             keep += [f"overflow_{fmt}", f"underflow_{fmt}", f"snr_{fmt}"]
@@ -1385,6 +1430,8 @@ def advise(
             checked[fmt] = ids[mask]
 
     columns = {"frac_nonfinite": "max"}
+    if "dynamic_range" in stats.columns:
+        columns["dynamic_range"] = "max"
     for fmt in checked:
         columns |= {f"overflow_{fmt}": "max", f"underflow_{fmt}": "max", f"snr_{fmt}": "min"}
     rms = stats["rms"].to_numpy(np.float64)
@@ -1488,6 +1535,11 @@ def _finish(
         log2_rms = math.nan
         if rule in ("underflow", "snr") and scaled and cells is not None:
             log2_rms = cells.at("log2_rms", op_ids[i], int(at[i]))
+        too_wide = (
+            rule == "underflow"
+            and cells is not None
+            and _too_wide(cells, op_ids[i], int(at[i]), _format_info(fmt, meta)) is not None
+        )
         origin = None
         if rule == "nonfinite" and origin_of[i] is not None and not pd.isna(origin_of[i]):
             origin = by_op.get(int(origin_of[i]))
@@ -1505,6 +1557,7 @@ def _finish(
                 log2_rms=log2_rms,
                 origin=origin,
                 recorded=recorded,
+                too_wide=too_wide,
             )
         )
     found["fix"] = fixes
