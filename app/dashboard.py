@@ -735,10 +735,12 @@ class Dashboard:
             for k, v in fields.items()
         )
         self.op_info.object = f"<table class='ss-op-info'>{cells}</table>"
-        per_step = rows.groupby("step")[["scale", "rms", "absmax"]].max()
-        self.series_pane.object = viz.timeseries(
-            per_step, title=f"{label}: scale, rms, abs-max", recorded=recorded
-        )
+        how = {"scale": "max", "rms": "max", "absmax": "max"}
+        if "absmin" in rows.columns:  # the span from abs-min to abs-max: the dynamic range
+            how["absmin"] = "min"
+        per_step = rows.groupby("step").agg(how)
+        title = f"{label}: scale, rms, abs-max" + (", abs-min" if "absmin" in how else "")
+        self.series_pane.object = viz.timeseries(per_step, title=title, recorded=recorded)
         self.scale_pane.visible = bool(recipes)
         self.scale_pane.object = (
             viz.scale_ranges(

@@ -531,6 +531,14 @@ def test_page_model_notes_sampled_statistics_and_last_measured(budget_root, runs
     # the op's lines: a marker per measurement, dashed between them
     series = dash.series_pane.object
     assert any("measured at 2 of 6 recorded steps" in getattr(t, "text", "") for t in series.below)
+    # abs-min under abs-max: the gap between the two lines is the op's dynamic range
+    rows = RunSet(budget_root).get("budget").op_stats(op)
+    assert len(rows) and "abs-min" in series.title.text
+    for column, how in (("absmax", "max"), ("absmin", "min")):
+        (line,) = [r for r in series.renderers if r.name == f"timeseries-line-{column}"]
+        want = getattr(rows.groupby("step")[column], how)().to_numpy(float)
+        got = np.asarray(line.data_source.data["y"], float)
+        np.testing.assert_array_equal(got[~np.isnan(got)], want[want > 0])
     # heatmap: cells of unmeasured ops blank (NaN over a hatch), the rest the rows' values
     fig = dash._heatmap_fig
     assert fig.select_one({"name": "heatmap-blank"}) is not None
