@@ -633,10 +633,9 @@ class Run:
 
     def _register(self, table: OpTable, scalified: bool) -> None:
         """Check the op table against the run's (append) or store it (new run)."""
-        records = table.to_records()
-        fingerprint = L.graph_fingerprint(records, table.stat_names, table.hist_columns)
+        records, fingerprint = _graph_of(table)
         frame = L.ops_frame(records)
-        difference = self._graph_difference(table)
+        difference = self._graph_difference(table, records, fingerprint)
         if difference is not None:
             raise L.RunMismatchError(
                 f"Run: {self.path} holds a run of a different graph ({difference}); "
@@ -672,11 +671,14 @@ class Run:
             )
         )
 
-    def _graph_difference(self, table: OpTable) -> str | None:
+    def _graph_difference(
+        self, table: OpTable, records: list | None = None, fingerprint: str | None = None
+    ) -> str | None:
         """None when ``table`` is the run's graph (or the run has none yet), else where
-        the two first differ."""
-        records = table.to_records()
-        fingerprint = L.graph_fingerprint(records, table.stat_names, table.hist_columns)
+        the two first differ (``records``/``fingerprint``: `_graph_of` the table, when
+        already computed)."""
+        if records is None or fingerprint is None:
+            records, fingerprint = _graph_of(table)
         if self._graph is None or self._graph["fingerprint"] == fingerprint:
             return None
         old = self._ops if self._ops is not None else pd.DataFrame()
@@ -794,6 +796,12 @@ class Run:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "recording"
         return f"Run({str(self.path)!r}, every={self.every}, {state})"
+
+
+def _graph_of(table: OpTable) -> tuple[list, str]:
+    """An op table's records and the fingerprint that identifies its graph in a run."""
+    records = table.to_records()
+    return records, L.graph_fingerprint(records, table.stat_names, table.hist_columns)
 
 
 #: How a tracked step's arguments are named in errors (see `jitting.partition`).
