@@ -220,6 +220,60 @@ def test_op_table_passes_inputs_outputs_and_sources():
     assert len(frame) == len(table) and "pass" in frame.columns
 
 
+@pytest.mark.parametrize("scalify", [False, True])
+def test_optimizer_ops_are_named_after_their_parameter(scalify):
+    """optax adds no name scopes; each of AdamW's per-leaf ops reaches only its own
+    parameter's outputs (new value, mu, nu), so it is named ``params/<path>/<prim>``.
+    Ops on the step count and the forward pass (reaching every output) keep theirs."""
+    optax = pytest.importorskip("optax")
+    shapes = {"enc": {"kernel": (6, 5), "bias": (5,)}, "dec": {"kernel": (5, 3)}}
+    params = {"params": jax.tree.map(lambda s: jnp.full(s, 0.1), shapes, is_leaf=_is_shape)}
+    opt = optax.adamw(1e-2)
+
+    def step(params, state, x):
+        def loss(p):
+            h = jnp.tanh(x @ p["params"]["enc"]["kernel"] + p["params"]["enc"]["bias"])
+            return jnp.mean((h @ p["params"]["dec"]["kernel"]) ** 2)
+
+        grads = jax.grad(loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = opt.init(params)
+    x = jnp.ones((4, 6))
+    if scalify:
+        params, state = ss.as_scaled_array(params), ss.as_scaled_array(state)
+    table = ss.instrument(step, scalify=scalify).op_table(params, state, x)
+    by_shape = {tuple(s): f"params/{m}/{k}" for m, d in shapes.items() for k, s in d.items()}
+    opt_ops = [op for op in table if op.pass_ == "opt" and op.primitive != "output"]
+    named = [op for op in opt_ops if "/" in op.name]
+    assert len(named) >= 3 * 8  # several per parameter: moments, bias correction, update
+    for op in named:
+        assert op.name == f"{by_shape[op.shape]}/{op.primitive}", op.name
+    # the step count (a scalar) and its bias corrections belong to no one parameter
+    assert all(op.shape == () for op in opt_ops if "/" not in op.name)
+    assert any(op.name == "add" and op.shape == () for op in opt_ops)
+    # forward ops reach every output: unchanged
+    fwd = [op for op in table if op.pass_ == "fwd" and op.primitive == "tanh"]
+    assert [op.name for op in fwd] == ["tanh"]
+
+
+def _is_shape(x):
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def test_parameter_of_takes_the_common_suffix_that_is_an_input_leaf():
+    from scalescope.probe.provenance import parameter_of
+
+    outs = ["0/params/a/w", "0/params/b/w", "1/0/mu/params/a/w", "1/0/nu/params/a/w", "2"]
+    leaves = {("params", "a", "w"), ("params", "b", "w")}
+    assert parameter_of(0b00001, outs, leaves) == "params/a/w"
+    assert parameter_of(0b01101, outs, leaves) == "params/a/w"  # new value, mu and nu
+    assert parameter_of(0b00011, outs, leaves) == ""  # both parameters: only "w" shared
+    assert parameter_of(0b10001, outs, leaves) == ""  # with the loss
+    assert parameter_of(0b00101, outs, {("w",)}) == "w"  # a flat {"w": ...} argument
+
+
 def test_data_movement_aliases_and_constants_are_not_recorded():
     def f(x):
         y = x.reshape(4, 6).T  # data movement: alias of x

@@ -43,7 +43,7 @@ from ..scalify.interpreter import Observer
 from ..scalify.registry import get_rule
 from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
 from ..scalify.source import in_optimizer
-from . import blocking, kernel, native
+from . import blocking, kernel, native, provenance
 from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
 from .optable import OpRecord, OpTable
 
@@ -119,6 +119,9 @@ class _Info:
     const: bool = False
     grad: bool = False  # computed from gradients (backward pass or later)
     early: bool = False  # computed elementwise from the step's inputs and constants alone
+    parents: tuple[_Info, ...] = ()  # what it is computed from (for `provenance`)
+    own: OpRecord | None = None  # the record made for this value itself
+    seen: bool = False  # in `_Shared.order`
 
 
 @dataclass(eq=False)
@@ -211,6 +214,9 @@ class _Shared:
     keep: list[Any] = field(default_factory=list)  # keeps ids in `info` from being reused
     measured: dict[int, kernel.Measured] = field(default_factory=dict)  # by id of the data
     block_axes: dict[Any, tuple[int, ...]] = field(default_factory=dict)  # recipes' axes
+    order: list[_Info] = field(default_factory=list)  # every value's info, in order
+    inputs: list[str] = field(default_factory=list)  # argument paths of the inputs
+    outputs: list[tuple[str, _Info | None]] = field(default_factory=list)
 
     @property
     def at_once(self) -> bool:
@@ -229,6 +235,9 @@ class _Shared:
     def remember(self, value: Any, info: _Info) -> None:
         self.info[id(value)] = info
         self.keep.append(value)
+        if not info.seen:
+            info.seen = True
+            self.order.append(info)
 
 
 @dataclass(frozen=True)
@@ -341,9 +350,10 @@ class Recorder(Observer):
         if rule is not None and rule.higher_order:
             # Outputs of calls are the body's own values; loop/branch outputs were recorded
             # inside the body. Remember only what downstream passes need to know.
+            parents = tuple(i for i in ins if i is not None)
             for out in outvals:
                 if self.shared.lookup(out) is None:
-                    self.shared.remember(out, _Info(None, grad=grad_in))
+                    self.shared.remember(out, _Info(None, grad=grad_in, parents=parents))
             return
         const = all(
             isinstance(var, Literal) or (i is not None and i.const)
@@ -379,6 +389,7 @@ class Recorder(Observer):
                     src,
                     var=var,
                     early=early,
+                    parents=tuple(i for i in ins if i is not None),
                 )
             )
         return outs
@@ -397,6 +408,7 @@ class Recorder(Observer):
         src: _Info | None,
         var=None,
         early=False,
+        parents: tuple[_Info, ...] = (),
     ):
         scaled = isinstance(value, ScaledArray)
         data = value.data if scaled else value
@@ -406,7 +418,7 @@ class Recorder(Observer):
         if self.devices is not None:
             rec.varying = self._varying(aval)
         grad = pass_ != "fwd" and pass_ != "input"
-        info = _Info(rec, const=const, grad=grad, early=early)
+        info = _Info(rec, const=const, grad=grad, early=early, parents=parents, own=rec)
         src_dtype = None if src is None or src.record is None else src.record.dtype
         if not _is_float(dtype):
             rec.note = "not float"
@@ -510,6 +522,7 @@ class Recorder(Observer):
         return prim == "convert_element_type" and _exact_widening(np.dtype(src_dtype), dtype)
 
     def record_input(self, path: str, value: Any, var: Any = None) -> None:
+        self.shared.inputs.append(path)
         aval = jax.typeof(value.data if isinstance(value, ScaledArray) else value)
         self._record(
             "input",
@@ -529,6 +542,7 @@ class Recorder(Observer):
 
     def record_output(self, path: str, value: Any) -> None:
         info = self.shared.lookup(value)
+        self.shared.outputs.append((path, info))
         scaled = isinstance(value, ScaledArray)
         data = value.data if scaled else value
         # (a typed PRNG key has a JAX dtype that NumPy does not know)
@@ -553,6 +567,8 @@ class Recorder(Observer):
     def finish(self) -> tuple[OpTable, dict[str, Any]]:
         """Assign op ids and rows; return the op table and the published statistics."""
         spec = self.shared.spec
+        shared = self.shared
+        provenance.name_by_parameter(shared.order, shared.outputs, shared.inputs)
         records = self.scope.records()
         for i, rec in enumerate(records):
             rec.id = i

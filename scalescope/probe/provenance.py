@@ -1,0 +1,102 @@
+"""Which parameter an unnamed op works on, from the outputs it reaches.
+
+Optimizers add no name scopes: an AdamW step is a few hundred ``mul``/``add``/``sqrt``
+ops, each on one parameter's leaf, that the op table would otherwise list as ``opt/mul#37
+[64x10]``. Every such op reaches only the outputs of its own parameter (its new value
+and optimizer state, e.g. ``0/params/dense/kernel`` and ``1/0/mu/params/dense/kernel``),
+while the forward pass and a global norm reach them all. So an op without a scope whose
+reached outputs share a path suffix that is the path of an input leaf (``params/dense/
+kernel``, the argument's own name dropped) is named after it:
+``params/dense/kernel/mul``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+
+class _Node(Protocol):
+    """A value of the interpretation: its inputs' nodes and the op record made for it."""
+
+    parents: tuple[Any, ...]
+    own: Any  # OpRecord | None
+
+
+def reached_outputs(order: Sequence[_Node], outputs: Sequence[_Node | None]) -> dict[int, int]:
+    """``{id(node): bitmask of the outputs it reaches}``. ``order``: every node, each
+    after the nodes it is computed from (the interpretation's order)."""
+    reach: dict[int, int] = {}
+    for j, node in enumerate(outputs):
+        if node is not None:
+            reach[id(node)] = reach.get(id(node), 0) | (1 << j)
+    for node in reversed(order):
+        bits = reach.get(id(node), 0)
+        if bits:
+            for parent in node.parents:
+                reach[id(parent)] = reach.get(id(parent), 0) | bits
+    return reach
+
+
+def _parts(path: str) -> tuple[str, ...]:
+    return tuple(p for p in path.split("/") if p)
+
+
+def _leaf_of_output(path: str) -> tuple[str, ...]:
+    """An output path without the tuple/list positions it starts with (``0/params/w`` ->
+    ``params/w``; ``1/0/mu/params/w`` -> ``mu/params/w``)."""
+    parts = _parts(path)
+    while parts and parts[0].isdigit():
+        parts = parts[1:]
+    return parts
+
+
+def _common_suffix(paths: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    paths = list(paths)
+    if not paths:
+        return ()
+    out = paths[0]
+    for p in paths[1:]:
+        k = 0
+        while k < min(len(out), len(p)) and out[len(out) - 1 - k] == p[len(p) - 1 - k]:
+            k += 1
+        out = out[len(out) - k :] if k else ()
+        if not out:
+            break
+    return out
+
+
+def parameter_of(reached: int, output_paths: Sequence[str], leaves: set[tuple[str, ...]]) -> str:
+    """The parameter path the outputs in bitmask ``reached`` all belong to ("" when
+    they do not share one): the longest input leaf path (``leaves``) that ends their
+    common path suffix."""
+    paths = [_leaf_of_output(output_paths[j]) for j in range(len(output_paths)) if reached >> j & 1]
+    suffix = _common_suffix(paths)
+    for k in range(len(suffix)):
+        if suffix[k:] in leaves:
+            return "/".join(suffix[k:])
+    return ""
+
+
+def name_by_parameter(
+    order: Sequence[_Node],
+    outputs: Sequence[tuple[str, _Node | None]],
+    input_paths: Sequence[str],
+) -> None:
+    """Prefix the name of each op record without a name scope (its name is its
+    primitive) with the parameter it works on, where its reached outputs identify one."""
+    leaves = {_parts(p)[1:] for p in input_paths}
+    leaves.discard(())
+    if not leaves or not outputs:
+        return
+    paths = [p for p, _ in outputs]
+    reach = reached_outputs(order, [node for _, node in outputs])
+    every = (1 << len(outputs)) - 1
+    for node in order:
+        rec = node.own
+        bits = reach.get(id(node), 0)
+        if rec is None or not bits or bits == every or rec.name != rec.primitive:
+            continue
+        param = parameter_of(bits, paths, leaves)
+        if param:
+            rec.name = f"{param}/{rec.name}"
