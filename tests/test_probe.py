@@ -220,11 +220,14 @@ def test_op_table_passes_inputs_outputs_and_sources():
     assert len(frame) == len(table) and "pass" in frame.columns
 
 
-@pytest.mark.parametrize("scalify", [False, True])
-def test_optimizer_ops_are_named_after_their_parameter(scalify):
+@pytest.mark.parametrize("scalify, scope", [(False, ""), (True, ""), (True, "opt")])
+def test_optimizer_ops_are_named_after_their_parameter(scalify, scope):
     """optax adds no name scopes; each of AdamW's per-leaf ops reaches only its own
-    parameter's outputs (new value, mu, nu), so it is named ``params/<path>/<prim>``.
-    Ops on the step count and the forward pass (reaching every output) keep theirs."""
+    parameter's outputs (new value, mu, nu), so it is named ``params/<path>/<prim>``
+    (``opt/params/<path>/<prim>`` under the ``opt`` pass scope). Ops on the step count
+    and the forward pass (reaching every output) keep their names."""
+    import contextlib
+
     optax = pytest.importorskip("optax")
     shapes = {"enc": {"kernel": (6, 5), "bias": (5,)}, "dec": {"kernel": (5, 3)}}
     params = {"params": jax.tree.map(lambda s: jnp.full(s, 0.1), shapes, is_leaf=_is_shape)}
@@ -236,8 +239,9 @@ def test_optimizer_ops_are_named_after_their_parameter(scalify):
             return jnp.mean((h @ p["params"]["dec"]["kernel"]) ** 2)
 
         grads = jax.grad(loss)(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
 
     state = opt.init(params)
     x = jnp.ones((4, 6))
@@ -246,13 +250,14 @@ def test_optimizer_ops_are_named_after_their_parameter(scalify):
     table = ss.instrument(step, scalify=scalify).op_table(params, state, x)
     by_shape = {tuple(s): f"params/{m}/{k}" for m, d in shapes.items() for k, s in d.items()}
     opt_ops = [op for op in table if op.pass_ == "opt" and op.primitive != "output"]
-    named = [op for op in opt_ops if "/" in op.name]
+    named = [op for op in opt_ops if op.name.count("/") > bool(scope)]
     assert len(named) >= 3 * 8  # several per parameter: moments, bias correction, update
+    head = f"{scope}/" if scope else ""
     for op in named:
-        assert op.name == f"{by_shape[op.shape]}/{op.primitive}", op.name
+        assert op.name == f"{head}{by_shape[op.shape]}/{op.primitive}", op.name
     # the step count (a scalar) and its bias corrections belong to no one parameter
-    assert all(op.shape == () for op in opt_ops if "/" not in op.name)
-    assert any(op.name == "add" and op.shape == () for op in opt_ops)
+    assert all(op.shape == () for op in opt_ops if "/" not in op.name.removeprefix(head))
+    assert any(op.name == f"{head}add" and op.shape == () for op in opt_ops)
     # forward ops reach every output: unchanged
     fwd = [op for op in table if op.pass_ == "fwd" and op.primitive == "tanh"]
     assert [op.name for op in fwd] == ["tanh"]

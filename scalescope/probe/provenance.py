@@ -82,9 +82,11 @@ def name_by_parameter(
     order: Sequence[_Node],
     outputs: Sequence[tuple[str, _Node | None]],
     input_paths: Sequence[str],
+    pass_scopes: Sequence[str] = (),
 ) -> None:
-    """Prefix the name of each op record without a name scope (its name is its
-    primitive) with the parameter it works on, where its reached outputs identify one."""
+    """Name each op record without a name scope of its own (its name is its primitive,
+    or a pass scope and its primitive: ``opt/mul``) after the parameter it works on,
+    where its reached outputs identify one: ``params/w/mul``, ``opt/params/w/mul``."""
     leaves = {_parts(p)[1:] for p in input_paths}
     leaves.discard(())
     if not leaves or not outputs:
@@ -95,8 +97,11 @@ def name_by_parameter(
     for node in order:
         rec = node.own
         bits = reach.get(id(node), 0)
-        if rec is None or not bits or bits == every or rec.name != rec.primitive:
+        if rec is None or not bits or bits == every:
+            continue
+        head, _, prim = rec.name.rpartition("/")
+        if prim != rec.primitive or (head and head not in pass_scopes):
             continue
         param = parameter_of(bits, paths, leaves)
         if param:
-            rec.name = f"{param}/{rec.name}"
+            rec.name = "/".join(p for p in (head, param, prim) if p)

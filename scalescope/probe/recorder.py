@@ -568,7 +568,9 @@ class Recorder(Observer):
         """Assign op ids and rows; return the op table and the published statistics."""
         spec = self.shared.spec
         shared = self.shared
-        provenance.name_by_parameter(shared.order, shared.outputs, shared.inputs)
+        provenance.name_by_parameter(
+            shared.order, shared.outputs, shared.inputs, shared.pass_scopes
+        )
         records = self.scope.records()
         for i, rec in enumerate(records):
             rec.id = i
