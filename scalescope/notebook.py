@@ -611,7 +611,16 @@ class StatsView:
     def to_html(self) -> str:
         columns = [
             c
-            for c in ("label", "shape", "dtype", "scaled", "rms", "absmax", "scale")
+            for c in (
+                "label",
+                "shape",
+                "dtype",
+                "scaled",
+                "rms",
+                "absmax",
+                "dynamic_range",
+                "scale",
+            )
             if c in self.summary.columns
         ]
         columns += [c for c in self.summary.columns if c.startswith(("underflow_", "overflow_"))]

@@ -828,7 +828,13 @@ def test_op_summary_and_worst_ops():
         + series(2, STEPS[1:], rms=0.5)
         + series(3, STEPS, rms=0.0)  # all-zero: log2 rms -inf, ranked after finite ones
     )
+    # dynamic range at the last step, the widest of two loop iterations of op 2
+    stats["dynamic_range"] = 3.0
+    last2 = stats.index[(stats["op"] == 2) & (stats["step"] == 400)][0]
+    stats.loc[last2, "dynamic_range"] = 9.0
+    stats = pd.concat([stats, stats.loc[[last2]].assign(iteration=1, dynamic_range=12.5)])
     summary = A.op_summary(stats, ops)
+    assert summary.loc[2, "dynamic_range"] == 12.5 and summary.loc[0, "dynamic_range"] == 3.0
     assert summary.index.tolist() == [0, 1, 2, 3]
     assert summary.loc[0, "first_nonfinite_step"] == 300
     assert math.isnan(summary.loc[1, "first_nonfinite_step"])

@@ -255,6 +255,7 @@ def test_show_draws_instrument_stats_without_a_run(probe):
     assert overview.hists == {} and overview.figure is None
     assert len(overview.summary) == sum(rec.recorded for rec in table)
     assert "Pass op=" in overview.to_html()
+    assert "dynamic_range" in overview.to_html()  # next to the abs-max
 
     view = ss.show(stats, table, op="dot_general")
     (op,) = view.hists

@@ -38,7 +38,8 @@ def op_summary(stats: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
 
     Columns: the op's ``label``, name, pass, primitive, shape, dtype, scaled, source,
     ``cast_to``; ``first_step``/``last_step`` recorded; at the last step ``rms`` (RMS over
-    loop iterations), ``absmax`` and ``scale`` (max over iterations) and ``log2_rms``;
+    loop iterations), ``absmax``, ``dynamic_range`` (when recorded) and ``scale`` (max
+    over iterations) and ``log2_rms``;
     per audited format F the worst over steps and iterations: ``overflow_F`` and
     ``underflow_F`` (max) and ``snr_F`` (min; NaN steps, i.e. no finite element, are
     skipped); per recorded recipe R the same three plus ``block_flush_R`` (max) and the
@@ -70,7 +71,7 @@ def op_summary(stats: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
         out["rms"] = np.sqrt(reduce_groups(sq, [last_op], "mean")).reindex(ids).to_numpy()
         with np.errstate(divide="ignore", invalid="ignore"):
             out["log2_rms"] = np.log2(out["rms"].to_numpy(np.float64))
-    for col in ("absmax", "scale"):
+    for col in ("absmax", "dynamic_range", "scale"):
         if col in stats.columns:
             vals = last[col].astype(np.float64)
             out[col] = reduce_groups(vals, [last_op], "max").reindex(ids).to_numpy()
