@@ -167,3 +167,19 @@ def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     assert "scalescope.notebook.hist_series" in bad[0]
     assert "scalescope.analysis.advise_run" in bad[1]
     assert "scalescope.viz" in bad[2]
+
+
+def test_importing_scalescope_starts_no_jax_backend() -> None:
+    """`jax.distributed.initialize` (docs/store.md, several processes) must come before
+    any backend starts; `import scalescope as ss` above it must not start one (an array
+    made at import time to learn JAX's array type did)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import scalescope\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge._backends, list(xla_bridge._backends)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

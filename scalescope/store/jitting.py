@@ -18,18 +18,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.scaled_array import ScaledArray
 from ..scalify.interpreter import is_array_like
 
 _NUMBERS = (bool, int, float, complex)
-#: Leaf types known to be traced, so the common case skips `is_array_like`'s checks.
-_TRACED_TYPES: set[type] = {*_NUMBERS, np.ndarray, type(jax.numpy.zeros(()))}
+#: Leaf types known to be traced, so the common case skips `is_array_like`'s checks; JAX's
+#: array type joins at its first sight (naming it here would start a backend at import).
+_TRACED_TYPES: set[type] = {*_NUMBERS, np.ndarray}
 
 
 def _is_traced(leaf: Any) -> bool:
-    if type(leaf) in _TRACED_TYPES:
+    kind = type(leaf)
+    if kind in _TRACED_TYPES:
         return True
-    return isinstance(leaf, (ScaledArray, *_NUMBERS)) or is_array_like(leaf)
+    if isinstance(leaf, jax.Array):
+        _TRACED_TYPES.add(kind)
+        return True
+    return isinstance(leaf, _NUMBERS) or is_array_like(leaf)
 
 
 def signature(static: Hashable, dynamic: list) -> Hashable:
