@@ -104,5 +104,10 @@ class StaticLeafJit:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted(*partition(args, kwargs, where=self.where))
 
+    def call_parts(self, parts: tuple[Hashable, list]) -> Any:
+        """Call on arguments already split by `partition` (a caller that needs the split
+        itself does not pay for it twice)."""
+        return self._jitted(*parts)
+
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted.trace(*partition(args, kwargs, where=self.where))

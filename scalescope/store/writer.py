@@ -899,24 +899,26 @@ class Tracked:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.run._check_open()
-        if not self._records_signature(args, kwargs):
+        parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
+        if not self._records_signature(args, kwargs, parts):
             self.step += 1
-            return self._plain(*args, **kwargs)
+            return self._plain.call_parts(parts)
         step, self.step = self.step, self.step + 1
         if self.budgeted:
-            return self._budgeted_call(step, args, kwargs)
+            return self._budgeted_call(step, args, kwargs, parts)
         if not self.records(step):
-            return self._plain(*args, **kwargs)
+            return self._plain.call_parts(parts)
         out, stats = self._record(None, args, kwargs)
         self.run._submit(step, stats)
         return out
 
-    def _records_signature(self, args: tuple, kwargs: dict) -> bool:
+    def _records_signature(self, args: tuple, kwargs: dict, parts: tuple) -> bool:
         """Whether calls like this one are recorded: the first call registers the run's
         graph; a later call whose arguments trace differently (other shapes, dtypes or
         static values) is recorded if its graph is the same, and otherwise runs
-        unrecorded, with a warning once: a run holds one graph."""
-        key = signature(*partition(args, kwargs, where=_WHERE))
+        unrecorded, with a warning once: a run holds one graph. ``parts``: the call's
+        arguments split by `partition`."""
+        key = signature(*parts)
         known = self._signatures.get(key)
         if known is not None:
             return known
@@ -954,7 +956,7 @@ class Tracked:
         """Compile both variants now (each runs once on these arguments; nothing is
         recorded and the step counter does not move), so no training step pays for it."""
         self.run._check_open()
-        recorded = self._records_signature(args, kwargs)
+        recorded = self._records_signature(args, kwargs, partition(args, kwargs, where=_WHERE))
         jax.block_until_ready(self._plain(*args, **kwargs))
         self._warm.add("plain")
         if recorded:
@@ -971,14 +973,14 @@ class Tracked:
         self._warm.add(variant)
         return out, (None if first else elapsed)
 
-    def _budgeted_call(self, step: int, args: tuple, kwargs: dict) -> Any:
+    def _budgeted_call(self, step: int, args: tuple, kwargs: dict, parts: tuple) -> Any:
         ctrl = self.controller
         mask = ctrl.plan(step)
         if mask is None:
             if ctrl.ready and ctrl.steps % 32:
-                return self._plain(*args, **kwargs)
+                return self._plain.call_parts(parts)
             # Time a plain step now and then: the budget is a fraction of it.
-            out, seconds = self._timed("plain", lambda *a: self._plain(*a, **kwargs), *args)
+            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
             if seconds is not None:
                 ctrl.observe_plain(seconds)
             return out
