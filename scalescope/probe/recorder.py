@@ -347,10 +347,10 @@ class Recorder(Observer):
             for var, val in zip(eqn.invars, invals)
         ]
         grad_in = any(i is not None and i.grad for i in ins)
+        parents = tuple(i for i in ins if i is not None)
         if rule is not None and rule.higher_order:
             # Outputs of calls are the body's own values; loop/branch outputs were recorded
             # inside the body. Remember only what downstream passes need to know.
-            parents = tuple(i for i in ins if i is not None)
             for out in outvals:
                 if self.shared.lookup(out) is None:
                     self.shared.remember(out, _Info(None, grad=grad_in, parents=parents))
@@ -389,7 +389,7 @@ class Recorder(Observer):
                     src,
                     var=var,
                     early=early,
-                    parents=tuple(i for i in ins if i is not None),
+                    parents=parents,
                 )
             )
         return outs
