@@ -1,10 +1,14 @@
 """Shared test fixtures: one headless Debian chromium per test process (Playwright allows
 one `sync_playwright()` per process), and a free local port.
 
-JAX's persistent compilation cache is on for the whole session, in pytest's cache
-directory: the xdist workers, the subprocesses the tests start (CLI, demo, writers,
-notebook kernels: they inherit the environment) and later sessions reuse the compiled
-XLA programs of each other (the same step compiled by two tests compiles once)."""
+JAX's persistent compilation cache is on for the whole session, in the user's cache
+directory (``~/.cache/scalescope/jax-cache``, beside the native probe kernel the probe
+builds once per machine): the xdist workers, the subprocesses the tests start (CLI,
+demo, writers, notebook kernels: they inherit the environment) and later runs on the same
+machine, from any clone, reuse the compiled XLA programs of each other (the same step
+compiled by two tests compiles once). JAX keys each entry by the program's HLO and the
+jax/jaxlib versions, so a changed step compiles anew; at the start of a run the cache is
+cut to `JAX_CACHE_MAX_BYTES`, least recently used entries first."""
 
 from __future__ import annotations
 
@@ -21,20 +25,49 @@ import pytest
 JAX_CACHE_MIN_COMPILE_S = "0.2"
 
 
-def jax_cache_dir(config: pytest.Config) -> Path:
-    """The session's JAX compilation cache (in .pytest_cache unless the cache provider is
-    off, then in the temporary directory)."""
-    cache = getattr(config, "cache", None)  # None with -p no:cacheprovider
-    if cache is not None:
-        return Path(cache.mkdir("scalescope-jax-cache"))
-    return Path(tempfile.gettempdir()) / "scalescope-jax-cache"
+#: Upper bound of the cache on disk; a whole test run writes about 100 MB.
+JAX_CACHE_MAX_BYTES = 2 * 2**30
+
+
+def jax_cache_dir() -> Path:
+    """The tests' JAX compilation cache: ``$XDG_CACHE_HOME/scalescope/jax-cache`` (by
+    default under ``~/.cache``), or the temporary directory where no home is writable."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = base / "scalescope" / "jax-cache"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        cache = Path(tempfile.gettempdir()) / "scalescope-jax-cache"
+    return cache
+
+
+def prune_cache(cache: Path, max_bytes: int) -> None:
+    """Delete the least recently used entries of ``cache`` until it holds ``max_bytes``
+    or less (JAX's own limit needs the filelock package)."""
+    entries = []
+    for path in cache.iterdir():
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if path.is_file():
+            entries.append((max(st.st_atime, st.st_mtime), st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= max_bytes:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Turn the persistent compilation cache on, for this process (jax.config, before
     anything compiles) and for every subprocess (environment), unless the caller chose
     a cache directory already."""
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(jax_cache_dir(config)))
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache_dir())
+        if "PYTEST_XDIST_WORKER" not in os.environ:  # once per run, before workers start
+            prune_cache(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]), JAX_CACHE_MAX_BYTES)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", JAX_CACHE_MIN_COMPILE_S)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     import jax

@@ -94,14 +94,21 @@ def test_scalified_gpt_step_equals_plain_step(scan):
     # AdamW's first update is g / (|g| + eps): with eps near the size of the smallest
     # gradients it amplifies last-bit differences of XLA fusion (plain eager vs plain jit
     # differ by 4e-5 there). A larger eps keeps the comparison about scalify itself.
+    # The bound per leaf is 1e-5 or, where larger, 3x the distance between the plain step
+    # run eagerly and jitted: scalify cannot be held closer to the plain step than the
+    # plain step is to itself under another fusion (that distance depends on the CPU's
+    # vector width: 6.5e-6 on a sign-like bias update on an AVX2 machine).
     step, params, opt_state, batch = _gpt(scan, eps=1e-3)
     expected = step(params, opt_state, batch)
+    noise = _leaf_errors(jax.jit(step)(params, opt_state, batch), expected)
     sp = ss.as_scaled_array(params, "rms")
     so = ss.as_scaled_array(opt_state, "rms")
     out = ss.scalify(step)(sp, so, batch)
     assert isinstance(out[0]["wte"], ss.ScaledArray)
     errs = _leaf_errors(ss.asarray(out), expected)
-    assert max(errs) < 1e-5, max(errs)
+    bad = [(i, e, n) for i, (e, n) in enumerate(zip(errs, noise)) if e >= max(1e-5, 3 * n)]
+    assert not bad, bad
+    assert max(noise) < 1e-4, max(noise)  # the plain step's own spread stays small
 
 
 @pytest.mark.parametrize("scan", [False, True])
