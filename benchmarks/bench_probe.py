@@ -131,6 +131,8 @@ def main() -> None:
         "measured per step"
     )
     variants = [("all ops, histograms (default)", {})]
+    # The shadow copy behind a barrier that makes `out` bit-identical (a second evaluation).
+    variants.append(("isolate=True (bit-identical out)", {"isolate": True}))
     # What Run.track compiles for recorded steps: the statistics alone, in a program of its
     # own (the outputs come from the plain program, bit for bit).
     variants.append(("Run.track statistics program", {"isolate": False, "_stats_only": True}))
@@ -145,7 +147,6 @@ def main() -> None:
     if not args.quick:
         variants.append(("all ops, no histograms", {"histograms": False}))
         variants += [
-            ("histograms, isolate=False", {"isolate": False}),
             ("sample=4096, histograms", {"sample": 4096}),
             ("select dot_general", {"select": "dot_general"}),
         ]

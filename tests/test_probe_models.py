@@ -63,7 +63,7 @@ def test_gpt_instrumented_step_is_bit_identical_and_finite():
     # (test_probe checks bit-identity of unrolled models).
     step, params, opt_state, batch = _gpt(True)
     args = (ss.as_scaled_array(params, "rms"), ss.as_scaled_array(opt_state, "rms"), batch)
-    inst = ss.instrument(step)
+    inst = ss.instrument(step, isolate=True)
     table = inst.op_table(*args)
     expected = jax.jit(ss.scalify(step))(*args)
     out, stats = jax.jit(inst)(*args)

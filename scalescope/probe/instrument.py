@@ -180,16 +180,17 @@ def instrument(
     passes: Sequence[str] = PASS_SCOPES,
     block: int = DEFAULT_BLOCK,
     sample: int | None = None,
-    isolate: bool = True,
+    isolate: bool = False,
     groups: int = 0,
 ) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
     """Wrap ``fn`` so that it returns ``(out, stats)``.
 
-    ``out`` is what ``scalify(fn)`` (or ``fn`` itself with ``scalify=False``) returns, bit
-    for bit. ``stats`` maps each statistic name to an array with one row per recorded
-    (op, iteration); ``fn'.op_table(*args)`` gives the static op table describing the
-    rows (see `OpTable`), computed by tracing alone. Statistics are computed inside the
-    traced function, so wrap the result in `jax.jit` to run it at full speed.
+    ``out`` is what ``scalify(fn)`` (or ``fn`` itself with ``scalify=False``) returns
+    (see ``isolate`` for the last bit). ``stats`` maps each statistic name to an array
+    with one row per recorded (op, iteration); ``fn'.op_table(*args)`` gives the static
+    op table describing the rows (see `OpTable`), computed by tracing alone. Statistics
+    are computed inside the traced function, so wrap the result in `jax.jit` to run it at
+    full speed.
 
     ``formats``: formats to audit (names of `scalescope.formats`) and block-scaled
     recipes (names of `scalescope.core.recipes`: ``"mxfp8_e4m3"``, ``"nvfp4"``...; each
@@ -203,12 +204,16 @@ def instrument(
     more elements is measured on an evenly strided subset of at most ``sample`` elements
     (statistics become estimates, and ``count`` is the subset's size).
 
-    ``isolate`` (default): the statistics come from a shadow copy of the computation
-    behind an optimization barrier, so ``out`` is computed by exactly the program the
-    uninstrumented function compiles to and is bit-identical to it. It costs one more
-    evaluation of ``fn``. With ``isolate=False`` the statistics read the values
-    themselves; XLA then fuses the step differently, and outputs may differ in the last
-    bits (transcendentals evaluated in different fusions).
+    ``isolate``: by default the statistics read the values the step computes, which
+    then exist in memory once each; XLA fuses the step around them, so a value it
+    evaluates in another fusion (a reduction, a transcendental, a multiply-add no
+    longer contracted into one FMA) may move by float32 rounding (the sample GPT's
+    AdamW step: one output of 89, the loss, by one ulp). ``isolate=True`` computes the
+    statistics on a shadow copy of the step behind an optimization barrier, so ``out``
+    comes from exactly the program the uninstrumented function compiles to, bit for
+    bit; it costs a second evaluation and compilation of ``fn`` (and about twice the
+    temporaries with scanned layers). `Run` keeps a recorded step's outputs bit for bit
+    another way: the statistics are a program of their own, run after the plain step.
 
     ``groups``: split the recorded values into this many groups of about equal cost
     (consecutive in order of computation; ``OpRecord.group``). ``fn'.masked(mask, *args)``
