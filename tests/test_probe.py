@@ -353,7 +353,7 @@ def test_isolated_outputs_are_bit_identical_to_uninstrumented():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_default_outputs_equal_uninstrumented_to_the_last_bit():
+def test_default_outputs_equal_uninstrumented_up_to_float32_rounding():
     """Without isolation XLA fuses the step around the measured values: outputs stay
     those of the uninstrumented step within float32 rounding, and the statistics are
     those of the same values as with isolation."""
