@@ -325,6 +325,42 @@ def test_scales_known_at_trace_time_emit_no_operations():
     assert isinstance(out.scale, jax.Array)  # static scales leave scalify as JAX arrays
 
 
+def test_adding_a_literal_zero_is_free_and_exact():
+    """``x + 0.0``, ``0.0 + x`` and ``x - 0.0`` (optax's ``eps_root``) return ``x`` with
+    its scale and emit nothing; ``0.0 - x`` is one negation of the data. Values, inf and
+    NaN included, equal NumPy's at a traced scale far from 1."""
+    x = np.array([1.5, -2.0, 0.0, np.inf, -np.inf, np.nan, 3e-5, 7.0], np.float32)
+    scaled_x = ss.as_scaled_array(x, scale=2.0**-20)
+
+    def f(v):
+        return v + 0.0, 0.0 + v, v - 0.0, 0.0 - v
+
+    jaxpr = jax.make_jaxpr(ss.scalify(f, normalize=False))(scaled_x)
+    assert [e.primitive.name for e in jaxpr.eqns] == ["neg"], jaxpr
+    outs = jax.jit(ss.scalify(f))(scaled_x)
+    refs = (x + 0.0, 0.0 + x, x - 0.0, 0.0 - x)
+    for out, ref in zip(outs, refs, strict=True):
+        np.testing.assert_array_equal(np.asarray(ss.asarray(out)), ref)
+
+
+def test_division_by_a_traced_scalar_moves_its_power_of_two_into_the_scale():
+    """Dividing by a scalar computed in the step (Adam's bias correction ``1 - b**t``)
+    divides the data by the scalar's mantissa only: at t=1 with b=0.999 the plain data
+    would grow 1000x, the scaled data stays within [1, 2) of the input's; the value
+    equals NumPy's float32 division."""
+    x = np.array([1.0, -0.5, 0.25, 0.75], np.float32)
+
+    def f(v, t):
+        return v / (1.0 - 0.999**t), v * (1.0 - 0.999**t)
+
+    div, mul = jax.jit(ss.scalify(f))(ss.as_scaled_array(x), jnp.int32(1))
+    c = np.float32(1.0) - np.float32(0.999) ** np.float32(1)
+    np.testing.assert_allclose(np.asarray(ss.asarray(div)), x / c, rtol=2e-7)
+    np.testing.assert_allclose(np.asarray(ss.asarray(mul)), x * c, rtol=2e-7)
+    assert float(np.max(np.abs(np.asarray(div.data)))) <= 2.0
+    assert float(np.max(np.abs(np.asarray(mul.data)))) >= 0.5
+
+
 @pytest.mark.parametrize("norm", ["l1", "l2", "max"])
 def test_dynamic_rescale_recentres_data_at_a_power_of_two(norm):
     """dynamic_rescale_* keeps the value, moves a power of two into the scale and leaves

@@ -258,9 +258,12 @@ def product_scaled(
     rest = static_scale(data_factor)
     for f, divide in dynamic:
         scale, r = scale_product(scale, f, divide=divide)
-        rest = (
-            rest * r if is_static(rest) and is_static(r) else lax.mul(as_scale(rest), as_scale(r))
-        )
+        if is_static(rest) and float(rest) == 1.0:
+            rest = r
+        elif is_static(rest) and is_static(r):
+            rest = rest * r
+        else:
+            rest = lax.mul(as_scale(rest), as_scale(r))
     return make_scaled(rescale_data(data, rest), scale)
 
 

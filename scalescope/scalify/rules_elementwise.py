@@ -60,14 +60,27 @@ def _plain_magnitude(c) -> Any:
     split = _pow2_constant(c)
     if split is not None:
         return abs(split[1])
+    if concrete_scalar(c) is not None:  # 0, inf or NaN known at trace time: no magnitude
+        return None
     if getattr(c, "size", None) == 1 and jnp.issubdtype(jnp.asarray(c).dtype, jnp.floating):
         p2 = pow2_round_down(jnp.abs(jnp.asarray(c, SCALE_DTYPE)).reshape(()))
         return lax.select(jnp.isfinite(p2), p2, jnp.zeros_like(p2))
     return None
 
 
+def _is_literal_zero(x) -> bool:
+    """``x`` is a scalar zero known at trace time (``x + 0.0`` in optax's ``eps_root``)."""
+    value = concrete_scalar(x)
+    return value is not None and value == 0.0
+
+
 def _additive(prim):
     def rule(a, b, **params):
+        # x + 0 and x - 0 are x (every element, inf and NaN included): no scale work
+        if is_scaled(a) and _is_literal_zero(b):
+            return a
+        if is_scaled(b) and _is_literal_zero(a):
+            return b if prim is lax.add_p else make_scaled(lax.neg(b.data), b.scale)
         if is_scaled(a) and is_scaled(b):
             scale = pow2_norm_scale(a.scale, b.scale)
         else:
@@ -88,8 +101,9 @@ def scaled_add_any(a, b, **params):
     return scaled_add(a, b)
 
 
-def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any]:
-    """A plain operand of mul/div as (mantissa data or None for 1, power-of-two scale).
+def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any, Any]:
+    """A plain operand of mul/div as (mantissa data or None for 1, power-of-two scale,
+    the exact reciprocal of that power of two).
 
     Constants known at trace time split exactly; a traced scalar (a bias correction
     computed from the step count) splits on the device, so dividing by 0.002 moves 2^-9
@@ -104,27 +118,33 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any]:
         mant, p2 = split
         if at_most_one and abs(mant) > 1.0:
             mant, p2 = mant / 2.0, p2 * 2.0
-        return (None if mant == 1.0 else jnp.asarray(mant, dtype)), p2
+        return (None if mant == 1.0 else jnp.asarray(mant, dtype)), p2, 1.0 / p2
     arr = jnp.asarray(c)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
-        return arr.astype(dtype), 1.0
+        return arr.astype(dtype), 1.0, 1.0
     # A plain float array (a broadcast 1/N cotangent seed, a mask): split off the power
     # of two of its abs-max, so a backward pass seeded by mean()'s 1/N keeps unit data.
-    c32 = arr.astype(SCALE_DTYPE)
-    a = jnp.abs(c32) if arr.size == 1 else jnp.max(jnp.where(jnp.isfinite(c32), jnp.abs(c32), 0))
-    a = a.reshape(())
+    c32 = arr if arr.dtype == SCALE_DTYPE else lax.convert_element_type(arr, SCALE_DTYPE)
+    if arr.size == 1:
+        a = lax.abs(c32)
+    else:
+        finite = lax.select(lax.is_finite(c32), lax.abs(c32), lax.full_like(c32, 0))
+        a = lax.reduce_max(finite, tuple(range(c32.ndim)))
+    a = a if a.shape == () else a.reshape(())
     p2 = pow2_round_down(a)
-    p2 = jnp.where(jnp.isfinite(p2) & (p2 > 0), p2, jnp.ones_like(p2))
+    usable = lax.bitwise_and(lax.is_finite(p2), lax.gt(p2, np.float32(0)))
+    p2 = lax.select(usable, p2, np.float32(1))
     if at_most_one:
-        p2 = jnp.where(a > p2, p2 * 2.0, p2)
-    return (c32 * pow2_reciprocal(p2)).astype(dtype), p2
+        p2 = lax.select(lax.gt(a, p2), lax.mul(p2, np.float32(2)), p2)
+    inverse = pow2_reciprocal(p2)
+    return (c32 * inverse).astype(dtype), p2, inverse
 
 
 def scaled_mul(a, b, **params):
     if is_scaled(a) and is_scaled(b):
         return product_scaled(lax.mul_p.bind(a.data, b.data, **params), a.scale, b.scale)
     x, c = (a, b) if is_scaled(a) else (b, a)
-    mant, p2 = _split_plain(c, x.dtype, at_most_one=True)
+    mant, p2, _ = _split_plain(c, x.dtype, at_most_one=True)
     data = x.data if mant is None else lax.mul_p.bind(x.data, mant, **params)
     return product_scaled(data, x.scale, p2)
 
@@ -151,13 +171,13 @@ def scaled_div(a, b, **params):
         if is_scaled(a):
             num, scale = a.data, a.scale
         else:
-            split, scale = _split_plain(a, b.dtype, at_most_one=True)
+            split, scale, _ = _split_plain(a, b.dtype, at_most_one=True)
             num = jnp.ones((), b.dtype) if split is None else split
         data = _divided(jnp.asarray(num), b.data, mant, b.dtype, **params)
         return product_scaled(data, scale, pow2_reciprocal(p2))
-    mant, p2 = _split_plain(b, a.dtype, at_most_one=False)
+    mant, _, inverse = _split_plain(b, a.dtype, at_most_one=False)
     data = a.data if mant is None else lax.div_p.bind(a.data, mant, **params)
-    return product_scaled(data, a.scale, pow2_reciprocal(p2))
+    return product_scaled(data, a.scale, inverse)
 
 
 def _aligned(prim, *, scaled_out: bool = True):
