@@ -57,11 +57,9 @@ def _plain_magnitude(c) -> Any:
     """Power of two of a plain scalar operand's magnitude (None for arrays, 0 and ±inf):
     an add of a scaled value and ``eps`` must not express ``eps`` in a scale far below
     it (the data would leave unit range), so it takes part in the output scale."""
-    split = _pow2_constant(c)
-    if split is not None:
-        return abs(split[1])
-    if concrete_scalar(c) is not None:  # 0, inf or NaN known at trace time: no magnitude
-        return None
+    if concrete_scalar(c) is not None:  # 0, inf and NaN known at trace time: no magnitude
+        split = _pow2_constant(c)
+        return None if split is None else abs(split[1])
     if getattr(c, "size", None) == 1 and jnp.issubdtype(jnp.asarray(c).dtype, jnp.floating):
         p2 = pow2_round_down(jnp.abs(jnp.asarray(c, SCALE_DTYPE)).reshape(()))
         return lax.select(jnp.isfinite(p2), p2, jnp.zeros_like(p2))
@@ -80,7 +78,7 @@ def _additive(prim):
         if is_scaled(a) and _is_literal_zero(b):
             return a
         if is_scaled(b) and _is_literal_zero(a):
-            return b if prim is lax.add_p else make_scaled(lax.neg(b.data), b.scale)
+            return b if prim is lax.add_p else scaled_neg(b)
         if is_scaled(a) and is_scaled(b):
             scale = pow2_norm_scale(a.scale, b.scale)
         else:
