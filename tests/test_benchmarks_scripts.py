@@ -1,5 +1,5 @@
 """The benchmark scripts: `bench_numerics.py` (the paper's table), `check_gpu_fp8.py` and
-`bench_scale_kernels.py`."""
+`bench_scale_kernels.py`, `bench_scale_floor.py`."""
 
 from __future__ import annotations
 
@@ -189,3 +189,44 @@ def test_bench_scale_kernels_prints_every_variant():
     assert rows["identical"][2] == 1.0
     bad = _run("bench_scale_kernels.py", "--ops", "four", timeout=120)
     assert bad.returncode == 2 and "--ops" in bad.stderr
+
+
+# --- bench_scale_floor.py -------------------------------------------------------------
+
+
+def test_bench_scale_floor_prints_every_variant_and_checks_the_ideal_engine():
+    """The idealised engine runs the whole MLP training step and its outputs equal the
+    plain step's (the script asserts it for each variant, so a wrong model of a primitive
+    fails here); each variant is printed with a time and a ratio to plain."""
+    done = _run("bench_scale_floor.py", "--models", "mlp", "--reps", "1", timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {}
+    for line in done.stdout.splitlines():
+        parts = line.rsplit(None, 2)
+        if len(parts) == 3 and not line.startswith("#") and parts[1].replace(".", "").isdigit():
+            rows[parts[0].strip()] = (float(parts[1]), float(parts[2]))
+    expected = {
+        "plain",
+        "ideal, exponents folded",
+        "ideal, traced exponents",
+        "ideal, traced, materialised",
+        "scalify",
+    }
+    assert set(rows) == expected, done.stdout
+    assert rows["plain"][1] == 1.0
+    assert all(seconds > 0 for seconds, _ in rows.values())
+    assert "ideal outputs equal the plain step's" in done.stdout
+    bad = _run("bench_scale_floor.py", "--models", "resnet", timeout=120)
+    assert bad.returncode == 2 and "--models" in bad.stderr
+
+
+def test_the_ideal_engine_refuses_loops_by_name():
+    floor = _load("bench_scale_floor")
+    import jax
+    import jax.numpy as jnp
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c * 2.0, x)
+
+    with pytest.raises(NotImplementedError, match="scan.* is not modelled"):
+        floor.idealised(loop, traced=False, materialize=False)((jnp.ones(3),))
