@@ -1,5 +1,5 @@
-"""The benchmark scripts: `bench_numerics.py` (the paper's table), `check_gpu_fp8.py` and
-`bench_scale_kernels.py`, `bench_scale_floor.py`."""
+"""The benchmark scripts: `bench_numerics.py` (the paper's table), `check_gpu_fp8.py`,
+`bench_scale_kernels.py` and `bench_scale_floor.py`."""
 
 from __future__ import annotations
 
