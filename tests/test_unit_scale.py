@@ -514,3 +514,108 @@ def test_scan_layers_gpt_is_transformed():
     kinds = [r.kind for r in loss.rewrites]
     assert kinds.count("residual") == 2 and kinds.count("gelu") == 1  # the body, once
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+# -- calibrate= ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def calibrated_gpt():
+    params = _unit_normal_like(init_gpt(jax.random.PRNGKey(0), GPT_CFG))
+
+    def batch(seed):
+        tokens = jax.random.randint(jax.random.PRNGKey(seed), (16, 16), 0, GPT_CFG.vocab_size)
+        return {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+
+    def plain_loss(p, b):
+        return gpt_loss(p, b, GPT_CFG)
+
+    calib, held_out = batch(3), batch(7)
+    loss = ss.unit_scale(plain_loss, constraint=None, calibrate=(params, calib))
+    grad = jax.jit(jax.value_and_grad(loss))
+    return {"loss": loss, "grad": grad, "params": params, "calib": calib, "held_out": held_out}
+
+
+def _grad_stds(grads) -> dict[str, float]:
+    return {
+        jax.tree_util.keystr(k): float(jnp.std(v))
+        for k, v in jax.tree_util.tree_flatten_with_path(grads)[0]
+    }
+
+
+def test_calibrated_gpt_gradients_are_unit(calibrated_gpt):
+    """Calibrated on one batch, every parameter gradient of the unmodified sample GPT has
+    std 1 ± 0.1 on that batch (the uncalibrated transform gives 0.58-0.96, see
+    `test_gpt_gradients_unconstrained`), and every weight matrix's 1 ± 0.2 on another
+    batch (vectors, such as biases, vary more from batch to batch)."""
+    c = calibrated_gpt
+    value, grads = c["grad"](c["params"], c["calib"])
+    stds = _grad_stds(grads)
+    assert all(abs(s - 1) < 0.1 for s in stds.values()), stds
+    _, held = c["grad"](c["params"], c["held_out"])
+    weights = {k: float(jnp.std(g)) for k, g in zip(stds, jax.tree.leaves(held)) if g.ndim >= 2}
+    assert len(weights) == 4 * GPT_CFG.n_layers + 3  # qkv, proj, fc, proj; wte, wpe, head
+    assert all(abs(s - 1) < 0.2 for s in weights.values()), weights
+    # the readout keeps its u-μP scale: logits stay small and the loss near log(vocab)
+    assert abs(float(value) - np.log(GPT_CFG.vocab_size)) < 0.5
+
+
+def test_calibrated_multipliers_are_measured_where_the_transform_scales(calibrated_gpt):
+    """One forward multiplier per rewritten output (linears but the readout, attention,
+    GELU, the positional add, the residual adds) and one backward multiplier per value a
+    rewritten op reads; all finite and positive, and not all 1."""
+    cal = calibrated_gpt["loss"].calibration
+    n = GPT_CFG.n_layers
+    # per layer: qkv, attention, proj, residual, fc, gelu, proj, residual; + the table add
+    assert len(cal.forward) == 8 * n + 1, cal.forward
+    assert len(cal.backward) > len(cal.forward)
+    values = [*cal.forward.values(), *cal.backward.values()]
+    assert all(np.isfinite(v) and v > 0 for v in values)
+    assert max(abs(np.log2(v)) for v in values) > 0.2
+    assert cal.mode == "apply"
+
+
+def test_calibrated_mlp_is_exactly_unit_on_its_data(mlp_setup):
+    """On the calibration data the output's std is 1 to within the difference between
+    RMS and std; for another unit-normal cotangent than calibration's, every weight
+    gradient's std is 1 ± 0.05 and every bias gradient's 1 ± 0.1."""
+    params, x = mlp_setup
+    scaled = ss.unit_scale(_mlp, constraint=None, calibrate=(params, x))
+    out_std, grad_stds = jax.jit(lambda p, x: _vjp_stats(scaled, p, x))(params, x)
+    assert abs(float(out_std) - 1) < 0.03
+    leaves = jax.tree.leaves(params)
+    for leaf, s in zip(leaves, grad_stds, strict=True):
+        assert abs(float(s) - 1) < (0.05 if leaf.ndim >= 2 else 0.1), grad_stds
+    # eager and jitted calls agree: the multipliers are constants of the program
+    np.testing.assert_allclose(scaled(params, x), jax.jit(scaled)(params, x), rtol=1e-5, atol=1e-6)
+
+
+def test_calibrate_bad_input(mlp_setup):
+    params, x = mlp_setup
+    with pytest.raises(ValueError, match="constraint=None"):
+        ss.unit_scale(_mlp, calibrate=(params, x))
+    with pytest.raises(TypeError, match="tuple of example positional arguments"):
+        ss.unit_scale(_mlp, constraint=None, calibrate=x)
+    with pytest.raises(ValueError, match="no floating-point array"):
+        ss.unit_scale(lambda n: n * 2.0, constraint=None, calibrate=(jnp.arange(3),))
+    scaled = ss.unit_scale(_mlp, constraint=None, calibrate=(params, x))
+    with pytest.raises(ValueError, match="structured as calibrate="):
+        scaled(params[:1], x[:, : WIDTHS[0]])
+
+
+def test_calibrate_leaves_loop_bodies_at_the_library_constants():
+    """Inside a lax.scan body the values are not concrete while calibrating: those
+    keep the library's constants, the values around the loop are calibrated, and the
+    result is finite."""
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_heads=2, n_layers=2, scan_layers=True)
+    params = _unit_normal_like(init_gpt(jax.random.PRNGKey(0), cfg))
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 8), 0, cfg.vocab_size)
+    batch = {"inputs": tokens, "targets": tokens}
+    loss = ss.unit_scale(
+        lambda p, b: gpt_loss(p, b, cfg), constraint=None, calibrate=(params, batch)
+    )
+    cal = loss.calibration
+    assert cal.forward and all(len(path) == 0 for path, _ in cal.forward)  # outside the loop
+    grads = jax.jit(jax.grad(loss))(params, batch)
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    assert abs(float(jnp.std(grads["wte"])) - 1) < 0.1  # outside the loop: calibrated

@@ -113,6 +113,10 @@ class _Plan:
     # eqns with a residual add downstream (in this jaxpr, or everything when the enclosing
     # call has one): they keep the constraint; the others are unconstrained
     constrained: set[int] = field(default_factory=set)
+    # outputs `calibrate` leaves at their scale: the u-μP readout's logits
+    keep_output: set[Any] = field(default_factory=set)
+    # outputs `calibrate` brings to unit RMS without a constant of their own (residual adds)
+    calibrated_output: set[Any] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -892,6 +896,7 @@ def _plan_dot(
         out_s, lhs_s, rhs_s = apply_constraint(constraint, out_s, lhs_s, rhs_s, op=kind)
     elif readout:
         kind, out_s = "readout", 1.0 / k
+        plan.keep_output.add(eqn.outvars[0])
     else:
         kind = "linear"
         grads = [lhs_s, rhs_s]
@@ -941,6 +946,7 @@ def _plan_add(plan: _Plan, g: _Graph, eqn: Any, i: int, opts: _Options, log: lis
         plan.operand[(i, skip_pos)] = (skip_s, skip_s)
         plan.operand[(i, res_pos)] = (res_s, 1.0)
         plan.default_read[eqn.invars[skip_pos]] = (1.0, res_s)
+        plan.calibrated_output.add(eqn.outvars[0])
         log.append(Rewrite("residual", (eqn.primitive.name,), 1.0, (res_s, skip_s), _where(eqn)))
         return
     pl = plan.param_like
@@ -978,13 +984,79 @@ def _contains(jaxpr: Any, prim: str) -> bool:
     return False
 
 
+def _rms(x: Any) -> float:
+    """RMS of a concrete array, in float64 (0 for an empty one)."""
+    x = np.asarray(x, np.float64)
+    return float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+
+
+def _inverse(r: float) -> float:
+    return 1.0 / r if r > 0 and math.isfinite(r) else 1.0
+
+
+@dataclass
+class Calibration:
+    """Multipliers `unit_scale(..., calibrate=args)` measured on ``args``.
+
+    ``forward[key]`` multiplies the output of one rewritten op (or residual add) so that
+    its RMS is 1; ``backward[key]`` multiplies the whole gradient of one value that a
+    rewritten op reads so that its RMS is 1. A key names a value by where it is in the
+    traced program: the indices of the enclosing higher-order equations, then the
+    value's index in its jaxpr.
+    """
+
+    forward: dict[tuple, float] = field(default_factory=dict)
+    backward: dict[tuple, float] = field(default_factory=dict)
+    mode: str = "apply"  # "forward" or "backward" while measuring
+
+
+def _gradient_tap(x: Any, key: tuple, into: dict[tuple, float]) -> Any:
+    """``x`` unchanged; in the backward pass, its gradient divided by its RMS, and the
+    multiplier stored under ``key`` (where the gradient is concrete, i.e. not inside a
+    loop body)."""
+
+    @jax.custom_vjp
+    def tap(x):
+        return x
+
+    def bwd(_, ct):
+        if isinstance(ct, jax.core.Tracer):
+            return (ct,)
+        f = _inverse(_rms(ct))
+        into[key] = f
+        return (ct * jnp.asarray(f, ct.dtype),)
+
+    tap.defvjp(lambda x: (x, None), bwd)
+    return tap(x)
+
+
 class _Interpreter:
     """Runs jaxprs with the rewrites of `_analyse`; records them in ``log``."""
 
-    def __init__(self, opts: _Options):
+    def __init__(self, opts: _Options, cal: Calibration | None = None):
         self.opts = opts
         self.log: list[Rewrite] = []
         self.before_residual = False  # the call being interpreted has a residual add after it
+        self.cal = cal
+        self.path: tuple = ()  # indices of the higher-order equations being interpreted
+        self.keys: set[tuple] = set()  # calibration keys this trace looked up
+
+    def _calibrated(self, key: tuple, val: Any, forward: bool, backward: bool) -> Any:
+        """``val`` with the calibration's multipliers for ``key`` (measuring them first
+        while calibrating)."""
+        cal = self.cal
+        self.keys.add(key)
+        if forward:
+            if cal.mode == "forward" and not isinstance(val, jax.core.Tracer):
+                cal.forward[key] = _inverse(_rms(val))
+            f = cal.forward.get(key, 1.0)
+            val = scale_fwd(val, f) if f != 1.0 else val
+        if backward:
+            if cal.mode == "backward":
+                val = _gradient_tap(val, key, cal.backward)
+            elif (f := cal.backward.get(key, 1.0)) != 1.0:
+                val = scale_bwd(val, f)
+        return val
 
     def run_closed(self, closed: Any, args: Sequence[Any], flags: Sequence[str]) -> list[Any]:
         return self.run(closed.jaxpr, closed.consts, args, flags)
@@ -996,6 +1068,9 @@ class _Interpreter:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
         cache: dict[tuple[Any, tuple[float, float]], Any] = {}
+        define = self._definer(jaxpr, plan)
+        for v in jaxpr.invars:
+            env[v] = define(v, env[v])
 
         def read(v: Any, i: int, pos: int) -> Any:
             if isinstance(v, Literal):
@@ -1016,13 +1091,38 @@ class _Interpreter:
             else:
                 sub_flags = [_flag(v, plan.param_like, plan.live) for v in eqn.invars]
                 outer, self.before_residual = self.before_residual, i in plan.constrained
+                outer_path, self.path = self.path, (*self.path, i)
                 try:
                     outvals = self.apply(eqn, invals, sub_flags)
                 finally:
-                    self.before_residual = outer
+                    self.before_residual, self.path = outer, outer_path
             for v, out in zip(eqn.outvars, outvals, strict=True):
-                env[v] = scale_fwd(out, plan.output[v]) if v in plan.output else out
+                env[v] = define(v, scale_fwd(out, plan.output[v]) if v in plan.output else out)
         return [read(v, -1, -1) for v in jaxpr.outvars]
+
+    def _definer(self, jaxpr: Any, plan: _Plan) -> Callable[[Any, Any], Any]:
+        """``define(var, value)``: the value a variable of ``jaxpr`` is bound to, with
+        the calibration's multipliers (the value itself when not calibrating)."""
+        if self.cal is None:
+            return lambda v, val: val
+        index = {
+            v: n
+            for n, v in enumerate(
+                [*jaxpr.constvars, *jaxpr.invars, *(o for e in jaxpr.eqns for o in e.outvars)]
+            )
+        }
+        forward = (set(plan.output) - plan.keep_output) | plan.calibrated_output
+        read = {jaxpr.eqns[i].invars[pos] for i, pos in plan.operand} | set(plan.default_read)
+        backward = {v for v in read if not isinstance(v, Literal)}
+        path = self.path
+
+        def define(v: Any, val: Any) -> Any:
+            fwd, bwd = v in forward, v in backward
+            if not (fwd or bwd) or not _is_float(v):
+                return val
+            return self._calibrated((path, index[v]), val, fwd, bwd)
+
+        return define
 
     def apply(self, eqn: Any, invals: list[Any], flags: list[str]) -> list[Any]:
         """Bind ``eqn``, recursing into the bodies of higher-order primitives."""
@@ -1082,10 +1182,16 @@ class _Interpreter:
     def _cond(self, p: dict, invals: list[Any], flags: list[str]) -> list[Any]:
         index, ops = invals[0], invals[1:]
         branches = [
-            functools.partial(lambda b, *a: self.run_closed(b, a, flags[1:]), b)
-            for b in p["branches"]
+            functools.partial(self._branch, n, b, flags[1:]) for n, b in enumerate(p["branches"])
         ]
         return list(lax.switch(index, branches, *ops))
+
+    def _branch(self, n: int, closed: Any, flags: list[str], *args: Any) -> list[Any]:
+        outer, self.path = self.path, (*self.path, n)
+        try:
+            return self.run_closed(closed, args, flags)
+        finally:
+            self.path = outer
 
 
 # -- the public transform ----------------------------------------------------------------
@@ -1101,6 +1207,7 @@ def unit_scale(
     tau: float = 1.0,
     constraint: str | None = "to_output_scale",
     readout: bool = True,
+    calibrate: Sequence[Any] | None = None,
 ) -> Callable[..., Any]:
     """Unit-scale ``fn`` automatically: the same function with unit-scaled ops.
 
@@ -1115,6 +1222,17 @@ def unit_scale(
     each op's output and input-gradient scales as in `scalescope.unit`; ``readout=False``
     treats the logits projection as an ordinary linear.
 
+    ``calibrate=(arg, ...)``: example positional arguments. The library's constants
+    assume unit-normal data and large sizes; calibration measures, once, on these
+    arguments (eagerly, op by op, in the order of the forward and then the backward
+    pass), the RMS each rewritten op's output and each gradient of a value such an op
+    reads actually has, and folds its inverse into the constants, so that on these
+    arguments they are exactly 1. The constants stay static afterwards. The readout's
+    logits keep their u-μP scale, values inside loop bodies keep the library's
+    constants, and the measured multipliers are in the ``calibration`` attribute
+    (a `Calibration`). It sets forward and backward scales independently, so it needs
+    ``constraint=None``.
+
     The returned function has ``fn``'s signature and outputs, composes with `jax.jit`
     and `jax.grad`, and has a ``rewrites`` attribute: the list of `Rewrite` made by its
     latest trace.
@@ -1127,6 +1245,19 @@ def unit_scale(
         raise ValueError(f"unit_scale: tau must be a finite number >= 0, got {tau!r}")
     validate_constraint(constraint, "unit_scale")
     opts = _Options(float(tau), constraint, bool(readout))
+    cal = None
+    if calibrate is not None:
+        if not isinstance(calibrate, tuple | list):
+            raise TypeError(
+                "unit_scale: calibrate must be a tuple of example positional arguments "
+                f"for fn, got {type(calibrate).__name__}"
+            )
+        if constraint is not None:
+            raise ValueError(
+                "unit_scale: calibrate= sets each forward and backward scale on its own, "
+                f"which needs constraint=None; got constraint={constraint!r}"
+            )
+        cal = Calibration()
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -1142,14 +1273,64 @@ def unit_scale(
 
         dyn_vals = [leaves[i] for i in dyn]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
-        interp = _Interpreter(opts)
+        interp = _Interpreter(opts, cal)
         flags = [PARAM if _is_float(v) else CONST for v in closed.jaxpr.invars]
         outs = interp.run_closed(closed, dyn_vals, flags)
         wrapped.rewrites = interp.log
+        if cal is not None and cal.mode == "apply":
+            missing = (set(cal.forward) | set(cal.backward)) - interp.keys
+            if missing:
+                raise ValueError(
+                    f"unit_scale: calibrated on a program with {len(missing)} values this "
+                    "call does not have; call the function with arguments structured as "
+                    "calibrate= (the same pytree, dtypes and ranks)"
+                )
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
     wrapped.rewrites = []
+    if cal is not None:
+        _calibrate(wrapped, cal, tuple(calibrate))
+        wrapped.calibration = cal
     return wrapped
 
 
-__all__ = ["ELEMENTWISE_SCALES", "Rewrite", "unit_scale"]
+def _cotangent(out: Any) -> Any:
+    """Cotangent of one output for calibration: 1 for a scalar, unit-normal values for
+    an array, and zeros for an integer output."""
+    out = jnp.asarray(out)
+    if not jnp.issubdtype(out.dtype, jnp.inexact):
+        return np.zeros(out.shape, jax.dtypes.float0)
+    if out.ndim == 0:
+        return jnp.ones((), out.dtype)
+    return jax.random.normal(jax.random.PRNGKey(0), out.shape, out.dtype)
+
+
+def _calibrate(wrapped: Callable[..., Any], cal: Calibration, args: tuple) -> None:
+    """Measure ``cal``'s multipliers on ``args``: a forward pass, then a backward pass
+    with respect to every floating-point array among ``args``."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    floats = [
+        i
+        for i, x in enumerate(leaves)
+        if _is_dynamic(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
+    if not floats:
+        raise ValueError("unit_scale: calibrate= holds no floating-point array to measure with")
+
+    def fn_of_floats(*vals: Any) -> Any:
+        full = list(leaves)
+        for i, val in zip(floats, vals, strict=True):
+            full[i] = val
+        return wrapped(*jax.tree_util.tree_unflatten(treedef, full))
+
+    try:
+        cal.mode = "forward"
+        fn_of_floats(*(leaves[i] for i in floats))
+        cal.mode = "backward"
+        out, vjp = jax.vjp(fn_of_floats, *(leaves[i] for i in floats))
+        vjp(jax.tree.map(_cotangent, out))
+    finally:
+        cal.mode = "apply"
+
+
+__all__ = ["ELEMENTWISE_SCALES", "Calibration", "Rewrite", "unit_scale"]
