@@ -6,6 +6,8 @@ minute on one CPU core.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 
 import scalescope as ss
 import scalescope.unit as U
-from sample_models.gpt import GPTConfig, gpt_forward, gpt_loss, init_gpt
+from sample_models.gpt import GPTConfig, gpt_forward, gpt_loss, init_gpt, stack_blocks
 from sample_models.losses import cross_entropy
 from scalescope.unit.functional import attention_scale
 
@@ -607,8 +609,9 @@ def test_calibrate_leaves_loop_bodies_at_the_library_constants():
     """Inside a lax.scan body the values are not concrete while calibrating: those
     keep the library's constants, the values around the loop are calibrated, and the
     result is finite."""
-    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_heads=2, n_layers=2, scan_layers=True)
-    params = _unit_normal_like(init_gpt(jax.random.PRNGKey(0), cfg))
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_heads=2, n_layers=2)
+    params = stack_blocks(_unit_normal_like(init_gpt(jax.random.PRNGKey(0), cfg)))
+    cfg = dataclasses.replace(cfg, scan_layers=True)
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 8), 0, cfg.vocab_size)
     batch = {"inputs": tokens, "targets": tokens}
     loss = ss.unit_scale(
