@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import scalescope as ss
 import scalescope.unit as U
@@ -605,20 +606,52 @@ def test_calibrate_bad_input(mlp_setup):
         scaled(params[:1], x[:, : WIDTHS[0]])
 
 
-def test_calibrate_leaves_loop_bodies_at_the_library_constants():
-    """Inside a lax.scan body the values are not concrete while calibrating: those
-    keep the library's constants, the values around the loop are calibrated, and the
-    result is finite."""
-    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_heads=2, n_layers=2)
-    params = stack_blocks(_unit_normal_like(init_gpt(jax.random.PRNGKey(0), cfg)))
-    cfg = dataclasses.replace(cfg, scan_layers=True)
-    tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 8), 0, cfg.vocab_size)
-    batch = {"inputs": tokens, "targets": tokens}
-    loss = ss.unit_scale(
-        lambda p, b: gpt_loss(p, b, cfg), constraint=None, calibrate=(params, batch)
+def test_calibrating_a_scanned_layer_stack_matches_the_unrolled_one(calibrated_gpt):
+    """A `lax.scan` over stacked layers is unrolled while calibrating, and each iteration
+    gets multipliers of its own (scanned along with the layers' parameters): the
+    calibrated scanned GPT computes the same loss and gradients as the calibrated
+    unrolled one, to float32 rounding."""
+    c = calibrated_gpt
+    scan_cfg = dataclasses.replace(GPT_CFG, scan_layers=True)
+    stacked = stack_blocks(c["params"])
+    scanned = ss.unit_scale(
+        lambda p, b: gpt_loss(p, b, scan_cfg), constraint=None, calibrate=(stacked, c["calib"])
     )
-    cal = loss.calibration
-    assert cal.forward and all(len(path) == 0 for path, _ in cal.forward)  # outside the loop
-    grads = jax.jit(jax.grad(loss))(params, batch)
+    assert len(scanned.calibration.forward) == len(c["loss"].calibration.forward)
+    value_u, grads_u = c["grad"](c["params"], c["calib"])
+    value_s, grads_s = jax.jit(jax.value_and_grad(scanned))(stacked, c["calib"])
+    np.testing.assert_allclose(value_s, value_u, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(stack_blocks(grads_u)), jax.tree.leaves(grads_s), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_calibrate_leaves_cond_branches_at_the_library_constants():
+    """A cond's branches are traced while calibrating (the branch is a value): they keep
+    the library's constants, the ops around them are calibrated, and the result is
+    finite. A while loop cannot be differentiated, so calibration says that it
+    differentiates ``fn``."""
+
+    def fn(params, x):
+        h = jnp.tanh(x @ params["w_in"])
+        h = lax.cond(x[0, 0] > 0, lambda h: jax.nn.relu(h @ params["w"]), lambda h: -h, h)
+        return jnp.mean(h @ params["w_out"])
+
+    def looping(params, x):
+        h = lax.while_loop(lambda c: c[1] < 2, lambda c: (c[0] @ params["w"], c[1] + 1), (x, 0))
+        return jnp.mean(h[0])
+
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w_in": jax.random.normal(k[0], (64, 128)),
+        "w": jax.random.normal(k[1], (128, 128)),
+        "w_out": jax.random.normal(k[2], (128, 32)),
+    }
+    x = jax.random.normal(k[3], (32, 64))
+    scaled = ss.unit_scale(fn, constraint=None, calibrate=(params, x))
+    paths = [path for path, _ in (*scaled.calibration.forward, *scaled.calibration.backward)]
+    assert paths and all(len(path) == 0 for path in paths)  # nothing inside the branches
+    grads = jax.jit(jax.grad(scaled))(params, x)
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
-    assert abs(float(jnp.std(grads["wte"])) - 1) < 0.1  # outside the loop: calibrated
+    assert abs(float(jnp.std(grads["w_in"])) - 1) < 0.1  # read outside the branches
+    with pytest.raises(ValueError, match="(?s)while_loop.*calibrate= differentiates fn"):
+        ss.unit_scale(looping, constraint=None, calibrate=(params, jnp.ones((32, 128))))

@@ -1010,6 +1010,18 @@ class Calibration:
     mode: str = "apply"  # "forward" or "backward" while measuring
 
 
+# A scan body's place in a calibration key: ``(_ITER, t)`` for iteration ``t`` while
+# measuring (the loop is unrolled), ``_ITER`` alone in the traced body, which reads the
+# multipliers of the current iteration from arrays scanned along with the loop's inputs.
+_ITER = "iteration"
+
+
+def _generic(key: tuple) -> tuple:
+    """``key`` with every iteration index dropped: the key a traced loop body uses."""
+    path, var = key
+    return tuple(_ITER if isinstance(p, tuple) and p[0] == _ITER else p for p in path), var
+
+
 def _gradient_tap(x: Any, key: tuple, into: dict[tuple, float]) -> Any:
     """``x`` unchanged; in the backward pass, its gradient divided by its RMS, and the
     multiplier stored under ``key`` (where the gradient is concrete, i.e. not inside a
@@ -1040,6 +1052,8 @@ class _Interpreter:
         self.cal = cal
         self.path: tuple = ()  # indices of the higher-order equations being interpreted
         self.keys: set[tuple] = set()  # calibration keys this trace looked up
+        self.unrolling = False  # measuring inside a scan unrolled in Python
+        self.iteration: dict[tuple, Any] = {}  # the current iteration's multipliers
 
     def _calibrated(self, key: tuple, val: Any, forward: bool, backward: bool) -> Any:
         """``val`` with the calibration's multipliers for ``key`` (measuring them first
@@ -1049,14 +1063,31 @@ class _Interpreter:
         if forward:
             if cal.mode == "forward" and not isinstance(val, jax.core.Tracer):
                 cal.forward[key] = _inverse(_rms(val))
-            f = cal.forward.get(key, 1.0)
-            val = scale_fwd(val, f) if f != 1.0 else val
+            f = self.iteration.get((key, "forward"), cal.forward.get(key, 1.0))
+            val = scale_fwd(val, f) if not isinstance(f, float) or f != 1.0 else val
         if backward:
             if cal.mode == "backward":
                 val = _gradient_tap(val, key, cal.backward)
-            elif (f := cal.backward.get(key, 1.0)) != 1.0:
-                val = scale_bwd(val, f)
+            else:
+                f = self.iteration.get((key, "backward"), cal.backward.get(key, 1.0))
+                val = scale_bwd(val, f) if not isinstance(f, float) or f != 1.0 else val
         return val
+
+    def _iteration_multipliers(self, length: int) -> dict[tuple, np.ndarray]:
+        """Per-iteration multipliers of the scan being interpreted (at ``self.path``), as
+        arrays of ``length`` keyed by ``(generic key, "forward" | "backward")``."""
+        prefix = self.path
+        out: dict[tuple, np.ndarray] = {}
+        for kind, table in (("forward", self.cal.forward), ("backward", self.cal.backward)):
+            for (path, var), f in table.items():
+                if len(path) <= len(prefix) or path[: len(prefix)] != prefix:
+                    continue
+                step = path[len(prefix)]
+                if not (isinstance(step, tuple) and step[0] == _ITER):
+                    continue
+                key = ((*prefix, _ITER, *path[len(prefix) + 1 :]), var)
+                out.setdefault((key, kind), np.ones(length, np.float32))[step[1]] = f
+        return out
 
     def run_closed(self, closed: Any, args: Sequence[Any], flags: Sequence[str]) -> list[Any]:
         return self.run(closed.jaxpr, closed.consts, args, flags)
@@ -1155,15 +1186,52 @@ class _Interpreter:
         nc, nk = p["num_consts"], p["num_carry"]
         consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
         body_flags = [*flags[:nc], *([ACT] * nk), *flags[nc + nk :]]
+        cal, length = self.cal, p["length"]
+        if cal is not None and cal.mode != "apply" and not self.unrolling and length > 0:
+            return self._scan_unrolled(p, consts, init, xs, body_flags)
+        mult = {}
+        if cal is not None and cal.mode == "apply" and not self.iteration:
+            mult = self._iteration_multipliers(length)
+        names = sorted(mult)
+        path = (*self.path, _ITER)
 
         def step(carry: list, x: list) -> tuple[list, list]:
-            outs = self.run_closed(p["jaxpr"], [*consts, *carry, *x], body_flags)
+            x, m = x[: len(x) - len(names)], x[len(x) - len(names) :]
+            outer = self.path, self.iteration
+            self.path, self.iteration = path, dict(zip(names, m, strict=True)) or self.iteration
+            try:
+                outs = self.run_closed(p["jaxpr"], [*consts, *carry, *x], body_flags)
+            finally:
+                self.path, self.iteration = outer
             return outs[:nk], outs[nk:]
 
         carry, ys = lax.scan(
-            step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+            step,
+            init,
+            [*xs, *(jnp.asarray(mult[n]) for n in names)],
+            length=length,
+            reverse=p["reverse"],
+            unroll=p["unroll"],
         )
         return [*carry, *ys]
+
+    def _scan_unrolled(
+        self, p: dict, consts: list, init: list, xs: list, flags: list[str]
+    ) -> list[Any]:
+        """A scan run iteration by iteration in Python while calibrating, so that its
+        body's values are concrete and each iteration gets multipliers of its own."""
+        nk, length = p["num_carry"], p["length"]
+        carry, ys = list(init), [None] * length
+        outer = self.path
+        self.unrolling = True
+        try:
+            for t in reversed(range(length)) if p["reverse"] else range(length):
+                self.path = (*outer, (_ITER, t))
+                outs = self.run_closed(p["jaxpr"], [*consts, *carry, *(x[t] for x in xs)], flags)
+                carry, ys[t] = outs[:nk], outs[nk:]
+        finally:
+            self.path, self.unrolling = outer, False
+        return [*carry, *(jnp.stack(column) for column in zip(*ys, strict=True))]
 
     def _while(self, p: dict, invals: list[Any], flags: list[str]) -> list[Any]:
         self.before_residual = True  # as for scan
@@ -1228,10 +1296,11 @@ def unit_scale(
     pass), the RMS each rewritten op's output and each gradient of a value such an op
     reads actually has, and folds its inverse into the constants, so that on these
     arguments they are exactly 1. The constants stay static afterwards. The readout's
-    logits keep their u-μP scale, values inside loop bodies keep the library's
-    constants, and the measured multipliers are in the ``calibration`` attribute
-    (a `Calibration`). It sets forward and backward scales independently, so it needs
-    ``constraint=None``.
+    logits keep their u-μP scale; a `lax.scan` is unrolled while measuring, so each
+    iteration gets its own multipliers (scanned along with the loop's inputs); `cond`
+    branches keep the library's constants. The measured multipliers are in the
+    ``calibration`` attribute (a `Calibration`). It sets forward and backward scales
+    independently, so it needs ``constraint=None``.
 
     The returned function has ``fn``'s signature and outputs, composes with `jax.jit`
     and `jax.grad`, and has a ``rewrites`` attribute: the list of `Rewrite` made by its
@@ -1278,7 +1347,7 @@ def unit_scale(
         outs = interp.run_closed(closed, dyn_vals, flags)
         wrapped.rewrites = interp.log
         if cal is not None and cal.mode == "apply":
-            missing = (set(cal.forward) | set(cal.backward)) - interp.keys
+            missing = {_generic(k) for k in (*cal.forward, *cal.backward)} - interp.keys
             if missing:
                 raise ValueError(
                     f"unit_scale: calibrated on a program with {len(missing)} values this "
@@ -1327,8 +1396,15 @@ def _calibrate(wrapped: Callable[..., Any], cal: Calibration, args: tuple) -> No
         cal.mode = "forward"
         fn_of_floats(*(leaves[i] for i in floats))
         cal.mode = "backward"
-        out, vjp = jax.vjp(fn_of_floats, *(leaves[i] for i in floats))
-        vjp(jax.tree.map(_cotangent, out))
+        try:
+            out, vjp = jax.vjp(fn_of_floats, *(leaves[i] for i in floats))
+            vjp(jax.tree.map(_cotangent, out))
+        except (TypeError, ValueError) as err:
+            err.add_note(
+                "unit_scale: calibrate= differentiates fn with respect to every "
+                "floating-point array argument"
+            )
+            raise
     finally:
         cal.mode = "apply"
 
