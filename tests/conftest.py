@@ -102,6 +102,7 @@ SLOWEST_MODULES = (
     "test_advisor_recorded.py",
     "test_budget.py",
     "test_benchmarks_scripts.py",
+    "test_unit_calibrate.py",
     "test_probe.py",
     "test_report.py",
     "test_store.py",
