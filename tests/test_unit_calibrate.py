@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from jax import lax
 from test_unit_scale import (
-    BATCH,
     GPT_CFG,
     WIDTHS,
     _mlp,
     _unit_normal_like,
     _vjp_stats,
+    mlp_params_and_input,
 )
 
 import scalescope as ss
@@ -29,11 +29,7 @@ from sample_models.gpt import gpt_loss, init_gpt, stack_blocks
 
 @pytest.fixture(scope="module")
 def mlp_setup():
-    params = _unit_normal_like(
-        [{"w": jnp.zeros((a, b)), "b": jnp.zeros((b,))} for a, b in zip(WIDTHS, WIDTHS[1:])]
-    )
-    x = jax.random.normal(jax.random.PRNGKey(2), (BATCH, WIDTHS[0]))
-    return params, x
+    return mlp_params_and_input()
 
 
 @pytest.fixture(scope="module")

@@ -49,13 +49,18 @@ def _vjp_stats(fn, params, x, seed=1):
     return jnp.std(out), [jnp.std(g) for g in jax.tree.leaves(grads)]
 
 
-@pytest.fixture(scope="module")
-def mlp_setup():
+def mlp_params_and_input():
+    """Unit-normal weights, zero biases of an MLP with ``WIDTHS``, and a unit-normal input."""
     params = _unit_normal_like(
         [{"w": jnp.zeros((a, b)), "b": jnp.zeros((b,))} for a, b in zip(WIDTHS, WIDTHS[1:])]
     )
     x = jax.random.normal(jax.random.PRNGKey(2), (BATCH, WIDTHS[0]))
     return params, x
+
+
+@pytest.fixture(scope="module")
+def mlp_setup():
+    return mlp_params_and_input()
 
 
 def test_mlp_outputs_and_gradients_are_unit(mlp_setup):
