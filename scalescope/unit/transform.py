@@ -1063,15 +1063,22 @@ class _Interpreter:
         if forward:
             if cal.mode == "forward" and not isinstance(val, jax.core.Tracer):
                 cal.forward[key] = _inverse(_rms(val))
-            f = self.iteration.get((key, "forward"), cal.forward.get(key, 1.0))
-            val = scale_fwd(val, f) if not isinstance(f, float) or f != 1.0 else val
+            if (f := self._multiplier(key, "forward")) is not None:
+                val = scale_fwd(val, f)
         if backward:
             if cal.mode == "backward":
                 val = _gradient_tap(val, key, cal.backward)
-            else:
-                f = self.iteration.get((key, "backward"), cal.backward.get(key, 1.0))
-                val = scale_bwd(val, f) if not isinstance(f, float) or f != 1.0 else val
+            elif (f := self._multiplier(key, "backward")) is not None:
+                val = scale_bwd(val, f)
         return val
+
+    def _multiplier(self, key: tuple, kind: str) -> Any:
+        """The ``kind`` ("forward" or "backward") multiplier of ``key``: the current
+        scan iteration's (traced), else the calibration's; None where it is 1."""
+        if (key, kind) in self.iteration:
+            return self.iteration[(key, kind)]
+        f = getattr(self.cal, kind).get(key, 1.0)
+        return None if f == 1.0 else f
 
     def _iteration_multipliers(self, length: int) -> dict[tuple, np.ndarray]:
         """Per-iteration multipliers of the scan being interpreted (at ``self.path``), as
@@ -1265,6 +1272,14 @@ class _Interpreter:
 # -- the public transform ----------------------------------------------------------------
 
 
+def _replaced(leaves: Sequence[Any], positions: Sequence[int], vals: Sequence[Any]) -> list:
+    """``leaves`` with the leaf at each of ``positions`` replaced by the matching value."""
+    full = list(leaves)
+    for i, val in zip(positions, vals, strict=True):
+        full[i] = val
+    return full
+
+
 def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array | np.ndarray | np.generic) or hasattr(leaf, "aval")
 
@@ -1334,10 +1349,7 @@ def unit_scale(
         dyn = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
 
         def flat_fn(*vals: Any) -> Any:
-            full = list(leaves)
-            for i, val in zip(dyn, vals, strict=True):
-                full[i] = val
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            a, k = jax.tree_util.tree_unflatten(treedef, _replaced(leaves, dyn, vals))
             return fn(*a, **k)
 
         dyn_vals = [leaves[i] for i in dyn]
@@ -1387,10 +1399,7 @@ def _calibrate(wrapped: Callable[..., Any], cal: Calibration, args: tuple) -> No
         raise ValueError("unit_scale: calibrate= holds no floating-point array to measure with")
 
     def fn_of_floats(*vals: Any) -> Any:
-        full = list(leaves)
-        for i, val in zip(floats, vals, strict=True):
-            full[i] = val
-        return wrapped(*jax.tree_util.tree_unflatten(treedef, full))
+        return wrapped(*jax.tree_util.tree_unflatten(treedef, _replaced(leaves, floats, vals)))
 
     try:
         cal.mode = "forward"
