@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint bench bench-numerics clean
+.PHONY: venv demo test lint bench bench-numerics bench-verdicts clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: venv
 # The paper's table (fp32 / fp16 / fp8 / naive fp8 losses on the char GPT): ~30 min on 2 cores.
 bench-numerics: venv
 	$(BIN)/python benchmarks/bench_numerics.py
+
+# The verdict's labelled corpus (docs/advisor.md): ~25 min on 2 cores.
+bench-verdicts: venv
+	$(BIN)/python benchmarks/bench_verdicts.py --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -46,6 +46,8 @@ POLL_MS = 1000
 
 #: How long a served page's callback waits for the advisor before drawing without it (s).
 ADVISOR_WAIT = 0.5
+#: How long a new page waits (in all) for the runs' verdicts to open on the worst (s).
+OPEN_WAIT = 3.0
 #: Views that show the advisor's findings (redrawn when newer findings land).
 FINDINGS_VIEWS = ("Overview", "Op detail", "Advisor")
 
@@ -83,6 +85,32 @@ def _table(
         layout="fit_data_table",
         css_classes=[f"ss-{name}"],
         **kwargs,
+    )
+
+
+def _WRAP(*columns: str, width: int = 380) -> dict[str, Any]:  # noqa: N802 - a constant's role
+    """Tabulator options that wrap the text of ``columns`` in cells ``width`` px wide."""
+    return {
+        "formatters": {c: {"type": "textarea"} for c in columns},
+        "widths": {c: width for c in columns},
+    }
+
+
+def causes_table(causes: pd.DataFrame) -> pd.DataFrame:
+    """The findings grouped by cause (`scalescope.analysis.causes`) as the Overview shows
+    them: severity, cause, impact and worst value with their units, first step, the worst
+    op, its source line and the fix."""
+    return pd.DataFrame(
+        {
+            "severity": causes["severity"],
+            "cause": causes["cause"],
+            "impact (share of the value lost)": [analysis.impact_text(v) for v in causes["impact"]],
+            "worst": causes["worst"],
+            "first_step": causes["first_step"],
+            "worst op": causes["label"],
+            "source": causes["source"],
+            "fix": causes["fix"],
+        }
     )
 
 
@@ -143,6 +171,32 @@ def whatif_table(whatif: pd.DataFrame, labels: pd.Series, last: pd.Series) -> pd
     return flat.reset_index()
 
 
+_VERDICT_STYLE = {
+    "healthy": "background:#d9f0d3;color:#1b5e20",
+    "at risk": "background:#feb24c;color:#3d2600",
+    "failing": "background:#b10026;color:#fff",
+}
+
+
+def verdict_html(v: analysis.Verdict) -> str:
+    """A verdict as the dashboard shows it above every view: the headline in the
+    verdict's colour, then each reason (cause, op, source line, fix)."""
+    style = _VERDICT_STYLE[v.status]
+    cls = "ss-verdict ss-verdict-" + v.status.replace(" ", "-")
+    out = (
+        f"<div class='{cls}' style='{style};font-size:1.2em;font-weight:bold;"
+        f"padding:6px 10px;border-radius:4px'>{html.escape(v.headline)}</div>"
+    )
+    if v.reasons:
+        items = "".join(
+            f"<li>{html.escape(r.line())}<br><code style='white-space:pre-wrap'>"
+            f"fix: {html.escape(r.fix)}</code></li>"
+            for r in v.reasons
+        )
+        out += f"<ol class='ss-verdict-reasons' style='margin:4px 0'>{items}</ol>"
+    return out
+
+
 def _message(text: str, kind: str = "info") -> str:
     colors = {"info": "#555", "warn": "#a15c00", "error": "#b00020"}
     return f'<div class="ss-msg ss-{kind}" style="color:{colors[kind]}">{html.escape(text)}</div>'
@@ -171,16 +225,21 @@ class Dashboard:
         live: bool | None = None,
     ) -> None:
         self.runs = runs
-        names = runs.names
-        self.run_select = pn.widgets.Select(
-            label="Run", options=names, value=run or (names[0] if names else None), width=260
-        )
-        self.status = pn.pane.HTML("", sizing_mode="stretch_width")
-        self._muted = False  # True while several widgets change for one redraw
-        self.versions: dict[str, Any] = {}  # view -> what it shows (`_token`)
         # served with a periodic callback (``live``, by default when served): never wait
         # for the advisor, redraw when it ends
         self.live = pn.state.curdoc is not None and poll_ms > 0 if live is None else live
+        self._labels: dict[str, str] = {}  # run -> its verdict, as the selector shows it
+        if run is None:  # open on the run that needs attention most
+            verdicts = runs.verdicts(wait=OPEN_WAIT if self.live else None)
+            self._labels = {n: v.status for n, v in verdicts.items() if v is not None}
+            run = runs.worst(verdicts)
+        self.run_select = pn.widgets.Select(
+            label="Run", options=self._run_options(), value=run, width=320
+        )
+        self.status = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.verdict_pane = pn.pane.HTML("", name="verdict", sizing_mode="stretch_width")
+        self._muted = False  # True while several widgets change for one redraw
+        self.versions: dict[str, Any] = {}  # view -> what it shows (`_token`)
         self._worst_by_user = False  # the worst-ops metric was picked in the page
         self.notes = {
             view: pn.pane.HTML(
@@ -223,7 +282,7 @@ class Dashboard:
             self.status,
             sizing_mode="stretch_width",
         )
-        self.layout = pn.Column(header, self.tabs, sizing_mode="stretch_width")
+        self.layout = pn.Column(header, self.verdict_pane, self.tabs, sizing_mode="stretch_width")
         self.run_select.param.watch(lambda e: self._muted or self.redraw(), "value")
         self.tabs.param.watch(lambda e: self._muted or self.redraw_visible(), "active")
         self.redraw()
@@ -247,13 +306,42 @@ class Dashboard:
         name = self.run_select.value
         return self.runs.get(name) if name in self.runs.names else None
 
+    def _run_options(self) -> dict[str, str]:
+        """The run selector's options: each run's name, with its verdict once known."""
+        out = {}
+        for name in self.runs.names:
+            status = self._labels.get(name)
+            out[f"{name} \u2014 {status}" if status else name] = name
+        return out
+
+    def _update_labels(self) -> None:
+        """Mark each run's verdict in the selector as soon as its findings are known."""
+        changed = False
+        for name in self.runs.names:
+            v = self.runs.get(name).latest_verdict() if self.live else None
+            if v is None and not self.live:
+                v = self.runs.get(name).verdict(self.runs.get(name).findings())
+            status = None if v is None else v.status
+            if status is not None and self._labels.get(name) != status:
+                self._labels[name] = status
+                changed = True
+        if changed:
+            with self._quiet():
+                value = self.run_select.value
+                self.run_select.options = self._run_options()
+                self.run_select.value = value
+
     def poll(self) -> None:
         """Pick up new runs and new steps; redraw what is visible if it is out of date."""
         if self.runs.rescan():
-            self.run_select.options = self.runs.names
+            with self._quiet():
+                value = self.run_select.value
+                self.run_select.options = self._run_options()
+                self.run_select.value = value
             self.compare_select.options = self.runs.names
             if self.run_select.value is None and self.runs.names:
                 self.run_select.value = self.runs.names[0]
+        self._update_labels()
         data = self.data
         if data is None:
             return
@@ -305,6 +393,7 @@ class Dashboard:
         self._draw_status(data)
         if data is None:
             return
+        self._draw_verdict(data)
         view = TABS[self.tabs.active]
         token = self._token(view, data)
         if self.versions.get(view) == token:
@@ -364,6 +453,29 @@ class Dashboard:
         self.status.object = f"<div class='ss-status'>{text}</div>"
         self.versions["status"] = data.version
 
+    def _draw_verdict(self, data: RunData) -> None:
+        """The run's verdict, above every view: its headline and the causes behind it,
+        each with its op, source line and fix."""
+        token = (data.name, data.version, data.advice.version)
+        if self.versions.get("verdict") == token:
+            return
+        findings = self._findings(data)
+        if findings is None:
+            self.verdict_pane.object = (
+                "<div class='ss-verdict ss-verdict-pending'>verdict: the advisor is reading "
+                "the statistics...</div>"
+            )
+            return  # drawn again when the findings land (the views' token moves on)
+        v = data.verdict(findings)
+        key = self.run_select.value  # the run's name in the RunSet (not its own name)
+        if self._labels.get(key) != v.status:
+            self._labels[key] = v.status
+            with self._quiet():
+                self.run_select.options = self._run_options()
+                self.run_select.value = key
+        self.verdict_pane.object = verdict_html(v)
+        self.versions["verdict"] = token
+
     # -- overview --------------------------------------------------------------------------
 
     def _build_overview(self) -> None:
@@ -373,12 +485,14 @@ class Dashboard:
         self.advisor_note = pn.pane.HTML("", sizing_mode="stretch_width")
         self.worst_by = pn.widgets.Select(label="Worst ops by", options=["log2_rms"], width=220)
         self.worst_table = _table(pd.DataFrame(), "worst-ops", page_size=10)
-        self.rule_table = _table(pd.DataFrame(), "advisor-summary", page_size=10)
+        self.rule_table = _table(
+            pd.DataFrame(), "advisor-summary", page_size=10, **_WRAP("cause", "fix")
+        )
         self.worst_by.param.watch(self._on_worst_by, "value")
         self.overview = pn.Column(
             self.alarms,
             self.loss_pane,
-            pn.pane.HTML("<h3>Advisor summary</h3>"),
+            pn.pane.HTML("<h3>Causes</h3>"),
             self.advisor_note,
             self.rule_table,
             pn.pane.HTML("<h3>Worst ops</h3>"),
@@ -411,7 +525,7 @@ class Dashboard:
         else:
             self.advisor_note.object = self._advice_note(data)
             if len(findings):
-                self.rule_table.value = analysis.summary_by_rule(findings)
+                self.rule_table.value = causes_table(analysis.causes(findings))
             else:
                 self.rule_table.value = pd.DataFrame({"advisor": ["no findings"]})
         if options:
@@ -594,7 +708,7 @@ class Dashboard:
                 return
             mat = data.matrix(metric, ops)
             measured = data.measured_matrix(ops)
-            labels = data.labels
+            labels = data.heatmap_labels
             groups = data.group_keys(depth) if depth else None
         n_steps = len(data.steps)
         note = f"{len(mat)} ops x {mat.shape[1]} columns"
@@ -607,6 +721,9 @@ class Dashboard:
                 "; a ▸ row is a collapsed group showing its worst op at each step "
                 "(hover names it): click it to expand"
             )
+        cast = data.ops.get("cast_to")
+        if cast is not None and cast.fillna("").astype(str).ne("").any():
+            note += "; → e4m3: the run casts that op to that format"
         note += "; click a cell to open that op at that step"
         expanded = self._expanded
         if expanded is not None and groups is not None:
@@ -801,7 +918,9 @@ class Dashboard:
 
     def _build_advisor(self) -> None:
         self.advisor_msg = pn.pane.HTML("", sizing_mode="stretch_width")
-        self.advisor_table = _table(pd.DataFrame(), "advisor", page_size=25)
+        self.advisor_table = _table(
+            pd.DataFrame(), "advisor", page_size=25, **_WRAP("evidence", "fix")
+        )
         self.advisor_table.on_click(self._on_finding_click)
         self.advisor = pn.Column(self.advisor_msg, self.advisor_table, sizing_mode="stretch_width")
         self._shown_findings = pd.DataFrame()

@@ -183,6 +183,7 @@ class RunData:
         self.grid = StatGrid(self.reader)  # heatmap grids, extended part by part
         self._by_ops: dict[Any, Any] = {}  # frames of the op table only (kept on refresh)
         self.advice = Advice(self)  # the advisor's findings, computed in the background
+        self._verdict: tuple[Any, Any, Any] | None = None  # (key, findings, Verdict)
 
     @property
     def name(self) -> str:
@@ -260,6 +261,21 @@ class RunData:
     @property
     def labels(self) -> pd.Series:
         return self._of_ops("labels", analysis.op_labels)
+
+    @property
+    def heatmap_labels(self) -> pd.Series:
+        """`labels`, with the format each op the run casts is cast to (``→ e4m3``): the
+        heatmap marks the values a format judges."""
+
+        def build(ops: pd.DataFrame) -> pd.Series:
+            labels = analysis.op_labels(ops)
+            if "cast_to" not in ops.columns:
+                return labels
+            cast = ops["cast_to"].fillna("").astype(str).reindex(labels.index).fillna("")
+            marked = [f"{lab} → {c}" if c else lab for lab, c in zip(labels, cast)]
+            return pd.Series(marked, index=labels.index, name=labels.name, dtype=object)
+
+        return self._of_ops("heatmap_labels", build)
 
     @property
     def formats(self) -> list[str]:
@@ -373,6 +389,26 @@ class RunData:
         `Advice.latest` gives the newest without waiting)."""
         return self.advice.current()
 
+    def verdict(self, findings: pd.DataFrame) -> analysis.Verdict:
+        """The run's verdict from ``findings`` (the advisor's, as shown) and its logged
+        loss (`scalescope.analysis.verdict`); computed once per findings and run version."""
+        key = ("verdict", id(findings), len(findings))
+        with self.lock:
+            hit = self._verdict
+            if hit is not None and hit[0] == key and hit[1] is findings:
+                return hit[2]
+            loss = analysis.logged_loss(self.reader.scalar_rows())
+        found = analysis.verdict(findings, loss)
+        with self.lock:
+            self._verdict = (key, findings, found)
+        return found
+
+    def latest_verdict(self, wait: float = 0.0) -> analysis.Verdict | None:
+        """The verdict of the newest findings there are (None before the first), starting
+        the advisor when due; waits up to ``wait`` seconds for it."""
+        findings = self.advice.latest(wait=wait)
+        return None if findings is None else self.verdict(findings)
+
     def advisor_snapshot(self) -> tuple[int, list[pd.DataFrame], list[str], pd.DataFrame, Any]:
         """What a background advisor run reads, taken under the lock: the version, the
         parts read so far, the columns the advisor needs, the op table and metadata."""
@@ -454,7 +490,22 @@ class RunData:
             },
             index=values.index,
         )
-        return analysis.worst_ops(frame, metric, n=n)
+        return analysis.worst_ops(frame, metric, n=n, exclude=self.constant_ops())
+
+    def constant_ops(self) -> np.ndarray:
+        """Op ids constant by construction (`scalescope.analysis.constant_ops`: the op
+        table's origins; for a run recorded without them, ops whose abs-max reaches
+        `scalescope.analysis.FILL_MAGNITUDE`), never ranked among the worst ops."""
+
+        def build() -> np.ndarray:
+            found = analysis.constant_ops(self.ops)
+            if "origin" in self.ops.columns or "absmax" not in self.reader.stat_names:
+                return found
+            amax = self.op_worst("absmax")
+            fills = amax.index.to_numpy(np.int64)[amax.to_numpy() >= analysis.FILL_MAGNITUDE]
+            return np.union1d(found, fills)
+
+        return self.cached("constant_ops", build)
 
     def recorded_ops(self) -> np.ndarray:
         """Op ids with at least one row of statistics (process 0), ascending."""
@@ -487,6 +538,10 @@ class RunData:
         for col in ("name", "pass", "primitive"):
             sub.insert(len(keys) + ("name", "pass", "primitive").index(col), col, info[col].iloc[0])
         return sub
+
+
+#: Runs whose advisor `RunSet.warm` starts at once (the others start when opened).
+WARM_RUNS = 16
 
 
 class RunSet:
@@ -533,12 +588,35 @@ class RunSet:
         return added
 
     def warm(self, name: str | None = None) -> None:
-        """Start the advisor (in the background) on run ``name``, by default the one a
-        page opens first, so that its findings are ready sooner."""
+        """Start the advisor (in the background) on run ``name``, by default on every
+        run (a page opens on the one whose verdict is worst, and marks each run's
+        verdict in the run selector), so that the findings are ready sooner."""
+        for key in [name] if name is not None else self.names[:WARM_RUNS]:
+            self.get(key).advice.kick(force=True)
+
+    def verdicts(self, wait: float | None = 0.0) -> dict[str, analysis.Verdict | None]:
+        """Each run's verdict as far as known (None: its findings are not computed yet);
+        ``wait``: seconds to wait in all for the advisor, None to compute every run's
+        findings now (no served page: tests, notebooks)."""
         names = self.names
-        name = name if name is not None else (names[0] if names else None)
-        if name is not None:
-            self.get(name).advice.kick(force=True)
+        if wait is None:
+            return {n: self.get(n).verdict(self.get(n).findings()) for n in names}
+        deadline = time.monotonic() + max(wait, 0.0)
+        out: dict[str, analysis.Verdict | None] = {}
+        for n in names:
+            left = max(deadline - time.monotonic(), 0.0) if n in names[:WARM_RUNS] else 0.0
+            out[n] = self.get(n).latest_verdict(wait=left)
+        return out
+
+    def worst(self, verdicts: dict[str, analysis.Verdict | None]) -> str | None:
+        """The run that needs attention most among ``verdicts`` (`verdicts`'s), by
+        `scalescope.analysis.worst_first`; the first run while a run's verdict is unknown
+        and no known one is at risk or failing."""
+        known = [(n, v) for n, v in verdicts.items() if v is not None]
+        if not known:
+            return self.names[0] if self.names else None
+        name, v = known[analysis.worst_first([v for _, v in known])[0]]
+        return name if v.rank > 0 or len(known) == len(verdicts) else self.names[0]
 
     def key(self, path: Path) -> str:
         """How a run is named in the dashboard: its path relative to the root."""

@@ -183,28 +183,24 @@ def _loss_line(name: str, summary: dict[str, Any]) -> str:
     return line
 
 
-def _advice(root: Path, stream: TextIO, top: int = 4) -> None:
-    """The advisor on the naive run, as a teaser: per kind of finding (rule and format,
-    most severe first), how many ops and passes, and its most severe op with the fix."""
+def _verdicts(root: Path, stream: TextIO) -> None:
+    """Each run's verdict first (the run that needs attention most on top), then the
+    causes behind the worst one, each with its op, source line and fix."""
     import scalescope as ss
+    from scalescope.analysis import worst_first
 
-    findings = ss.open_run(root / DEMO_RUNS[0][0]).advise()
-    print(f"\nadvisor on {DEMO_RUNS[0][0]}: {len(findings)} finding(s)", file=stream)
-    kinds = findings.groupby(["rule", "format"], sort=False)
-    for (rule, fmt), group in list(kinds)[:top]:
-        row = group.iloc[0]
-        passes = ", ".join(sorted(set(group["pass"])))
-        print(
-            f"  [{row['severity']}] {f'{rule} {fmt}'.strip()}: {len(group)} op(s) ({passes}); "
-            f"e.g. {row['label']} ({row['source']}): {row['evidence']}",
-            file=stream,
-        )
-        print(f"      fix: {row['fix']}", file=stream)
-    if len(kinds) > top:
-        print(
-            f"  ... and {len(kinds) - top} more kind(s): see the dashboard's Advisor view",
-            file=stream,
-        )
+    names = [name for name, _ in DEMO_RUNS]
+    verdicts = [ss.open_run(root / name).verdict() for name in names]
+    print("\nverdicts:", file=stream)
+    order = worst_first(verdicts)
+    for i in order:
+        print(f"  {names[i]:10s} {verdicts[i].headline.removeprefix('verdict: ')}", file=stream)
+    worst = verdicts[order[0]]
+    if worst.reasons:
+        print(f"\nwhy {names[order[0]]} is {worst.status}:", file=stream)
+        for r in worst.reasons:
+            print(f"  {r.line()}", file=stream)
+            print(f"      fix: {r.fix}", file=stream)
 
 
 def recipe_failures(reader: Any, recipe: str = DEMO_RECIPE) -> Any:
@@ -229,22 +225,36 @@ def recipe_failures(reader: Any, recipe: str = DEMO_RECIPE) -> Any:
         flushed=(f"block_flush_{recipe}", "max"),
         snr=(f"snr_{recipe}", "min"),
     )
-    worst["label"] = (ops["pass"] + "/" + ops["name"]).reindex(worst.index)
+    worst["label"] = analysis.op_labels(ops).reindex(worst.index)
     worst["source"] = ops["source"].reindex(worst.index)
+    worst.attrs["ops"] = len(whatif)  # ops with statistics: the what-if's whole table
     return worst.sort_values(["flushed", "underflow", "clipped"], ascending=False)
 
 
 def _recipe_summary(root: Path, stream: TextIO, top: int = 3) -> None:
-    """Which ops of the scalified run would fail under NVFP4, as a teaser for the
-    dashboard's Formats & recipes view."""
+    """What NVFP4 would do to the scalified run's values, as a teaser for the dashboard's
+    Formats & recipes view: the ops it would not keep safe, else its noisiest op."""
     import scalescope as ss
+    from scalescope import analysis
 
     name = DEMO_RUNS[-1][0]
     reader = ss.open_run(root / name)
     failing = recipe_failures(reader)
     if failing is None:
         return
-    n_ops = len(reader.ops)
+    n_ops = failing.attrs["ops"]
+    if not len(failing):
+        whatif = analysis.format_whatif_run(reader, [DEMO_RECIPE])
+        snr = whatif[(DEMO_RECIPE, "snr")].astype(float)
+        worst = int(snr.idxmin())
+        label = analysis.op_labels(reader.ops)[worst]
+        print(
+            f"\n{DEMO_RECIPE} on {name}: safe for all {n_ops} ops (the noise it adds is what "
+            f"training answers to); the noisiest, {snr[worst]:.1f} dB: {label} "
+            f"({reader.ops.loc[worst, 'source']})",
+            file=stream,
+        )
+        return
     print(
         f"\n{DEMO_RECIPE} on {name}: {len(failing)} of {n_ops} ops would not be safe",
         file=stream,
@@ -300,13 +310,13 @@ def run_demo(
             flush=True,
         )
         return 130
+    _verdicts(root, out)
     print(
         "\nfinal losses (the same seed, batches and FP8 casts; scalify is the difference):",
         file=out,
     )
     for name, summary in summaries.items():
         print(_loss_line(name, summary), file=out)
-    _advice(root, out)
     _recipe_summary(root, out)
     if server is None:
         print(f"\nruns in {root}/; see them with: scalescope serve {root}", file=out, flush=True)

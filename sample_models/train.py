@@ -33,7 +33,17 @@ from sample_models.precision import SCALIFIED, get_precision, unit_init
 from sample_models.train_step import make_train_step, with_state_dtype
 
 MODELS = ("gpt", "mlp")
-PRECISION_NAMES = ("fp32", "fp16", "fp8", "fp8-static", "fp8-naive", "unit-fp8")
+PRECISION_NAMES = (
+    "fp32",
+    "fp16",
+    "fp8",
+    "fp8-static",
+    "fp8-naive",
+    "fp16-naive",
+    "e5m2-fwd-naive",
+    "unit-fp32",
+    "unit-fp8",
+)
 OPT_STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -200,7 +210,10 @@ def make_adamw(
 
 
 class Progress:
-    """A one-line progress bar (steps/s, loss) on a terminal; periodic lines otherwise."""
+    """A one-line progress bar (steps/s, loss) on a terminal; periodic lines otherwise.
+    The eta appears once `MIN_TIMED` steps after the first (which compiles) are timed."""
+
+    MIN_TIMED = 3
 
     def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
         self.total, self.label = total, label
@@ -209,23 +222,29 @@ class Progress:
         self.t0 = time.perf_counter()
         self.last_print = 0.0
         self.last_line_step = -1
+        self.timed_from: tuple[int, float] | None = None  # (steps, time) the rate counts from
 
     def due(self) -> bool:
         return time.perf_counter() - self.last_print >= (0.25 if self.tty else 5.0)
 
     def update(self, done: int, **values: float) -> None:
         self.last_print = time.perf_counter()
+        if self.timed_from is None and done >= 1:
+            # the first steps compile: time the rate (and the eta) from the next ones on
+            self.timed_from = (done, self.last_print)
         elapsed = self.last_print - self.t0
         rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        eta = "eta    -"
+        if self.timed_from is not None and done - self.timed_from[0] >= self.MIN_TIMED:
+            steps, seconds = done - self.timed_from[0], self.last_print - self.timed_from[1]
+            rate = steps / seconds if seconds > 0 else rate
+            if rate > 0:
+                eta = f"eta {(self.total - done) / rate:4.0f}s"
         shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items() if v is not None)
         width = 24
         filled = int(width * done / self.total)
         bar = "#" * filled + "." * (width - filled)
-        line = (
-            f"{self.label} [{bar}] {done}/{self.total}  {rate:5.1f} steps/s  {shown}"
-            f"  eta {eta:4.0f}s"
-        )
+        line = f"{self.label} [{bar}] {done}/{self.total}  {rate:5.1f} steps/s  {shown}  {eta}"
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")
         else:

@@ -14,6 +14,20 @@ import time
 
 import scalescope as ss
 
+#: `sample_models.train.PRECISION_NAMES`, spelled out so that the parser does not import
+#: the training code (a test holds them equal).
+PRECISION_CHOICES = (
+    "fp32",
+    "fp16",
+    "fp8",
+    "fp8-static",
+    "fp8-naive",
+    "fp16-naive",
+    "e5m2-fwd-naive",
+    "unit-fp32",
+    "unit-fp8",
+)
+
 
 def _add_train(sub) -> None:
     p = sub.add_parser(
@@ -27,7 +41,7 @@ def _add_train(sub) -> None:
     p.add_argument("model", choices=("gpt", "mlp"))
     p.add_argument(
         "--precision",
-        choices=("fp32", "fp16", "fp8", "fp8-static", "fp8-naive", "unit-fp8"),
+        choices=PRECISION_CHOICES,
         default="fp32",
         help="unit-fp8: the model unit-scaled by ss.unit_scale (static), FP8 casts, no scalify",
     )
@@ -181,6 +195,7 @@ def _train(args, parser) -> int:
     except (DatasetError, ss.RunError, FileNotFoundError) as err:
         print(f"scalescope train: error: {err}", file=sys.stderr)
         return 2
+    print(_run_verdict(summary["run"]))
     line = f"{summary['model']} {summary['precision']}: {summary['steps']} steps"
     line += f", train loss {summary['train_loss']:.4f}"
     if "val_loss" in summary:
@@ -193,6 +208,15 @@ def _train(args, parser) -> int:
         print(f"the loss became non-finite at step {summary['nan_step']}")
     print(f"run recorded in {summary['run']}; read it with scalescope.open_run({summary['run']!r})")
     return 0
+
+
+def _run_verdict(run: str) -> str:
+    """The recorded run's verdict (`RunView.verdict`), its headline and reasons, or why
+    there is none."""
+    try:
+        return str(ss.open_run(run).verdict())
+    except Exception as err:  # noqa: BLE001 - the training is done; say why, keep going
+        return f"verdict: unavailable ({type(err).__name__}: {err})"
 
 
 def _add_serve(sub) -> None:

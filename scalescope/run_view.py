@@ -82,6 +82,23 @@ class RunView(RunReader):
 
         return nb.advice_frame(advise_run(self, **kwargs))
 
+    def verdict(self, **kwargs: Any) -> Any:
+        """The run's verdict (`scalescope.analysis.Verdict`): ``healthy``, ``at risk`` or
+        ``failing``, the top causes (op, source line, fix) and the step where it turned.
+        Keyword arguments pass to `scalescope.analysis.verdict_run` (``audit``,
+        ``thresholds``, ``loss``: the logged scalar holding the loss)."""
+        from .analysis import verdict_run
+
+        return verdict_run(self, **kwargs)
+
+    def causes(self, **kwargs: Any) -> pd.DataFrame:
+        """The advisor's findings grouped into one row per cause (rule, format, pass and
+        module), most severe and largest impact first (`scalescope.analysis.causes`);
+        keyword arguments pass to `advise`."""
+        from .analysis import advise_run, causes
+
+        return causes(advise_run(self, **kwargs))
+
     def heatmap(
         self,
         metric: str = "log2_rms",

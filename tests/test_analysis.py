@@ -30,8 +30,9 @@ def make_ops(*rows: dict) -> pd.DataFrame:
                 "pass": row.get("pass", "fwd"),
                 "primitive": row.get("primitive", name.split("/")[-1]),
                 "shape": tuple(row.get("shape", (4, 4))),
-                # scaled values default to FP16 data (scalified low precision)
-                "dtype": row.get("dtype", "float16" if row.get("scaled") else "float32"),
+                # scaled values default to E4M3 data (scalified FP8: the drift bound
+                # is +-4 there, `A.drift_bounds`)
+                "dtype": row.get("dtype", "float8_e4m3fn" if row.get("scaled") else "float32"),
                 "scaled": row.get("scaled", False),
                 "source": row.get("source", f"model.py:{10 + i}"),
                 "note": row.get("note", ""),
@@ -177,7 +178,7 @@ def test_underflow_threshold():
     row = under.iloc[0]
     assert row["format"] == "e5m2" and row["steps"] == 2 and row["first_step"] == 0
     assert row["value"] == pytest.approx(0.02) and row["threshold"] == 0.01
-    assert row["severity"] == "medium" and "2.0%" in row["evidence"]
+    assert row["severity"] == "low" and "2.0%" in row["evidence"]  # medium from 5 %
 
 
 @pytest.mark.parametrize("scaled", [False, True])
@@ -239,14 +240,20 @@ def test_default_snr_thresholds_are_gaussian_snr_minus_6db():
     assert A.snr_from_mantissa(3) == pytest.approx(25.6, abs=0.1)
 
 
+E4M3 = "float8_e4m3fn"
+
+
 def test_drift_only_on_scaled_or_cast_ops():
     ops = make_ops(
-        {"name": "scaled_up", "scaled": True},
-        {"name": "scaled_in", "scaled": True},
+        {"name": "scaled_up", "scaled": True, "dtype": E4M3},
+        {"name": "scaled_in", "scaled": True, "dtype": E4M3},
         {"name": "plain_big"},
-        {"name": "cast_small", "cast_to": "fp16"},
-        {"name": "scaled_zero", "scaled": True},
+        {"name": "cast_small", "cast_to": "e4m3"},
+        {"name": "scaled_zero", "scaled": True, "dtype": E4M3},
         {"name": "scaled_f32", "scaled": True, "dtype": "float32"},
+        {"name": "fp16_low", "scaled": True, "dtype": "float16"},
+        {"name": "fp16_gone", "scaled": True, "dtype": "float16"},
+        {"name": "cast_fp16", "cast_to": "fp16"},
     )
     stats = make_stats(
         series(0, STEPS, rms=[1.0, 1.0, 2**4.1, 2**4.5, 1.0])
@@ -255,13 +262,22 @@ def test_drift_only_on_scaled_or_cast_ops():
         + series(3, STEPS, rms=2.0**-5)
         + series(4, STEPS, rms=0.0)
         + series(5, STEPS, rms=2.0**9)  # FP32 data: drift costs nothing, not flagged
+        + series(6, STEPS, rms=2.0**-7)  # FP16 keeps 17 binades down to its subnormals
+        + series(7, STEPS, rms=2.0**-21)  # 3 binades from them: flagged
+        + series(8, STEPS, rms=2.0**12)  # a cast to FP16 4 binades under its max
     )
     drift = findings_of(A.advise(stats, ops), "drift").set_index("op")
-    assert sorted(drift.index) == [0, 3]
+    assert sorted(drift.index) == [0, 3, 7, 8]
     assert drift.loc[0, "first_step"] == 200 and drift.loc[0, "steps"] == 2
-    assert drift.loc[0, "value"] == pytest.approx(4.5)
+    assert drift.loc[0, "value"] == pytest.approx(4.5) and drift.loc[0, "threshold"] == 4.0
     assert drift.loc[3, "value"] == pytest.approx(-5.0) and drift.loc[3, "steps"] == 5
     assert "-5.0" in drift.loc[3, "evidence"] and "step 0" in drift.loc[3, "evidence"]
+    # the same margins from FP16's own edges: 2^-24 (subnormal) and 65504
+    assert drift.loc[7, "threshold"] == pytest.approx(-19.0)
+    assert drift.loc[8, "threshold"] == pytest.approx(np.log2(65504) - np.log2(448) + 4)
+    assert A.drift_bounds("e4m3") == (-4.0, pytest.approx(4.0))
+    assert A.drift_bounds("e5m2") == (-11.0, pytest.approx(11.0, abs=0.2))
+    assert A.drift_bounds("bf16")[0] < -100 and A.drift_bounds("unknown") == (-np.inf, np.inf)
 
 
 def test_trend_fires_for_steady_drift_not_for_flat():
@@ -383,7 +399,7 @@ def test_fix_text_by_pass_and_scalify():
 
 def test_severity_is_graded_by_magnitude():
     """The same rule is low, medium or high by how far past its threshold the op goes:
-    99 % of a backward value flushed to zero in E5M2 is high, a few % medium, just over
+    99 % of a backward value flushed to zero in E5M2 is high, 10 % medium, just over
     the 1 % threshold low (SEVERITY_STEPS)."""
     thr = A.Thresholds().snr_db["e4m3"]
     ops = make_ops(
@@ -402,7 +418,7 @@ def test_severity_is_graded_by_magnitude():
     )
     stats = make_stats(
         series(0, STEPS, underflow_e5m2=0.99)
-        + series(1, STEPS, underflow_e5m2=0.04)
+        + series(1, STEPS, underflow_e5m2=0.1)
         + series(2, STEPS, underflow_e5m2=0.015)
         + series(3, STEPS, overflow_e4m3=0.02)
         + series(4, STEPS, overflow_e4m3=1e-6)
@@ -476,7 +492,7 @@ def test_fix_texts_name_the_line_and_the_function():
     )
     stats = make_stats(
         series(0, STEPS, rms=2.0**6)  # drift up (forward)
-        + series(1, STEPS, rms=2.0**-7, underflow_e5m2=0.3)  # backward: drift and underflow
+        + series(1, STEPS, rms=2.0**-13, underflow_e5m2=0.3)  # backward: drift and underflow
         + series(2, STEPS, overflow_e4m3=0.01)  # outliers at unit scale
         + series(3, STEPS, underflow_e4m3=0.05)  # unit scale, yet 5 % flush: more range
         + series(4, STEPS, frac_nonfinite=[0, 0, 0.5, 1, 1])
@@ -505,7 +521,7 @@ def test_fix_texts_name_the_line_and_the_function():
         "run.track(step, scalify=True)  # scale-propagated casts instead of naive e5m2 casts "
         "at model.py:9; or a block-scaled recipe such as mxfp8_e4m3"
     )
-    assert row["severity"] == "high"  # 30 % flushed
+    assert row["severity"] == "medium"  # 30 % flushed (high from 75 %)
     # recipe statistics recorded: the fix names the cheapest recipe safe for that op
     recipe_cols = {
         "overflow_mxfp8_e4m3": 0.0,
@@ -514,7 +530,7 @@ def test_fix_texts_name_the_line_and_the_function():
         "block_flush_mxfp8_e4m3": 0.0,
         "overflow_nvfp4": 0.0,
         "underflow_nvfp4": 0.2,
-        "snr_nvfp4": 15.0,
+        "snr_nvfp4": 12.0,  # under the recipes' 13.5 dB: not safe
         "block_flush_nvfp4": 0.1,
     }
     with_recipes = stats.assign(**recipe_cols)
@@ -524,7 +540,7 @@ def test_fix_texts_name_the_line_and_the_function():
         "at model.py:9; or the mxfp8_e4m3 recipe (safe for this op in the recorded statistics)"
     )
     # no recorded recipe is safe: only scalify is offered, and it says so
-    unsafe = with_recipes.assign(underflow_mxfp8_e4m3=0.5)
+    unsafe = with_recipes.assign(underflow_mxfp8_e4m3=0.8)
     naive = A.advise(unsafe, naive_ops, meta={"graph": {"scalify": False}})
     row = naive[(naive["op"] == 1) & (naive["rule"] == "underflow")].iloc[0]
     assert row["fix"].endswith(
@@ -551,10 +567,10 @@ def test_worst_finding_metric_picks_the_most_severe_then_largest():
     assert A.worst_finding_metric(findings.assign(value=[5.0, 0.99, 0.02, 20.0])) == (
         "overflow_e4m3"
     )
-    # both high: 0.5 % overflowing is near critical (1 %), 30 % flushed just past 25 %
-    two = findings.assign(value=[5.0, 0.3, 0.005, 20.0])
+    # both high: 0.5 % overflowing is near critical (1 %), 77 % flushed just past 75 %
+    two = findings.assign(value=[5.0, 0.77, 0.005, 20.0])
     assert A.worst_finding_metric(two) == "overflow_e4m3"
-    assert A.worst_finding_metric(two.assign(value=[5.0, 0.9, 1e-5, 20.0])) == "underflow_e5m2"
+    assert A.worst_finding_metric(two.assign(value=[5.0, 0.97, 1e-5, 20.0])) == "underflow_e5m2"
     assert A.worst_finding_metric(findings.assign(value=[5.0, 0.03, 0.005, 20.0])) == (
         "overflow_e4m3"  # high (0.5 % overflow) over medium (3 % underflow)
     )

@@ -9,6 +9,7 @@ import contextlib
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -41,6 +42,14 @@ def _write(run: Path, *args: str, **kw) -> subprocess.Popen | None:
 
 @contextlib.contextmanager
 def _server(path: Path):
+    with _served(path) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def _served(path: Path):
+    """``scalescope serve PATH`` on a free port: yields its URL and a function giving
+    what the server printed so far (read in a thread, so a chatty server never blocks)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "scalescope.cli", "serve", str(path), "--port", str(port)],
@@ -48,12 +57,16 @@ def _server(path: Path):
         stderr=subprocess.STDOUT,
         text=True,
     )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.time() + 90
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"serve exited {proc.returncode}: {proc.stdout.read()}")
+                reader.join(5)
+                raise AssertionError(f"serve exited {proc.returncode}: {''.join(lines)}")
             try:
                 if urllib.request.urlopen(url, timeout=5).status == 200:
                     break
@@ -62,13 +75,14 @@ def _server(path: Path):
             if time.time() > deadline:
                 raise AssertionError("the dashboard did not answer within 90 s")
             time.sleep(0.3)
-        yield url
+        yield url, lambda: "".join(lines)
     finally:
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        reader.join(5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,7 +244,7 @@ def test_served_page_draws_the_overview_before_the_advisor_ends(runs, monkeypatc
     gate.set()
     findings = data.findings()  # waits for the background run
     dash.poll()  # the page's periodic callback: the advisor's version moved on
-    assert "rule" in dash.rule_table.value.columns and dash.advisor_note.object == ""
+    assert "cause" in dash.rule_table.value.columns and dash.advisor_note.object == ""
     assert dash.worst_by.value == A.worst_finding_metric(findings, dash.worst_by.options)
     assert dash.worst_by.value == "frac_nonfinite"
 

@@ -473,7 +473,9 @@ def test_reader_replay_on_a_recorded_run(tmp_path):
 
 def test_advisor_on_recorded_runs(tmp_path):
     grow, _, _ = _record(tmp_path / "grow", gain=2.0, steps=4, every=1)
-    found = grow.advise()
+    # nothing is cast: delayed scaling is a what-if, judged only when a format is audited
+    assert not (grow.advise()["rule"] == "delayed").any()
+    found = grow.advise(audit=("e4m3",))
     hit = found[found["rule"] == "delayed"]
     op = _op(grow, (64, 32), ())
     assert op in set(hit["op"])
@@ -481,12 +483,12 @@ def test_advisor_on_recorded_runs(tmp_path):
     assert row["first_step"] == 1 and row["steps"] == 3
     assert "grows ×2 per recorded step" in row["evidence"]
     still, _, _ = _record(tmp_path / "still", gain=1.0, steps=4, every=1)
-    assert not (still.advise()["rule"] == "delayed").any()
+    assert not (still.advise(audit=("e4m3",))["rule"] == "delayed").any()
     # the report carries the finding (a rule without a per-format metric) and its count
     from scalescope.cli import main
 
     out = tmp_path / "audit.json"
-    argv = ["report", str(tmp_path / "grow"), "--json", str(out)]
+    argv = ["report", str(tmp_path / "grow"), "--json", str(out), "--audit", "e4m3"]
     assert main([*argv, "--fail-on", "findings_delayed>0"]) == 1
     report = json.loads(out.read_text())
     rules = {r["rule"]: r["findings"] for r in report["summary"]["findings"]["by_rule"]}

@@ -81,10 +81,22 @@ def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
     assert np.isfinite(scaled.scalars["loss"].to_numpy(np.float64)).all()
     assert set(scaled.ops["pass"]) >= {"fwd", "bwd", "opt"}
     text = capsys.readouterr().out
-    assert "final losses" in text and "fp8-naive" in text and "advisor on fp8-naive" in text
-    # the demo audits two block-scaled recipes and names what NVFP4 would break
+    # the verdicts first (the run that needs attention most on top), then the losses
+    assert text.index("verdicts:") < text.index("final losses")
+    verdicts = text[text.index("verdicts:") :].splitlines()[1:3]
+    assert verdicts[0].startswith("  fp8-naive  failing from step 0: e5m2 underflow"), text
+    assert verdicts[1].startswith("  fp8        healthy"), text
+    assert "why fp8-naive is failing:" in text and "fix: run.track(step, scalify=True)" in text
+    # the demo audits two block-scaled recipes and says what NVFP4 would do; one op count
     assert scaled.recipes == ("mxfp8_e4m3", "nvfp4")
-    assert "nvfp4 on fp8:" in text and "ops would not be safe" in text
+    from scalescope import analysis as A
+
+    n_ops = len(A.format_whatif_run(scaled))
+    summary = text[text.index("nvfp4 on fp8:") :].splitlines()
+    assert f" {n_ops} ops" in summary[0], summary
+    assert "opt/opt/" not in text
+    shown = [line for line in summary[1:] if line.startswith("  ")]
+    assert len(shown) == len(set(shown))  # no line twice
     assert f"scalescope serve {out}" in text
     # an existing demo folder is never overwritten
     assert main([*argv, "--out", str(out)]) == 2

@@ -137,6 +137,14 @@ def test_progress_prints_rate_loss_and_eta():
     assert lines[0].startswith("gpt fp8 [######") and "50/200" in lines[0]
     assert "steps/s" in lines[0] and "loss 2.5000" in lines[0] and "val_loss" not in lines[0]
     assert "200/200" in lines[1] and "val_loss 1.9000" in lines[1] and "eta" in lines[1]
+    # the first update's steps include the compile: no eta until later steps are timed
+    assert lines[0].endswith("eta    -") and lines[1].endswith("eta    0s")
+    early = io.StringIO()
+    bar = Progress(200, "gpt fp8", early)
+    for done in (1, 2, 3, 4):
+        bar.update(done, loss=2.0)
+    etas = [line.rsplit("eta", 1)[1].strip() for line in early.getvalue().splitlines()]
+    assert etas[:3] == ["-", "-", "-"] and etas[3].endswith("s")
 
 
 def test_train_config_opt_state_dtype_defaults_to_the_params_and_is_checked():

@@ -86,12 +86,12 @@ def test_heatmap_color_mapper_colour_bar_and_nan_colour():
 @pytest.mark.parametrize(
     "metric, low, high",
     [
-        ("underflow_e4m3", 0.0, 0.5),
-        ("overflow_fp16", 0.0, 0.5),
-        ("subnormal_e5m2", 0.0, 0.5),
-        ("frac_zero", 0.0, 0.5),
+        ("underflow_e4m3", 0.0, 1.0),
+        ("overflow_fp16", 0.0, 1.0),
+        ("subnormal_e5m2", 0.0, 1.0),
+        ("frac_zero", 0.0, 1.0),
         ("log2_rms", -8.0, 8.0),
-        ("snr_e4m3", -3.0, 0.5),
+        ("snr_e4m3", 0.0, 80.0),
         ("rms", -3.0, 0.5),
     ],
 )
@@ -106,17 +106,28 @@ def test_heatmap_palettes_per_family():
     frac = _mapper(viz.heatmap(_matrix(), metric="underflow_e4m3")).palette
     snr = _mapper(viz.heatmap(_matrix(), metric="snr_e4m3")).palette
     log2 = _mapper(viz.heatmap(_matrix(), metric="log2_rms")).palette
-    assert list(snr) == list(reversed(frac))  # low SNR takes the alarming end
-    assert frac[-1] == snr[0]
+    assert snr[0] == frac[-1] and snr[-1] == frac[0]  # low SNR takes the alarming end
     assert log2[0] != log2[-1] and len(log2) == 256
     assert viz.metric_family("overflow_bf16") == "fraction"
     assert viz.metric_family("scale") == "other"
 
 
-def test_heatmap_fraction_range_and_overrides():
+def _shade(palette, value: float) -> int:
+    """Index in the alarm palette of the colour a 0..1 mapper gives ``value``."""
+    colour = palette[min(int(value * len(palette)), len(palette) - 1)]
+    return viz.theme.ALARM_LOW_TO_HIGH.index(colour)
+
+
+def test_heatmap_fraction_colours_are_fixed_and_spaced_by_decade():
     zeros = pd.DataFrame(np.zeros((2, 2)), index=[0, 1], columns=[0, 1])
     mapper = _mapper(viz.heatmap(zeros, metric="underflow_e4m3"))
-    assert (mapper.low, mapper.high) == (0.0, 1.0)  # all zero: the full fraction range
+    assert (mapper.low, mapper.high) == (0.0, 1.0)  # fixed, whatever the values
+    # 1.5 % must not look like 99 %: a third of the palette apart, and 0 the lightest
+    palette = list(mapper.palette)
+    zero, small, large = _shade(palette, 0.0), _shade(palette, 0.015), _shade(palette, 0.99)
+    assert zero == 0 and large >= 250 and 60 <= small <= large - 120
+    # each decade from 0.1 % up takes about a third of the shades
+    assert abs((_shade(palette, 0.1) - _shade(palette, 0.01)) - 85) <= 3
     fig = viz.heatmap(_matrix(), metric="frac_zero", low=0.0, high=1.0, palette=["#000", "#fff"])
     mapper = _mapper(fig)
     assert (mapper.low, mapper.high, list(mapper.palette)) == (0.0, 1.0, ["#000", "#fff"])
@@ -290,6 +301,18 @@ def test_histogram_format_ranges():
     assert len(legend) == 4 and all(any(f in label for label in legend) for f in FORMAT_INFO)
 
 
+def test_histogram_legend_beside_the_bars_and_labels_apart():
+    fig = viz.exponent_histogram(_counts(), FORMAT_INFO)
+    # the legend (a swatch per format) sits right of the plot, not over the bars
+    assert fig.legend[0] in fig.right and fig.legend[0] not in fig.center
+    swatches = [r for r in fig.renderers if r.name.endswith("-legend")]
+    assert len(swatches) == len(FORMAT_INFO)
+    assert all(r.glyph.fill_color for r in swatches)
+    # no two ticks closer than 2 bins: their rotated labels never overlap
+    ticks = sorted(fig.xaxis[0].ticker.ticks)
+    assert min(np.diff(ticks)) >= 2, ticks
+
+
 def test_histogram_format_subset_log_counts_and_format_objects():
     from scalescope.core.formats import FORMATS
 
@@ -317,6 +340,15 @@ def test_snr_bars_thresholds_and_inf_clip():
         viz.snr_chart(snr, clip_db=200).select_one({"name": "snr-bars"}).data_source.data["snr"][3]
         == 200
     )
+
+
+def test_snr_bars_say_when_they_are_zero_or_nan():
+    snr = pd.Series({"e4m3": 0.0, "e5m2": np.nan, "bf16": 40.0})
+    fig = viz.snr_chart(snr)
+    text = fig.select_one({"name": "snr-flat-labels"}).data_source.data
+    assert list(text["x"]) == ["e4m3", "e5m2"]
+    assert list(text["text"]) == ["0.0 dB", "NaN (no finite element)"]
+    assert viz.snr_chart(pd.Series({"bf16": 40.0})).select_one({"name": "snr-flat-labels"}) is None
 
 
 def test_snr_lines_threshold_spans():

@@ -17,6 +17,7 @@ from .advisor import (
     advise,
     advise_run,
     advisor_columns,
+    drift_bounds,
     finding_metric,
     fix_line,
     format_span,
@@ -28,6 +29,7 @@ from .advisor import (
     worst_finding,
     worst_finding_metric,
 )
+from .causes import CAUSE_COLUMNS, causes, impact_text, module_of, worst_text
 from .compare import (
     FILL_MAGNITUDE,
     Comparison,
@@ -65,7 +67,19 @@ from .groups import (
     scope_key,
 )
 from .measured import budget_note, measurement_notes, sampled_note
+from .relevance import CONSTANT_ORIGINS, constant_ops
 from .summary import op_summary, op_summary_run, worst_ops
+from .verdict import (
+    STATUSES,
+    Reason,
+    Verdict,
+    VerdictThresholds,
+    logged_loss,
+    parse_status,
+    verdict,
+    verdict_run,
+    worst_first,
+)
 from .whatif import (
     CHEAPEST,
     RECIPE_FIELDS,
@@ -106,6 +120,7 @@ __all__ = [
     "advise",
     "advise_run",
     "advisor_columns",
+    "drift_bounds",
     "block_scales",
     "budget_note",
     "cheapest_counts",
@@ -153,4 +168,20 @@ __all__ = [
     "worst_finding",
     "worst_finding_metric",
     "worst_ops",
+    "CAUSE_COLUMNS",
+    "CONSTANT_ORIGINS",
+    "STATUSES",
+    "Reason",
+    "Verdict",
+    "VerdictThresholds",
+    "causes",
+    "constant_ops",
+    "logged_loss",
+    "module_of",
+    "impact_text",
+    "worst_text",
+    "parse_status",
+    "verdict",
+    "verdict_run",
+    "worst_first",
 ]

@@ -9,16 +9,22 @@
   format in ``audit``;
 - ``drift``: an op stored in a low-precision dtype (FP16/BF16/FP8) and scaled (a
   ScaledArray under scalify), or cast to a low-precision format, whose data RMS leaves
-  unit scale: ``|log2 rms| > drift_log2`` (the static scale propagation lost track of it);
-- ``trend``: such an op, in bound at its last recorded step, whose least-squares fit of
-  log2 rms over the recorded steps crosses ``±drift_log2`` before the horizon;
-- ``delayed``: a float op whose value amax grows faster than FP8 *delayed scaling* can
+  the band of that format (`drift_bounds`: ``|log2 rms| > drift_log2`` for E4M3, the
+  same margins from a wider format's own edges): the static scale propagation lost
+  track of it;
+- ``trend``: such an op, in its band at its last recorded step, whose least-squares fit
+  of log2 rms over the recorded steps leaves the band before the horizon;
+- ``delayed``: a value cast without a scale of its own (or, when a plain format is
+  audited, any float op) whose value amax grows faster than FP8 *delayed scaling* can
   follow: replayed with an amax history of ``delayed_history`` recorded steps
-  (`scalescope.analysis.delayed`, algo ``max``, margin 0, the op's cast format or
-  e4m3), its amax lands a whole binade above the history's max (``clipped_min > 0``:
-  elements clip for sure) and more than ``2**delayed_log2`` times above it, at some
-  recorded step once the history holds an amax (clipping at the initial scale 1 is the
-  overflow rule's business).
+  (`scalescope.analysis.delayed`, algo ``max``, margin 0, the op's cast format or the
+  audited one), its amax lands a whole binade above the history's max
+  (``clipped_min > 0``: elements clip for sure) and more than ``2**delayed_log2``
+  times above it, at some recorded step once the history holds an amax (clipping at
+  the initial scale 1 is the overflow rule's business).
+
+Values constant by construction (`scalescope.analysis.relevance`: optimizer scalars from
+the step count, mask fills) raise no drift, trend or delayed finding.
 
 **Severity is graded by magnitude** (`severity_level`; the steps are `SEVERITY_STEPS`):
 
@@ -77,6 +83,7 @@ from .frames import (
     recorded_recipes,
     require_columns,
 )
+from .relevance import constant_ops
 
 # SNR (dB) of each format on N(0, 1) data, measured once with numpy + ml_dtypes
 # (4M samples, round-to-nearest-even cast, SNR = 10 log10(sum x^2 / sum (x - q(x))^2)):
@@ -119,7 +126,10 @@ SEVERITY = {
 SEVERITY_STEPS: dict[str, tuple[float, float, float]] = {
     "overflow": (0.0, 0.0, 1e-2),
     "overflow_recipe": (1e-3, 1e-2, math.inf),
-    "underflow": (0.02, 0.25, math.inf),
+    # medium from 5 %, high from 75 % of the non-zero values flushed: in the labelled
+    # corpus (benchmarks/bench_verdicts.py, docs/advisor.md) runs that trained as well as
+    # fp32 flushed up to 59 % of a backward value, broken ones 77 % and more
+    "underflow": (0.05, 0.75, math.inf),
     "snr": (3.0, 12.0, math.inf),
     "drift": (1.0, 4.0, math.inf),
     "trend": (4.0, math.inf, math.inf),
@@ -139,6 +149,7 @@ FINDING_COLUMNS = [
     "steps",
     "value",
     "threshold",
+    "impact",
     "evidence",
     "severity",
     "fix",
@@ -155,18 +166,24 @@ def snr_from_mantissa(mantissa_bits: int) -> float:
 class Thresholds:
     """Limits of the advisor's rules (and of the format what-if).
 
-    ``drift_log2``: bound on ``|log2 rms|`` of the data of scaled or cast ops.
+    ``drift_log2``: bound on ``|log2 rms|`` of the data of scaled or cast E4M3 ops;
+    other formats get the same margins from their own edges (`drift_bounds`).
     ``underflow``: largest tolerated fraction of non-zero values flushed to zero.
     ``overflow``: largest tolerated fraction of values above the format's max (0: any
     overflow is flagged). ``snr_db``: lowest tolerated SNR per format (see
     `DEFAULT_SNR_DB`; formats not listed use `snr_from_mantissa`).
     ``nonfinite``: largest tolerated fraction of NaN/inf (0: any).
-    ``recipe_overflow``: largest tolerated fraction of elements a block-scaled recipe
-    clips (``overflow_R``; default 1e-4). Not 0: a recipe with an FP32 scale
-    (``e4m3_tensor``, NVFP4's tensor factor) can put an abs-max a float32 rounding above
-    the element max, which saturates harmlessly but counts as overflow. Recipes clip by
-    design (the OCP MX rule ~0.9 % of Gaussian elements, NVFP4's rounded block scales
-    ~3.5 %): raise it (to 1 to let ``snr_R`` alone judge clipping) to accept that.
+    Block-scaled recipes are judged by the noise they add (``snr_R``, which counts
+    what they clip and flush), because that is what training answers to: MXFP8 with
+    OCP FLOOR scales (which clips ~0.9 % of Gaussian elements by design), MXFP8 RCEIL and
+    NVFP4 (~3.5 % clipped, ~20 dB) applied to every linear operand of a char transformer
+    train within 1-2 % of fp32 (docs/advisor.md). ``recipe_snr_db``: lowest tolerated
+    ``snr_R`` of any recipe (default 13.5 dB, the E2M1 threshold: NVFP4's noise on
+    Gaussian data passes with margin); ``recipe_overflow``: largest tolerated fraction
+    of clipped elements (default 1: clipping is judged through the SNR; lower it to
+    hold a recipe to less clipping); ``recipe_underflow``: largest tolerated fraction of
+    non-zero elements flushed to zero (default 0.75, the fraction of a gradient whose
+    flush broke training in the verdict corpus).
     ``trend_min_points``: fewest recorded steps a trend fit uses;
     ``trend_min_r2``: the fit must explain at least this share of the variance, so a
     flat but noisy op near the bound is not projected out of it.
@@ -192,7 +209,9 @@ class Thresholds:
     mask_min_steps: int = 3
     delayed_history: int = 1024
     delayed_log2: float = 0.5
-    recipe_overflow: float = 1e-4
+    recipe_overflow: float = 1.0
+    recipe_underflow: float = 0.75
+    recipe_snr_db: float = 13.5
 
     def __post_init__(self) -> None:
         names = (
@@ -203,12 +222,14 @@ class Thresholds:
             "trend_min_r2",
             "delayed_log2",
             "recipe_overflow",
+            "recipe_underflow",
+            "recipe_snr_db",
         )
         for name in names:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"Thresholds.{name}: expected a number >= 0, got {value!r}")
-        for name in ("underflow", "overflow", "nonfinite", "recipe_overflow"):
+        for name in ("underflow", "overflow", "nonfinite", "recipe_overflow", "recipe_underflow"):
             if getattr(self, name) > 1:
                 raise ValueError(
                     f"Thresholds.{name}: a fraction in [0, 1], got {getattr(self, name)}"
@@ -232,15 +253,11 @@ class Thresholds:
     def snr_for(self, fmt: str, meta: Mapping[str, Any] | None = None) -> float:
         """SNR threshold of format ``fmt``: `snr_db`, else derived from its mantissa bits
         (from ``meta["format_info"]`` or scalescope's format table). A block-scaled recipe
-        (``"nvfp4"``) takes its own `snr_db` entry, else its element format's threshold
-        (``e2m1``: derived, 13.5 dB)."""
+        (``"nvfp4"``) takes its own `snr_db` entry, else `recipe_snr_db`."""
         if fmt in self.snr_db:
             return float(self.snr_db[fmt])
-        element = recipe_element(fmt)
-        if element is not None:
-            if element.name in self.snr_db:
-                return float(self.snr_db[element.name])
-            return snr_from_mantissa(element.mantissa_bits)
+        if recipe_element(fmt) is not None:
+            return float(self.recipe_snr_db)
         bits = _format_info(fmt, meta).get("mantissa_bits")
         if bits is None:
             raise KeyError(
@@ -253,6 +270,11 @@ class Thresholds:
         """Tolerated overflow fraction: `recipe_overflow` for a block-scaled recipe,
         `overflow` for a format."""
         return self.recipe_overflow if recipe_element(name) is not None else self.overflow
+
+    def underflow_for(self, name: str) -> float:
+        """Tolerated underflow fraction: `recipe_underflow` for a block-scaled recipe,
+        `underflow` for a format."""
+        return self.recipe_underflow if recipe_element(name) is not None else self.underflow
 
 
 def recipe_element(name: str) -> Any:
@@ -731,7 +753,7 @@ def _format_findings(
         over = thresholds.overflow_for(fmt)
         rules = (
             ("overflow", f"overflow_{fmt}", "max", over, "gt"),
-            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow, "gt"),
+            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow_for(fmt), "gt"),
             ("snr", f"snr_{fmt}", "min", snr_thr, "lt"),
         )
         for rule, col, worst, thr, how in rules:
@@ -857,19 +879,58 @@ def _nonfinite_findings(
     return rows
 
 
+#: E4M3's edges (log2 of its max and of its smallest subnormal): `Thresholds.drift_log2`
+#: is a bound on |log2 rms| for E4M3 data, and every other format gets the same margins
+#: from its own edges (`drift_bounds`).
+_E4M3_TOP = math.log2(448.0)
+_E4M3_BOTTOM = -9.0
+
+
+def drift_bounds(fmt: str, drift_log2: float = 4.0) -> tuple[float, float]:
+    """The band of log2 rms a value held in format ``fmt`` may drift in without a
+    finding: ``±drift_log2`` for E4M3, and for a wider format the same margins from its
+    own max and smallest subnormal (e5m2 -11 .. +11, fp16 -19 .. +11.2, bf16 -128 ..
+    +123.2): FP16 data at RMS 2^-7 keeps 12 binades above its smallest subnormal, where
+    E4M3 data would flush. ``(-inf, inf)`` for an unknown format."""
+    info = _format_info(fmt, None)
+    top, tiny = info.get("max"), info.get("min_subnormal")
+    if not top or not tiny:
+        return -math.inf, math.inf
+    lower = math.log2(float(tiny)) + (-drift_log2 - _E4M3_BOTTOM)
+    upper = math.log2(float(top)) - (_E4M3_TOP - drift_log2)
+    return lower, upper
+
+
+def _drift_band(table: pd.DataFrame, ids: np.ndarray, drift_log2: float) -> np.ndarray:
+    """Per op of ``ids``: ``(lower, upper)`` drift bounds (`drift_bounds`) of the format
+    its data is judged in: the format it is cast to, else its own dtype's."""
+    cast = table["cast_to"].reindex(ids).fillna("").astype(str).to_numpy()
+    dtype = table["dtype"].reindex(ids).fillna("").astype(str).map(_LOW_PRECISION)
+    fmt = np.where(cast != "", cast, dtype.fillna("").to_numpy())
+    band = {f: drift_bounds(f, drift_log2) for f in set(fmt.tolist())}
+    return np.array([band[f] for f in fmt], np.float64).reshape(len(ids), 2)
+
+
 def _drift_findings(
-    cells: _Cells | _Dense, drift_rows: np.ndarray, thresholds: Thresholds
+    cells: _Cells | _Dense, band: np.ndarray, thresholds: Thresholds
 ) -> list[dict[str, Any]]:
-    bound = thresholds.drift_log2
+    """``band``: per op of ``cells.ids``, its drift bounds (``(-inf, inf)``: not judged)."""
     l2 = cells.cols["log2_rms"]
+    lo, hi = band[:, 0], band[:, 1]
+    if not isinstance(cells, _Dense):  # op-major rows
+        lo, hi = np.repeat(lo, cells.sizes), np.repeat(hi, cells.sizes)
     with np.errstate(invalid="ignore"):
-        mask = (np.abs(l2) > bound) & drift_rows
+        excess = np.maximum(l2 - hi, lo - l2)
+        mask = excess > 0
     rows = []
-    for op, first, k, v, at in _hit_rows(_hits(cells, l2, mask, "abs")):
+    for op, first, k, _, at in _hit_rows(_hits(cells, excess, mask, "max")):
         n = int(cells.sizes[np.searchsorted(cells.ids, op)])
+        v = cells.at("log2_rms", op, int(at))
+        lower, upper = band[int(np.searchsorted(cells.ids, op))]
+        bound = upper if v > upper else lower
         text = (
             f"log2 rms of the data reaches {_signed(v)} (rms {_num(2.0**v)}) at step "
-            f"{at}, beyond ±{bound:g}"
+            f"{at}, beyond {bound:+.3g}"
         )
         rows.append(
             dict(
@@ -992,11 +1053,11 @@ def _trend_fit_dense(cells: _Dense, drift_ops: np.ndarray) -> _TrendFit | None:
 
 
 def _trend_findings(
-    cells: _Cells | _Dense, drift_ops: np.ndarray, thresholds: Thresholds, horizon: float
+    cells: _Cells | _Dense, band: np.ndarray, thresholds: Thresholds, horizon: float
 ) -> list[dict[str, Any]]:
-    """Least-squares line of log2 rms against step, per op of ``drift_ops`` (finite
-    points only)."""
-    bound = thresholds.drift_log2
+    """Least-squares line of log2 rms against step, per op with finite drift bounds in
+    ``band`` (per op of ``cells.ids``; finite points only), projected out of its band."""
+    drift_ops = cells.ids[np.isfinite(band).any(axis=1)]
     if isinstance(cells, _Dense):
         fit = _trend_fit_dense(cells, drift_ops)
     else:
@@ -1004,6 +1065,7 @@ def _trend_findings(
     if fit is None:
         return []
     xm, ym, sxx, syy, sxy = fit.xm, fit.ym, fit.sxx, fit.syy, fit.sxy
+    lo, hi = band[np.searchsorted(cells.ids, fit.ops)].T
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = sxy / sxx
         r2 = slope**2 * sxx / syy
@@ -1011,21 +1073,22 @@ def _trend_findings(
         candidate = (
             (fit.counts >= thresholds.trend_min_points)
             & (horizon > fit.x_last)
-            & (np.abs(fit.last) <= bound)
+            & (fit.last >= lo)
+            & (fit.last <= hi)
             & (sxx != 0)
             & (syy != 0)
-            & (np.abs(projected) > bound)
+            & ((projected > hi) | (projected < lo))
             & (r2 >= thresholds.trend_min_r2)
         )
     out = []
     for k in np.flatnonzero(candidate):
-        target = math.copysign(bound, projected[k])
+        target = float(hi[k] if projected[k] > hi[k] else lo[k])
         cross = xm[k] + (target - ym[k]) / slope[k]
         xs, ys = fit.points(k)
         text = (
             f"log2 rms of the data moves {slope[k]:+.3g}/step (from {_signed(ys[0])} at step "
             f"{int(xs[0])} to {_signed(ys[-1])} at step {int(xs[-1])}, R² {r2[k]:.2f}); the "
-            f"fit crosses {target:+g} at step ~{int(round(cross))} and reaches "
+            f"fit crosses {target:+.3g} at step ~{int(round(cross))} and reaches "
             f"{_signed(projected[k])} at the horizon (step {int(horizon)})"
         )
         out.append(
@@ -1182,15 +1245,53 @@ def _delayed_findings(
     return rows
 
 
-def _delayed_formats(info: pd.DataFrame) -> pd.Series:
+def _delayed_formats(info: pd.DataFrame, audit: Sequence[str] = ()) -> pd.Series:
     """Float ops (by op-table dtype; unknown dtype counts as float) -> the format their
-    delayed scaling is replayed in: the op's cast format when scalescope knows it, else
-    e4m3."""
+    delayed scaling is replayed in. Delayed scaling is a way to scale a cast: the rule
+    concerns the values a run casts to a plain format without a scale of their own (a
+    naive cast, replayed in its format; a scalified value is cast with this step's
+    scale), and, when a plain format with a max is audited, every float op (replayed in
+    its cast format, else the first such audited format)."""
     dtype = info["dtype"].astype(str)
     floats = info[(dtype == "") | dtype.str.contains("float")]
     cast = floats["cast_to"].astype(str)
-    known = cast.map(lambda f: bool(f) and "max" in _format_info(f, None))
-    return cast.where(known, "e4m3")
+    limits = {f: bool(f) and "max" in _format_info(f, None) for f in cast.unique()}
+    known = cast.map(limits).to_numpy(bool)
+    audited = [f for f in audit if recipe_element(f) is None and "max" in _format_info(f, None)]
+    if audited:
+        return cast.where(known, audited[0])
+    return cast[known & ~floats["scaled"].to_numpy(bool)]
+
+
+# -- impact ------------------------------------------------------------------------------
+
+
+def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> np.ndarray:
+    """Per finding: the estimated share of the value lost at its worst step, in [0, 1]
+    (see `advise`; ``passes``: each finding's op's pass). NaN for drift, trend and
+    delayed, which warn before a loss."""
+    out = np.full(len(found), np.nan)
+    rule = found["rule"].astype(str).to_numpy()
+    fmt = found["format"].astype(str).to_numpy()
+    value = found["value"].to_numpy(np.float64)
+    at = found["_at"].to_numpy() if "_at" in found else np.zeros(len(found))
+    ops = found["op"].to_numpy(np.int64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for i in range(len(found)):
+            if rule[i] == "nonfinite":
+                out[i] = 1.0
+            elif rule[i] == "overflow":
+                # a plain cast turns them into inf (NaN in e4m3fn): the step is lost
+                out[i] = value[i] if recipe_element(fmt[i]) is not None else 1.0
+            elif rule[i] == "snr":
+                out[i] = 10.0 ** (-value[i] / 10.0)
+            elif rule[i] == "underflow" and passes[i] not in ("fwd", "input"):
+                out[i] = value[i]  # a gradient or update element flushed is a step lost
+            elif rule[i] == "underflow":
+                col = f"snr_{fmt[i]}"
+                snr = cells.at(col, int(ops[i]), int(at[i])) if col in cells.cols else np.nan
+                out[i] = 10.0 ** (-snr / 10.0) if np.isfinite(snr) else value[i]
+    return np.clip(out, 0.0, 1.0)
 
 
 # -- severity ----------------------------------------------------------------------------
@@ -1255,8 +1356,14 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                     idx = np.flatnonzero(m)[k]
                     out[idx] = _band_level(_log_fraction(v[k]), lo, steps, 0.0)
             elif name == "snr":
-                below = np.where(np.isnan(v), 0.0, t - v)
-                out[m] = _band_level(below, 0.0, SEVERITY_STEPS["snr"], 36.0)
+                # graded from the lower of the format's threshold and E4M3's: a cast that
+                # keeps more SNR than a healthy E4M3 cast (an FP16 cast at 40 dB) loses
+                # less than training tolerates (the corpus): at most low
+                floor = np.minimum(t, DEFAULT_SNR_DB["e4m3"])
+                graded = np.where(np.isnan(v), 0.0, floor - v)
+                level = _band_level(graded, 0.0, SEVERITY_STEPS["snr"], 36.0)
+                low = np.clip(np.where(np.isnan(v), 0.0, t - v) / 36.0, 0.0, 0.999)
+                out[m] = np.where(graded > 0, level, low)
             elif name in ("drift", "trend"):
                 beyond = np.abs(v) - np.abs(t)
                 out[m] = _band_level(beyond, 0.0, SEVERITY_STEPS[name], 16.0)
@@ -1327,7 +1434,7 @@ def worst_finding_metric(
 def _empty_findings() -> pd.DataFrame:
     frame = pd.DataFrame({c: pd.Series(dtype=object) for c in FINDING_COLUMNS})
     return frame.astype({"op": np.int64, "first_step": np.int64, "steps": np.int64}).astype(
-        {"value": np.float64, "threshold": np.float64}
+        {"value": np.float64, "threshold": np.float64, "impact": np.float64}
     )
 
 
@@ -1378,9 +1485,9 @@ def advise(
     ``ops``: the op table; ``meta``: the run's metadata
     (``graph.scalify`` picks the fix, ``config.steps`` the default horizon, ``format_info``
     the limits quoted in the evidence); ``audit``: formats every op is also checked
-    against (recorded block-scaled recipes too: their overflow rule tolerates
-    ``thresholds.recipe_overflow``, their SNR threshold is their element format's; flushed
-    blocks are the format what-if's business); ``horizon``: the step trends are projected
+    against (recorded block-scaled recipes too, with ``thresholds.recipe_overflow``,
+    ``recipe_underflow`` and ``recipe_snr_db``; flushed blocks are the format what-if's
+    business); ``horizon``: the step trends are projected
     to (default ``config.steps``, else twice the last recorded step).
 
     Columns: op, label, name, pass, primitive, source, rule, format ("" for nonfinite,
@@ -1389,7 +1496,15 @@ def advise(
     fitted points), value (worst: max fraction, min SNR dB, log2 rms of larger magnitude; for
     trend the projected log2 rms at the horizon; for delayed the largest log2(value amax
     / delayed-scaling threshold)), threshold (for trend the signed bound crossed; 0 for
-    delayed), evidence, severity (graded by the value: `severity_level`), fix
+    delayed), impact (the estimated share of the value lost at the worst step, in
+    [0, 1]: 1 for nonfinite and for an overflow of a plain format, whose inf or NaN ends
+    the step; for the underflow of a backward or optimizer value, the fraction of its
+    non-zero elements flushed, each a lost piece of an update; the quantisation noise
+    over the signal power, ``10**(-snr/10)``, of the format at that step for snr and for
+    the underflow of a forward value, which counts the flushed values' share of the
+    signal; the clipped fraction for a recipe's overflow; NaN for drift, trend and
+    delayed, which warn before anything is lost), evidence, severity (graded by the
+    value: `severity_level`), fix
     (`fix_line`). The delayed rule needs ``absmax`` and ``scale`` columns (skipped
     without them) and reads the histogram range from ``meta["hist_columns"]``.
 
@@ -1457,20 +1572,26 @@ def advise(
     # Drift matters where the data is stored or cast in a narrow format: an FP32 value of
     # RMS 2^8 loses nothing, an FP16 or FP8 one heads for overflow or underflow.
     low = table["dtype"].astype(str).isin(list(_LOW_PRECISION)).to_numpy()
-    drift_ops = ids[(table["scaled"].to_numpy(bool) & low) | (cast_to != "")]
-    drift_rows = cells.rows_of(drift_ops)
+    judged = ~np.isin(ids, constant_ops(table, stats))  # not constant by construction
+    drift_ops = ids[((table["scaled"].to_numpy(bool) & low) | (cast_to != "")) & judged]
+    band = np.tile([-math.inf, math.inf], (len(cells.ids), 1))
+    judged_drift = np.isin(cells.ids, drift_ops)
+    band[judged_drift] = _drift_band(table, cells.ids[judged_drift], thresholds.drift_log2)
     last_step = int(stats["step"].max())
     horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
 
     rows = _nonfinite_findings(cells, thresholds, labels)
     rows += _format_findings(cells, checked, thresholds, meta)
-    rows += _drift_findings(cells, drift_rows, thresholds)
-    rows += _trend_findings(cells, drift_ops, thresholds, horizon)
+    rows += _drift_findings(cells, band, thresholds)
+    rows += _trend_findings(cells, band, thresholds, horizon)
     if replay_delayed:
-        rows += _delayed_findings(cells, _delayed_formats(table), thresholds, exp_range)
+        replayed = _delayed_formats(table[judged], audit_formats)
+        rows += _delayed_findings(cells, replayed, thresholds, exp_range)
     if not rows:
         return _empty_findings()
     found = pd.DataFrame(rows)
+    passes = table["pass"].reindex(found["op"].to_numpy()).astype(str).to_numpy()
+    found["impact"] = _impact(found, cells, passes)
     recipes = _safe_recipes(found, stats, table, thresholds, meta)
     recorded = recorded_recipes(stats)
     return _finish(found, table, labels, meta, thresholds.delayed_history, cells, recipes, recorded)
@@ -1485,7 +1606,9 @@ def _safe_recipes(
 ) -> dict[int, str] | None:
     """Op id -> the cheapest recorded recipe safe for it over the recorded steps
     (`scalescope.analysis.format_whatif`; "" when none is), for the ops of format
-    findings; None when the run records no recipe."""
+    findings; None when the run records no recipe. A backward or optimizer value is
+    offered 8-bit recipes only: FP4 training casts gradients with stochastic rounding and
+    random Hadamard transforms, which these statistics do not model."""
     recorded = recorded_recipes(stats)
     if not recorded:
         return None
@@ -1498,6 +1621,12 @@ def _safe_recipes(
     op = stats["op"].to_numpy(np.int64)
     rows = np.isin(op, ids, kind="table") if op.min() >= 0 else np.isin(op, ids)
     whatif = format_whatif(stats[rows], table, recorded, thresholds=thresholds, meta=meta)
+    grads = ~table["pass"].reindex(whatif.index).astype(str).isin(["fwd", "input"]).to_numpy()
+    from ..core import recipes as _recipes
+
+    for name in recorded:
+        if _recipes.get(name).bits < 8 and grads.any():
+            whatif[(name, "safe")] = whatif[(name, "safe")].to_numpy(bool) & ~grads
     return {int(k): str(v) for k, v in cheapest_recipe(whatif).items()}
 
 

@@ -25,13 +25,19 @@ import numpy as np
 import pandas as pd
 
 from .frames import POSITIVE_METRICS, check_stats, metric_values, op_labels, op_table
+from .relevance import FILL_MAGNITUDE, fill_rows
 
 MATCH_KEY = ("pass", "name", "primitive", "shape")
 
-#: Finite magnitudes from which a value is taken for a mask fill standing for -inf
-#: (``jnp.finfo(float16).min`` is -65504, far below; ``-1e30`` and ``finfo(float32).min``
-#: are above): see the module docstring.
-FILL_MAGNITUDE = 1e30
+__all__ = [
+    "FILL_MAGNITUDE",
+    "Comparison",
+    "compare_readers",
+    "compare_runs",
+    "largest_differences",
+    "mask_fills",
+    "match_ops",
+]
 
 
 class Comparison(NamedTuple):
@@ -163,20 +169,8 @@ def compare_runs(
 
 def mask_fills(stats: pd.DataFrame, values: np.ndarray | None = None) -> np.ndarray:
     """Per row of a wide statistics frame: whether it is, or comes from, a mask fill
-    value (see the module docstring): the metric ``values`` (optional) or the op's value
-    abs-max (``absmax * scale``, ``absmax`` alone without a ``scale`` column) is finite
-    and at least `FILL_MAGNITUDE` in magnitude."""
-    out = np.zeros(len(stats), bool)
-    with np.errstate(invalid="ignore", over="ignore"):
-        if values is not None:
-            v = np.abs(np.asarray(values, np.float64))
-            out |= np.isfinite(v) & (v >= FILL_MAGNITUDE)
-        if "absmax" in stats.columns:
-            amax = np.abs(stats["absmax"].to_numpy(np.float64))
-            if "scale" in stats.columns:
-                amax = amax * np.abs(stats["scale"].to_numpy(np.float64))
-            out |= np.isfinite(amax) & (amax >= FILL_MAGNITUDE)
-    return out
+    value (see the module docstring and `scalescope.analysis.relevance.fill_rows`)."""
+    return fill_rows(stats, values)
 
 
 def largest_differences(values: pd.DataFrame, names: Sequence[str] = ("a", "b")) -> pd.DataFrame:

@@ -104,16 +104,19 @@ def _worse(col: str) -> str:
     return "min" if metric_direction(col) == "min" else "max"
 
 
-def worst_ops(summary: pd.DataFrame, by: str, n: int = 20) -> pd.DataFrame:
+def worst_ops(summary: pd.DataFrame, by: str, n: int = 20, exclude: Any = None) -> pd.DataFrame:
     """The ``n`` rows of an `op_summary` that are worst by column ``by``: largest first
     for fractions and sizes, smallest first for ``snr_*`` and ``first_nonfinite_step``,
     largest magnitude first for ``log2_*`` (infinite ones, from all-zero values, last).
-    NaN rows come last."""
+    NaN rows come last. ``exclude``: op ids never ranked, such as the values constant by
+    construction (`scalescope.analysis.constant_ops`: mask fills, optimizer scalars)."""
     if by not in summary.columns:
         known = [c for c in summary.columns if pd.api.types.is_numeric_dtype(summary[c])]
         raise KeyError(f"by: {by!r} is not a column of the summary; numeric columns: {known}")
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
         raise ValueError(f"n: expected a non-negative int, got {n!r}")
+    if exclude is not None and len(exclude):
+        summary = summary[~summary.index.isin(np.asarray(exclude))]
     values = summary[by].astype(np.float64)
     if by == "first_nonfinite_step" or metric_direction(by) == "min":
         key = values

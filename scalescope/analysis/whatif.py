@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .advisor import Thresholds, pct
+from .advisor import Thresholds, mask_ops, pct
 from .frames import (
     check_stats,
     format_list,
@@ -86,9 +86,10 @@ def _verdicts(
     """The column group of one format or recipe from the per-op worst statistics.
 
     A format fails on NaN/inf data, overflow above ``thresholds.overflow``, underflow
-    above ``thresholds.underflow`` or SNR under its threshold; a recipe on the same with
-    ``thresholds.recipe_overflow`` for clipped elements, its element format's SNR
-    threshold, and any flushed block."""
+    above ``thresholds.underflow`` or SNR under its threshold; a recipe on NaN/inf data,
+    SNR under ``thresholds.recipe_snr_db``, clipping above ``thresholds.recipe_overflow``
+    or underflow above ``thresholds.recipe_underflow`` (its flushed blocks are shown,
+    their cost is in the SNR)."""
     over = worst[f"overflow_{name}"].to_numpy()
     under = worst[f"underflow_{name}"].to_numpy()
     snr = worst[f"snr_{name}"].to_numpy()
@@ -97,12 +98,11 @@ def _verdicts(
         failures: list[Failure] = [
             (nonfinite > thresholds.nonfinite, _fraction("nonfinite", nonfinite)),
             (over > thresholds.overflow_for(name), _fraction("overflow", over)),
-            (under > thresholds.underflow, _fraction("underflow", under)),
+            (under > thresholds.underflow_for(name), _fraction("underflow", under)),
             (snr < snr_thr, _snr_text(snr, snr_thr)),
         ]
         if recipe:
             flush = worst[f"block_flush_{name}"].to_numpy()
-            failures.append((flush > 0, _fraction("block_flush", flush)))
     reason = _reasons(len(worst), failures)
     group = {"safe": reason == "ok", "reason": reason, "snr": snr, "overflow": over}
     group["underflow"] = under
@@ -134,14 +134,17 @@ def format_whatif(
 
     The worst value over all recorded steps and loop iterations decides (only the last
     ``last_steps`` recorded steps when given). An op whose data already holds NaN/inf is
-    not safe in any format or recipe (neither can repair it). A format is safe when it
+    not safe in any format or recipe (neither can repair it), unless it is a mask (the
+    same share of -inf at every recorded step, as the advisor's nonfinite rule sees it).
+    A format is safe when it
     overflows at most ``thresholds.overflow``, underflows at most ``thresholds.underflow``
-    and keeps its SNR at or above ``thresholds.snr_for(format)``; a recipe when it clips
-    at most ``thresholds.recipe_overflow`` (see `Thresholds`), underflows at most
-    ``thresholds.underflow``, keeps its SNR at or above its element format's threshold
-    and flushes no block. ``thresholds``: the advisor's (`Thresholds`); ``meta``: run
-    metadata, only to derive the SNR threshold of a format missing from
-    ``thresholds.snr_db``.
+    and keeps its SNR at or above ``thresholds.snr_for(format)``; a recipe when it keeps
+    its SNR at or above ``thresholds.recipe_snr_db``, clips at most
+    ``thresholds.recipe_overflow`` and flushes at most ``thresholds.recipe_underflow``
+    of its non-zero elements (see `Thresholds`: recipes are judged by the noise they
+    add, clipping and flushed blocks included). ``thresholds``: the advisor's
+    (`Thresholds`); ``meta``: run metadata, only to derive the SNR threshold of a format
+    missing from ``thresholds.snr_db``.
 
     Vectorised: the worst values come from one pass per column (`worst_by_op`) and the
     reasons are formatted for failing (op, criterion) pairs only.
@@ -165,9 +168,12 @@ def format_whatif(
             columns[f"block_flush_{name}"] = "max"
     worst = worst_by_op(stats, columns)
     ids = worst.index
-    nonfinite = (
-        worst["frac_nonfinite"].to_numpy() if "frac_nonfinite" in worst else np.zeros(len(ids))
-    )
+    nonfinite = np.zeros(len(ids))
+    if "frac_nonfinite" in worst:
+        # a mask (-inf by construction, the same share at every step) stays a mask in any
+        # format: only values that went bad are unsafe everywhere
+        nonfinite = worst["frac_nonfinite"].to_numpy(np.float64, copy=True)
+        nonfinite[ids.isin(_masks(stats, thresholds.mask_min_steps))] = 0.0
     parts = {
         name: _verdicts(worst, name, nonfinite, thresholds, meta, name in recipes) for name in names
     }
@@ -179,6 +185,18 @@ def format_whatif(
     if any(name in recipes for name in names):
         out[(CHEAPEST, "")] = cheapest_recipe(out).to_numpy()
     return out
+
+
+def _masks(stats: pd.DataFrame, min_steps: int) -> np.ndarray:
+    """Op ids holding a mask (`scalescope.analysis.mask_ops`: the same non-finite share,
+    below 1, at every one of at least ``min_steps`` recorded steps)."""
+    bad = stats["frac_nonfinite"].to_numpy(np.float64) > 0
+    if not bad.any():
+        return np.zeros(0, np.int64)
+    ops = np.unique(stats["op"].to_numpy()[bad])
+    rows = stats[stats["op"].isin(ops)]
+    per_step = rows.groupby(["op", "step"])["frac_nonfinite"].max()
+    return mask_ops(per_step, min_steps)
 
 
 # -- recipes: which is cheapest ------------------------------------------------------------

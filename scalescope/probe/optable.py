@@ -35,6 +35,11 @@ class OpRecord:
     rounds this value to (a ``convert_element_type`` that loses precision), or "".
     ``group``: the value group a masked recording switches this op's statistics with
     (see `instrument`'s ``groups``), -1 when not recorded or not grouped.
+    ``origin``: "constant" for a value computed from constants and non-float inputs only
+    (optax's bias corrections and schedules, from the step count), "fill" for one that
+    holds a large constant fill (a mask's -1e9 or ``finfo.min``, and what keeps it
+    elementwise, e.g. softmax's ``s - max(s)``), "" otherwise. The advisor judges neither
+    kind's scale (they are constant by construction), only the formats they are cast to.
 
     Inside a ``shard_map`` body ``shape`` is one device's shape and ``varying`` names the
     manual mesh axes along which the value differs between devices: its statistics cover
@@ -61,6 +66,7 @@ class OpRecord:
     group: int = -1
     varying: tuple[str, ...] = ()
     block_axes: tuple[int, ...] = ()
+    origin: str = ""
     alias_of: OpRecord | None = field(default=None, repr=False)
 
     @property
@@ -91,6 +97,7 @@ class OpRecord:
             "in_cond": self.in_cond,
             "cast_to": self.cast_to,
             "group": self.group,
+            "origin": self.origin,
         }
 
 

@@ -111,6 +111,64 @@ _CAST_FORMATS = {
 }
 
 
+#: Smallest magnitude of a constant that counts as a fill (``jnp.where(mask, s, -1e9)``):
+#: the usual mask fills are -1e4 (FP16-safe), -1e9, -1e30, ``finfo.min`` and -inf.
+FILL_MIN = 1e4
+#: Primitives that mix a constant into a value elementwise: with a large static operand
+#: and a computed one, their output holds a fill (``where(mask, s, -1e9)``, ``s + bias``).
+#: Not max/min: ``max(x, -inf)`` (softmax's row max) holds x, not the constant.
+_FILL_MAKERS = frozenset({"select_n", "add", "sub"})
+#: Primitives whose output still holds the fill of an operand (softmax's ``s - max(s)``,
+#: a rescaled or converted fill); exp, reductions and products with other values end it.
+_FILL_KEEPS = _FILL_MAKERS | {
+    "max",
+    "min",
+    "add_any",
+    "neg",
+    "mul",
+    "div",
+    "convert_element_type",
+    "reduce_precision",
+    "clamp",
+}
+
+
+def _is_big(value: Any) -> bool:
+    """A concrete float constant holding a magnitude of `FILL_MIN` or more (or inf/NaN);
+    False for anything abstract."""
+    try:
+        arr = np.asarray(value)
+    except Exception:  # a tracer: not a constant known at trace time
+        return False
+    if arr.size == 0 or not _is_float(arr.dtype):
+        return False
+    with np.errstate(invalid="ignore", over="ignore"):
+        mag = np.abs(arr.astype(np.float64))
+    return bool(np.any(~np.isfinite(mag) | (mag >= FILL_MIN)))
+
+
+def _fills(prim: str, invars: Sequence[Any], ins: Sequence[_Info | None]) -> bool:
+    """Whether the output of ``prim`` holds a constant fill: an operand holds one and
+    ``prim`` keeps it (`_FILL_KEEPS`), or ``prim`` mixes a large static operand (a
+    literal, a constant, or a value computed from constants and integer inputs such as
+    an attention mask) into a computed one (`_FILL_MAKERS`)."""
+    if prim not in _FILL_KEEPS:
+        return False
+    if any(i is not None and i.fill for i in ins):
+        return True
+    if prim not in _FILL_MAKERS:
+        return False
+    big = dynamic = False
+    for var, i in zip(invars, ins):
+        if isinstance(var, Literal):
+            big |= _is_big(var.val)
+        elif i is not None and i.static:
+            big |= i.big
+        elif _is_float(getattr(var.aval, "dtype", None)):
+            dynamic = True
+    return big and dynamic
+
+
 @dataclass(eq=False)
 class _Info:
     """What the recorder knows about a value flowing through the interpretation."""
@@ -119,6 +177,9 @@ class _Info:
     const: bool = False
     grad: bool = False  # computed from gradients (backward pass or later)
     early: bool = False  # computed elementwise from the step's inputs and constants alone
+    static: bool = False  # computed from constants and non-float inputs only (a step count)
+    big: bool = False  # static, and a constant of magnitude >= FILL_MIN went into it
+    fill: bool = False  # holds a large constant fill (see `_fills`)
     parents: tuple[_Info, ...] = ()  # what it is computed from (for `provenance`)
     own: OpRecord | None = None  # the record made for this value itself
     seen: bool = False  # in `_Shared.order`
@@ -290,6 +351,9 @@ class Recorder(Observer):
     # -- Observer ------------------------------------------------------------------------
 
     def nested(self, eqn: Any, kind: str) -> Recorder:
+        for var in eqn.invars:  # a literal argument is a constant inside the body too
+            if isinstance(var, Literal):
+                self.mark_const(var.val)
         prefix = self.prefix.join(parse(eqn.source_info.name_stack))
         scope = self.scope if kind == "call" else _Scope()
         mult = self.mult * (int(eqn.params.get("length", 1)) if kind == "scan" else 1)
@@ -359,6 +423,15 @@ class Recorder(Observer):
             isinstance(var, Literal) or (i is not None and i.const)
             for var, i in zip(eqn.invars, ins)
         )
+        static = all(
+            isinstance(var, Literal) or (i is not None and i.static)
+            for var, i in zip(eqn.invars, ins)
+        )
+        big = static and any(
+            _is_big(var.val) if isinstance(var, Literal) else i.big
+            for var, i in zip(eqn.invars, ins)
+        )
+        fill = not static and _fills(eqn.primitive.name, eqn.invars, ins)
         early = eqn.primitive.name in _ELEMENTWISE and all(
             isinstance(var, Literal) or (i is not None and (i.const or i.early))
             for var, i in zip(eqn.invars, ins)
@@ -390,6 +463,7 @@ class Recorder(Observer):
                     var=var,
                     early=early,
                     parents=parents,
+                    origin=(static, big, fill),
                 )
             )
         return outs
@@ -409,6 +483,7 @@ class Recorder(Observer):
         var=None,
         early=False,
         parents: tuple[_Info, ...] = (),
+        origin: tuple[bool, bool, bool] = (False, False, False),
     ):
         scaled = isinstance(value, ScaledArray)
         data = value.data if scaled else value
@@ -418,7 +493,9 @@ class Recorder(Observer):
         if self.devices is not None:
             rec.varying = self._varying(aval)
         grad = pass_ != "fwd" and pass_ != "input"
-        info = _Info(rec, const=const, grad=grad, early=early, parents=parents, own=rec)
+        static, big, fill = origin
+        info = _Info(rec, const, grad, early, static, big, fill, parents=parents, own=rec)
+        rec.origin = "fill" if fill else "constant" if static else ""
         src_dtype = None if src is None or src.record is None else src.record.dtype
         if not _is_float(dtype):
             rec.note = "not float"
@@ -535,10 +612,11 @@ class Recorder(Observer):
             None,
             var=var,
             early=True,
+            origin=(not _is_float(aval.dtype), False, False),
         )
 
     def mark_const(self, value: Any) -> None:
-        self.shared.remember(value, _Info(None, const=True))
+        self.shared.remember(value, _Info(None, const=True, static=True, big=_is_big(value)))
 
     def record_output(self, path: str, value: Any) -> None:
         info = self.shared.lookup(value)

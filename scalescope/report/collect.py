@@ -37,6 +37,8 @@ class _RunData:
     thresholds: A.Thresholds
     measured: pd.DataFrame  # per op: first/last measured step, n_measured, gap
     notes: list[str]  # sampled statistics / ops measured in turns (empty: exact, in full)
+    verdict: A.Verdict  # the run's verdict (findings and the logged loss)
+    causes: pd.DataFrame  # the findings, one row per cause
     css: Any = None  # the page's one InlineStyleSheet (every Div renders in a shadow root)
 
 
@@ -84,7 +86,7 @@ def _worst(values: pd.Series, how: str) -> pd.DataFrame:
     return best.set_index("op")[["value", "step"]]
 
 
-def _collect(reader: Any, thresholds: A.Thresholds) -> _RunData:
+def _collect(reader: Any, thresholds: A.Thresholds, audit: Sequence[str] = ()) -> _RunData:
     if len(reader.ops) == 0 or len(reader.steps) == 0:
         raise ReportError(f"{reader.path}: the run has no recorded step yet; nothing to report")
     stats = reader.stats(wide=True)
@@ -93,6 +95,12 @@ def _collect(reader: Any, thresholds: A.Thresholds) -> _RunData:
     recipes = A.recorded_recipes(stats)
     per_step = _per_step(stats, formats, recipes)
     nonfinite = per_step["frac_nonfinite"]
+    try:
+        findings = A.advise(
+            stats, reader.ops, meta=reader.meta, thresholds=thresholds, audit=tuple(audit)
+        )
+    except (KeyError, ValueError) as err:  # an audited format the run does not record
+        raise ReportError(f"--audit: {err.args[0] if err.args else err}") from None
     return _RunData(
         reader=reader,
         stats=stats,
@@ -103,9 +111,11 @@ def _collect(reader: Any, thresholds: A.Thresholds) -> _RunData:
         recipes=recipes,
         per_step=per_step,
         whatif=A.format_whatif(stats, reader.ops, thresholds=thresholds, meta=reader.meta),
-        findings=A.advise(stats, reader.ops, meta=reader.meta, thresholds=thresholds),
+        findings=findings,
         masks=mask_ops(nonfinite, thresholds.mask_min_steps),
         thresholds=thresholds,
         measured=reader.measured(),
         notes=A.measurement_notes(reader),
+        verdict=A.verdict(findings, A.logged_loss(reader.scalar_rows())),
+        causes=A.causes(findings),
     )

@@ -34,6 +34,7 @@ def write_report(
     compare: str | Path | Any = None,
     *,
     thresholds: A.Thresholds | None = None,
+    audit: Sequence[str] = (),
     max_ops: int = DEFAULT_MAX_OPS,
     max_steps: int = DEFAULT_MAX_STEPS,
     quiet: bool = False,
@@ -41,7 +42,8 @@ def write_report(
     """Write the report of ``run`` (a path or reader) to ``html_path`` and/or
     ``json_path`` (parent folders created), print where, and return the exit status:
     0, or 1 when a ``fail_on`` rule trips (each rule's line is printed, the tripped ones
-    naming value, op and step). Bad input raises: ValueError (malformed rule),
+    naming value, op and step). ``audit``: formats every op is also judged against (as if
+    cast: `scalescope.analysis.advise`). Bad input raises: ValueError (malformed rule),
     `ReportError`, `scalescope.RunError` / FileNotFoundError (no run there), OSError
     (cannot write); `main_report` turns those into exit status 2."""
     rules = _as_rules(fail_on)  # a malformed rule fails before any reading
@@ -60,7 +62,9 @@ def write_report(
         max_steps=max_steps,
         worst=DEFAULT_WORST,
         html=html_path is not None,
+        audit=tuple(audit),
     )
+    say(verdicts["verdict"]["headline"])
     if html_path is not None:
         path = Path(html_path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,6 +103,13 @@ def add_parser(subparsers: Any) -> Any:
     p.add_argument("--fail-on", metavar="RULES", action="append", help=FAIL_ON_HELP)
     p.add_argument("--compare", metavar="OTHER_RUN", help="another run to compare with")
     p.add_argument(
+        "--audit",
+        metavar="FORMATS",
+        default=None,
+        help="comma-separated formats (or recorded recipes) every op is also judged against, "
+        "as if the run cast it (default: only the formats each op is cast to)",
+    )
+    p.add_argument(
         "--max-ops",
         type=int,
         default=DEFAULT_MAX_OPS,
@@ -128,6 +139,9 @@ def main_report(args: Any) -> int:
         rules = parse_fail_on(args.fail_on) if args.fail_on else []
     except ValueError as err:
         return fail(str(err))
+    audit = tuple(f.strip() for f in (args.audit or "").split(",") if f.strip())
+    if args.audit is not None and not audit:
+        return fail("--audit: no format given (e.g. --audit e4m3,e5m2)")
     from ..store import RunError
 
     try:
@@ -139,6 +153,7 @@ def main_report(args: Any) -> int:
             compare=args.compare,
             max_ops=args.max_ops,
             max_steps=args.max_steps,
+            audit=audit,
         )
     except (ReportError, RunError, FileNotFoundError) as err:
         return fail(str(err))

@@ -38,8 +38,10 @@ FAIL_ON_HELP = (
     "casts to F; add :all for every op, as if cast); snr_F (worst SNR in dB, use < or <=); "
     "overflow_R, underflow_R, snr_R, block_flush_R for a block-scaled recipe R the run "
     "records (mxfp8_e4m3, nvfp4, ...; over every op); "
-    "findings, findings_<severity>, findings_<rule> (number of advisor findings). "
-    "Fractions take 0.01 or 1%%. Example: overflow_e4m3>0,underflow_e5m2>0.01,nonfinite>0"
+    "findings, findings_<severity>, findings_<rule> (number of advisor findings); "
+    "verdict (the run's verdict: verdict>=at-risk fails an at-risk or failing run, "
+    "verdict>=failing a failing one). "
+    "Fractions take 0.01 or 1%%. Example: verdict>=at-risk,overflow_e4m3>0,nonfinite>0"
 )
 
 
@@ -47,8 +49,10 @@ FAIL_ON_HELP = (
 class Rule:
     """One ``--fail-on`` rule: trips when ``value <operator> threshold``.
 
-    ``kind``: ``nonfinite``, ``overflow``, ``underflow``, ``snr``, ``block_flush`` or
-    ``findings``; ``format``: the format or recipe of overflow/underflow/snr/block_flush
+    ``kind``: ``nonfinite``, ``overflow``, ``underflow``, ``snr``, ``block_flush``,
+    ``findings`` or ``verdict`` (``threshold``: the rank of a verdict in
+    `scalescope.analysis.STATUSES`: 0 healthy, 1 at risk, 2 failing); ``format``: the
+    format or recipe of overflow/underflow/snr/block_flush
     rules (else ``""``); ``recipe``: True when ``format`` is a block-scaled recipe;
     ``scope``: ``cast`` (ops the run casts to the format) or ``all`` for format rules,
     always ``all`` for recipe rules (nothing is cast to a recipe), ``""`` otherwise;
@@ -99,10 +103,12 @@ def _parse_metric(piece: str, metric: str) -> tuple[str, str, str, str, bool]:
         + ", ".join(_formats.names())
         + "; optional :all), overflow_R, underflow_R, snr_R, block_flush_R (R: "
         + ", ".join(_recipes.names())
-        + "), findings, findings_<severity>, findings_<rule>"
+        + "), findings, findings_<severity>, findings_<rule>, verdict"
     )
     if not metric:
         raise _bad(piece, f"no metric before the operator; metrics: {known}")
+    if metric == "verdict":
+        return "verdict", "", "", "", False
     name, _, scope = metric.partition(":")
     if name == "nonfinite" or name == "findings" or name.startswith("findings_"):
         if scope:
@@ -182,7 +188,10 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
       refuses a rule on a recipe the run does not record;
     * ``findings``, ``findings_<severity>`` (critical, high, medium, low),
       ``findings_<rule>`` (nonfinite, overflow, underflow, snr, drift, trend, delayed):
-      number of advisor findings.
+      number of advisor findings;
+    * ``verdict``: the run's verdict (`scalescope.analysis.verdict`), compared with a
+      verdict name: ``verdict>=at-risk`` trips on an at-risk or failing run,
+      ``verdict>=failing`` (or ``verdict>at-risk``) on a failing one.
 
     Operators: ``>``, ``>=`` for fractions and counts, ``<``, ``<=`` for SNR. Numbers:
     finite; fractions in [0, 1], also written as percentages (``1%``); counts >= 0.
@@ -205,6 +214,15 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
         kind, fmt, scope, select, recipe = _parse_metric(piece, metric)
         if op not in _OPERATORS:
             raise _bad(piece, f"bad operator {op!r}; use >, >=, < or <=")
+        if kind == "verdict":
+            if op not in (">", ">="):
+                raise _bad(piece, "a verdict gets worse as it grows: use >= (verdict>=at-risk)")
+            try:
+                threshold = float(A.STATUSES.index(A.parse_status(number)))
+            except ValueError as err:
+                raise _bad(piece, str(err)) from None
+            rules.append(Rule(piece, metric, kind, "", "", "", op, threshold))
+            continue
         if kind == "snr" and op not in ("<", "<="):
             raise _bad(piece, "SNR gets worse as it falls: use < or <= (e.g. snr_e4m3<20)")
         if kind != "snr" and op not in (">", ">="):
@@ -259,6 +277,8 @@ def _fmt_value(kind: str, value: float | None) -> str:
         return f"{pct(value)} ({value:.4g})"
     if kind == "snr":
         return f"{value:.1f} dB"
+    if kind == "verdict":
+        return A.STATUSES[int(value)]
     return f"{int(value)}"
 
 
@@ -282,7 +302,13 @@ def evaluate_rules(data: _RunData, rules: Sequence[Rule]) -> list[dict[str, Any]
     out = []
     for rule in rules:
         value, op, step, op_value, note = None, None, None, None, ""
-        if rule.kind == "findings":
+        label = None
+        if rule.kind == "verdict":
+            v = data.verdict
+            value, step = float(v.rank), v.step
+            if v.reasons:
+                label, note = v.reasons[0].op, v.reasons[0].cause
+        elif rule.kind == "findings":
             f = data.findings
             if rule.select in _SEVERITIES:
                 f = f[f["severity"] == rule.select]
@@ -337,7 +363,7 @@ def evaluate_rules(data: _RunData, rules: Sequence[Rule]) -> list[dict[str, Any]
                 "value": value,
                 "tripped": bool(tripped),
                 "op": op,
-                "label": None if op is None else str(data.labels.get(op, f"op {op}")),
+                "label": label if op is None else str(data.labels.get(op, f"op {op}")),
                 "step": step,
                 "op_value": op_value,
                 "note": note,
@@ -350,6 +376,13 @@ def evaluate_rules(data: _RunData, rules: Sequence[Rule]) -> list[dict[str, Any]
 def _rule_line(rule, value, op, step, op_value, data, tripped, note) -> str:
     head = "TRIPPED" if tripped else "ok"
     text = f"{head}: {rule.text}: "
+    if rule.kind == "verdict":
+        since = f" from step {step}" if step is not None else ""
+        return (
+            text
+            + f"the run is {_fmt_value(rule.kind, value)}{since}"
+            + (f" ({note})" if note else "")
+        )
     if rule.kind == "findings":
         text += f"{_fmt_value(rule.kind, value)} finding(s)"
         if op is not None:

@@ -26,6 +26,11 @@ td.safe-none { background: #fcbba1; }
 .sev-high { color: #fff; background: #e31a1c; padding: 1px 4px; border-radius: 3px; }
 .sev-medium { background: #feb24c; padding: 1px 4px; border-radius: 3px; }
 .sev-low { background: #ffeda0; padding: 1px 4px; border-radius: 3px; }
+.verdict { font-size: 1.25em; font-weight: bold; padding: 6px 10px; margin: 6px 0;
+  border-radius: 4px; }
+.verdict-healthy { background: #d9f0d3; color: #1b5e20; }
+.verdict-at-risk { background: #feb24c; color: #3d2600; }
+.verdict-failing { background: #b10026; color: #fff; }
 .tripped { color: #fff; background: #b10026; font-weight: bold; padding: 1px 4px; }
 .passed { background: #d9f0d3; padding: 1px 4px; }
 code, pre { font-family: monospace; font-size: 12px; }

@@ -66,6 +66,7 @@ def build_report(
     max_ops: int = DEFAULT_MAX_OPS,
     max_steps: int = DEFAULT_MAX_STEPS,
     worst: int = DEFAULT_WORST,
+    audit: Sequence[str] = (),
 ) -> tuple[str, dict[str, Any]]:
     """The report of run ``reader`` (a `scalescope.open_run` reader): ``(html, verdicts)``.
 
@@ -76,7 +77,8 @@ def build_report(
     `Rule`s) evaluated into ``verdicts["fail_on"]`` and shown at the top of the page.
     ``max_ops`` / ``max_steps``: heatmap rows and columns beyond which neighbours are
     merged (keeps the file small for thousands of ops); ``worst``: ops shown with a
-    histogram. Raises `ReportError` for a run without recorded steps or a rule on a
+    histogram; ``audit``: formats every op is judged against as if cast (the advisor's
+    ``audit``). Raises `ReportError` for a run without recorded steps or a rule on a
     format the run does not audit, ValueError for a malformed rule.
     """
     page, verdicts, _ = _build(
@@ -88,6 +90,7 @@ def build_report(
         max_steps=max_steps,
         worst=worst,
         html=True,
+        audit=tuple(audit),
     )
     return page, verdicts
 
@@ -102,17 +105,20 @@ def _build(
     max_steps: int,
     worst: int,
     html: bool,
+    audit: tuple[str, ...] = (),
 ) -> tuple[str | None, dict[str, Any], list[str]]:
     """`build_report`, the HTML only when ``html``; also the rules' one-line results."""
     with np.errstate(invalid="ignore", divide="ignore"):  # NaN statistics are expected
-        return _build_quiet(reader, compare, thresholds, rules, max_ops, max_steps, worst, html)
+        return _build_quiet(
+            reader, compare, thresholds, rules, max_ops, max_steps, worst, html, audit
+        )
 
 
-def _build_quiet(reader, compare, thresholds, rules, max_ops, max_steps, worst, html):
+def _build_quiet(reader, compare, thresholds, rules, max_ops, max_steps, worst, html, audit):
     thresholds = A.Thresholds() if thresholds is None else thresholds
     max_ops, max_steps = _check_limit("max_ops", max_ops), _check_limit("max_steps", max_steps)
     worst = _check_limit("worst", worst)
-    data = _collect(reader, thresholds)
+    data = _collect(reader, thresholds, audit)
     _check_rules(rules, data.formats, data.recipes)
     results = evaluate_rules(data, rules)
     cmp = _compare_data(data, compare) if compare is not None else None

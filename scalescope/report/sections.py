@@ -17,7 +17,7 @@ from .. import analysis as A
 from ..analysis.advisor import pct
 from .collect import _RunData
 from .gate import _SEVERITIES, _fmt_value, _metric_kind
-from .markup import _e, _num, _source_html, _stat_note, _table, _td
+from .markup import _e, _source_html, _stat_note, _table, _td
 from .verdicts import _plain, _thresholds_dict
 
 #: Findings listed in the HTML table (all of them are in the JSON).
@@ -37,6 +37,7 @@ def _title_html(reader: Any, data: _RunData, compare: Any) -> str:
     )
     lines = [
         f"<h1>scalescope precision audit: {_e(reader.name)}</h1>",
+        _verdict_html(data.verdict),
         f"<div>{len(data.ids)} ops with statistics ({len(reader.ops)} in the op table), "
         f"{len(steps)} recorded steps ({int(steps[0])} to {int(steps[-1])}), "
         f"{'under scalify' if scalified else 'not under scalify'}; status "
@@ -49,6 +50,43 @@ def _title_html(reader: Any, data: _RunData, compare: Any) -> str:
     stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     lines.append(f'<div class="note">generated {_e(stamp)} from {_e(reader.path)}</div>')
     return "".join(lines)
+
+
+def _verdict_html(verdict: A.Verdict) -> str:
+    """The run's verdict, first on the page: its headline, then each reason with its op,
+    source line and fix."""
+    cls = "verdict-" + verdict.status.replace(" ", "-")
+    head = f'<div class="verdict {cls}" id="verdict">{_e(verdict.headline)}</div>'
+    if not verdict.reasons:
+        return head
+    items = "".join(
+        f'<li><span class="sev-{_e(r.severity)}">{_e(r.severity)}</span> {_e(r.cause)}'
+        f"{'' if r.step is None else f', from step {r.step}'}; e.g. <b>{_e(r.op)}</b> "
+        f"{_source_html(r.source)}<br><code>{_e(r.fix)}</code></li>"
+        for r in verdict.reasons
+    )
+    return head + f'<ol class="verdict-reasons">{items}</ol>'
+
+
+def _causes_html(data: _RunData) -> str:
+    """The findings grouped by cause (rule, format, pass, module), most severe and
+    largest impact first."""
+    rows = [
+        [
+            f'<td><span class="sev-{_e(r["severity"])}">{_e(r["severity"])}</span></td>',
+            _td(r["cause"]),
+            _td(A.impact_text(r["impact"]), "num"),
+            _td(r["worst"], "num"),
+            _td(r["first_step"], "num"),
+            _td(f"{r['label']} (op {r['op']})"),
+            f"<td>{_source_html(r['source'])}</td>",
+            f"<td><code>{_e(r['fix'])}</code></td>",
+        ]
+        for r in data.causes.to_dict("records")
+    ]
+    header = ["severity", "cause", "impact (share of the value lost)", "worst value", "first step"]
+    header += ["worst op", "source", "fix"]
+    return "<h3>Causes</h3>" + f'<div class="scroll">{_table(header, rows)}</div>'
 
 
 def _fail_on_html(results: Sequence[dict[str, Any]]) -> str:
@@ -146,7 +184,7 @@ def _findings_html(data: _RunData) -> str:
             _td(r.ops, "num"),
             _td(r.passes),
             _td(r.first_step, "num"),
-            _td(_num(r.worst), "num"),
+            _td(A.worst_text(r.rule, r.worst), "num"),
         ]
         for r in summary.itertuples(index=False)
     ]
@@ -177,10 +215,13 @@ def _findings_html(data: _RunData) -> str:
     header += ["last measured", "evidence", "source", "fix"]
     return (
         head
+        + _causes_html(data)
+        + "<h3>Findings per rule and format</h3>"
         + _table(
             ["severity", "rule", "format", "findings", "ops", "passes", "first step", "worst"],
             srows,
         )
+        + "<h3>Findings per op</h3>"
         + more
         + f'<div class="scroll">{_table(header, rows)}</div>'
     )

@@ -235,6 +235,7 @@ def _verdicts(
         "measurement_period": reader.measurement_period(),
         "notes": list(data.notes),
         "run": _run_json(reader, data),
+        "verdict": _plain(data.verdict.as_dict()),
         "thresholds": _thresholds_dict(thresholds),
         "summary": {
             "verdicts": _verdict_dict(counts),
@@ -246,6 +247,7 @@ def _verdicts(
             },
         },
         "ops": _ops_json(data),
+        "causes": _plain(data.causes.to_dict("records")),
         "findings": _plain(f.to_dict("records")),
         "fail_on": _plain([{k: v for k, v in r.items() if k != "text"} for r in results]),
         "compare": cmp,

@@ -32,10 +32,11 @@ def _op_worst_step(data: _RunData, op: int, metric: str, how: str) -> int | None
 def _worst_ops(data: _RunData, n: int) -> list[tuple[int, str, int | None]]:
     """Up to ``n`` ``(op, why, step)``: first one op per kind of finding (rule and format,
     most severe first), then the other findings' ops, then the ops worst in the heatmaps'
-    format metric and in log2 rms. ``step``: where the histogram is drawn: the first step
-    with NaN/inf for a nonfinite finding (the step it went wrong, not the step where all
-    is NaN), the first step that clips for a delayed finding, else the op's worst step in
-    the finding's metric."""
+    format metric and in log2 rms, never an op constant by construction (a mask fill, an
+    optimizer scalar: `scalescope.analysis.constant_ops`). ``step``: where the histogram
+    is drawn: the first step with NaN/inf for a nonfinite finding (the step it went
+    wrong, not the step where all is NaN), the first step that clips for a delayed
+    finding, else the op's worst step in the finding's metric."""
     picks: dict[int, tuple[str, int | None]] = {}
     f = data.findings
     first_of_kind = ~f.duplicated(["rule", "format"])
@@ -56,6 +57,7 @@ def _worst_ops(data: _RunData, n: int) -> list[tuple[int, str, int | None]]:
         what = " ".join(x for x in (r["severity"], r["rule"], r["format"]) if x)
         picks[op] = (f"{what}: {r['evidence']}", step)
     fill = [m for m in _heatmap_metrics(data) if m != "frac_nonfinite"][::-1]
+    constants = set(A.constant_ops(data.table, data.stats).tolist())  # never "worst"
     for metric in fill:
         if len(picks) >= n:
             break
@@ -68,7 +70,7 @@ def _worst_ops(data: _RunData, n: int) -> list[tuple[int, str, int | None]]:
         for op in worst.index[np.argsort(key.to_numpy(), kind="stable")]:
             if len(picks) >= n:
                 break
-            if int(op) not in picks:
+            if int(op) not in picks and int(op) not in constants:
                 value, step = worst.loc[op, "value"], int(worst.loc[op, "step"])
                 picks[int(op)] = (f"worst {metric}: {_num(value, '.4g')} at step {step}", step)
     return [(op, why, step) for op, (why, step) in picks.items()]

@@ -93,21 +93,24 @@ _JS_TICK = (
 def color_range(metric: str, values: np.ndarray) -> tuple[float, float]:
     """Default colour range of ``metric`` for these values (see `theme.metric_family`).
 
-    Fractions: ``0 .. max`` of the finite data (at most 1; 1 when all are 0 or missing),
-    so a 0.5 % underflow is still visible. SNR (dB): finite min .. max (``inf``, an exact
-    cast, takes the top colour). ``log2_*``: ``-8 .. 8``, centred on 0 so that drift up
-    and down read symmetrically. Other metrics: finite min .. max.
+    Fixed per family, the same in every run and view, so that a colour means one value:
+    fractions ``0 .. 1`` (their palette is spaced by decade, `theme.FRACTION_PALETTE`, so
+    a 1.5 % underflow reads light orange and 99 % dark red); SNR `theme.SNR_RANGE` dB
+    (``inf``, an exact cast, takes the top colour); ``log2_*`` ``-8 .. 8``, centred on 0
+    so that drift up and down read symmetrically. Other metrics (rms, abs-max, scale):
+    finite min .. max of the values.
     """
     family = theme.metric_family(metric)
     if family == "log2":
         return -theme.LOG2_HALF_RANGE, theme.LOG2_HALF_RANGE
+    if family == "fraction":
+        return 0.0, 1.0
+    if family == "snr":
+        return theme.SNR_RANGE
     finite = np.asarray(values, dtype=float)
     finite = finite[np.isfinite(finite)]
-    if family == "fraction":
-        top = float(finite.max()) if finite.size else 0.0
-        return 0.0, min(top, 1.0) if top > 0 else 1.0
     if not finite.size:
-        return (0.0, 100.0) if family == "snr" else (0.0, 1.0)
+        return 0.0, 1.0
     low, high = float(finite.min()), float(finite.max())
     if low == high:
         pad = abs(low) * 0.05 or 1.0

@@ -114,8 +114,9 @@ def _bars(exps: dict[int, float], special: dict[str, float], lo: int, hi: int, t
 
 
 def _axis(fig, lo: int, hi: int) -> None:
-    """Ticks at every 4th exponent (labelled ``2^e``) and at the special bars (named)."""
-    exps = [e for e in range(lo, hi + 2) if e % 4 == 0]
+    """Ticks at every 4th exponent (labelled ``2^e``) and at the special bars (named);
+    no exponent tick within two bins of a special one, so no two labels overlap."""
+    exps = [e for e in range(lo + 1, hi + 1) if e % 4 == 0]
     specials = {_special_x(s, lo, hi) + 0.5: s for s, _, _ in SPECIAL_BINS}
     fig.xaxis.ticker = FixedTicker(ticks=sorted([*exps, *specials]))
     fig.xaxis.major_label_overrides = {**{e: f"2^{e}" for e in exps}, **specials}
@@ -245,8 +246,11 @@ def exponent_histogram(
         )
     )
     _axis(fig, lo, hi)
-    if formats:
-        fig.legend.click_policy = "hide"
-        fig.legend.location = "top_left"
-        fig.legend.label_text_font_size = "8pt"
+    if formats:  # beside the plot, never over the bars; a swatch per format
+        legend = fig.legend[0]
+        legend.click_policy = "hide"
+        legend.label_text_font_size = "8pt"
+        legend.location = "top_left"
+        fig.add_layout(legend, "right")
+        fig.width += 190
     return fig

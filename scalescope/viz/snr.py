@@ -38,6 +38,15 @@ def _note(fig, text: str) -> None:
     fig.add_layout(Title(text=text, text_font_size="8pt", text_font_style="italic"), "below")
 
 
+def _bar_label(value: float, exact: bool) -> str:
+    """What a bar stands for: ``inf (exact)``, ``NaN (no finite element)``, or dB."""
+    if exact:
+        return "inf (exact)"
+    if not np.isfinite(value):
+        return "NaN (no finite element)"
+    return f"{value:.1f} dB"
+
+
 def _bars(fig, snr: pd.Series, thresholds: dict[str, float], clip: float) -> bool:
     """One bar per format (+ a threshold mark across its bar); True if any bar is clipped."""
     formats = [str(f) for f in snr.index]
@@ -46,7 +55,7 @@ def _bars(fig, snr: pd.Series, thresholds: dict[str, float], clip: float) -> boo
         {
             "format": formats,
             "snr": shown,
-            "label": ["inf (exact)" if e else f"{v:.1f} dB" for v, e in zip(shown, exact)],
+            "label": [_bar_label(v, e) for v, e in zip(shown, exact)],
             "threshold": [thresholds.get(f, np.nan) for f in formats],
             "color": [theme.format_color(f, i) for i, f in enumerate(formats)],
         },
@@ -63,6 +72,18 @@ def _bars(fig, snr: pd.Series, thresholds: dict[str, float], clip: float) -> boo
     )
     tips = [("format", "@format"), ("SNR", "@label"), ("threshold", "@threshold{0.0} dB")]
     fig.add_tools(HoverTool(renderers=[bars], tooltips=tips))
+    # a bar of height 0 or NaN is invisible: its value is written where it would stand
+    flat = [i for i, v in enumerate(shown) if not np.isfinite(v) or v <= 0]
+    if flat:
+        fig.text(
+            x=[formats[i] for i in flat],
+            y=[0.0] * len(flat),
+            text=[source.data["label"][i] for i in flat],
+            text_align="center",
+            text_baseline="bottom",
+            text_font_size="9pt",
+            name="snr-flat-labels",
+        )
     marked = [f for f in formats if f in thresholds]
     if marked:
         fig.rect(

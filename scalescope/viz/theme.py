@@ -7,6 +7,7 @@ dark red end of a sequential palette.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from bokeh.palettes import Category10_10, RdBu11, Viridis256, YlOrRd9, interp_palette
@@ -47,6 +48,29 @@ SEQUENTIAL: tuple[str, ...] = tuple(Viridis256)
 
 #: Default half-width of the colour range of ``log2_*`` metrics (centred on 0).
 LOG2_HALF_RANGE = 8.0
+#: Fixed colour range of SNR metrics (dB): the same in every run and view, so a value
+#: reads the same colour everywhere (an exact cast, inf, takes the top colour).
+SNR_RANGE = (0.0, 80.0)
+#: Fractions are coloured on a fixed 0..1 range with colours spaced by decade from
+#: `FRACTION_FLOOR` to 1: 1.5 % and 99 % differ as much as 0.15 % and 1.5 %.
+FRACTION_FLOOR = 1e-3
+
+
+def _fraction_palette(n: int = 4096) -> tuple[str, ...]:
+    """``n`` colours for a linear 0..1 mapper whose shade grows with log10 of the value
+    (`FRACTION_FLOOR` and below: the lightest; 1: the darkest)."""
+    top = len(ALARM_LOW_TO_HIGH) - 1
+    lo = math.log10(FRACTION_FLOOR)
+    out = []
+    for i in range(n):
+        value = (i + 0.5) / n
+        shade = (math.log10(value) - lo) / -lo if value > FRACTION_FLOOR else 0.0
+        out.append(ALARM_LOW_TO_HIGH[min(top, max(0, round(shade * top)))])
+    return tuple(out)
+
+
+#: The fraction palette (see `FRACTION_FLOOR`).
+FRACTION_PALETTE: tuple[str, ...] = _fraction_palette()
 
 _FRACTION_PREFIXES = ("underflow_", "overflow_", "subnormal_", "block_flush_", "frac_")
 
@@ -80,7 +104,7 @@ def metric_family(metric: str) -> str:
 def palette_for(metric: str) -> Sequence[str]:
     """Default palette of a metric (see `metric_family`)."""
     return {
-        "fraction": ALARM_LOW_TO_HIGH,
+        "fraction": FRACTION_PALETTE,
         "snr": ALARM_HIGH_TO_LOW,
         "log2": DIVERGING,
     }.get(metric_family(metric), SEQUENTIAL)

@@ -1,0 +1,252 @@
+"""One verdict per run: healthy, at risk or failing, with the causes behind it.
+
+`verdict` reads the advisor's causes (`scalescope.analysis.causes`) and the logged loss:
+
+- **failing**: the loss turned NaN/inf, or a cause is critical (NaN/inf in a value, a
+  plain cast overflowing into inf/NaN), or a high cause loses nearly all of its value
+  (impact from `VerdictThresholds.failing_impact`, 90 %);
+- **at risk**: any other high cause;
+- **healthy**: nothing above: medium and low findings are warnings.
+
+The step where it turned is the first recorded step of the causes that decide the
+status (for a NaN loss, the first logged step with one). The severities and the impact
+threshold are set from the labelled corpus of `benchmarks/bench_verdicts.py`
+(docs/advisor.md holds its table).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .causes import causes as group_causes
+from .causes import impact_text
+
+#: The verdicts, from best to worst.
+STATUSES = ("healthy", "at risk", "failing")
+
+
+@dataclass(frozen=True)
+class VerdictThresholds:
+    """``failing_impact``: the estimated impact (the share of a value lost, see
+    `scalescope.analysis.advise`) from which a high cause fails the run; below it a high
+    cause puts the run at risk."""
+
+    failing_impact: float = 0.9
+
+    def __post_init__(self) -> None:
+        value = self.failing_impact
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"VerdictThresholds.failing_impact: expected a number, got {value!r}")
+        if not 0 <= value <= 1:
+            raise ValueError(f"VerdictThresholds.failing_impact: a fraction in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One cause behind a verdict: what (``cause``), how bad (``severity``, ``impact``),
+    where (the worst ``op``, its ``source`` line), since when (``step``) and the fix."""
+
+    cause: str
+    severity: str
+    impact: float
+    op: str
+    source: str
+    step: int | None
+    fix: str
+    evidence: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        impact = None if not math.isfinite(self.impact) else float(self.impact)
+        return {
+            "cause": self.cause,
+            "severity": self.severity,
+            "impact": impact,
+            "op": self.op,
+            "source": self.source,
+            "step": self.step,
+            "fix": self.fix,
+            "evidence": self.evidence,
+        }
+
+    def line(self) -> str:
+        where = f" ({self.source})" if self.source and not self.source.startswith("<") else ""
+        since = f", from step {self.step}" if self.step is not None else ""
+        impact = impact_text(self.impact)
+        impact = f", {impact} of the value lost" if impact != "-" else ""
+        example = f": e.g. {self.op}{where}" if self.op else ""
+        return f"[{self.severity}] {self.cause}{impact}{since}{example}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A run's verdict (``status``: one of `STATUSES`), up to three ``reasons`` (the
+    causes that decide it, worst first), the ``step`` where it turned (None when
+    healthy), and the number of causes per severity (``counts``)."""
+
+    status: str
+    reasons: tuple[Reason, ...] = ()
+    step: int | None = None
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        """0 healthy, 1 at risk, 2 failing: compare verdicts by it."""
+        return STATUSES.index(self.status)
+
+    @property
+    def headline(self) -> str:
+        """One line: ``verdict: failing (from step 10): e5m2 underflow in 4 bwd ops...``."""
+        if self.status == "healthy":
+            warn = sum(self.counts.get(s, 0) for s in ("medium", "low"))
+            tail = f" ({warn} minor finding{'s' if warn != 1 else ''})" if warn else ""
+            return f"verdict: healthy{tail}"
+        since = f" from step {self.step}" if self.step is not None else ""
+        first = f": {self.reasons[0].cause}" if self.reasons else ""
+        return f"verdict: {self.status}{since}{first}"
+
+    def __str__(self) -> str:
+        lines = [self.headline]
+        lines += [f"  {r.line()}\n      fix: {r.fix}" for r in self.reasons if r.fix]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "step": self.step,
+            "headline": self.headline,
+            "counts": dict(self.counts),
+            "reasons": [r.as_dict() for r in self.reasons],
+        }
+
+
+def parse_status(text: str) -> str:
+    """A verdict name from user text: ``at-risk``, ``at_risk`` and ``At Risk`` are
+    ``at risk``; a clear error for anything else."""
+    key = str(text).strip().lower().replace("-", " ").replace("_", " ")
+    if key not in STATUSES:
+        raise ValueError(f"unknown verdict {text!r}; expected one of: healthy, at-risk, failing")
+    return key
+
+
+def _first_nonfinite(loss: pd.Series | None) -> int | None:
+    """The first step (index) whose logged ``loss`` value is NaN/inf, None when none is."""
+    if loss is None or not len(loss):
+        return None
+    values = pd.to_numeric(loss, errors="coerce").to_numpy(np.float64)
+    bad = np.flatnonzero(~np.isfinite(values))
+    return int(loss.index[bad[0]]) if len(bad) else None
+
+
+def logged_loss(scalar_rows: pd.DataFrame, name: str = "loss") -> pd.Series:
+    """The values of scalar ``name`` as logged (``reader.scalar_rows()``: one row per
+    logged value), indexed by step, NaN values kept: a NaN loss is a logged NaN, not a
+    missing value."""
+    rows = scalar_rows[scalar_rows["name"] == name] if len(scalar_rows) else scalar_rows
+    if not len(rows):
+        return pd.Series(dtype=np.float64, name=name)
+    return pd.Series(rows["value"].to_numpy(np.float64), index=rows["step"].to_numpy(), name=name)
+
+
+def _status_of(row: Mapping[str, Any], thresholds: VerdictThresholds) -> int:
+    severity, impact = row["severity"], row["impact"]
+    impact = -1.0 if impact is None or not math.isfinite(float(impact)) else float(impact)
+    if severity == "critical":
+        return 2
+    if severity == "high":
+        return 2 if impact >= thresholds.failing_impact else 1
+    return 0
+
+
+def verdict(
+    findings: pd.DataFrame,
+    loss: pd.Series | None = None,
+    *,
+    thresholds: VerdictThresholds | None = None,
+    reasons: int = 3,
+) -> Verdict:
+    """The verdict of a run from its advisor ``findings`` (`scalescope.analysis.advise`)
+    and its logged ``loss`` values (indexed by step, `logged_loss`); ``reasons``: how
+    many causes to give. See the module docstring for the rules."""
+    thresholds = VerdictThresholds() if thresholds is None else thresholds
+    if not isinstance(thresholds, VerdictThresholds):
+        raise TypeError(f"thresholds: expected a VerdictThresholds, got {thresholds!r}")
+    table = group_causes(findings)
+    counts = {s: int(n) for s, n in table["severity"].value_counts().items()} if len(table) else {}
+    levels = [_status_of(r, thresholds) for r in table.to_dict("records")]
+    status = max(levels, default=0)
+    picked: list[Reason] = []
+    step: int | None = None
+    nan_step = _first_nonfinite(loss)
+    if nan_step is not None:
+        status = 2
+        name = loss.name or "loss"
+        picked.append(
+            Reason(
+                cause=f"the {name} turned NaN/inf",
+                severity="critical",
+                impact=1.0,
+                op="",
+                source="",
+                step=nan_step,
+                fix="find the earliest op with NaN/inf (the next reason, or the report)",
+                evidence=f"{name} is not finite at step {nan_step}",
+            )
+        )
+        step = nan_step
+    deciding = [i for i, lv in enumerate(levels) if lv == status and lv > 0]
+    # the earliest cause first, in time then program order: a cast overflowing into NaN
+    # comes before the NaN it spreads
+    deciding.sort(key=lambda i: (int(table["first_step"].iloc[i]), int(table["first_op"].iloc[i])))
+    shown = deciding + [i for i, lv in enumerate(levels) if lv and i not in deciding]
+    for i in shown[: max(reasons - len(picked), 0)]:
+        r = table.iloc[i]
+        picked.append(
+            Reason(
+                cause=str(r["cause"]),
+                severity=str(r["severity"]),
+                impact=float(r["impact"]) if pd.notna(r["impact"]) else math.nan,
+                op=str(r["label"]),
+                source=str(r["source"]),
+                step=int(r["first_step"]),
+                fix=str(r["fix"]),
+                evidence=str(r["evidence"]),
+            )
+        )
+    if status and deciding:
+        first = int(min(table.iloc[deciding]["first_step"]))
+        step = first if step is None else min(step, first)
+    return Verdict(STATUSES[status], tuple(picked), step if status else None, counts)
+
+
+def worst_first(verdicts: Sequence[Verdict]) -> list[int]:
+    """Positions of ``verdicts``, the run that needs attention most first: failing, then
+    at risk, then healthy; among equals the earliest turn, then the input order."""
+
+    def key(i: int) -> tuple[int, float, int]:
+        v = verdicts[i]
+        return (-v.rank, float(v.step) if v.step is not None else math.inf, i)
+
+    return sorted(range(len(verdicts)), key=key)
+
+
+def verdict_run(
+    reader: Any,
+    *,
+    findings: pd.DataFrame | None = None,
+    loss: str = "loss",
+    thresholds: VerdictThresholds | None = None,
+    **advise_kwargs: Any,
+) -> Verdict:
+    """`verdict` of a recorded run: its findings (`advise_run`, with ``advise_kwargs``
+    such as ``audit``; or ``findings`` already computed) and its logged scalar ``loss``."""
+    if findings is None:
+        from .advisor import advise_run
+
+        findings = advise_run(reader, **advise_kwargs)
+    return verdict(findings, logged_loss(reader.scalar_rows(), loss), thresholds=thresholds)

@@ -1,0 +1,203 @@
+"""The verdict and what it reads: relevance (constants by construction are not judged),
+causes (one finding per cause) and the run verdict, on frames whose numbers are chosen
+here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from test_analysis import make_ops, make_stats, series
+
+from scalescope import analysis as A
+
+STEPS = [0, 10, 20, 30, 40]
+
+
+def _advise(ops, rows, **kw):
+    return A.advise(make_stats(rows), ops, **kw)
+
+
+# -- relevance ----------------------------------------------------------------------------
+
+
+def test_constants_by_construction_raise_no_drift_trend_or_delayed():
+    ops = make_ops(
+        {"name": "opt/sub", "pass": "opt", "scaled": True},  # 1 - b1**count, scaled fp16
+        {"name": "attn/select_n", "scaled": True},  # a -1e9 mask fill, scaled fp16
+        {"name": "mlp/mul", "scaled": True},  # a real value drifting the same way
+    )
+    ops["origin"] = ["constant", "fill", ""]
+    rows = []
+    for op in range(3):
+        rows += series(op, STEPS, rms=2.0**-9, absmax=[2.0**k for k in range(5)])
+    found = _advise(ops, rows, audit=("e4m3",))
+    assert set(found["op"]) == {2}
+    assert set(found.loc[found["op"] == 2, "rule"]) >= {"drift", "delayed"}
+
+
+def test_old_runs_fall_back_to_the_fill_magnitude():
+    ops = make_ops({"name": "attn/select_n", "scaled": True}, {"name": "mlp/mul", "scaled": True})
+    rows = series(0, STEPS, rms=2.0**120, absmax=3.0e38)  # finfo(float32).min fill
+    rows += series(1, STEPS, rms=2.0**9, absmax=2.0**10)
+    stats = make_stats(rows)
+    assert A.constant_ops(ops, stats).tolist() == [0]
+    found = A.advise(stats, ops)
+    assert found["op"].unique().tolist() == [1]
+    summary = A.op_summary(stats, ops)
+    assert A.worst_ops(summary, "log2_rms", exclude=A.constant_ops(ops, stats)).index[0] == 1
+
+
+def test_a_cast_fill_is_still_judged_by_its_format():
+    # a finfo.min mask cast to fp16 turns into -inf: that is a finding
+    ops = make_ops({"name": "attn/select_n", "cast_to": "fp16"})
+    ops["origin"] = ["fill"]
+    found = _advise(ops, series(0, STEPS, rms=1e38, absmax=3e38, overflow_fp16=0.5))
+    assert found["rule"].tolist() == ["overflow"] and found["severity"].iloc[0] == "critical"
+
+
+def test_delayed_concerns_cast_values_or_an_audited_format():
+    ops = make_ops({"name": "a/mul", "cast_to": "e4m3"}, {"name": "b/mul"})
+    rows = []
+    for op in range(2):
+        rows += series(op, STEPS, absmax=[2.0**k for k in range(5)])
+    found = _advise(ops, rows)
+    assert found.loc[found["rule"] == "delayed", "op"].tolist() == [0]
+    audited = _advise(ops, rows, audit=("e5m2",))
+    assert sorted(audited.loc[audited["rule"] == "delayed", "op"]) == [0, 1]
+    evidence = audited[(audited["rule"] == "delayed") & (audited["op"] == 1)]["evidence"]
+    assert "e5m2" in evidence.iloc[0]
+
+
+# -- impact -------------------------------------------------------------------------------
+
+
+def test_impact_is_the_share_of_signal_lost():
+    ops = make_ops(
+        {"name": "a/x", "pass": "bwd", "cast_to": "e5m2"},
+        {"name": "b/x", "cast_to": "e4m3"},
+        {"name": "c/x", "cast_to": "e4m3"},
+        {"name": "d/x", "cast_to": "e4m3"},
+    )
+    rows = series(0, [0, 10], underflow_e5m2=[0.5, 0.9], snr_e5m2=[20.0, 3.0])
+    rows += series(1, [0, 10], snr_e4m3=[10.0, 12.0])
+    rows += series(2, [0, 10], overflow_e4m3=[0.0, 1e-3])
+    rows += series(3, [0, 10], underflow_e4m3=[0.05, 0.4], snr_e4m3=[20.0, 3.0])
+    found = _advise(ops, rows).set_index(["op", "rule"])
+    # a gradient: each flushed element is a piece of an update lost
+    assert found.loc[(0, "underflow"), "impact"] == pytest.approx(0.9)
+    assert found.loc[(1, "snr"), "impact"] == pytest.approx(0.1)
+    assert found.loc[(2, "overflow"), "impact"] == 1.0  # inf/NaN in the step
+    # a forward value: the cast's noise power over signal power at the worst step
+    assert found.loc[(3, "underflow"), "impact"] == pytest.approx(10**-0.3)
+    assert np.isfinite(found.loc[(3, "snr"), "impact"])
+
+
+# -- causes -------------------------------------------------------------------------------
+
+
+def test_module_of_folds_layers():
+    assert A.module_of("blocks/mlp/add_any", "bwd") == "blocks/mlp"
+    assert A.module_of("block_0/attn/dot_general", "fwd") == "block_*/attn"
+    assert A.module_of("block_11/attn/dot_general", "fwd") == "block_*/attn"
+    assert A.module_of("blocks/3/attn/qkv/w/mul", "opt") == "blocks/*/attn"
+    assert A.module_of("Block_2/MlpBlock_0/Dense_1/dot_general", "fwd") == "Block_*/MlpBlock_*"
+    assert A.module_of("fc1/dot_general", "fwd") == "fc1"
+    assert A.module_of("mul", "opt") == ""
+
+
+def test_causes_group_layers_and_rank_by_severity_then_impact():
+    ops = make_ops(
+        {"name": "block_0/mlp/add_any", "pass": "bwd", "cast_to": "e5m2"},
+        {"name": "block_1/mlp/add_any", "pass": "bwd", "cast_to": "e5m2"},
+        {"name": "block_0/attn/dot_general", "pass": "bwd", "cast_to": "e5m2"},
+        {"name": "block_0/mlp/dot_general", "cast_to": "e4m3"},
+    )
+    rows = series(0, STEPS, underflow_e5m2=0.99, snr_e5m2=1.0, rms=2.0**-20)  # drifts too
+    rows += series(1, STEPS, underflow_e5m2=[0.0, 0.5, 0.6, 0.7, 0.8], snr_e5m2=3.0)
+    rows += series(2, STEPS, underflow_e5m2=0.4, snr_e5m2=10.0)
+    rows += series(3, STEPS, underflow_e4m3=0.015, snr_e4m3=30.0)
+    table = A.causes(_advise(ops, rows))
+    assert list(table.columns) == A.CAUSE_COLUMNS
+    found = _advise(ops, rows)
+    assert {"drift", "underflow", "snr"} <= set(found.loc[found["op"] == 0, "rule"])
+    # the SNR each cast loses, and its drift, are the same cause as its underflow
+    assert table["cause"].tolist() == [
+        "e5m2 underflow in 2 bwd ops of block_*/mlp",
+        "e5m2 underflow in 1 bwd op of block_*/attn",
+        "e4m3 underflow in 1 fwd op of block_*/mlp",
+    ]
+    first = table.iloc[0]
+    assert first["n_ops"] == 2 and first["op"] == 0 and first["first_step"] == 0
+    assert first["worst"] == "99% flushed" and first["severity"] == "high"
+    assert first["impact"] == pytest.approx(0.99)
+    assert first["ops"][0].startswith("bwd/block_0/mlp/add_any")
+    assert table.iloc[-1]["severity"] == "low"
+    assert A.causes(_advise(ops, series(0, STEPS))).empty
+
+
+# -- the verdict --------------------------------------------------------------------------
+
+
+def _findings(severity_rows):
+    ops = make_ops(*[{"name": f"m{i}/x", "pass": "bwd", "cast_to": "e5m2"} for i in range(3)])
+    rows = []
+    for op, (under, snr) in enumerate(severity_rows):
+        rows += series(op, STEPS, underflow_e5m2=under, snr_e5m2=snr)
+    return _advise(ops, rows)
+
+
+def test_verdict_levels():
+    healthy = A.verdict(_findings([(0.015, 30.0)]))  # a low finding
+    assert healthy.status == "healthy" and healthy.step is None and not healthy.reasons
+    assert healthy.headline == "verdict: healthy (1 minor finding)"
+    # medium (59 % of a gradient flushed, a run that trained as well as fp32): a warning
+    assert A.verdict(_findings([(0.59, 20.0)])).status == "healthy"
+    # high, part of the value left: at risk
+    risk = A.verdict(_findings([(0.8, 20.0)]))
+    assert risk.status == "at risk" and risk.step == 0
+    assert risk.reasons[0].cause == "e5m2 underflow in 1 bwd op of m0"
+    # high, nearly all of a gradient lost: failing, the cause first
+    failing = A.verdict(_findings([(0.1, 20.0), (0.99, 1.0)]))
+    assert failing.status == "failing"
+    assert failing.reasons[0].cause == "e5m2 underflow in 1 bwd op of m1"
+    assert failing.reasons[0].fix and failing.reasons[0].source == "model.py:11"
+    assert failing.headline.startswith("verdict: failing from step 0: e5m2 underflow")
+    assert failing.rank == 2 and failing.as_dict()["status"] == "failing"
+    assert "fix:" in str(failing)
+    # the threshold is a parameter
+    lenient = A.verdict(_findings([(0.99, 1.0)]), thresholds=A.VerdictThresholds(1.0))
+    assert lenient.status == "at risk"
+
+
+def test_verdict_a_nan_loss_fails_the_run():
+    loss = pd.Series([2.0, 1.9, math.nan, math.nan], index=[0, 1, 2, 3], name="loss")
+    v = A.verdict(_findings([(0.0, 30.0)]), loss)
+    assert v.status == "failing" and v.step == 2
+    assert v.reasons[0].cause == "the loss turned NaN/inf"
+    assert A.verdict(_findings([(0.0, 30.0)]), loss.iloc[:2]).status == "healthy"
+
+
+def test_logged_loss_keeps_logged_nans():
+    rows = pd.DataFrame(
+        {
+            "step": [0, 0, 1, 1],
+            "name": ["loss", "lr", "loss", "lr"],
+            "value": [1.0, 0.1, np.nan, 0.1],
+        }
+    )
+    got = A.logged_loss(rows)
+    assert got.index.tolist() == [0, 1] and np.isnan(got.iloc[1])
+
+
+def test_parse_status_and_worst_first():
+    assert A.parse_status("at-risk") == "at risk" == A.parse_status("At_Risk")
+    with pytest.raises(ValueError, match="unknown verdict 'bad'"):
+        A.parse_status("bad")
+    vs = [A.Verdict("healthy"), A.Verdict("failing", step=30), A.Verdict("at risk", step=5)]
+    vs.append(A.Verdict("failing", step=10))
+    assert A.worst_first(vs) == [3, 1, 2, 0]
+    with pytest.raises(ValueError, match="failing_impact"):
+        A.VerdictThresholds(failing_impact=2)

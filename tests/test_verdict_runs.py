@@ -1,0 +1,196 @@
+"""The verdict on real training runs: the fast variant of the labelled corpus
+(`benchmarks/bench_verdicts.py --fast`: the sample MLP on Fashion-MNIST, unnormalised
+inputs in naive FP8 against scalified FP8) tells the broken run from the healthy one,
+the sample GPT's constants by construction (its causal mask, AdamW's bias corrections)
+are neither flagged nor ranked, and every place that shows a verdict agrees: the report
+and its gate, the CLI, the dashboard (which opens on the run that needs attention most,
+in the page model and in the browser)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import watch_offline
+
+import scalescope as ss
+from scalescope import analysis as A
+from scalescope.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_verdicts  # noqa: E402
+
+CASES = ("mlp-fp8", "mlp-fp8-naive-x90")
+ARGS = ["--fast", "--steps", "200", "--every", "10", "--seed", "0"]
+LOCAL = ("http://127.0.0.1", "ws://127.0.0.1", "file:", "data:", "blob:", "about:")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("corpus")
+    out = root / "rows.json"
+    argv = [*ARGS, "--cases", ",".join(CASES), "--out", str(root), "--json", str(out)]
+    code = bench_verdicts.main(argv)
+    rows = json.loads(out.read_text())
+    assert code == 0, rows
+    return root, rows
+
+
+@pytest.fixture(scope="module")
+def served(corpus, tmp_path_factory) -> Path:
+    """The healthy and the broken run side by side; the healthy one sorts first."""
+    root, _ = corpus
+    out = tmp_path_factory.mktemp("served")
+    for name in CASES:
+        shutil.copytree(root / name, out / name)
+    assert sorted(CASES)[0] == "mlp-fp8"
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory) -> Path:
+    """The sample GPT (tiny), fp32: a causal mask and AdamW's scalars."""
+    run = tmp_path_factory.mktemp("gpt") / "fp32"
+    argv = ["train", "gpt", "--precision", "fp32", "--steps", "12", "--every", "4"]
+    argv += ["--layers", "1", "--d-model", "16", "--seq-len", "8", "--batch", "4"]
+    assert main([*argv, "--data", "vendored", "--quiet", "--run", str(run)]) == 0
+    return run
+
+
+@pytest.mark.data
+def test_the_fast_corpus_tells_healthy_from_broken(corpus):
+    _, rows = corpus
+    by = {r["case"]: r for r in rows}
+    healthy = by["mlp-fp8"]
+    assert healthy["label"] == "healthy", healthy
+    assert healthy["verdict"] == "healthy" and healthy["high"] == healthy["critical"] == 0
+    assert healthy["medium"] <= bench_verdicts.MAX_MEDIUM, healthy
+    broken = by["mlp-fp8-naive-x90"]
+    assert broken["label"] == "broken" and broken["gap_pct"] > bench_verdicts.GAP_PCT, broken
+    assert broken["verdict"] in ("failing", "at risk"), broken
+    assert broken["cause_rank"] in (1, 2, 3), broken  # E5M2 underflow of the loss gradient
+    assert broken["verdict_step"] is not None
+    assert broken["departs_step"] is None or broken["verdict_step"] <= broken["departs_step"]
+    assert all(r["ok"] for r in rows), rows
+
+
+def test_constants_by_construction_are_never_worst_nor_flagged(gpt_run):
+    reader = ss.open_run(gpt_run)
+    ops = reader.ops
+    constants = set(A.constant_ops(ops).tolist())
+    origin = ops["origin"]
+    # the causal mask's fill (and softmax's s - max(s) of it) and AdamW's bias corrections
+    fills = ops.index[origin == "fill"]
+    assert any("attn" in ops.loc[op, "name"] for op in fills), ops.loc[fills, "name"]
+    assert {"pow", "sub"} <= set(ops.loc[ops.index[origin == "constant"], "primitive"])
+    summary = A.op_summary(reader.stats(wide=True), ops)
+    recorded = set(summary.index)
+    assert constants & recorded
+    for metric in ("log2_rms", "absmax"):
+        worst = A.worst_ops(summary, metric, n=20, exclude=A.constant_ops(ops))
+        assert not constants & set(worst.index)
+    # with them left in, a constant would rank first: the exclusion keeps it out
+    assert summary["log2_rms"].abs().idxmax() in constants
+    found = reader.advise(audit=("e4m3", "fp16"))
+    judged = found[found["rule"].isin(["drift", "trend", "delayed"])]
+    assert not constants & set(judged["op"]), judged
+    # a format they are cast to (here: audited) still judges them: finfo.min in fp16
+    overflow = found[(found["rule"] == "overflow") & (found["format"] == "fp16")]
+    assert constants & set(overflow["op"])
+
+
+@pytest.mark.data
+def test_report_gate_and_views_agree_on_the_verdict(corpus, tmp_path, capsys):
+    root, rows = corpus
+    by = {r["case"]: r for r in rows}
+    for name, code in (("mlp-fp8", 0), ("mlp-fp8-naive-x90", 1)):
+        out = tmp_path / f"{name}.json"
+        html = tmp_path / f"{name}.html"
+        argv = ["report", str(root / name), "-o", str(html), "--json", str(out)]
+        assert main([*argv, "--fail-on", "verdict>=at-risk"]) == code
+        text = capsys.readouterr().out
+        report = json.loads(out.read_text())
+        assert report["verdict"]["status"] == by[name]["verdict"]
+        assert f"verdict: {by[name]['verdict']}" in text  # printed before the gate's lines
+        assert ("TRIPPED: verdict>=at-risk" in text) == bool(code)
+        page = html.read_text()
+        # the verdict heads the page, before the counts and the findings
+        assert page.index('id=\\"verdict\\"') < page.index("ops with statistics")
+    broken = ss.open_run(root / "mlp-fp8-naive-x90")
+    v = broken.verdict()
+    report = json.loads((tmp_path / "mlp-fp8-naive-x90.json").read_text())
+    assert v.as_dict() == report["verdict"]
+    assert v.reasons and all(r.fix and r.op and r.source for r in v.reasons)
+    assert report["causes"][0]["cause"] == v.reasons[0].cause
+    # one op count: the report's, the what-if's and the dashboard's
+    from app.data import RunData
+
+    whatif = A.format_whatif_run(broken)
+    data = RunData(root / "mlp-fp8-naive-x90")
+    assert report["run"]["ops"]["with_stats"] == len(whatif) == data.n_recorded_ops
+    assert main(["report", str(root / "mlp-fp8"), "--fail-on", "verdict>=bad"]) == 2
+    assert "unknown verdict 'bad'" in capsys.readouterr().err
+
+
+def test_train_prints_the_verdict_first(gpt_run, capsys):
+    # the fixture's own output: `scalescope train` prints the verdict before the summary
+    v = ss.open_run(gpt_run).verdict()
+    assert v.status == "healthy", v
+    run = gpt_run.parent / "again"
+    argv = ["train", "gpt", "--precision", "fp32", "--steps", "2", "--every", "1"]
+    argv += ["--layers", "1", "--d-model", "16", "--seq-len", "8", "--batch", "4"]
+    capsys.readouterr()
+    assert main([*argv, "--data", "vendored", "--quiet", "--run", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("verdict: healthy"), lines
+
+
+@pytest.mark.data
+def test_dashboard_page_opens_on_the_failing_run(served):
+    from app.dashboard import Dashboard
+    from app.data import RunSet
+
+    dash = Dashboard(RunSet(served), poll_ms=0, live=False)
+    assert dash.run_select.value == "mlp-fp8-naive-x90"
+    assert "ss-verdict-at-risk" in dash.verdict_pane.object or (
+        "ss-verdict-failing" in dash.verdict_pane.object
+    )
+    labels = dict(dash.run_select.options)
+    assert labels["mlp-fp8 \u2014 healthy"] == "mlp-fp8"
+    assert any(v == "mlp-fp8-naive-x90" and "healthy" not in k for k, v in labels.items())
+    # a page asked for a run opens on it
+    assert Dashboard(RunSet(served), run="mlp-fp8", poll_ms=0, live=False).run_select.value == (
+        "mlp-fp8"
+    )
+
+
+@pytest.mark.browser
+@pytest.mark.data
+def test_served_dashboard_shows_the_failing_runs_verdict_first(browser, served):
+    from test_dashboard import _idle, _served
+
+    with _served(served) as (url, log):
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        blocked, errors, _ = watch_offline(page, LOCAL)
+        page.goto(url)
+        _idle(page)
+        banner = page.locator(".ss-verdict").first
+        banner.wait_for(timeout=60_000)
+        text = banner.inner_text()
+        assert text.startswith("verdict: at risk") or text.startswith("verdict: failing"), text
+        # above the tabs, and the run selector marks both runs' verdicts
+        tabs = page.locator(".bk-tab").first.bounding_box()
+        assert banner.bounding_box()["y"] < tabs["y"]
+        select = page.locator("select").first
+        assert select.input_value().startswith("mlp-fp8-naive-x90 \u2014 ")
+        options = select.locator("option").all_inner_texts()
+        assert any("healthy" in o for o in options), options
+        page.close()
+        time.sleep(3)  # the server notices the closed tab
+        assert not blocked, blocked
+        assert not errors, errors
+    assert "Traceback" not in log(), log()
