@@ -58,6 +58,19 @@ def test_a_cast_fill_is_still_judged_by_its_format():
     assert found["rule"].tolist() == ["overflow"] and found["severity"].iloc[0] == "critical"
 
 
+def test_a_fill_mask_is_a_mask_from_its_first_recorded_step():
+    # -inf mask entries at two recorded steps: a fill the probe saw is a mask already; an
+    # op of unknown origin needs `Thresholds.mask_min_steps` (3) steps to be one
+    ops = make_ops({"name": "attn/select_n"}, {"name": "attn/sub"})
+    ops["origin"] = ["fill", ""]
+    rows = series(0, [0, 2], frac_nonfinite=0.49) + series(1, [0, 2], frac_nonfinite=0.49)
+    found = _advise(ops, rows)
+    assert found.loc[found["rule"] == "nonfinite", "op"].tolist() == [1]
+    # a fill whose share changes went bad: judged
+    moved = series(0, [0, 2], frac_nonfinite=[0.49, 0.6])
+    assert _advise(ops.iloc[:1], moved)["rule"].tolist() == ["nonfinite"]
+
+
 def test_delayed_concerns_cast_values_or_an_audited_format():
     ops = make_ops({"name": "a/mul", "cast_to": "e4m3"}, {"name": "b/mul"})
     rows = []

@@ -596,6 +596,28 @@ def test_grouped_heatmap_expands_collapses_and_keeps_small_runs_per_op():
     assert not viz.update_heatmap(fig, matrix, metric="rms")
 
 
+def test_grouped_heatmap_grows_to_label_every_row():
+    """A few hundred rows (collapsed groups, or the ops of an expanded one): the figure
+    grows so that every row, the expanded group's ops too, gets its own label."""
+    from scalescope import analysis as A
+
+    n = 200
+    ops = pd.DataFrame(
+        {"name": [f"layers/{i // 10}/mlp/mul" for i in range(n)], "pass": ["fwd"] * n},
+        index=pd.Index(range(n), name="op"),
+    )
+    keys = A.group_keys(ops, 1)
+    matrix = pd.DataFrame(np.ones((n, 3)), index=ops.index, columns=[0, 1, 2])
+    fig = viz.heatmap(matrix, metric="rms", groups=keys, expanded=set(keys))
+    ticker = fig.yaxis[0].ticker
+    assert ticker.tags == ["rows"] and ticker.ticks == list(range(n))
+    assert (fig.height - 90) / n >= viz.heatmap_groups.MIN_ROW_PX
+    labels = fig.yaxis[0].formatter.args["labels"]
+    assert all(labels) and len(set(labels)) == n
+    collapsed = viz.heatmap(matrix, metric="rms", groups=keys, expanded=[])
+    assert collapsed.yaxis[0].ticker.ticks == list(range(20))  # every group labelled
+
+
 def test_grouped_heatmap_labels_rows_or_groups_by_row_height():
     """Many rows: group labels (one per group start); few rows: a label per row. The
     browser's range callback does the same on zoom (run here in node)."""

@@ -814,10 +814,12 @@ def _too_wide(
     return (octaves, span) if octaves > span else None
 
 
-def _mask_groups(cells: _Cells | _Dense, values: np.ndarray, min_steps: int) -> np.ndarray:
+def _mask_groups(
+    cells: _Cells | _Dense, values: np.ndarray, min_steps: int | np.ndarray
+) -> np.ndarray:
     """Per op (bool, aligned with ``cells.ids``): a non-finite fraction that is the same,
-    non-zero and below 1, at every recorded step (at least ``min_steps`` of them): masks,
-    see `Thresholds.mask_min_steps`."""
+    non-zero and below 1, at every recorded step (at least ``min_steps`` of them, per op
+    when an array): masks, see `Thresholds.mask_min_steps`."""
     if not np.size(values):
         return np.zeros(len(cells.ids), bool)
     with np.errstate(invalid="ignore"):
@@ -830,22 +832,33 @@ def _mask_groups(cells: _Cells | _Dense, values: np.ndarray, min_steps: int) -> 
         return (cells.sizes >= min_steps) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
 
 
-def mask_ops(values: pd.Series, min_steps: int) -> np.ndarray:
+def mask_ops(values: pd.Series, min_steps: int, fills: Any = ()) -> np.ndarray:
     """Op ids whose non-finite fraction (``values``: indexed by (op, step), one value per
     recorded step) is the same, non-zero and below 1, at every recorded step (at least
-    ``min_steps`` of them): masks, which the nonfinite rule skips (see
+    ``min_steps`` of them; one for the ops of ``fills``, which the probe saw mix a
+    constant fill such as -inf into a value): masks, which the nonfinite rule skips (see
     `Thresholds.mask_min_steps`)."""
     by_op = values.groupby(level="op")
     lo, hi, n = by_op.min(), by_op.max(), by_op.size()
-    steady = (n >= min_steps) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
+    need = np.where(lo.index.isin(np.asarray(list(fills))), 1, min_steps)
+    steady = (n >= need) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
     return steady.index.to_numpy()[steady.to_numpy()]
 
 
+def fill_ops(ops: pd.DataFrame) -> np.ndarray:
+    """Op ids the probe saw hold a constant fill (``origin == "fill"``)."""
+    if "origin" not in ops.columns:
+        return np.zeros(0, np.int64)
+    return ops.index.to_numpy(np.int64)[ops["origin"].fillna("").astype(str).eq("fill")]
+
+
 def _nonfinite_findings(
-    cells: _Cells | _Dense, thresholds: Thresholds, labels: pd.Series
+    cells: _Cells | _Dense, thresholds: Thresholds, labels: pd.Series, fills: np.ndarray
 ) -> list[dict[str, Any]]:
     values = cells.cols["frac_nonfinite"]
-    kept = ~cells.per_op(_mask_groups(cells, values, thresholds.mask_min_steps))
+    # a fill the probe saw (a -inf mask) is a mask from its first recorded step on
+    need = np.where(np.isin(cells.ids, fills), 1, thresholds.mask_min_steps)
+    kept = ~cells.per_op(_mask_groups(cells, values, need))
     hits = _hits(cells, values, _compare(values, "gt", thresholds.nonfinite) & kept, "max")
     if not hits.op:
         return []
@@ -1580,7 +1593,7 @@ def advise(
     last_step = int(stats["step"].max())
     horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
 
-    rows = _nonfinite_findings(cells, thresholds, labels)
+    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table))
     rows += _format_findings(cells, checked, thresholds, meta)
     rows += _drift_findings(cells, band, thresholds)
     rows += _trend_findings(cells, band, thresholds, horizon)

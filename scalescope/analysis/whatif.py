@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .advisor import Thresholds, mask_ops, pct
+from .advisor import Thresholds, fill_ops, mask_ops, pct
 from .frames import (
     check_stats,
     format_list,
@@ -173,7 +173,8 @@ def format_whatif(
         # a mask (-inf by construction, the same share at every step) stays a mask in any
         # format: only values that went bad are unsafe everywhere
         nonfinite = worst["frac_nonfinite"].to_numpy(np.float64, copy=True)
-        nonfinite[ids.isin(_masks(stats, thresholds.mask_min_steps))] = 0.0
+        masks = _masks(stats, thresholds.mask_min_steps, fill_ops(table))
+        nonfinite[ids.isin(masks)] = 0.0
     parts = {
         name: _verdicts(worst, name, nonfinite, thresholds, meta, name in recipes) for name in names
     }
@@ -187,7 +188,7 @@ def format_whatif(
     return out
 
 
-def _masks(stats: pd.DataFrame, min_steps: int) -> np.ndarray:
+def _masks(stats: pd.DataFrame, min_steps: int, fills: np.ndarray) -> np.ndarray:
     """Op ids holding a mask (`scalescope.analysis.mask_ops`: the same non-finite share,
     below 1, at every one of at least ``min_steps`` recorded steps)."""
     bad = stats["frac_nonfinite"].to_numpy(np.float64) > 0
@@ -196,7 +197,7 @@ def _masks(stats: pd.DataFrame, min_steps: int) -> np.ndarray:
     ops = np.unique(stats["op"].to_numpy()[bad])
     rows = stats[stats["op"].isin(ops)]
     per_step = rows.groupby(["op", "step"])["frac_nonfinite"].max()
-    return mask_ops(per_step, min_steps)
+    return mask_ops(per_step, min_steps, fills)
 
 
 # -- recipes: which is cheapest ------------------------------------------------------------

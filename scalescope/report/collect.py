@@ -12,6 +12,7 @@ import pandas as pd
 
 from .. import analysis as A
 from ..analysis import mask_ops
+from ..analysis.advisor import fill_ops
 from ..analysis.frames import op_table
 
 
@@ -112,7 +113,7 @@ def _collect(reader: Any, thresholds: A.Thresholds, audit: Sequence[str] = ()) -
         per_step=per_step,
         whatif=A.format_whatif(stats, reader.ops, thresholds=thresholds, meta=reader.meta),
         findings=findings,
-        masks=mask_ops(nonfinite, thresholds.mask_min_steps),
+        masks=mask_ops(nonfinite, thresholds.mask_min_steps, fill_ops(table)),
         thresholds=thresholds,
         measured=reader.measured(),
         notes=A.measurement_notes(reader),

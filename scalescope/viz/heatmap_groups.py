@@ -6,9 +6,11 @@ its worst member's value for the metric (`scalescope.analysis.group_matrix`); an
 group shows one row per member op. Still one ``image`` glyph, so tens of thousands of ops
 collapsed into a few hundred rows send a few hundred rows.
 
-Row labels stay readable at every zoom: a JavaScript callback on the y range writes one
-label per row when rows are at least `MIN_ROW_PX` pixels tall, otherwise one label per
-group (at its first row, thinned so that labels do not overlap). Hover always names the
+Row labels stay readable at every zoom: the figure grows with its rows (up to
+`MAX_HEIGHT_PX`) so that every row, collapsed group or op of an expanded one, is at least
+`MIN_ROW_PX` tall and labelled; a JavaScript callback on the y range writes one label per
+row while rows are that tall, otherwise one label per group (at its first row, thinned so
+that labels do not overlap). Hover always names the
 row (the op, or the group and its size), the op id, the worst member at that step (for a
 collapsed row) and the step. Everything that depends on the rows is set by `fill_rows`,
 so `update_heatmap` changes the rows of a figure in place (expand, collapse, search, a
@@ -47,7 +49,6 @@ from .heatmap import (
     _PAN_ZOOM_TOOLS,
     TAG,
     _blank_background,
-    _figure_height,
     _nan_cells,
     _note,
     cell_hover,
@@ -56,6 +57,15 @@ from .heatmap import (
 
 #: Rows at least this tall (pixels) get a label each; shorter rows get group labels.
 MIN_ROW_PX = 11
+#: The grouped figure grows to give every row `MIN_ROW_PX` (so every collapsed group and
+#: every op of an expanded group is labelled) up to this height (pixels).
+MAX_HEIGHT_PX = 3000
+
+
+def _grouped_height(n_rows: int) -> int:
+    """Tall enough for a label on every row, within `MAX_HEIGHT_PX`."""
+    return int(min(MAX_HEIGHT_PX, max(260, 90 + MIN_ROW_PX * n_rows)))
+
 
 _JS_ROW = """
 const i = Math.floor(value + 0.5);
@@ -150,7 +160,7 @@ def grouped_heatmap(
         name=name,
         title=title or metric,
         width=900,
-        height=_figure_height(n_rows),
+        height=_grouped_height(n_rows),
         x_range=Range1d(-0.5, max(n_cols, 1) - 0.5),
         y_range=Range1d(max(n_rows, 1) - 0.5, -0.5),  # row 0 on top
         tools=_PAN_ZOOM_TOOLS,
@@ -332,7 +342,7 @@ def fill_rows(
         if isinstance(bar, ColorBar):
             bar.title = metric
 
-    height = _figure_height(n_rows)
+    height = _grouped_height(n_rows)
     ticks, mode = _row_ticks(n_rows, starts, height)
     ticker = fig.yaxis[0].ticker
     ticker.update(tags=[mode], ticks=ticks)
