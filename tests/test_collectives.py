@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags_with as _flags
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -27,7 +28,7 @@ CHECK = Path(__file__).with_name("collectives_check.py")
 
 
 def _run_check(*checks: str, **env_vars: str) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", **env_vars)
+    env = dict(os.environ, XLA_FLAGS=_flags("--xla_force_host_platform_device_count=8"), **env_vars)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, str(CHECK), *checks],

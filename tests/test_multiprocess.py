@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import free_port
+from conftest import xla_flags_with as _flags
 
 import scalescope as ss
 from scalescope.store import layout as L
@@ -40,7 +41,7 @@ def _env() -> dict[str, str]:
     """The subprocesses' environment: CPU only, DEVICES devices each, this checkout's
     scalescope first on the path."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    env["XLA_FLAGS"] = _flags(f"--xla_force_host_platform_device_count={DEVICES}")
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     return env

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags_with as _flags
 from test_engine_models import _gpt
 
 import scalescope as ss
@@ -86,7 +87,7 @@ SHARDED = Path(__file__).with_name("sharded_probe_check.py")
 
 @pytest.mark.slow
 def test_sharded_statistics_equal_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=_flags("--xla_force_host_platform_device_count=4"))
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, str(SHARDED)], env=env, capture_output=True, text=True, timeout=600
