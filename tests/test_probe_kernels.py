@@ -232,6 +232,9 @@ def test_values_measured_at_once_equal_values_measured_later():
     table = at_once.op_table(x, w)
     assert len([op for op in table if op.recorded]) >= 10
     for name in stats_a:
+        # The two programs compute a value with different fusions (its last bit can differ,
+        # and with it that element's rounding error): SNRs (dB) agree to 0.05 dB.
+        tol = {"atol": 0.05} if name.startswith("snr") else {"rtol": 1e-5}
         np.testing.assert_allclose(
-            np.asarray(stats_a[name]), np.asarray(stats_b[name]), rtol=1e-5, err_msg=name
+            np.asarray(stats_a[name]), np.asarray(stats_b[name]), err_msg=name, **tol
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pandas as pd
 import pytest
@@ -96,7 +97,7 @@ def test_impact_is_the_share_of_signal_lost():
     )
     rows = series(0, [0, 10], underflow_e5m2=[0.5, 0.9], snr_e5m2=[20.0, 3.0])
     rows += series(1, [0, 10], snr_e4m3=[10.0, 12.0])
-    rows += series(2, [0, 10], overflow_e4m3=[0.0, 1e-3])
+    rows += series(2, [0, 10], overflow_e4m3=[0.0, 1e-3], absmax=[1.0, 900.0])
     rows += series(3, [0, 10], underflow_e4m3=[0.05, 0.4], snr_e4m3=[20.0, 3.0])
     found = _advise(ops, rows).set_index(["op", "rule"])
     # a gradient: each flushed element is a piece of an update lost
@@ -106,6 +107,35 @@ def test_impact_is_the_share_of_signal_lost():
     # a forward value: the cast's noise power over signal power at the worst step
     assert found.loc[(3, "underflow"), "impact"] == pytest.approx(10**-0.3)
     assert np.isfinite(found.loc[(3, "snr"), "impact"])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "peak", "saturated"),
+    [
+        ("e4m3", 460.0, True),
+        ("e4m3", 464.5, False),
+        ("e5m2", 61000.0, True),
+        ("fp16", 65530.0, False),
+    ],
+)
+def test_an_overflow_that_rounds_to_the_max_loses_no_step(fmt, peak, saturated):
+    # values past the max but under max + ulp/2 round to the max (no inf/NaN): the edge is
+    # where ml_dtypes' own cast turns them inf (NaN in e4m3fn)
+    dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "fp16": np.float16}
+    with np.errstate(over="ignore"):
+        finite = bool(np.isfinite(np.float32(peak).astype(dtype[fmt]).astype(np.float32)))
+    assert finite == saturated
+    ops = make_ops({"name": "a/x", "cast_to": fmt})
+    rows = series(0, [0, 10], **{f"overflow_{fmt}": [0.0, 1e-3], "absmax": [1.0, peak]})
+    found = _advise(ops, rows)
+    row = found[found["rule"] == "overflow"].iloc[0]
+    if saturated:
+        assert row["severity"] == "medium" and row["impact"] < 1e-3, row.to_dict()
+        assert "no headroom" in row["evidence"]
+        assert A.verdict(found).status == "healthy"
+    else:
+        assert row["severity"] == "high" and row["impact"] == 1.0, row.to_dict()
+        assert A.verdict(found).status == "failing"
 
 
 # -- causes -------------------------------------------------------------------------------

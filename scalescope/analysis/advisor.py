@@ -30,7 +30,9 @@ the step count, mask fills) raise no drift, trend or delayed finding.
 
 - ``nonfinite``: critical, always (NaN/inf outside a mask ends a training);
 - ``overflow`` of a format (a plain cast turns those elements into inf, or NaN in
-  e4m3fn): high, critical from 1 % of the values (as broken as a NaN); of a block-scaled
+  e4m3fn): high, critical from 1 % of the values (as broken as a NaN); medium at most
+  when every overflowing element stays under the format's `rounding_edge` (they round
+  to the max: no step is lost, but no headroom is left); of a block-scaled
   recipe (clipped elements saturate): low below 0.1 %, medium below 1 %, high from 1 %;
 - ``underflow``: low below 2 % of the non-zero values flushed to zero, medium below
   25 %, high from 25 % (99 % of a backward value flushed in E5M2 is high);
@@ -756,14 +758,27 @@ def _format_findings(
             ("underflow", f"underflow_{fmt}", "max", thresholds.underflow_for(fmt), "gt"),
             ("snr", f"snr_{fmt}", "min", snr_thr, "lt"),
         )
+        edge = rounding_edge(info) if recipe_element(fmt) is None else math.nan
         for rule, col, worst, thr, how in rules:
             values = cells.cols[col]
             mask = _compare(values, how, thr) & sel
+            peaks = {}
+            if rule == "overflow" and math.isfinite(edge) and "absmax" in cells.cols:
+                hits = _hit_rows(_hits(cells, cells.cols["absmax"], mask, "max"))
+                peaks = {op: peak for op, _, _, peak, _ in hits}
             for op, first, k, v, at in _hit_rows(_hits(cells, values, mask, worst)):
                 n = int(cells.sizes[np.searchsorted(cells.ids, op)])
+                # every overflowing element under the edge rounds to the max (an abs-max
+                # not above the max disagrees with the overflow: no claim then)
+                saturated = bool(limit < peaks.get(op, math.inf) < edge) if peaks else False
                 if rule == "overflow":
                     bound = f" (|x| > {_num(limit)})" if limit else ""
                     text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
+                    if saturated:
+                        text += (
+                            f", none beyond {_num(edge)} (largest {_num(peaks[op])}): they "
+                            f"round to ±{_num(limit)}, not to inf/NaN, but no headroom is left"
+                        )
                 elif rule == "underflow":
                     bound = f" (|x| < {_num(tiny)})" if tiny else ""
                     text = f"{pct(v)} of non-zero values flush to zero in {fmt}{bound} at step {at}"
@@ -787,9 +802,21 @@ def _format_findings(
                         threshold=float(thr),
                         evidence=f"{text}; {_steps_text(k, n, first)}.",
                         _at=at,
+                        _saturated=saturated,
                     )
                 )
     return rows
+
+
+def rounding_edge(info: Mapping[str, Any]) -> float:
+    """The magnitude from which a plain cast to a format gives inf (NaN in e4m3fn): its
+    max plus half a unit in the last place (464 for e4m3, 61440 for e5m2, 65520 for
+    fp16); values between the max and this edge round to the max. NaN when the limits
+    are unknown."""
+    top, bits = info.get("max"), info.get("mantissa_bits")
+    if not top or bits is None:
+        return math.nan
+    return float(top) + 2.0 ** (math.floor(math.log2(float(top))) - int(bits) - 1)
 
 
 def format_span(info: Mapping[str, Any]) -> float:
@@ -1279,6 +1306,12 @@ def _delayed_formats(info: pd.DataFrame, audit: Sequence[str] = ()) -> pd.Series
 # -- impact ------------------------------------------------------------------------------
 
 
+#: Upper bound of the relative error of a value that rounds down to a format's max (at
+#: most half a unit in the last place: 16/464 in e4m3): the impact of a saturated overflow
+#: per element.
+_SATURATED_LOSS = 16.0 / 464.0
+
+
 def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> np.ndarray:
     """Per finding: the estimated share of the value lost at its worst step, in [0, 1]
     (see `advise`; ``passes``: each finding's op's pass). NaN for drift, trend and
@@ -1289,13 +1322,21 @@ def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> 
     value = found["value"].to_numpy(np.float64)
     at = found["_at"].to_numpy() if "_at" in found else np.zeros(len(found))
     ops = found["op"].to_numpy(np.int64)
+    saturated = (
+        found["_saturated"].fillna(False).to_numpy(bool)
+        if "_saturated" in found
+        else np.zeros(len(found), bool)
+    )
     with np.errstate(invalid="ignore", over="ignore"):
         for i in range(len(found)):
             if rule[i] == "nonfinite":
                 out[i] = 1.0
+            elif rule[i] == "overflow" and recipe_element(fmt[i]) is not None:
+                out[i] = value[i]  # clipped elements saturate
+            elif rule[i] == "overflow" and saturated[i]:
+                out[i] = value[i] * _SATURATED_LOSS  # they round to the max
             elif rule[i] == "overflow":
-                # a plain cast turns them into inf (NaN in e4m3fn): the step is lost
-                out[i] = value[i] if recipe_element(fmt[i]) is not None else 1.0
+                out[i] = 1.0  # a plain cast turns them into inf (NaN in e4m3fn): step lost
             elif rule[i] == "snr":
                 out[i] = 10.0 ** (-value[i] / 10.0)
             elif rule[i] == "underflow" and passes[i] not in ("fwd", "input"):
@@ -1368,6 +1409,12 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                     lo = float(_log_fraction(np.nanmin(t[k])))
                     idx = np.flatnonzero(m)[k]
                     out[idx] = _band_level(_log_fraction(v[k]), lo, steps, 0.0)
+                if name == "overflow" and "impact" in findings.columns:
+                    # a plain cast whose overflowing elements all round to the max
+                    # (`rounding_edge`) loses no step: no headroom, medium at most
+                    impact = findings["impact"].to_numpy(np.float64)[m]
+                    capped = np.flatnonzero(m)[~recipe[m] & (impact < 1.0)]
+                    out[capped] = np.minimum(out[capped], 1.999)
             elif name == "snr":
                 # graded from the lower of the format's threshold and E4M3's: a cast that
                 # keeps more SNR than a healthy E4M3 cast (an FP16 cast at 40 dB) loses
@@ -1562,6 +1609,8 @@ def advise(
         columns["dynamic_range"] = "max"
     for fmt in checked:
         columns |= {f"overflow_{fmt}": "max", f"underflow_{fmt}": "max", f"snr_{fmt}": "min"}
+    if checked and "absmax" in stats.columns:  # does an overflow saturate or turn inf?
+        columns["absmax"] = "max"
     rms = stats["rms"].to_numpy(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         l2 = np.log2(np.where(rms > 0, rms, np.nan))

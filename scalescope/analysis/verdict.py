@@ -185,25 +185,32 @@ def verdict(
     nan_step = _first_nonfinite(loss)
     if nan_step is not None:
         status = 2
-        name = loss.name or "loss"
-        picked.append(
-            Reason(
-                cause=f"the {name} turned NaN/inf",
-                severity="critical",
-                impact=1.0,
-                op="",
-                source="",
-                step=nan_step,
-                fix="find the earliest op with NaN/inf (the next reason, or the report)",
-                evidence=f"{name} is not finite at step {nan_step}",
-            )
-        )
-        step = nan_step
     deciding = [i for i, lv in enumerate(levels) if lv == status and lv > 0]
     # the earliest cause first, in time then program order: a cast overflowing into NaN
     # comes before the NaN it spreads
     deciding.sort(key=lambda i: (int(table["first_step"].iloc[i]), int(table["first_op"].iloc[i])))
     shown = deciding + [i for i, lv in enumerate(levels) if lv and i not in deciding]
+    if nan_step is not None:
+        name = loss.name or "loss"
+        first = table.iloc[shown[0]] if shown else None
+        picked.append(
+            Reason(
+                cause=f"the {name} turned NaN/inf",
+                severity="critical",
+                impact=1.0,
+                # where it starts: the earliest recorded cause
+                op="" if first is None else str(first["label"]),
+                source="" if first is None else str(first["source"]),
+                step=nan_step,
+                fix=(
+                    "record every step (every=1) to find the earliest op with NaN/inf"
+                    if first is None
+                    else f"it starts with the next reason, {first['cause']}: fix that first"
+                ),
+                evidence=f"{name} is not finite at step {nan_step}",
+            )
+        )
+        step = nan_step
     for i in shown[: max(reasons - len(picked), 0)]:
         r = table.iloc[i]
         picked.append(
