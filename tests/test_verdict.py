@@ -244,3 +244,64 @@ def test_parse_status_and_worst_first():
     assert A.worst_first(vs) == [3, 1, 2, 0]
     with pytest.raises(ValueError, match="failing_impact"):
         A.VerdictThresholds(failing_impact=2)
+
+
+@pytest.mark.parametrize("outputs", ["finite", "nonfinite", "unrecorded"])
+def test_nan_dropped_downstream_loses_no_step(outputs):
+    # a schedule's unused branch is inf at step 0 only (optax.join_schedules evaluates
+    # both): a where drops it, the step's outputs stay finite
+    ops = make_ops({"name": "opt/div", "pass": "opt"}, {"name": "a/y"}, {"name": "output/0"})
+    ops.loc[2, ["stats_op", "note"]] = [1, "output"]
+    rows = series(0, [0, 10, 20], frac_nonfinite=[1.0, 0.0, 0.0])
+    if outputs != "unrecorded":
+        bad = 0.25 if outputs == "nonfinite" else 0.0
+        rows += series(1, [0, 10, 20], frac_nonfinite=[bad, 0.0, 0.0])
+    found = _advise(ops, rows)
+    row = found[(found["rule"] == "nonfinite") & (found["op"] == 0)].iloc[0]
+    if outputs == "finite":
+        assert row["severity"] == "low" and row["impact"] == 0.0, row.to_dict()
+        assert "dropped downstream" in row["evidence"]
+        assert A.verdict(found).status == "healthy"
+    else:  # it reaches the outputs, or nothing says it does not
+        assert row["severity"] == "critical" and row["impact"] == 1.0, row.to_dict()
+        assert A.verdict(found).status == "failing"
+
+
+@pytest.mark.parametrize("reaches", [False, True])
+def test_a_schedules_inf_branch_is_judged_by_what_reaches_the_parameters(tmp_path, reaches):
+    # optax.join_schedules evaluates every schedule: the rsqrt branch is 4/0 at step 0,
+    # dropped by its where (a healthy run); used directly, the inf reaches the weights
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import scalescope as ss
+
+    rsqrt = lambda s: 1e-3 * jnp.sqrt(4.0 / s)  # noqa: E731
+    joined = optax.join_schedules([optax.constant_schedule(1e-3), rsqrt], [4])
+    tx = optax.sgd(optax.join_schedules([rsqrt, rsqrt], [10]) if reaches else joined)
+    x = jnp.linspace(-1.0, 1.0, 32).reshape(8, 4)
+    w = jnp.ones((4,))
+
+    def step(w, state):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - 1.0) ** 2))(w)
+        updates, state = tx.update(g, state, w)
+        return optax.apply_updates(w, updates), state, loss
+
+    state = tx.init(w)
+    with ss.Run(tmp_path / "run", every=1) as run:
+        tracked = run.track(step)
+        for i in range(3):
+            w, state, loss = tracked(w, state)
+            run.log(i, loss=loss)
+    view = ss.open_run(tmp_path / "run")
+    found = view.advise()
+    nonfinite = found[found["rule"] == "nonfinite"]
+    assert len(nonfinite), found
+    v = view.verdict()
+    if reaches:
+        assert v.status == "failing", v
+    else:
+        assert v.status == "healthy", v
+        assert (nonfinite["severity"] == "low").all(), nonfinite
+        assert nonfinite["evidence"].str.contains("dropped downstream").all()

@@ -28,7 +28,10 @@ the step count, mask fills) raise no drift, trend or delayed finding.
 
 **Severity is graded by magnitude** (`severity_level`; the steps are `SEVERITY_STEPS`):
 
-- ``nonfinite``: critical, always (NaN/inf outside a mask ends a training);
+- ``nonfinite``: critical (NaN/inf outside a mask ends a training), unless it is dropped
+  downstream: at every step it appears, the step's outputs (`output_ops`: parameters,
+  optimizer state, loss) are recorded and finite (a where/select discards it, e.g. a
+  schedule's unused branch at step 0 or an empty segment's -inf): low, impact 0;
 - ``overflow`` of a format (a plain cast turns those elements into inf, or NaN in
   e4m3fn): high, critical from 1 % of the values (as broken as a NaN); medium at most
   when every overflowing element stays under the format's `rounding_edge` (they round
@@ -879,16 +882,63 @@ def fill_ops(ops: pd.DataFrame) -> np.ndarray:
     return ops.index.to_numpy(np.int64)[ops["origin"].fillna("").astype(str).eq("fill")]
 
 
+def output_ops(ops: pd.DataFrame) -> np.ndarray:
+    """Op ids whose statistics are those of the step's outputs (``output/...`` ops share
+    the statistics of the op that produced them, ``stats_op``): parameters, optimizer
+    state, loss."""
+    if not {"name", "stats_op"} <= set(ops.columns) or not len(ops):
+        return np.zeros(0, np.int64)
+    out = ops["name"].astype(str).str.startswith("output").to_numpy()
+    src = pd.to_numeric(ops["stats_op"], errors="coerce").to_numpy(np.float64)[out]
+    return np.unique(src[np.isfinite(src) & (src >= 0)].astype(np.int64))  # -1: no stats
+
+
+def _finite_output_steps(cells: _Cells | _Dense, outputs: np.ndarray) -> np.ndarray:
+    """Recorded steps at which every output op (`output_ops`) is recorded and holds no
+    NaN/inf (empty when the outputs are not all recorded)."""
+    outputs = np.unique(outputs)
+    if not len(outputs) or not np.isin(outputs, cells.ids).all():
+        return np.zeros(0, np.int64)
+    values = cells.cols["frac_nonfinite"]
+    if isinstance(cells, _Dense):
+        cols = np.searchsorted(cells.ids, outputs)
+        bad = np.asarray(values)[:, cols]
+        return cells.steps[~(np.isnan(bad) | (bad > 0)).any(axis=1)]
+    rows = np.flatnonzero(cells.rows_of(outputs))
+    steps, v = cells.step[rows], np.asarray(values, np.float64)[rows]
+    uniq, inv, count = np.unique(steps, return_inverse=True, return_counts=True)
+    bad = np.zeros(len(uniq), bool)
+    np.logical_or.at(bad, inv, np.isnan(v) | (v > 0))
+    return uniq[(count == len(outputs)) & ~bad]
+
+
+def _op_steps(cells: _Cells | _Dense, op: int, mask: np.ndarray) -> np.ndarray:
+    """Recorded steps of ``op`` where ``mask`` (a flag per row) holds."""
+    g = int(np.searchsorted(cells.ids, op))
+    if isinstance(cells, _Dense):
+        return cells.steps[np.broadcast_to(mask, (len(cells.steps), len(cells.ids)))[:, g]]
+    a = int(cells.starts[g])
+    b = a + int(cells.sizes[g])
+    return cells.step[a:b][np.asarray(mask)[a:b]]
+
+
 def _nonfinite_findings(
-    cells: _Cells | _Dense, thresholds: Thresholds, labels: pd.Series, fills: np.ndarray
+    cells: _Cells | _Dense,
+    thresholds: Thresholds,
+    labels: pd.Series,
+    fills: np.ndarray,
+    outputs: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
     values = cells.cols["frac_nonfinite"]
     # a fill the probe saw (a -inf mask) is a mask from its first recorded step on
     need = np.where(np.isin(cells.ids, fills), 1, thresholds.mask_min_steps)
     kept = ~cells.per_op(_mask_groups(cells, values, need))
-    hits = _hits(cells, values, _compare(values, "gt", thresholds.nonfinite) & kept, "max")
+    bad = _compare(values, "gt", thresholds.nonfinite) & kept
+    hits = _hits(cells, values, bad, "max")
     if not hits.op:
         return []
+    outputs = np.zeros(0, np.int64) if outputs is None else np.asarray(outputs, np.int64)
+    finite_out = _finite_output_steps(cells, outputs)
     first_steps = np.asarray(hits.first_step)
     k0 = int(np.argmin(first_steps))  # earliest; ties: the smallest op id
     origin, origin_step = hits.op[k0], int(first_steps[k0])
@@ -902,6 +952,14 @@ def _nonfinite_findings(
             tail = (
                 f"the earliest op with non-finite values is {labels[origin]} (step {origin_step})"
             )
+        # dropped downstream: at every step it holds NaN/inf, the step's outputs are
+        # finite (a where/select discards it: a warm-up branch at step 0, an empty segment)
+        contained = op not in outputs and bool(np.isin(_op_steps(cells, op, bad), finite_out).all())
+        if contained:
+            tail += (
+                "; dropped downstream: the step's outputs (parameters, optimizer state, "
+                "loss) stay finite at those steps"
+            )
         rows.append(
             dict(
                 op=op,
@@ -914,6 +972,7 @@ def _nonfinite_findings(
                 evidence=f"{text}; {_steps_text(k, n, first)}; {tail}.",
                 _at=at,
                 _origin=origin,
+                _contained=contained,
             )
         )
     return rows
@@ -1322,15 +1381,14 @@ def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> 
     value = found["value"].to_numpy(np.float64)
     at = found["_at"].to_numpy() if "_at" in found else np.zeros(len(found))
     ops = found["op"].to_numpy(np.int64)
-    saturated = (
-        found["_saturated"].fillna(False).to_numpy(bool)
-        if "_saturated" in found
-        else np.zeros(len(found), bool)
+    saturated, contained = (
+        found[c].eq(True).to_numpy(bool) if c in found else np.zeros(len(found), bool)
+        for c in ("_saturated", "_contained")
     )
     with np.errstate(invalid="ignore", over="ignore"):
         for i in range(len(found)):
             if rule[i] == "nonfinite":
-                out[i] = 1.0
+                out[i] = 0.0 if contained[i] else 1.0
             elif rule[i] == "overflow" and recipe_element(fmt[i]) is not None:
                 out[i] = value[i]  # clipped elements saturate
             elif rule[i] == "overflow" and saturated[i]:
@@ -1401,6 +1459,9 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
             v, t = value[m], thr[m]
             if name == "nonfinite":
                 out[m] = 3.0 + 0.999 * np.clip(np.nan_to_num(v, nan=1.0), 0.0, 1.0)
+                if "impact" in findings.columns:  # dropped downstream: no step lost, low
+                    lost = findings["impact"].to_numpy(np.float64)[m]
+                    out[m] = np.where(lost == 0.0, 0.999 * np.clip(v, 0.0, 1.0), out[m])
             elif name in ("overflow", "underflow"):
                 keys = np.where(recipe[m] & (name == "overflow"), "overflow_recipe", name)
                 for key in np.unique(keys):
@@ -1642,7 +1703,7 @@ def advise(
     last_step = int(stats["step"].max())
     horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
 
-    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table))
+    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table), output_ops(table))
     rows += _format_findings(cells, checked, thresholds, meta)
     rows += _drift_findings(cells, band, thresholds)
     rows += _trend_findings(cells, band, thresholds, horizon)
