@@ -4,6 +4,7 @@ from . import ops, unit
 from ._version import __version__ as __version__
 from .core import formats
 from .core.formats import Format
+from .core.policy import Policy, PolicyError
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
 from .notebook import load_notebook, show
 from .probe import OpRecord, OpTable, instrument, module_scopes, scale_graph, stats_frame
@@ -25,6 +26,8 @@ __all__ = [
     "NotARunError",
     "OpRecord",
     "OpTable",
+    "Policy",
+    "PolicyError",
     "Run",
     "RunError",
     "RunMismatchError",

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
+from ..core.policy import unique_labels
+
 Direction = Literal["max", "min", "abs", "mean"]
 IterationsArg = Literal["max", "min", "mean", "worst", "all"]
 
@@ -272,19 +274,10 @@ def op_labels(ops: pd.DataFrame) -> pd.Series:
     ``fwd/block_0/attn/dot_general#2 [16x64x384]``."""
     require_columns(ops, ("name", "pass"), "ops")
     table = ops.sort_index()
-    names = table["name"].astype(str)
-    passes = table["pass"].astype(str)
-    base = pd.Series(
-        [n if (n == p or n.startswith(p + "/")) else f"{p}/{n}" for n, p in zip(names, passes)],
-        index=table.index,
-    )
-    occurrence = base.groupby(base).cumcount() + 1
-    repeated = base.map(base.value_counts()) > 1
+    names = table["name"].astype(str).tolist()
+    base = unique_labels(table["pass"].astype(str).tolist(), names)  # what policies match
     shapes = table["shape"] if "shape" in table.columns else pd.Series(None, index=table.index)
-    labels = [
-        f"{b}{f'#{k}' if rep else ''}{_shape_text(s)}"
-        for b, k, rep, s in zip(base, occurrence, repeated, shapes)
-    ]
+    labels = [f"{b}{_shape_text(s)}" for b, s in zip(base, shapes)]
     out = pd.Series(labels, index=table.index, name="label", dtype=object)
     out.index.name = table.index.name or "op"
     return out
