@@ -29,21 +29,11 @@ import scalescope as ss
 from sample_models import data as D
 from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
 from sample_models.mlp import MLPConfig, init_mlp, mlp_accuracy, mlp_loss
-from sample_models.precision import SCALIFIED, get_precision, unit_init
+from sample_models.precision import PRECISIONS, SCALIFIED, get_precision, unit_init
 from sample_models.train_step import make_train_step, with_state_dtype
 
 MODELS = ("gpt", "mlp")
-PRECISION_NAMES = (
-    "fp32",
-    "fp16",
-    "fp8",
-    "fp8-static",
-    "fp8-naive",
-    "fp16-naive",
-    "e5m2-fwd-naive",
-    "unit-fp32",
-    "unit-fp8",
-)
+PRECISION_NAMES = tuple(PRECISIONS)
 OPT_STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 

@@ -14,6 +14,14 @@ TINY_GPT = ["--layers", "1", "--d-model", "16", "--seq-len", "8", "--batch", "2"
 TINY_MLP = ["--hidden", "32", "--batch", "16"]
 
 
+def test_the_cli_offers_every_precision_the_trainer_knows():
+    # the parser spells them out (it does not import the training code): held equal here
+    from sample_models.train import PRECISION_NAMES
+    from scalescope.cli import PRECISION_CHOICES
+
+    assert PRECISION_CHOICES == PRECISION_NAMES
+
+
 def _train(tmp_path, model, precision, extra, steps=3, every=2):
     run = tmp_path / f"{model}-{precision}"
     argv = ["train", model, "--precision", precision, "--steps", str(steps)]

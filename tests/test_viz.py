@@ -596,18 +596,23 @@ def test_grouped_heatmap_expands_collapses_and_keeps_small_runs_per_op():
     assert not viz.update_heatmap(fig, matrix, metric="rms")
 
 
+def _layer_groups(n: int, per_layer: int) -> tuple[pd.Series, pd.DataFrame]:
+    """Group keys and an all-ones matrix of ``n`` forward ops, ``per_layer`` per layer."""
+    from scalescope import analysis as A
+
+    ops = pd.DataFrame(
+        {"name": [f"layers/{i // per_layer}/mlp/mul" for i in range(n)], "pass": ["fwd"] * n},
+        index=pd.Index(range(n), name="op"),
+    )
+    matrix = pd.DataFrame(np.ones((n, 3)), index=ops.index, columns=[0, 1, 2])
+    return A.group_keys(ops, 1), matrix
+
+
 def test_grouped_heatmap_grows_to_label_every_row():
     """A few hundred rows (collapsed groups, or the ops of an expanded one): the figure
     grows so that every row, the expanded group's ops too, gets its own label."""
-    from scalescope import analysis as A
-
     n = 200
-    ops = pd.DataFrame(
-        {"name": [f"layers/{i // 10}/mlp/mul" for i in range(n)], "pass": ["fwd"] * n},
-        index=pd.Index(range(n), name="op"),
-    )
-    keys = A.group_keys(ops, 1)
-    matrix = pd.DataFrame(np.ones((n, 3)), index=ops.index, columns=[0, 1, 2])
+    keys, matrix = _layer_groups(n, per_layer=10)
     fig = viz.heatmap(matrix, metric="rms", groups=keys, expanded=set(keys))
     ticker = fig.yaxis[0].ticker
     assert ticker.tags == ["rows"] and ticker.ticks == list(range(n))
@@ -621,15 +626,8 @@ def test_grouped_heatmap_grows_to_label_every_row():
 def test_grouped_heatmap_labels_rows_or_groups_by_row_height():
     """Many rows: group labels (one per group start); few rows: a label per row. The
     browser's range callback does the same on zoom (run here in node)."""
-    from scalescope import analysis as A
-
     n = 900
-    ops = pd.DataFrame(
-        {"name": [f"layers/{i // 30}/mlp/mul" for i in range(n)], "pass": ["fwd"] * n},
-        index=pd.Index(range(n), name="op"),
-    )
-    keys = A.group_keys(ops, 1)
-    matrix = pd.DataFrame(np.ones((n, 3)), index=ops.index, columns=[0, 1, 2])
+    keys, matrix = _layer_groups(n, per_layer=30)
     fig = viz.heatmap(matrix, metric="rms", groups=keys, expanded=set(keys))
     ticker = fig.yaxis[0].ticker
     assert ticker.tags == ["groups"] and ticker.ticks[:3] == [0, 30, 60]
