@@ -7,7 +7,15 @@ from .core.formats import Format
 from .core.policy import Policy, PolicyError
 from .core.scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_array
 from .notebook import load_notebook, show
-from .probe import OpRecord, OpTable, instrument, module_scopes, scale_graph, stats_frame
+from .probe import (
+    OpRecord,
+    OpTable,
+    emulate,
+    instrument,
+    module_scopes,
+    scale_graph,
+    stats_frame,
+)
 from .run_view import RunView, open_run
 from .scalify import ScalifyError, register_rule, scalify
 from .store import (
@@ -38,6 +46,7 @@ __all__ = [
     "ScalifyError",
     "as_scaled_array",
     "asarray",
+    "emulate",
     "formats",
     "instrument",
     "is_scaled_array",

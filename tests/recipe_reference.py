@@ -153,6 +153,7 @@ class Quantised:
     clipped: np.ndarray  # |d / X| > element max
     err: np.ndarray  # d - q(d), float64 (nearest to the exact difference)
     log2_scale: float | None  # log2(X); None: no scale (amax 0, or X == 0)
+    q: list  # q(d): the exact dequantised values (float64 where exact, else Fraction)
 
 
 def _pow2_block(x: np.ndarray, exponent: Callable[[float], int], fmt: Elem) -> Quantised:
@@ -160,12 +161,12 @@ def _pow2_block(x: np.ndarray, exponent: Callable[[float], int], fmt: Elem) -> Q
     amax = float(np.max(np.abs(x), initial=0.0))
     if amax == 0:
         z = np.zeros(x.shape, bool)
-        return Quantised(np.ones(x.shape, bool), z, np.zeros(x.shape), None)
+        return Quantised(np.ones(x.shape, bool), z, np.zeros(x.shape), None, [0.0] * x.size)
     e = exponent(amax)
     scale = math.ldexp(1.0, e)
     y = x / scale  # exact
     q = q_f64(y, fmt) * scale  # exact
-    return Quantised(q == 0, np.abs(y) > fmt.max, x - q, float(e))
+    return Quantised(q == 0, np.abs(y) > fmt.max, x - q, float(e), q.tolist())
 
 
 def _clamp(e: int) -> int:
@@ -203,19 +204,21 @@ def _rational_block(
     """Elements ``Q(d * mul) / mul`` with a rational ``mul = 1/X`` (single rounding).
     ``mul`` infinite (a float32 scale that overflowed): every element is clipped to the
     max and dequantises to ``max / inf = 0``."""
-    zero, clipped, err = [], [], []
+    zero, clipped, err, qs = [], [], [], []
     for v in x.tolist():
         if math.isinf(mul):
             zero.append(True)
             clipped.append(v != 0)
             err.append(v)
+            qs.append(0.0)
             continue
         y = Fraction(v) * mul
         q = q_exact(y, fmt) / mul
         zero.append(q == 0)
         clipped.append(abs(y) > Fraction(fmt.max))
         err.append(float(Fraction(v) - q))
-    return Quantised(np.array(zero, bool), np.array(clipped, bool), np.array(err), log2_scale)
+        qs.append(q)
+    return Quantised(np.array(zero, bool), np.array(clipped, bool), np.array(err), log2_scale, qs)
 
 
 def tensor_factor(top: int, amax: float) -> float:
@@ -241,18 +244,9 @@ def flush_f32_subnormals(d) -> np.ndarray:
     return np.where(np.abs(d) < F32_TINY, np.float32(0), d)
 
 
-def recipe_stats(d: np.ndarray, recipe: str, axis: int | None = -1) -> dict[str, float]:
-    """The six statistics of ``recipe`` on the value ``d``, blocked along ``axis``
-    (``None``: along the flattened value)."""
-    if recipe not in RECIPES:
-        raise KeyError(recipe)
-    d = flush_f32_subnormals(d)
-    flat = d.ravel()
-    n = flat.size
-    if n == 0:
-        raise ValueError("empty value")
-    amax_t = _tensor_amax(flat)
-
+def _quantiser(recipe: str, amax_t: float) -> Callable[[np.ndarray], Quantised]:
+    """The function quantising one block (finite float64 elements) under ``recipe``, for
+    a value whose finite abs-max is ``amax_t``."""
     if recipe == "e4m3_tensor":
         s = tensor_factor(448, amax_t)
 
@@ -269,7 +263,8 @@ def recipe_stats(d: np.ndarray, recipe: str, axis: int | None = -1) -> dict[str,
             s_b = q_exact(Fraction(amax) * Fraction(s_enc) / 6, E4M3)
             if s_b == 0:  # the block's scale flushed: the whole block is 0, none clipped
                 z = np.zeros(x.shape, bool)
-                return Quantised(np.ones(x.shape, bool), z, x.astype(np.float64), None)
+                zeros = [0.0] * x.size
+                return Quantised(np.ones(x.shape, bool), z, x.astype(np.float64), None, zeros)
             log2 = math.log2(float(s_b)) - math.log2(s_enc)
             return _rational_block(x, Fraction(s_enc) / s_b, E2M1, log2)
 
@@ -285,6 +280,23 @@ def recipe_stats(d: np.ndarray, recipe: str, axis: int | None = -1) -> dict[str,
 
         def quantise(x: np.ndarray) -> Quantised:
             return _pow2_block(x.astype(np.float64), exponent, fmt)
+
+    return quantise
+
+
+def recipe_stats(d: np.ndarray, recipe: str, axis: int | None = -1) -> dict[str, float]:
+    """The six statistics of ``recipe`` on the value ``d``, blocked along ``axis``
+    (``None``: along the flattened value)."""
+    if recipe not in RECIPES:
+        raise KeyError(recipe)
+    d = flush_f32_subnormals(d)
+    flat = d.ravel()
+    n = flat.size
+    if n == 0:
+        raise ValueError("empty value")
+    amax_t = _tensor_amax(flat)
+
+    quantise = _quantiser(recipe, amax_t)
 
     underflow = overflow = 0
     sig = err2 = 0.0
@@ -322,3 +334,27 @@ def recipe_stats(d: np.ndarray, recipe: str, axis: int | None = -1) -> dict[str,
         "scale_log2_min": min(logs) if logs else math.nan,
         "scale_log2_max": max(logs) if logs else math.nan,
     }
+
+
+def dequantise(d: np.ndarray, recipe: str, axis: int | None = -1) -> np.ndarray:
+    """``d`` quantised by ``recipe`` and dequantised: each finite element the float32
+    nearest to its exact dequantised value (one rounding), non-finite ones unchanged,
+    float32 subnormals read as zero (as `recipe_stats` reads them)."""
+    if recipe not in RECIPES:
+        raise KeyError(recipe)
+    src = np.asarray(d).astype(np.float32)
+    d = flush_f32_subnormals(src)
+    flat = d.ravel()
+    out = src.ravel().copy()
+    quantise = _quantiser(recipe, _tensor_amax(flat))
+    for ix in blocks(d.shape, recipe, axis):
+        v = flat[ix]
+        fin = np.isfinite(v)
+        qb = quantise(v[fin].astype(np.float64))
+        vals = []
+        for x, q in zip(v[fin].tolist(), qb.q):
+            mag = abs(q)
+            r = 0.0 if mag == 0 else f32_round(Fraction(mag))
+            vals.append(math.copysign(r, x))
+        out[ix[fin]] = np.array(vals, np.float32)
+    return out.reshape(d.shape)

@@ -258,6 +258,21 @@ class Policy:
         return f"Policy({{{inner}}})"
 
 
+def as_policy(policy: Policy | Mapping[str, str] | str | Path) -> Policy:
+    """A `Policy` from a policy, a ``{pattern: target}`` mapping, or JSON text or a file
+    (`Policy.from_json`)."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, Mapping):
+        return Policy.from_dict(policy)
+    if isinstance(policy, str | Path):
+        return Policy.from_json(policy)
+    raise PolicyError(
+        "expected a Policy, a {pattern: target} mapping or a JSON policy (text or file), "
+        f"got {type(policy).__name__}"
+    )
+
+
 #: Ops no rule can reach: no float elements to quantise, or a function output (the same
 #: value as the op that computed it, which rules reach).
 _UNREACHABLE = ("not float", "empty", "output")
@@ -322,6 +337,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "Rule",
+    "as_policy",
     "glob_regex",
     "label_of",
     "op_labels",

@@ -2,9 +2,11 @@
 
 `instrument(fn)` interprets ``fn`` (scalified or plain) and returns ``(out, stats)``;
 ``stats`` is a flat dict of arrays, one row per recorded (op, iteration), described by
-the static `OpTable` from ``instrumented.op_table(*args)``.
+the static `OpTable` from ``instrumented.op_table(*args)``. `emulate(fn, policy)`
+interprets it the same way and rounds the values a `Policy` names.
 """
 
+from .emulate import emulate
 from .instrument import instrument
 from .kernel import (
     BASIC_STATS,
@@ -33,6 +35,7 @@ __all__ = [
     "scale_graph",
     "OpTable",
     "StatSpec",
+    "emulate",
     "instrument",
     "module_scopes",
     "stats_frame",

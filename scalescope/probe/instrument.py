@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core import recipes as _recipes
+from ..core.policy import Policy, as_policy
 from ..core.scaled_array import ScaledArray
 from ..scalify.interpreter import (
     FALLBACK_POLICIES,
@@ -26,10 +27,12 @@ from ..scalify.interpreter import (
     normalize_inputs,
     trace_flat,
 )
+from .blocking import block_axes
 from .kernel import DEFAULT_BLOCK, StatSpec
 from .modules import module_scopes
 from .names import PASS_SCOPES
 from .optable import OpRecord, OpTable
+from .quantise import Plan, Replacer
 from .recorder import Recorder
 
 Select = str | Callable[[OpRecord], bool] | None
@@ -158,7 +161,7 @@ def _after(values: list[Any], outs: Any) -> list[Any]:
     ]
 
 
-def _as_jit_passes(tree: Any) -> Any:
+def as_jit_passes(tree: Any) -> Any:
     """``tree`` with Python numbers as weakly typed JAX scalars, as `jax.jit` traces them."""
 
     def convert(leaf: Any) -> Any:
@@ -182,6 +185,7 @@ def instrument(
     sample: int | None = None,
     isolate: bool = False,
     groups: int = 0,
+    policy: Policy | dict[str, str] | str | None = None,
 ) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
     """Wrap ``fn`` so that it returns ``(out, stats)``.
 
@@ -220,6 +224,10 @@ def instrument(
     then measures only the groups where the boolean ``mask[group]`` is set, in one
     compiled program (each group behind a `lax.cond`); the other groups' rows have count
     0 and NaN statistics. This is how `Run`'s overhead budget rotates what it measures.
+
+    ``policy``: a `Policy` (or its dict or JSON) applied as `emulate` applies it: each
+    value a rule reaches is measured as computed, and what reads it gets its
+    quantise-dequantise. The statistics are then those of the emulated training.
     """
     if not callable(fn):
         raise TypeError(f"instrument: fn must be callable, got {type(fn).__name__}")
@@ -231,9 +239,32 @@ def instrument(
     pred = _predicate(select)
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
         raise ValueError(f"instrument: groups must be a non-negative int, got {groups!r}")
+    policy = None if policy is None else as_policy(policy)
     traces: dict[Any, tuple[Any, Any]] = {}
     tables: dict[Any, OpTable] = {}
     weights: dict[Any, float] = {}  # elements recorded per call signature (for groups)
+    plans: dict[Any, tuple[Plan, Any]] = {}  # the policy's plan per call signature
+
+    def trace(leaves, treedef, avals, key):
+        """The closed jaxpr and output tree of ``fn`` for one call signature (cached)."""
+        entry = traces.get(key)
+        if entry is None:
+            with module_scopes():
+                entry = trace_flat(fn, leaves, treedef, avals)
+            if not has_tracer(entry[0].consts):
+                traces[key] = entry
+        return entry
+
+    def replacer(flat, closed):
+        """What the recorder hands downstream in place of each value (the policy's
+        quantisation), planned on the table of this function without the policy."""
+        key = flat[4]
+        if key not in plans:
+            plain = instrument(fn, scalify=scalify, formats=(), histograms=False,
+                               fallback=fallback)  # fmt: skip
+            plain.trace = trace  # the same jaxpr: the same values in the same order
+            plans[key] = (Plan.build(plain.table_of(flat), policy), block_axes(closed.jaxpr))
+        return Replacer(*plans[key])
 
     def run(leaves, treedef, dyn, avals, key, mask=None, grouped=True):
         if not scalify and any(isinstance(x, ScaledArray) for x in dyn):
@@ -241,13 +272,7 @@ def instrument(
                 "instrument(scalify=False) records a plain function, but an argument is a "
                 "ScaledArray; pass plain arrays or use scalify=True"
             )
-        entry = traces.get(key)
-        if entry is None:
-            with module_scopes():
-                entry = trace_flat(fn, leaves, treedef, avals)
-            if not has_tracer(entry[0].consts):
-                traces[key] = entry
-        closed, out_tree = entry
+        closed, out_tree = instrumented.trace(leaves, treedef, avals, key)
         outs = None
         if scalify:
             dyn = normalize_inputs(dyn)
@@ -264,6 +289,8 @@ def instrument(
                 )
             group_size = weights[key] / n_groups
         recorder = Recorder.root(spec, pred, passes, n_groups, group_size, mask, jaxpr=closed.jaxpr)
+        if policy is not None:
+            recorder.shared.replace = replacer((leaves, treedef, dyn, avals, key), closed)
         paths = _input_paths(fn, treedef, leaves)
         dyn_paths = [p for p, leaf in zip(paths, leaves) if _is_dynamic(leaf)]
         for path, value, var in zip(dyn_paths, observed, closed.jaxpr.invars, strict=True):
@@ -297,8 +324,11 @@ def instrument(
         computed by tracing without running anything. Arguments are taken as `jax.jit`
         passes them to the function: a Python number is a traced scalar, not a constant
         (``step(params, batch, lr=0.1)`` under jit multiplies by a traced ``lr``)."""
-        args, kwargs = _as_jit_passes((args, kwargs))
-        leaves, treedef, dyn, avals, key = flatten_args(args, kwargs)
+        return table_of(flatten_args(*as_jit_passes((args, kwargs))))
+
+    def table_of(flat) -> OpTable:
+        """The op table for arguments already flattened (`flatten_args`)."""
+        leaves, treedef, dyn, avals, key = flat
         if key not in tables:
             positions = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
 
@@ -325,6 +355,8 @@ def instrument(
         return out, stats
 
     instrumented.op_table = op_table
+    instrumented.table_of = table_of
+    instrumented.trace = trace
     instrumented.masked = masked
     instrumented.groups = groups
     instrumented.fallbacks = []

@@ -118,6 +118,10 @@ class OpTable:
     hist_columns: tuple[str, ...] | None
     n_groups: int = 0
     group_elements: tuple[int, ...] = ()
+    #: The op id of each value in the order the interpretation made them (-1 for a value
+    #: of a loop body interpreted again, whose first interpretation left no op): how
+    #: `emulate` finds, while it interprets the function, the op a value belongs to.
+    sequence: tuple[int, ...] = ()
 
     @property
     def row_group(self) -> np.ndarray:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,24 @@ def _residual(a: jax.Array, b: jax.Array, p: jax.Array) -> jax.Array:
     return ((ah * bh - p) + ah * bl + al * bh) + al * bl
 
 
+def _div_rn(n: jax.Array, d: jax.Array) -> jax.Array:
+    """``n / d`` correctly rounded (``n >= 0``, ``d > 0``, a quotient in float32's normal
+    range), whatever XLA makes of the division: by a broadcast divisor it multiplies by
+    the reciprocal, up to two ulps off. Each of two steps moves the quotient ``c`` to the
+    neighbour nearer to ``n / d``, judged by the exact residual ``c*d - n`` against
+    half the distance to that neighbour (times ``d``, exact), ties to even."""
+    c = n / d
+    for _ in range(2):
+        e = _residual(c, d, n)
+        lo, hi = jnp.nextafter(c, 0.0), jnp.nextafter(c, np.float32(np.inf))
+        half_lo, half_hi = d * (c - lo) * 0.5, d * (hi - c) * 0.5
+        odd = (lax.bitcast_convert_type(c, jnp.int32) & 1) == 1
+        down = (e > half_lo) | ((e == half_lo) & odd & (c > 0))
+        up = (-e > half_hi) | ((-e == half_hi) & odd)
+        c = jnp.where(down, lo, jnp.where(up, hi, c))
+    return c
+
+
 def _cast(y: jax.Array, el: Format) -> jax.Array:
     """Round non-negative ``y`` to format ``el``, nearest even, saturating."""
     return jnp.minimum(y, np.float32(el.max)).astype(el.dtype).astype(_F32)
@@ -190,14 +209,31 @@ def _by_value(v: jax.Array, how: str = "sum", *, seg: np.ndarray) -> jax.Array:
     return fn(v, seg, int(seg[-1]) + 1, indices_are_sorted=True)
 
 
-def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
-    """Per-value results of one recipe from the blocks ``x`` (``[blocks, elements]``,
-    block ``i`` belonging to value ``seg[i]``)."""
+class _Quantised(NamedTuple):
+    """One recipe applied to blocks ``[blocks, elements]``: what the statistics and the
+    dequantised values are read from."""
+
+    a: jax.Array  # |x|, non-finite and float32-subnormal elements as 0
+    q_y: jax.Array  # the elements on the element grid (non-negative)
+    q_u: jax.Array  # the dequantised |x| in units of 2**e_unit
+    unit: jax.Array  # 2**-e_unit, per block
+    e_unit: jax.Array  # the exponent of the value's abs-max, per block
+    over: jax.Array  # elements clipped to the element format's max
+    n_inf: jax.Array  # infinite elements per block
+    amax_b: jax.Array  # each block's finite abs-max ([blocks, 1])
+    has: jax.Array  # blocks with a non-zero element ([blocks, 1])
+    zero_scale: jax.Array  # blocks whose scale flushed to 0 (NVFP4)
+    log2x: jax.Array  # log2 of each block's dequantisation scale ([blocks, 1])
+
+
+def _quantise_blocks(x: jax.Array, recipe: Recipe, amax_of) -> _Quantised:
+    """Apply ``recipe`` to the blocks ``x`` (``[blocks, elements]``); ``amax_of`` maps
+    the blocks' abs-maxima (``[blocks]``) to their value's abs-max, per block."""
     ax = jnp.abs(x)
     n_inf = jnp.sum((ax == np.float32(np.inf)).astype(jnp.int32), axis=1)
     a = jnp.where((ax < np.float32(np.inf)) & (ax >= _TINY), ax, 0.0)
     amax_b = jnp.max(a, axis=1, keepdims=True)
-    amax = by_value(amax_b[:, 0], "max")[seg][:, None]  # the value's abs-max, per block
+    amax = amax_of(amax_b[:, 0])[:, None]  # the value's abs-max, per block
     e_amax = jnp.where(amax > 0, _exponent(jnp.maximum(amax, _TINY)), 0)
     e_unit = jnp.clip(e_amax, -126, 126)
     unit = _pow2(-e_unit)  # errors are summed in units of 2**e_unit
@@ -230,7 +266,7 @@ def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
         p, r = _scaled(a, s, e_amax)
         q_y = _cast_exact(p, r, el)
         over = (p > big) | ((p == big) & (r > 0))
-        q_u = q_y / (s * _pow2(e_unit))  # s * 2**e_unit is exact and near 448
+        q_u = _div_rn(q_y, s * _pow2(e_unit))  # s * 2**e_unit is exact and near 448
         log2x = -jnp.log2(s)
     else:  # nvfp4
         enc = _tensor_factor(448.0 * 6.0, amax)
@@ -249,8 +285,17 @@ def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
         zero_scale = s_b == 0
         over = ((p > lim) | ((p == lim) & (r > 0))) & ~zero_scale
         q_y = jnp.where(zero_scale, 0.0, q_y)
-        q_u = q_y * s_b / (enc * _pow2(e_unit))
+        q_u = _div_rn(q_y * s_b, enc * _pow2(e_unit))  # q_y * s_b is exact
         log2x = jnp.log2(jnp.maximum(s_b, _TINY)) - jnp.log2(enc)
+    return _Quantised(a, q_y, q_u, unit, e_unit, over, n_inf, amax_b, has, zero_scale, log2x)
+
+
+def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
+    """Per-value results of one recipe from the blocks ``x`` (``[blocks, elements]``,
+    block ``i`` belonging to value ``seg[i]``)."""
+    a, q_y, q_u, unit, _, over, n_inf, amax_b, has, zero_scale, log2x = _quantise_blocks(
+        x, recipe, lambda amax_b: by_value(amax_b, "max")[seg]
+    )
     # In units of the value's abs-max, where even a value below float32's normal range
     # keeps its error (float32 subnormals flush on CPUs); the same bits as (a - q) * unit
     # elsewhere. Zero and underflow are decided on the element grid (q_y).
@@ -275,3 +320,46 @@ def _recipe_blocks_raw(x: jax.Array, recipe: Recipe, seg: np.ndarray, by_value):
         neg_lo = by_value(jnp.where(ok, -lg, -np.inf), "max")
     counts = jnp.stack([under, clipped, flushed, blocks], 1)
     return err2, counts, jnp.stack([hi, neg_lo], 1)
+
+
+def _unview(v: jax.Array, shape: tuple[int, ...], axes: Sequence[int] | None) -> jax.Array:
+    """The inverse of `block_view`: ``v`` (``[outer, rows, length]``) back to ``shape``."""
+    if len(shape) == 0:
+        return v.reshape(())
+    axes = (len(shape) - 1,) if not axes else tuple(a % len(shape) for a in axes)
+    rest = [a for a in range(len(shape)) if a not in axes]
+    perm = (*rest, *axes)
+    x = v.reshape(tuple(shape[a] for a in perm))
+    if list(perm) != list(range(len(shape))):
+        x = jnp.transpose(x, tuple(int(i) for i in np.argsort(perm)))
+    return x
+
+
+def _unblocks(b: jax.Array, recipe: Recipe, view: tuple[int, int, int]) -> jax.Array:
+    """The inverse of `_recipe_blocks`: blocks back to the ``[outer, rows, length]`` view."""
+    outer, rows, length = view
+    if recipe.per_tensor:
+        return b.reshape(-1)[: outer * rows * length].reshape(view)
+    if recipe.rows == 1:
+        return b.reshape(outer * rows, -1)[:, :length].reshape(view)
+    r, n = recipe.rows, recipe.block
+    nr, nl = -(-rows // r), -(-length // n)
+    v = b.reshape(outer, nr, nl, r, n).transpose(0, 1, 3, 2, 4)
+    return v.reshape(outer, nr * r, nl * n)[:, :rows, :length]
+
+
+def dequantise(x: jax.Array, recipe: Recipe, axes: Sequence[int] | None = None) -> jax.Array:
+    """``x`` quantised by ``recipe`` and dequantised, in float32: the values a GEMM fed
+    the recipe's elements and block scales computes with. Blocks run along ``axes``
+    (default the last axis), as the probe measures them. Each element is the float32
+    nearest to ``sign(x) * q * X`` (``q`` on the element grid, ``X`` its block's scale),
+    the exact dequantised value where it is a float32; non-finite elements are left as
+    they are and do not enter the scales; float32 subnormals count as zero."""
+    x = jnp.asarray(x).astype(_F32)
+    view = block_view(x, axes)
+    blocks = _recipe_blocks(view, recipe)
+    whole = lambda amax_b: jnp.broadcast_to(jnp.max(amax_b), amax_b.shape)  # noqa: E731
+    q = _quantise_blocks(blocks, recipe, whole)
+    mag = q.q_u * _pow2(q.e_unit // 2) * _pow2(q.e_unit - q.e_unit // 2)
+    out = _unview(_unblocks(mag, recipe, view.shape), x.shape, axes)
+    return jnp.where(jnp.isfinite(x), jnp.copysign(out, x), x)

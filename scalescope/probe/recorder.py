@@ -278,6 +278,10 @@ class _Shared:
     order: list[_Info] = field(default_factory=list)  # every value's info, in order
     inputs: list[str] = field(default_factory=list)  # argument paths of the inputs
     outputs: list[tuple[str, _Info | None]] = field(default_factory=list)
+    created: list[OpRecord] = field(default_factory=list)  # every record, as made
+    #: ``(seq, value, var, primitive) -> value``: what downstream ops read instead of the value made
+    #: ``seq``-th (`emulate`'s quantisation); None: the value itself.
+    replace: Callable[[int, Any, Any, str], Any] | None = None
 
     @property
     def at_once(self) -> bool:
@@ -490,6 +494,8 @@ class Recorder(Observer):
         dtype = getattr(aval, "dtype", None)
         shape = tuple(getattr(aval, "shape", ()))
         rec = OpRecord(name, pass_, prim, shape, str(dtype), scaled, source)
+        seq = len(self.shared.created)
+        self.shared.created.append(rec)
         if self.devices is not None:
             rec.varying = self._varying(aval)
         grad = pass_ != "fwd" and pass_ != "input"
@@ -546,6 +552,8 @@ class Recorder(Observer):
         if rec.note not in ("", "alias"):
             info.record = None
         self.scope.entries.append(rec)
+        if self.shared.replace is not None:
+            value = self.shared.replace(seq, value, var, prim)
         self.shared.remember(value, info)
         return value
 
@@ -688,6 +696,7 @@ class Recorder(Observer):
             hist_columns=kernel.HIST_COLUMNS if spec.histograms else None,
             n_groups=self.shared.groups,
             group_elements=_group_elements(records, self.shared.groups),
+            sequence=tuple(rec.id for rec in self.shared.created),
         )
         return table, stats
 

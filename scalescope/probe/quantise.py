@@ -1,0 +1,153 @@
+"""Quantise-dequantise: a value rounded to a format or a block-scaled recipe, and the
+plan saying which values of a traced step a `Policy` rounds to what (`emulate`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..core import formats as _formats
+from ..core import recipes as _recipes
+from ..core.policy import Policy, PolicyError, unique_labels
+from ..core.scaled_array import ScaledArray
+from .optable import OpTable
+from .recipe_kernel import dequantise
+
+#: Op notes a rule cannot reach (no float elements to round).
+_UNREACHABLE = ("not float", "empty", "output")
+
+
+def _round_format(x: jax.Array, fmt: _formats.Format) -> jax.Array:
+    """``x`` rounded to ``fmt`` (nearest even, saturating at its max), in float32."""
+    big = np.float32(fmt.max)
+    return lax.clamp(-big, x, big).astype(fmt.dtype).astype(jnp.float32)
+
+
+def _qdq(x: jax.Array, target: str, axes: tuple[int, ...] | None) -> jax.Array:
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    if _recipes.is_recipe(target):
+        out = dequantise(x32, _recipes.get(target), axes)
+    else:
+        out = jnp.where(jnp.isfinite(x32), _round_format(x32, _formats.get(target)), x32)
+    return out.astype(dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _qdq_ste(x: jax.Array, target: str, axes: tuple[int, ...] | None) -> jax.Array:
+    return _qdq(x, target, axes)
+
+
+@_qdq_ste.defjvp
+def _qdq_ste_jvp(target, axes, primals, tangents):
+    # Straight through: differentiating an emulated function (quantisation-aware
+    # training) passes the tangent unchanged, as FP8 training treats its casts.
+    (x,), (t,) = primals, tangents
+    return _qdq(x, target, axes), t
+
+
+def quantise(x: Any, target: str, axes: Sequence[int] | None = None) -> Any:
+    """``x`` quantised to ``target`` (a format of `scalescope.formats` or a block-scaled
+    recipe of `scalescope.core.recipes`) and dequantised, in ``x``'s dtype.
+
+    Formats round each element to nearest even, saturating at the format's max (``fp32``
+    leaves a value as it is). Recipes scale each block (along ``axes``, default the last
+    axis) as the probe measures them (`recipe_kernel.dequantise`). Non-finite elements
+    stay as they are. A `ScaledArray` is quantised on its data (its scale is a power of
+    two the recipes' scales absorb), as scalify's casts do. Differentiating through it
+    passes the tangent unchanged (a straight-through estimator)."""
+    if not isinstance(target, str) or target not in _targets():
+        raise PolicyError(f"quantise: unknown format or recipe {target!r}")
+    if isinstance(x, ScaledArray):
+        return ScaledArray(quantise(x.data, target, axes), x.scale)
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or _is_identity(target, x):
+        return x
+    axes = None if axes is None else tuple(int(a) for a in axes)
+    return _qdq_ste(jnp.asarray(x), target, axes)
+
+
+def _targets() -> tuple[str, ...]:
+    return tuple(_formats.names()) + tuple(_recipes.names())
+
+
+def _is_identity(target: str, x: Any) -> bool:
+    """A format at least as wide as ``x``'s dtype changes no value of it."""
+    if _recipes.is_recipe(target):
+        return False
+    fmt = _formats.get(target)
+    src = jax.dtypes.finfo(jnp.result_type(x))
+    return fmt.mantissa_bits >= src.nmant and fmt.max >= float(src.max)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do with each value of one call signature, in the order of interpretation:
+    ``targets[seq]`` (None: keep it) and the primitive the probe saw there."""
+
+    targets: tuple[str | None, ...]
+    primitives: tuple[str, ...]
+    labels: tuple[str, ...]
+    reached: int  # values that get a target
+
+    @classmethod
+    def build(cls, table: OpTable, policy: Policy) -> Plan:
+        """The plan of ``policy`` over the ops of ``table`` (every rule must reach an op:
+        `Policy.describe` raises naming the rule otherwise)."""
+        policy.describe(table, strict=True)
+        ops = table.ops
+        labels = unique_labels([op.pass_ for op in ops], [op.name for op in ops])
+        by_op = [
+            None if op.note in _UNREACHABLE else policy.target(label)
+            for op, label in zip(ops, labels)
+        ]
+        targets, prims = [], []
+        created = _created(table)
+        for op_id, prim in zip(table.sequence, created):
+            targets.append(by_op[op_id] if op_id >= 0 else None)
+            prims.append(prim)
+        return cls(tuple(targets), tuple(prims), tuple(labels), sum(t is not None for t in by_op))
+
+
+def _created(table: OpTable) -> list[str]:
+    """The primitive of each value of ``table.sequence`` (``input`` for an argument)."""
+    prims = [op.primitive for op in table.ops]
+    return [prims[i] if i >= 0 else "" for i in table.sequence]
+
+
+class Replacer:
+    """Quantises the ``seq``-th value made by an interpretation as a `Plan` says."""
+
+    def __init__(self, plan: Plan, block_axes: dict[Any, tuple[int, ...]]) -> None:
+        self.plan, self.block_axes, self.seq = plan, block_axes, 0
+
+    def __call__(self, seq: int, value: Any, var: Any, primitive: str = "") -> Any:
+        plan = self.plan
+        if seq >= len(plan.targets):
+            raise RuntimeError(
+                f"emulate: the function made more values ({seq + 1}) than when its op "
+                f"table was traced ({len(plan.targets)}); does it trace differently "
+                "from one call to the next?"
+            )
+        expected = plan.primitives[seq]
+        if primitive and expected and primitive != expected:
+            raise RuntimeError(
+                f"emulate: value {seq} is a '{primitive}' here and a '{expected}' in the op "
+                "table; does the function trace differently from one call to the next?"
+            )
+        target = plan.targets[seq]
+        if target is None:
+            return value
+        axes = self.block_axes.get(var) if var is not None else None
+        return quantise(value, target, axes)
+
+    def next(self, value: Any, var: Any, primitive: str) -> Any:
+        out = self(self.seq, value, var, primitive)
+        self.seq += 1
+        return out

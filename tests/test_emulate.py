@@ -1,0 +1,218 @@
+"""`ss.emulate`: each value a policy's rule reaches is replaced by its quantise-dequantise
+in the rule's format or recipe, bit for bit the independent NumPy reference
+(tests/recipe_reference.py, ml_dtypes for the formats), in the forward pass and on a
+cotangent; nothing else changes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import recipe_reference as R
+
+import scalescope as ss
+from scalescope.core import recipes as _recipes
+
+FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
+           "fp16": np.float16, "bf16": ml_dtypes.bfloat16}  # fmt: skip
+TARGETS = list(FORMATS) + list(_recipes.names())
+
+
+def _format_ref(v: np.ndarray, target: str) -> np.ndarray:
+    """Round to nearest even on the format's grid, saturating at its max (ml_dtypes
+    rounds float32 once); non-finite elements unchanged."""
+    dtype = FORMATS[target]
+    top = float(ml_dtypes.finfo(dtype).max)
+    out = np.clip(v, -top, top).astype(dtype).astype(np.float32)
+    return np.where(np.isfinite(v), out, v)
+
+
+def _ref(v: np.ndarray, target: str, axis: int = -1) -> np.ndarray:
+    v = np.asarray(v, np.float32)
+    if target in FORMATS:
+        return _format_ref(v, target)
+    return R.dequantise(v, target, axis)
+
+
+def _same(got, want, what: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (
+        f"{what}: {int((~same).sum())} of {same.size} differ, first at "
+        f"{np.argwhere(~same)[0]}: got {got[~same][0]!r}, want {want[~same][0]!r}"
+    )
+
+
+def _data(rng, shape, spread=2.0) -> np.ndarray:
+    """Normal data over a few decades, with ties of the formats' grids sprinkled in."""
+    v = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape) * spread)
+    return v.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def operands():
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(_data(rng, (6, 40)))
+    ws = [jnp.asarray(_data(rng, (40, 36))) for _ in TARGETS]
+    c = jnp.asarray(_data(rng, (6, 36), 0.5))
+    return x, ws, c
+
+
+@pytest.fixture(scope="module")
+def mlp_step():
+    """A two-layer MLP's AdamW training step: (params, opt_state, loss)."""
+    rng = np.random.default_rng(1)
+    params = {"w1": jnp.asarray(_data(rng, (16, 32), 0.3)) * 0.3,
+              "w2": jnp.asarray(_data(rng, (32, 4), 0.3)) * 0.3}  # fmt: skip
+    x, y = jnp.asarray(_data(rng, (8, 16), 0.3)), jnp.asarray(_data(rng, (8, 4), 0.3))
+    opt = optax.adamw(1e-2)
+
+    def loss(p, x, y):
+        with jax.named_scope("mlp"):
+            h = jax.nn.gelu(x @ p["w1"])
+            return jnp.mean((h @ p["w2"] - y) ** 2)
+
+    def step(p, s, x, y):
+        value, g = jax.value_and_grad(loss)(p, x, y)
+        with jax.named_scope("opt"):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s, value
+
+    return step, (params, opt.init(params), x, y)
+
+
+def _products(x, ws):
+    out = []
+    for i, w in enumerate(ws):
+        with jax.named_scope(f"t{i}"):
+            out.append(x @ w)
+    return out
+
+
+def test_forward_values_match_the_reference_for_every_target(operands):
+    x, ws, _ = operands
+    policy = {f"fwd/t{i}/dot_general": t for i, t in enumerate(TARGETS)}
+    emulated = jax.jit(ss.emulate(_products, policy))(x, ws)
+    plain = jax.jit(_products)(x, ws)
+    for target, got, value in zip(TARGETS, emulated, plain):
+        _same(got, _ref(np.asarray(value), target), f"forward {target}")
+        assert not np.array_equal(np.asarray(got), np.asarray(value)), target
+
+
+def test_gradients_match_the_reference_and_only_the_targeted_one_changes(operands):
+    x, ws, c = operands
+
+    def loss(ws):
+        return sum(jnp.sum(jnp.tanh(y) * c) for y in _products(x, ws))
+
+    def grads(ws):
+        return jax.grad(loss)(ws)
+
+    table = ss.instrument(grads).op_table(ws)
+    bwd = {op.name: op for op in table if op.pass_ == "bwd" and op.primitive == "dot_general"}
+    assert sorted(bwd) == sorted(f"t{i}/dot_general" for i in range(len(TARGETS)))
+    plain = jax.jit(grads)(ws)
+    # every target at once: each gradient holds its own rounding
+    policy = {f"bwd/t{i}/dot_general": t for i, t in enumerate(TARGETS)}
+    emulated = jax.jit(ss.emulate(grads, policy))(ws)
+    for i, target in enumerate(TARGETS):
+        g = np.asarray(plain[i])
+        op = bwd[f"t{i}/dot_general"]  # dW^T = dY^T X, transposed into dW: blocks along dW's rows
+        want = _ref(g, target) if op.shape == g.shape else _ref(g.T, target).T
+        _same(emulated[i], want, f"cotangent {target}")
+    # one gradient targeted: the others and the loss's other values are bit for bit plain
+    one = jax.jit(ss.emulate(grads, {"bwd/t3/dot_general": TARGETS[3]}))(ws)
+    for i in range(len(TARGETS)):
+        changed = not np.array_equal(np.asarray(one[i]), np.asarray(plain[i]))
+        assert changed == (i == 3), i
+
+
+def test_a_gemm_operand_is_blocked_along_the_axis_the_gemm_contracts(operands):
+    x, ws, _ = operands
+    w = ws[0]
+    out = jax.jit(ss.emulate(lambda x, w: x @ w, {"input/w": "mxfp8_e4m3"}))(x, w)
+    wq = R.dequantise(np.asarray(w), "mxfp8_e4m3", axis=0)  # w is contracted along axis 0
+    _same(out, jax.jit(lambda x, w: x @ w)(x, jnp.asarray(wq)), "x @ q(w)")
+    assert not np.array_equal(wq, R.dequantise(np.asarray(w), "mxfp8_e4m3", axis=-1))
+
+
+def test_an_empty_policy_and_fp32_targets_leave_a_training_step_bit_for_bit(mlp_step):
+    step, args = mlp_step
+    plain = jax.jit(step)(*args)
+    for policy in ({}, {"**": "fp32"}):
+        got = jax.jit(ss.emulate(step, policy))(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_policy_on_an_optimizer_moment_changes_the_state_it_reaches(mlp_step):
+    step, args = mlp_step
+    table = ss.instrument(step).op_table(*args)
+    labels = ss.Policy({}).describe(table, strict=False)  # no rules: nothing reached
+    assert labels == []
+    emulated = ss.emulate(step, {"opt/**": "bf16"})
+    reached = emulated.describe(*args)[0]["ops"]
+    assert reached and all(label.startswith("opt/") for label in reached)
+    got = jax.jit(emulated)(*args)
+    plain = jax.jit(step)(*args)
+    # the loss comes before the optimizer: unchanged; the new parameters: rounded
+    assert float(got[-1]) == float(plain[-1])
+    new = jax.tree.leaves(got[0])
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(new, jax.tree.leaves(plain[0])))  # fmt: skip
+
+
+def test_scalified_values_are_quantised_on_their_data():
+    rng = np.random.default_rng(3)
+    x = ss.as_scaled_array(jnp.asarray(_data(rng, (8, 32), 1.0)), scale=4.0)
+    w = ss.as_scaled_array(jnp.asarray(_data(rng, (32, 16), 1.0)), scale=0.5)
+
+    def f(x, w):
+        return x @ w
+
+    plain = jax.jit(ss.scalify(f))(x, w)
+    got = jax.jit(ss.emulate(f, {"fwd/dot_general": "e4m3"}, scalify=True))(x, w)
+    assert isinstance(got, ss.ScaledArray)
+    assert float(got.scale) == float(plain.scale)
+    _same(got.data, _format_ref(np.asarray(plain.data), "e4m3"), "scaled data")
+
+
+def test_gradients_pass_straight_through_an_emulated_function():
+    x = jnp.linspace(-3.0, 3.0, 64).reshape(2, 32)
+    f = ss.emulate(lambda x: jnp.sin(x), {"fwd/sin": "e4m3"})
+    g = jax.grad(lambda x: jnp.sum(f(x)))(x)
+    np.testing.assert_allclose(np.asarray(g), np.cos(np.asarray(x)), rtol=1e-6)
+
+
+def test_instrument_with_a_policy_measures_the_emulated_step(operands):
+    x, ws, _ = operands
+
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    policy = {"fwd/dot_general": "nvfp4"}
+    out, stats = jax.jit(ss.instrument(f, policy=policy))(x, ws[0])
+    want = jax.jit(ss.emulate(f, policy))(x, ws[0])
+    _same(out, want, "instrumented output")
+    table = ss.instrument(f, policy=policy).op_table(x, ws[0])
+    (dot,) = table.find("dot_general")
+    (tanh,) = table.find("tanh")
+    plain = np.asarray(x @ ws[0])  # the dot is measured as computed, before the rounding
+    assert float(stats["absmax"][table.rows(dot)][0]) == pytest.approx(np.abs(plain).max())
+    # what reads it reads the rounded value
+    rounded = np.tanh(R.dequantise(plain, "nvfp4").astype(np.float64))
+    assert float(stats["absmax"][table.rows(tanh)][0]) == pytest.approx(np.abs(rounded).max())
+
+
+def test_bad_policies_are_errors_naming_the_rule(operands):
+    x, ws, _ = operands
+    f = ss.emulate(lambda x, w: jnp.tanh(x @ w), {"fwd/mlp/dot_general": "e4m3"})
+    with pytest.raises(ss.PolicyError, match=r"fwd/mlp/dot_general.*reaches no op.*fwd/"):
+        f(x, ws[0])
+    with pytest.raises(ss.PolicyError, match="unknown format or recipe 'mxfp9'"):
+        ss.emulate(lambda x: x, {"fwd/**": "mxfp9"})
+    with pytest.raises(ss.PolicyError, match="expected a Policy"):
+        ss.emulate(lambda x: x, 3)
