@@ -28,6 +28,7 @@ from .store import (
     list_runs,
 )
 from .unit import unit_scale
+from .verification import Verification, verify
 
 __all__ = [
     "Format",
@@ -62,4 +63,6 @@ __all__ = [
     "stats_frame",
     "unit",
     "unit_scale",
+    "Verification",
+    "verify",
 ]

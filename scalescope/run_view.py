@@ -91,6 +91,23 @@ class RunView(RunReader):
 
         return verdict_run(self, **kwargs)
 
+    def recommend_policy(self, **kwargs: Any) -> Any:
+        """A precision policy from this run's what-if (`scalescope.Policy`): each matmul
+        operand in its cheapest safe recorded recipe, BF16 where none is safe, merged
+        across layers (`scalescope.analysis.recommend_policy`; keyword arguments pass
+        through). Check it with ``scalescope verify RUN --policy FILE``."""
+        from .analysis import recommend_policy_run
+
+        return recommend_policy_run(self, **kwargs)
+
+    def predict_policy(self, policy: Any) -> pd.DataFrame:
+        """What this run's what-if predicts for ``policy``: one row per value it reaches
+        (label, target, safe, reason; `scalescope.analysis.predict_policy`)."""
+        from .analysis import predict_policy_run
+        from .core.policy import as_policy
+
+        return predict_policy_run(self, as_policy(policy))
+
     def causes(self, **kwargs: Any) -> pd.DataFrame:
         """The advisor's findings grouped into one row per cause (rule, format, pass and
         module), most severe and largest impact first (`scalescope.analysis.causes`);

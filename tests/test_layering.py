@@ -28,7 +28,7 @@ RANKS: tuple[tuple[str, ...], ...] = (
     ("store",),
     ("analysis",),
     ("viz",),
-    ("notebook", "report"),
+    ("notebook", "report", "verification"),
     ("run_view",),
     ("__init__",),
     ("cli",),

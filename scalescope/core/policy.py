@@ -155,9 +155,11 @@ class Policy:
         """The policy as JSON (``{"version": 1, "rules": [[pattern, target], ...]}``);
         also written to ``path`` when given (whole or not at all: a temporary file
         renamed into place)."""
-        text = json.dumps(
-            {"version": POLICY_VERSION, "rules": [[r.pattern, r.target] for r in self.rules]},
-            indent=1,
+        rules = ",\n".join(f"  {json.dumps([r.pattern, r.target])}" for r in self.rules)
+        text = (
+            f'{{"version": {POLICY_VERSION}, "rules": [\n{rules}\n]}}'
+            if rules
+            else (f'{{"version": {POLICY_VERSION}, "rules": []}}')
         )
         if path is not None:
             path = Path(path)

@@ -80,3 +80,33 @@ def _use(eqn: Any, k: int, body: Any, out: dict[Any, tuple[int, ...]]):
     if body is not None and k < len(body.invars):
         return out.get(body.invars[k])
     return None
+
+
+def gemm_operands(jaxpr: Any) -> set[Any]:
+    """Variables of ``jaxpr`` (and of every nested jaxpr) that some ``dot_general`` reads
+    as an operand, directly or as the argument of a call or scan body that does: the
+    values a training in low precision quantises for its GEMMs."""
+    out: set[Any] = set()
+    _visit_gemm(getattr(jaxpr, "jaxpr", jaxpr), out, set())
+    return out
+
+
+def _visit_gemm(jaxpr: Any, out: set[Any], seen: set[int]) -> None:
+    if id(jaxpr) in seen:
+        return
+    seen.add(id(jaxpr))
+    for eqn in jaxpr.eqns:
+        for inner in _sub_jaxprs(eqn):
+            _visit_gemm(inner, out, seen)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.update(v for v in eqn.invars[:2] if not isinstance(v, jcore.Literal))
+            continue
+        body = _body(eqn)
+        if body is None and eqn.primitive.name == "scan":  # (consts, carry, xs) in order
+            body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+        if body is None:
+            continue
+        for var, inner in zip(eqn.invars, body.invars):
+            if inner in out and not isinstance(var, jcore.Literal):
+                out.add(var)

@@ -35,6 +35,8 @@ class OpRecord:
     rounds this value to (a ``convert_element_type`` that loses precision), or "".
     ``group``: the value group a masked recording switches this op's statistics with
     (see `instrument`'s ``groups``), -1 when not recorded or not grouped.
+    ``gemm``: a ``dot_general`` reads this value as an operand (a matmul input: what an
+    FP8 training quantises, and what `RunReader.recommend_policy` gives a recipe).
     ``origin``: "constant" for a value computed from constants and non-float inputs only
     (optax's bias corrections and schedules, from the step count), "fill" for one that
     holds a large constant fill (a mask's -1e9 or ``finfo.min``, and what keeps it
@@ -67,6 +69,7 @@ class OpRecord:
     varying: tuple[str, ...] = ()
     block_axes: tuple[int, ...] = ()
     origin: str = ""
+    gemm: bool = False
     alias_of: OpRecord | None = field(default=None, repr=False)
 
     @property
@@ -98,6 +101,7 @@ class OpRecord:
             "cast_to": self.cast_to,
             "group": self.group,
             "origin": self.origin,
+            "gemm": self.gemm,
         }
 
 

@@ -275,6 +275,7 @@ class _Shared:
     keep: list[Any] = field(default_factory=list)  # keeps ids in `info` from being reused
     measured: dict[int, kernel.Measured] = field(default_factory=dict)  # by id of the data
     block_axes: dict[Any, tuple[int, ...]] = field(default_factory=dict)  # recipes' axes
+    gemm: set[Any] = field(default_factory=set)  # variables a dot_general reads
     order: list[_Info] = field(default_factory=list)  # every value's info, in order
     inputs: list[str] = field(default_factory=list)  # argument paths of the inputs
     outputs: list[tuple[str, _Info | None]] = field(default_factory=list)
@@ -350,6 +351,8 @@ class Recorder(Observer):
         shared = _Shared(spec, select, tuple(pass_scopes), groups, group_size, mask)
         if spec.recipes and jaxpr is not None:
             shared.block_axes = blocking.block_axes(jaxpr)
+        if jaxpr is not None:
+            shared.gemm = blocking.gemm_operands(jaxpr)
         return cls(shared, _Scope(), Scope())
 
     # -- Observer ------------------------------------------------------------------------
@@ -496,6 +499,7 @@ class Recorder(Observer):
         rec = OpRecord(name, pass_, prim, shape, str(dtype), scaled, source)
         seq = len(self.shared.created)
         self.shared.created.append(rec)
+        rec.gemm = var is not None and var in self.shared.gemm
         if self.devices is not None:
             rec.varying = self._varying(aval)
         grad = pass_ != "fwd" and pass_ != "input"

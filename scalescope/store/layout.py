@@ -23,6 +23,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ STATS_DIR = "stats"
 SCALARS_DIR = "scalars"
 SCALE_GRAPH_DIR = "scale_graph"
 SCALE_GRAPH_RE = re.compile(r"^step-(\d{9,})\.parquet$")
+#: Outcomes of `scalescope verify` (one JSON file per policy and step count).
+VERIFIED_DIR = "verified"
 PART_RE = re.compile(r"^part-(\d{6,})(?:-p(\d+))?\.parquet$")
 
 #: Leading columns of a stats part; then one column per statistic, then hist_00 ...
@@ -92,6 +95,37 @@ def list_scale_graphs(run: Path) -> dict[int, Path]:
         if m is not None:
             found[int(m.group(1))] = Path(entry.path)
     return dict(sorted(found.items()))
+
+
+def verification_name(rules: list[list[str]], steps: int) -> str:
+    """The file of a verification: one per (policy, steps), a rerun replaces it."""
+    digest = hashlib.sha256(json.dumps([rules, steps]).encode()).hexdigest()[:12]
+    return f"policy-{digest}-{steps}.json"
+
+
+def write_verification(run: Path, record: dict[str, Any]) -> Path:
+    """Keep a verification's outcome in run ``run`` (written whole or not at all)."""
+    path = run / VERIFIED_DIR / verification_name(record["policy"], int(record["steps"]))
+    path.parent.mkdir(exist_ok=True)
+    write_json_atomic(path, record)
+    return path
+
+
+def read_verifications(run: Path) -> list[dict[str, Any]]:
+    """The verifications kept in run ``run``, oldest first; unreadable files skipped
+    with a warning naming them."""
+    directory = run / VERIFIED_DIR
+    if not directory.is_dir():
+        return []
+    out = []
+    for path in sorted(directory.glob("policy-*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            warnings.warn(f"{path}: unreadable verification skipped ({err})", stacklevel=2)
+            continue
+        out.append(record)
+    return sorted(out, key=lambda r: str(r.get("meta", {}).get("time", "")))
 
 
 def list_parts(directory: Path) -> list[Path]:

@@ -135,6 +135,13 @@ class RunReader:
         return np.unique(frame["step"].to_numpy()) if len(frame) else np.zeros(0, np.int64)
 
     @property
+    def verifications(self) -> list[dict[str, Any]]:
+        """Outcomes of ``scalescope verify`` on this run, oldest first: each the policy
+        (``[[pattern, target], ...]``), ``steps``, both loss curves, the measured ``gap``
+        and ``verdict``, and the what-if's ``predicted`` verdict (see
+        `scalescope.verify.Verification`)."""
+        return L.read_verifications(self.path)
+
     def scale_graph_steps(self) -> list[int]:
         """Steps with a recorded scale graph (`Run.scale_graph`), ascending."""
         return list(L.list_scale_graphs(self.path))

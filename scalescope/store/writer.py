@@ -39,8 +39,9 @@ import pyarrow as pa
 
 from ..core import formats as _formats
 from ..core import recipes as _recipes
+from ..core.policy import as_policy
 from ..core.scaled_array import ScaledArray, asarray
-from ..probe import instrument
+from ..probe import emulate, instrument
 from ..probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
 from ..probe.optable import OpTable
 from ..scalify import scalify as _scalify
@@ -687,21 +688,34 @@ class Run:
     # -- public ---------------------------------------------------------------------
 
     def track(
-        self, fn: Callable[..., Any], *, scalify: bool = True, every: int | None = None
+        self,
+        fn: Callable[..., Any],
+        *,
+        scalify: bool = True,
+        every: int | None = None,
+        policy: Any = None,
     ) -> Tracked:
         """A jitted version of ``fn`` (same signature, same outputs) that records the
         statistics of every op every ``every`` calls (default: the Run's ``every``).
 
         ``scalify=False`` records ``fn`` as it is (an FP32 or naive low-precision
-        baseline). The plain and the recording variants are compiled separately, the
-        recording one at the first recorded call.
+        baseline). ``policy``: a precision policy (`scalescope.Policy`, its dict or JSON)
+        applied to every step as `scalescope.emulate` applies it; recorded values are
+        those of the emulated step, and the run's metadata keeps the policy. The plain
+        and the recording variants are compiled separately, the recording one at the
+        first recorded call.
         """
         self._check_open()
         if not callable(fn):
             raise TypeError(f"Run.track: fn must be callable, got {type(fn).__name__}")
         if every is not None:
             _check_int("every", every, 1)
-        return Tracked(self, fn, scalify=scalify, every=every or self.every)
+        if policy is not None:
+            policy = as_policy(policy)
+            self._meta["policy"] = [[r.pattern, r.target] for r in policy.rules]
+            if self.process == 0:
+                L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
+        return Tracked(self, fn, scalify=scalify, every=every or self.every, policy=policy)
 
     def log(self, step: int, **scalars: Any) -> None:
         """Record scalars (loss, learning rate, grad norm...) at ``step``. Device arrays are
@@ -816,8 +830,10 @@ class Tracked:
     decides instead, and ``controller`` holds its state).
     """
 
-    def __init__(self, run: Run, fn: Callable[..., Any], *, scalify: bool, every: int) -> None:
-        self.run, self.every, self.scalify = run, every, scalify
+    def __init__(
+        self, run: Run, fn: Callable[..., Any], *, scalify: bool, every: int, policy: Any = None
+    ) -> None:
+        self.run, self.every, self.scalify, self.policy = run, every, scalify, policy
         self.step = run.start_step
         self.budgeted = run.budget is not None
         # The recorded values come from a program of their own (the step evaluated again,
@@ -835,10 +851,15 @@ class Tracked:
             isolate=False,
             fallback=run.fallback,
             groups=run.groups if self.budgeted else 0,
+            policy=policy,
         )
         self.separate = run.isolate
         self._recording = self._recording_fn(None)
-        self._plain = StaticLeafJit(_scalify(fn, fallback=run.fallback) if scalify else fn, _WHERE)
+        if policy is not None:
+            plain = emulate(fn, policy, scalify=scalify, fallback=run.fallback)
+        else:
+            plain = _scalify(fn, fallback=run.fallback) if scalify else fn
+        self._plain = StaticLeafJit(plain, _WHERE)
         self._registered = False
         self._signatures: dict[Any, bool] = {}  # call signature -> records (same graph)?
         self.controller: _budget.BudgetController | None = None

@@ -1,0 +1,186 @@
+"""Precision policies from the what-if, and what the what-if predicts for a policy.
+
+`recommend_policy` turns the what-if's per-value verdicts into a `Policy`: each matmul
+operand (``OpRecord.gemm``) in the cheapest recipe that keeps it safe, BF16 where none
+does (and nothing where BF16 does not either), written as few rules as the labels allow
+(layer indices become ``*`` where every layer gets the same target). `predict_policy`
+says, for each value a policy reaches, whether the what-if calls its target safe there:
+the prediction `scalescope.verify` sets beside the measured loss gap.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..core.policy import Policy, Rule, glob_regex, unique_labels
+from .whatif import CHEAPEST, format_whatif, whatif_groups
+
+#: Passes whose matmul operands a recommendation covers (weights are ``input`` values).
+RECOMMEND_PASSES = ("input", "fwd", "bwd")
+#: Op notes a rule cannot reach (no float elements, or a function output).
+_UNREACHABLE = ("not float", "empty", "output")
+#: What `predict_policy` returns per reached value.
+PREDICTION_COLUMNS = ("op", "label", "target", "safe", "reason")
+
+
+def op_label_series(ops: pd.DataFrame) -> pd.Series:
+    """The rule-matching label of every op (`unique_labels`), indexed by op id."""
+    ops = ops.sort_index()
+    labels = unique_labels(list(ops["pass"].astype(str)), list(ops["name"].astype(str)))
+    return pd.Series(labels, index=ops.index, name="label")
+
+
+def _reachable(ops: pd.DataFrame) -> np.ndarray:
+    note = ops["note"].astype(str) if "note" in ops.columns else pd.Series("", index=ops.index)
+    return ~note.isin(_UNREACHABLE).to_numpy()
+
+
+def _stats_op(ops: pd.DataFrame) -> pd.Series:
+    """The op whose statistics stand for each op (itself, or an alias's source)."""
+    if "stats_op" not in ops.columns:
+        return pd.Series(ops.index, index=ops.index)
+    return ops["stats_op"].astype(np.int64)
+
+
+def _verdict(whatif: pd.DataFrame, op: int, target: str) -> tuple[bool | None, str]:
+    """(safe, reason) of ``target`` for the statistics of op ``op``; None when the run
+    did not measure it (an op without statistics, or a target not recorded)."""
+    if target == "fp32":
+        return True, "ok (kept as computed)"
+    if op < 0 or op not in whatif.index:
+        return None, "no statistics (constant or not recorded)"
+    if (target, "safe") not in whatif.columns:
+        return None, f"{target} not recorded in this run"
+    return bool(whatif.at[op, (target, "safe")]), str(whatif.at[op, (target, "reason")])
+
+
+def predict_policy(policy: Policy, whatif: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
+    """For each op ``policy`` reaches: its ``label``, ``target``, ``safe`` (the
+    what-if's verdict of the target on the op's statistics; None where it has none) and
+    the ``reason``. A rule that reaches no op is a `PolicyError` (`Policy.describe`)."""
+    policy.describe(ops, strict=True)
+    labels = op_label_series(ops)
+    stats_op = _stats_op(ops.sort_index())
+    reach = _reachable(ops.sort_index())
+    rows = []
+    for (op, label), ok in zip(labels.items(), reach):
+        target = policy.target(label) if ok else None
+        if target is None:
+            continue
+        safe, reason = _verdict(whatif, int(stats_op[op]), target)
+        rows.append((int(op), label, target, safe, reason))
+    return pd.DataFrame(rows, columns=list(PREDICTION_COLUMNS))
+
+
+def predicted_verdict(prediction: pd.DataFrame) -> str:
+    """``"unsafe"`` when the what-if calls any reached value's target unsafe, ``"safe"``
+    when it calls them all safe, ``"unknown"`` when some were not measured."""
+    safe = prediction["safe"]
+    if (safe == False).any():  # noqa: E712 (None means not measured)
+        return "unsafe"
+    if len(safe) and safe.notna().all():
+        return "safe"
+    return "unknown"
+
+
+_LAYER_INDEX = re.compile(r"(?<=[/_])\d+(?=/|$)|^\d+(?=/)")
+_ANY_DIGITS = re.compile(r"\d+")
+
+
+def _generalised(label: str, level: int) -> str:
+    """``label`` as a glob over its layers: level 0 turns every run of digits into
+    ``*`` (``fwd/block_*/ln_*/add#2``), level 1 only layer indices (a whole path part,
+    or a part's ``_N`` ending: ``fwd/block_*/ln_1/add#2``); the ``#k`` occurrence suffix
+    stays."""
+    head, sep, tail = label.partition("#")
+    rx = _ANY_DIGITS if level == 0 else _LAYER_INDEX
+    return rx.sub("*", head) + sep + tail
+
+
+def _compress(picks: dict[str, str], labels: Sequence[str], level: int = 0) -> list[Rule]:
+    """Rules giving each label of ``picks`` its target, and no other label of ``labels``
+    any: labels merged into one glob (`_generalised`) where every label that glob matches
+    is picked with the same target, with a finer glob where not, else one rule each."""
+    if level > 1:
+        return [Rule(_escaped(label), target) for label, target in picks.items()]
+    groups: dict[tuple[str, str], dict[str, str]] = {}
+    for label, target in picks.items():
+        groups.setdefault((_generalised(label, level), target), {})[label] = target
+    rules = []
+    for (pattern, target), members in groups.items():
+        rx = re.compile(glob_regex(pattern))
+        matched = [lab for lab in labels if rx.match(lab)]
+        if len(members) > 1 and all(picks.get(lab) == target for lab in matched):
+            rules.append(Rule(pattern, target))
+        else:
+            rules.extend(_compress(members, labels, level + 1))
+    return rules
+
+
+def _escaped(label: str) -> str:
+    """A glob matching exactly ``label`` (its ``*?[`` made literal)."""
+    return re.sub(r"([*?\[])", r"[\1]", label)
+
+
+def recommend_policy(
+    whatif: pd.DataFrame,
+    ops: pd.DataFrame,
+    *,
+    passes: Sequence[str] = RECOMMEND_PASSES,
+    gemm_only: bool = True,
+    fallback: str = "bf16",
+) -> Policy:
+    """A policy from a `format_whatif` frame with recipes: each value of ``passes``
+    (by default only the matmul operands, ``gemm``) gets its cheapest safe recipe, else
+    ``fallback`` where that is safe; values safe in neither get no rule (they stay as
+    computed). Rules are merged across layers where the targets agree.
+
+    Raises ValueError when the frame holds no recipe (record with ``formats=(...,
+    "mxfp8_e4m3", "nvfp4")``) or the op table no ``gemm`` column (a run recorded
+    before scalescope marked matmul operands: pass ``gemm_only=False``)."""
+    if (CHEAPEST, "") not in whatif.columns:
+        raise ValueError(
+            "recommend_policy: the run records no block-scaled recipe; record with "
+            "formats=(..., 'mxfp8_e4m3', 'nvfp4', ...) to be recommended one"
+        )
+    if gemm_only and "gemm" not in ops.columns:
+        raise ValueError(
+            "recommend_policy: the op table does not mark matmul operands (a run recorded "
+            "by an older scalescope); pass gemm_only=False to cover every value"
+        )
+    ops = ops.sort_index()
+    labels = op_label_series(ops)
+    stats_op = _stats_op(ops)
+    keep = _reachable(ops) & ops["pass"].astype(str).isin(passes).to_numpy()
+    if gemm_only:
+        keep &= ops["gemm"].fillna(False).astype(bool).to_numpy()
+    has_fallback = fallback in whatif_groups(whatif)
+    picks: dict[str, str] = {}
+    for op, ok in zip(ops.index, keep):
+        src = int(stats_op[op])
+        if not ok or src not in whatif.index:
+            continue
+        target = str(whatif.at[src, (CHEAPEST, "")])
+        if not target and has_fallback and bool(whatif.at[src, (fallback, "safe")]):
+            target = fallback
+        if target:
+            picks[labels[op]] = target
+    reachable = [lab for lab, ok in zip(labels, _reachable(ops)) if ok]
+    return Policy(_compress(picks, reachable))
+
+
+def recommend_policy_run(reader: Any, **kwargs: Any) -> Policy:
+    """`recommend_policy` of a recorded run (its what-if over every recorded step)."""
+    whatif = format_whatif(reader.stats(wide=True), reader.ops, meta=reader.meta)
+    return recommend_policy(whatif, reader.ops, **kwargs)
+
+
+def predict_policy_run(reader: Any, policy: Policy) -> pd.DataFrame:
+    """`predict_policy` over a recorded run."""
+    whatif = format_whatif(reader.stats(wide=True), reader.ops, meta=reader.meta)
+    return predict_policy(policy, whatif, reader.ops)

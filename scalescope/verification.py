@@ -1,0 +1,176 @@
+"""`verify`: train a step with a precision policy and without, and measure the gap.
+
+A verdict from statistics is a prediction; `verify` checks one against training. It runs
+``steps`` steps of the plain step and of the step under ``policy`` (`emulate`), from the
+same initial state on the same batches, and compares their losses: the measured cost of
+the policy. ``scalescope verify RUN`` does it for a recorded sample-model run and keeps
+the outcome in the run directory, where the report and the dashboard show it next to
+what the what-if predicted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+
+from .core.policy import Policy, as_policy
+from .core.scaled_array import asarray
+from .probe import emulate
+from .scalify import scalify as _scalify
+
+#: A policy whose loss is more than this much (relative) above the plain step's, over
+#: the last tenth of the steps, is measured unsafe (docs/policies.md: the noise floor).
+GAP_THRESHOLD = 0.005
+
+
+@dataclass
+class Verification:
+    """What `verify` measured. ``gap``: (policy - plain) / plain of the mean loss over
+    the last tenth of the steps (``tail`` steps); ``verdict``: ``"unsafe"`` when the gap
+    exceeds ``threshold`` or the policy's loss went non-finite, else ``"safe"``.
+    ``step_ratio``: the emulated step's time over the plain step's (median, compiled)."""
+
+    policy: list[list[str]]
+    steps: int
+    tail: int
+    loss_plain: list[float]
+    loss_policy: list[float]
+    gap: float
+    threshold: float
+    verdict: str
+    step_ratio: float
+    predicted: str = ""  # the what-if's verdict of the policy, when known
+    prediction: list[dict[str, Any]] = field(default_factory=list)  # per reached value
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def agrees(self) -> bool | None:
+        """Whether the prediction matches the measurement (None without a prediction)."""
+        if self.predicted not in ("safe", "unsafe"):
+            return None
+        return self.predicted == self.verdict
+
+    def summary(self) -> str:
+        a, b = _tail_mean(self.loss_plain, self.tail), _tail_mean(self.loss_policy, self.tail)
+        line = (
+            f"measured over {self.steps} steps: loss {a:.4f} plain, {b:.4f} with the policy "
+            f"({self.gap:+.2%}; unsafe above {self.threshold:.1%}): {self.verdict}"
+        )
+        if self.predicted:
+            agree = {True: "agrees", False: "disagrees", None: "cannot be compared"}[self.agrees]
+            line += f"\npredicted by the what-if: {self.predicted} ({agree})"
+        return line
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _tail_mean(values: list[float], tail: int) -> float:
+    arr = np.asarray(values[-tail:], np.float64)
+    return float(np.mean(arr)) if arr.size else math.nan
+
+
+def _loss_of(out: Any, where: str) -> tuple[tuple, float | Any]:
+    if not isinstance(out, tuple | list) or len(out) < 2:
+        raise TypeError(
+            f"verify: the step must return (*state, loss), the new state then the loss; "
+            f"{where} returned {type(out).__name__}"
+        )
+    loss = out[-1]
+    if np.ndim(asarray(loss)) != 0:
+        raise TypeError(
+            f"verify: the step's last output must be the scalar loss; {where} returned "
+            f"shape {np.shape(asarray(loss))}"
+        )
+    return tuple(out[:-1]), loss
+
+
+def _train(
+    fn: Callable[..., Any], state: tuple, batches: list, label: str, stream: TextIO | None
+) -> tuple[list[float], list[float]]:
+    losses, times = [], []
+    n = len(batches)
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        state, loss = _loss_of(fn(*state, batch), f"step {i} ({label})")
+        value = float(np.asarray(asarray(loss), np.float64))
+        times.append(time.perf_counter() - t0)
+        losses.append(value)
+        if stream is not None and (i + 1) % max(1, n // 10) == 0:
+            stream.write(f"  {label}: step {i + 1}/{n}  loss {value:.4f}\n")
+            stream.flush()
+    return losses, times
+
+
+def verify(
+    step: Callable[..., Any],
+    init_args: tuple | list,
+    batches: Iterable[Any] | Callable[[], Iterable[Any]],
+    policy: Policy | dict[str, str] | str,
+    *,
+    steps: int = 300,
+    scalify: bool = False,
+    threshold: float = GAP_THRESHOLD,
+    progress: bool | TextIO = False,
+) -> Verification:
+    """Train ``step`` for ``steps`` steps as it is and under ``policy`` (`emulate`),
+    from ``init_args`` on the same ``steps`` batches, and measure the loss gap.
+
+    ``step(*state, batch)`` returns ``(*new_state, loss)`` (the sample models' step:
+    ``(params, opt_state, batch) -> (params, opt_state, loss)``); ``init_args`` is the
+    initial state. ``batches``: an iterable of at least ``steps`` batches (or a callable
+    returning one), each passed as the last argument; the first ``steps`` are used by
+    both runs. ``scalify``: run both scalified (``ss.scalify``). A rule of ``policy``
+    that reaches no op is a `PolicyError` before anything trains."""
+    policy = as_policy(policy)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"verify: steps must be a positive int, got {steps!r}")
+    if not isinstance(init_args, tuple | list):
+        raise TypeError(
+            f"verify: init_args must be the tuple of the step's state arguments, got "
+            f"{type(init_args).__name__}"
+        )
+    source = batches() if callable(batches) else batches
+    taken = list(itertools.islice(iter(source), steps))
+    if len(taken) < steps:
+        raise ValueError(f"verify: {steps} steps need {steps} batches, got {len(taken)}")
+    stream = None
+    if progress:
+        stream = progress if hasattr(progress, "write") else sys.stderr
+    plain = jax.jit(_scalify(step) if scalify else step)
+    emulated = emulate(step, policy, scalify=scalify)
+    emulated.describe(*init_args, taken[0])  # a rule reaching nothing fails here
+    emulated = jax.jit(emulated)
+    state = tuple(init_args)
+    loss_a, time_a = _train(plain, state, taken, "plain", stream)
+    loss_b, time_b = _train(emulated, state, taken, "policy", stream)
+    tail = max(1, steps // 10)
+    a, b = _tail_mean(loss_a, tail), _tail_mean(loss_b, tail)
+    gap = (b - a) / abs(a) if a != 0 and math.isfinite(a) else math.nan
+    bad = not all(math.isfinite(v) for v in loss_b)
+    verdict = "unsafe" if bad or not (gap <= threshold) else "safe"
+    ratio = math.nan
+    if steps > 2:  # the first call of each compiles
+        ratio = float(np.median(time_b[1:]) / np.median(time_a[1:]))
+    return Verification(
+        policy=[[r.pattern, r.target] for r in policy.rules],
+        steps=steps,
+        tail=tail,
+        loss_plain=loss_a,
+        loss_policy=loss_b,
+        gap=float(gap),
+        threshold=float(threshold),
+        verdict=verdict,
+        step_ratio=ratio,
+    )
