@@ -197,6 +197,19 @@ def verdict_html(v: analysis.Verdict) -> str:
     return out
 
 
+def verified_html(reader: Any) -> str:
+    """The policies this run was trained under or checked against (``scalescope
+    verify``), one line each below the verdict; "" when there are none."""
+    lines = []
+    if reader.meta.get("policy"):
+        lines.append("trained under policy " + analysis.policy_text(reader.meta["policy"], 2))
+    lines += [analysis.verification_line(r) for r in reader.verifications()]
+    if not lines:
+        return ""
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+    return f"<ul class='ss-verified' style='margin:4px 0'>{items}</ul>"
+
+
 def _message(text: str, kind: str = "info") -> str:
     colors = {"info": "#555", "warn": "#a15c00", "error": "#b00020"}
     return f'<div class="ss-msg ss-{kind}" style="color:{colors[kind]}">{html.escape(text)}</div>'
@@ -473,7 +486,7 @@ class Dashboard:
             with self._quiet():
                 self.run_select.options = self._run_options()
                 self.run_select.value = key
-        self.verdict_pane.object = verdict_html(v)
+        self.verdict_pane.object = verdict_html(v) + verified_html(data.reader)
         self.versions["verdict"] = token
 
     # -- overview --------------------------------------------------------------------------

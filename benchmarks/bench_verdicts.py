@@ -17,6 +17,9 @@ Printed per case: loss gap, label, verdict, causes per severity, the first step 
     python benchmarks/bench_verdicts.py [--cases gpt-fp32,...] [--steps 200] [--every 10]
         [--out DIR] [--json out.json] [--fast] [--check]
 
+``--interventions``: the intervention table of `interventions` (predicted vs measured
+per linear layer and recipe, 300 steps unless ``--steps``).
+
 ``--fast``: a 1-layer d=32 GPT (the MLP as it is); the test (tests/test_verdict_runs.py)
 runs mlp-fp8 and mlp-fp8-naive-x255 at 200 steps.
 
@@ -44,6 +47,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GAP_PCT = 2.0  # a run more than this far above fp32 (final train loss) is broken
 MAX_MEDIUM = 5  # a healthy run may show at most this many medium causes
@@ -294,7 +298,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fast", action="store_true", help="small models (the test's variant)")
     p.add_argument("--json", default=None, help="write the rows as JSON")
     p.add_argument("--check", action="store_true", help="exit 1 unless every goal is met")
+    p.add_argument(
+        "--interventions",
+        action="store_true",
+        help="the intervention table instead (benchmarks/interventions.py): each linear "
+        "layer of --models held in each recipe, predicted vs measured",
+    )
+    p.add_argument("--models", default="gpt,mlp", help="--interventions: models (gpt,mlp)")
+    p.add_argument(
+        "--recipes", default=None, help="--interventions: comma-separated recipes (default all)"
+    )
     args = p.parse_args(argv)
+    if args.interventions:
+        import interventions
+
+        args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+        recipes = interventions.RECIPES if args.recipes is None else args.recipes.split(",")
+        args.recipes = tuple(r.strip() for r in recipes if r.strip())
+        if "--steps" not in " ".join(argv or sys.argv):
+            args.steps = 300
+        return interventions.main(args)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
     if unknown:

@@ -164,7 +164,7 @@ def verify(
     if steps > 2:  # the first call of each compiles
         ratio = float(np.median(time_b[1:]) / np.median(time_a[1:]))
     return Verification(
-        policy=[[r.pattern, r.target] for r in policy.rules],
+        policy=[[r.pattern, r.spec] for r in policy.rules],
         steps=steps,
         tail=tail,
         loss_plain=loss_a,

@@ -69,11 +69,17 @@ from .groups import (
 from .measured import budget_note, measurement_notes, sampled_note
 from .policies import (
     PREDICTION_COLUMNS,
+    agreement,
+    matmul_policy,
+    matmul_table,
+    op_label_series,
+    policy_text,
     predict_policy,
     predict_policy_run,
     predicted_verdict,
     recommend_policy,
     recommend_policy_run,
+    verification_line,
 )
 from .relevance import CONSTANT_ORIGINS, constant_ops
 from .summary import op_summary, op_summary_run, worst_ops
@@ -105,6 +111,12 @@ from .whatif import (
 )
 
 __all__ = [
+    "op_label_series",
+    "agreement",
+    "matmul_policy",
+    "matmul_table",
+    "policy_text",
+    "verification_line",
     "CAUSE_COLUMNS",
     "CHEAPEST",
     "COLLAPSE_ABOVE",

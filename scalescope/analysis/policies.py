@@ -136,9 +136,10 @@ def recommend_policy(
     fallback: str = "bf16",
 ) -> Policy:
     """A policy from a `format_whatif` frame with recipes: each value of ``passes``
-    (by default only the matmul operands, ``gemm``) gets its cheapest safe recipe, else
-    ``fallback`` where that is safe; values safe in neither get no rule (they stay as
-    computed). Rules are merged across layers where the targets agree.
+    (by default only the matmul operands, ``gemm``, held as the matmuls read them:
+    ``recipe@matmul``) gets its cheapest safe recipe, else ``fallback`` where that is
+    safe; values safe in neither get no rule (they stay as computed). Rules are merged
+    across layers where the targets agree.
 
     Raises ValueError when the frame holds no recipe (record with ``formats=(...,
     "mxfp8_e4m3", "nvfp4")``) or the op table no ``gemm`` column (a run recorded
@@ -169,7 +170,7 @@ def recommend_policy(
         if not target and has_fallback and bool(whatif.at[src, (fallback, "safe")]):
             target = fallback
         if target:
-            picks[labels[op]] = target
+            picks[labels[op]] = f"{target}@matmul" if gemm_only else target
     reachable = [lab for lab, ok in zip(labels, _reachable(ops)) if ok]
     return Policy(_compress(picks, reachable))
 
@@ -184,3 +185,112 @@ def predict_policy_run(reader: Any, policy: Policy) -> pd.DataFrame:
     """`predict_policy` over a recorded run."""
     whatif = format_whatif(reader.stats(wide=True), reader.ops, meta=reader.meta)
     return predict_policy(policy, whatif, reader.ops)
+
+
+#: Columns of `matmul_table`.
+MATMUL_COLUMNS = ("op", "label", "layer", "params", "fwd_operands", "bwd_gradients")
+
+
+def _source(stats_op: pd.Series, op: int) -> int:
+    return int(stats_op.get(op, op)) if op >= 0 else -1
+
+
+def matmul_table(ops: pd.DataFrame, *, merge: bool = True) -> pd.DataFrame:
+    """One row per forward matmul (``dot_general``) of a run's op table.
+
+    Columns: ``op``, ``label``; ``layer``, with ``merge`` the label with layer indices
+    as ``*`` (one name for the same matmul of every block), else the label; ``params``,
+    True when an operand is an argument (a linear layer's weight); ``fwd_operands``, the
+    op ids of the two values it reads; ``bwd_gradients``, those of the gradients its
+    backward matmuls read (the backward-pass operands of the backward ``dot_general``
+    ops that also read one of its operands or an alias of one). Needs the ``operands``
+    column (runs recorded since scalescope marks matmul operands)."""
+    if "operands" not in ops.columns:
+        raise ValueError(
+            "matmul_table: the op table has no 'operands' column (a run recorded by an older "
+            "scalescope); record the run again"
+        )
+    ops = ops.sort_index()
+    labels = op_label_series(ops)
+    stats_op = _stats_op(ops)
+    passes = ops["pass"].astype(str)
+    dots = ops[ops["primitive"].astype(str) == "dot_general"]
+    bwd = [
+        (int(op), tuple(int(x) for x in reads))
+        for op, reads in dots["operands"].items()
+        if passes[op] == "bwd"
+    ]
+    rows = []
+    for op, reads in dots["operands"].items():
+        if passes[op] != "fwd":
+            continue
+        reads = tuple(int(x) for x in reads)
+        sources = {_source(stats_op, x) for x in reads if x >= 0}
+        grads: list[int] = []
+        for _, other in bwd:
+            if not sources & {_source(stats_op, x) for x in other if x >= 0}:
+                continue
+            grads += [x for x in other if x >= 0 and passes[x] == "bwd" and x not in grads]
+        rows.append(
+            (
+                int(op),
+                labels[op],
+                _generalised(labels[op], 1) if merge else labels[op],
+                any(x >= 0 and passes[x] == "input" for x in reads),
+                reads,
+                tuple(grads),
+            )
+        )
+    return pd.DataFrame(rows, columns=list(MATMUL_COLUMNS))
+
+
+def matmul_policy(
+    ops: pd.DataFrame, layer: str, target: str, *, direction: str = "fwd", merge: bool = True
+) -> Policy:
+    """A policy holding the operands of the matmuls of ``layer`` (a `matmul_table`
+    layer name) in ``target`` as the matmuls read them (``target@matmul``: the optimizer
+    and the residual path keep the values as computed): their forward operands
+    (``direction="fwd"``) or the gradients their backward matmuls read (``"bwd"``)."""
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"matmul_policy: direction must be 'fwd' or 'bwd', got {direction!r}")
+    table = matmul_table(ops, merge=merge)
+    rows = table[table["layer"] == layer]
+    if rows.empty:
+        known = ", ".join(sorted(set(table["layer"])))
+        raise ValueError(f"matmul_policy: no matmul layer {layer!r}; layers: {known}")
+    labels = op_label_series(ops)
+    column = "fwd_operands" if direction == "fwd" else "bwd_gradients"
+    picked = dict.fromkeys(labels[x] for ids in rows[column] for x in ids if x >= 0)
+    if not picked:
+        raise ValueError(f"matmul_policy: layer {layer!r} has no {direction} operand to hold")
+    return Policy([(_escaped(label), f"{target}@matmul") for label in picked])
+
+
+def policy_text(rules: Sequence[Sequence[str]], shown: int = 3) -> str:
+    """A policy (``[[pattern, target], ...]``) in a few words: its first rules, and how
+    many more."""
+    rules = list(rules)
+    text = "; ".join(f"{p} -> {t}" for p, t in rules[:shown]) or "(no rule)"
+    more = len(rules) - shown
+    return text + (f"; and {more} more rule{'s' * (more > 1)}" if more > 0 else "")
+
+
+def agreement(record: dict[str, Any]) -> str:
+    """Whether a verification's measured verdict is the predicted one: ``yes``, ``no``
+    or ``-`` (no prediction)."""
+    predicted = record.get("predicted") or ""
+    if predicted not in ("safe", "unsafe"):
+        return "-"
+    return "yes" if predicted == record.get("verdict") else "no"
+
+
+def verification_line(record: dict[str, Any]) -> str:
+    """One line for a kept verification (`RunReader.verifications`): the policy, the
+    measured gap and verdict, and whether the what-if predicted it."""
+    line = (
+        f"policy {policy_text(record['policy'], 2)}: measured {100 * float(record['gap']):+.2f} %"
+        f" over {record['steps']} steps ({record['verdict']})"
+    )
+    if record.get("predicted"):
+        line += f"; predicted {record['predicted']} (agrees: {agreement(record)})"
+    return line

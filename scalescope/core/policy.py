@@ -5,7 +5,10 @@ probe's op labels (``pass/name``: ``fwd/blocks/0/mlp/dot_general``, ``bwd/loss/a
 ``opt/mul#3``, ``input/params/w``; `label_of`); the first rule
 that matches an op decides its target, a format of `scalescope.formats` (``e4m3``,
 ``e5m2``, ``fp16``, ``bf16``, ``fp32``: fp32 keeps a value as it is) or a block-scaled
-recipe of `scalescope.core.recipes` (``mxfp8_e4m3``, ``nvfp4``...).
+recipe of `scalescope.core.recipes` (``mxfp8_e4m3``, ``nvfp4``...). A target written
+``mxfp8_e4m3@matmul`` rounds the value for the matmuls that read it only (what a
+low-precision GEMM reads), while other ops (the optimizer updating a weight, a residual
+path carrying a gradient) keep it as computed.
 
 Patterns are globs over the whole label: ``*`` matches within one ``/``-separated part,
 ``**`` across parts, ``?`` one character of a part, ``[...]`` a character class. A
@@ -77,12 +80,21 @@ def glob_regex(pattern: str) -> str:
     return "^" + "".join(out) + "$"
 
 
+#: Who reads a rule's rounded value: every op (``all``, the value itself is held in the
+#: target), or only the matmuls (``matmul``: what a low-precision GEMM reads, while the
+#: optimizer and elementwise ops keep the value as computed). Written ``target@matmul``.
+READS = ("all", "matmul")
+
+
 @dataclass(frozen=True)
 class Rule:
-    """One rule of a `Policy`: ops whose label matches ``pattern`` get ``target``."""
+    """One rule of a `Policy`: ops whose label matches ``pattern`` get ``target``, read
+    by every op or only by matmuls (``reads``; a target ``"mxfp8_e4m3@matmul"`` sets
+    it)."""
 
     pattern: str
     target: str
+    reads: str = "all"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern.strip():
@@ -91,6 +103,15 @@ class Rule:
             raise PolicyError(
                 f"rule {self.pattern!r}: the target must be a format or recipe name, "
                 f"got {type(self.target).__name__}"
+            )
+        if "@" in self.target:
+            target, _, reads = self.target.partition("@")
+            object.__setattr__(self, "target", target)
+            object.__setattr__(self, "reads", reads)
+        if self.reads not in READS:
+            raise PolicyError(
+                f"rule {self.pattern!r}: '@{self.reads}' is not a reader; write the target "
+                f"alone (every op reads the rounded value) or with '@matmul'"
             )
         if self.target not in targets():
             near = difflib.get_close_matches(self.target, targets(), n=3)
@@ -103,6 +124,11 @@ class Rule:
             object.__setattr__(self, "_rx", re.compile(self.regex))
         except re.error as err:
             raise PolicyError(f"rule {self.pattern!r}: not a valid regex: {err}") from None
+
+    @property
+    def spec(self) -> str:
+        """The target as written: ``target`` or ``target@matmul``."""
+        return self.target if self.reads == "all" else f"{self.target}@{self.reads}"
 
     @property
     def regex(self) -> str:
@@ -125,7 +151,11 @@ class Policy:
         policy.target("fwd/blocks/0/mlp/dot_general")   # 'mxfp8_e4m3'
     """
 
-    def __init__(self, rules: Iterable[Rule | tuple[str, str] | Sequence[str]] = ()) -> None:
+    def __init__(
+        self, rules: Iterable[Rule | tuple[str, str] | Sequence[str]] | Mapping[str, str] = ()
+    ) -> None:
+        if isinstance(rules, Mapping):  # {pattern: target}, as from_dict
+            rules = rules.items()
         built = []
         for i, rule in enumerate(rules):
             if isinstance(rule, Rule):
@@ -148,14 +178,14 @@ class Policy:
         the only one that can match)."""
         out: dict[str, str] = {}
         for rule in self.rules:
-            out.setdefault(rule.pattern, rule.target)
+            out.setdefault(rule.pattern, rule.spec)
         return out
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The policy as JSON (``{"version": 1, "rules": [[pattern, target], ...]}``);
         also written to ``path`` when given (whole or not at all: a temporary file
         renamed into place)."""
-        rules = ",\n".join(f"  {json.dumps([r.pattern, r.target])}" for r in self.rules)
+        rules = ",\n".join(f"  {json.dumps([r.pattern, r.spec])}" for r in self.rules)
         text = (
             f'{{"version": {POLICY_VERSION}, "rules": [\n{rules}\n]}}'
             if rules
@@ -239,7 +269,7 @@ class Policy:
                 if not got:
                     raise PolicyError(_no_match(rule, labels))
         return [
-            {"pattern": r.pattern, "target": r.target, "ops": got}
+            {"pattern": r.pattern, "target": r.target, "reads": r.reads, "ops": got}
             for r, got in zip(self.rules, reached)
         ]
 
@@ -256,7 +286,7 @@ class Policy:
         return hash(self.rules)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{r.pattern!r}: {r.target!r}" for r in self.rules)
+        inner = ", ".join(f"{r.pattern!r}: {r.spec!r}" for r in self.rules)
         return f"Policy({{{inner}}})"
 
 
@@ -331,11 +361,12 @@ def _no_match(rule: Rule, labels: Sequence[str]) -> str:
     probe = rule.pattern.removeprefix(_REGEX_PREFIX).replace("*", "")
     near = difflib.get_close_matches(probe, list(dict.fromkeys(labels)), n=3, cutoff=0.3)
     hint = f"; nearest op names: {', '.join(near)}" if near else ""
-    return f"rule {rule.pattern!r} -> {rule.target!r} reaches no op{hint}"
+    return f"rule {rule.pattern!r} -> {rule.spec!r} reaches no op{hint}"
 
 
 __all__ = [
     "POLICY_VERSION",
+    "READS",
     "Policy",
     "PolicyError",
     "Rule",

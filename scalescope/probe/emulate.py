@@ -47,6 +47,9 @@ class _Emulator(Observer):
     def __init__(self, replacer: Replacer) -> None:
         self.replacer = replacer
 
+    def reads(self, eqn, invals):
+        return self.replacer.reads(eqn, invals)
+
     def on_eqn(self, ctx, eqn, invals, outvals):
         rule = get_rule(eqn.primitive)
         if rule is not None and rule.higher_order:

@@ -37,6 +37,8 @@ class OpRecord:
     (see `instrument`'s ``groups``), -1 when not recorded or not grouped.
     ``gemm``: a ``dot_general`` reads this value as an operand (a matmul input: what an
     FP8 training quantises, and what `RunReader.recommend_policy` gives a recipe).
+    ``operands``: for a ``dot_general``, the op ids of the two values it reads (-1 for a
+    constant), so that a policy can reach the inputs of one matmul.
     ``origin``: "constant" for a value computed from constants and non-float inputs only
     (optax's bias corrections and schedules, from the step count), "fill" for one that
     holds a large constant fill (a mask's -1e9 or ``finfo.min``, and what keeps it
@@ -70,6 +72,7 @@ class OpRecord:
     block_axes: tuple[int, ...] = ()
     origin: str = ""
     gemm: bool = False
+    operands: tuple[int, ...] = ()
     alias_of: OpRecord | None = field(default=None, repr=False)
 
     @property
@@ -102,6 +105,7 @@ class OpRecord:
             "group": self.group,
             "origin": self.origin,
             "gemm": self.gemm,
+            "operands": list(self.operands),
         }
 
 

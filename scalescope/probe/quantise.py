@@ -89,9 +89,10 @@ def _is_identity(target: str, x: Any) -> bool:
 @dataclass(frozen=True)
 class Plan:
     """What to do with each value of one call signature, in the order of interpretation:
-    ``targets[seq]`` (None: keep it) and the primitive the probe saw there."""
+    ``targets[seq]`` (None: keep it; else ``(target, reads)``, `Rule.reads`) and the
+    primitive the probe saw there."""
 
-    targets: tuple[str | None, ...]
+    targets: tuple[tuple[str, str] | None, ...]
     primitives: tuple[str, ...]
     labels: tuple[str, ...]
     reached: int  # values that get a target
@@ -103,29 +104,25 @@ class Plan:
         policy.describe(table, strict=True)
         ops = table.ops
         labels = unique_labels([op.pass_ for op in ops], [op.name for op in ops])
-        by_op = [
-            None if op.note in _UNREACHABLE else policy.target(label)
-            for op, label in zip(ops, labels)
-        ]
-        targets, prims = [], []
-        created = _created(table)
-        for op_id, prim in zip(table.sequence, created):
-            targets.append(by_op[op_id] if op_id >= 0 else None)
-            prims.append(prim)
-        return cls(tuple(targets), tuple(prims), tuple(labels), sum(t is not None for t in by_op))
-
-
-def _created(table: OpTable) -> list[str]:
-    """The primitive of each value of ``table.sequence`` (``input`` for an argument)."""
-    prims = [op.primitive for op in table.ops]
-    return [prims[i] if i >= 0 else "" for i in table.sequence]
+        by_op: list[tuple[str, str] | None] = []
+        for op, label in zip(ops, labels):
+            rule = None if op.note in _UNREACHABLE else policy.rule_for(label)
+            by_op.append(None if rule is None else (rule.target, rule.reads))
+        prims = [op.primitive for op in ops]
+        targets = [by_op[i] if i >= 0 else None for i in table.sequence]
+        created = [prims[i] if i >= 0 else "" for i in table.sequence]
+        reached = sum(t is not None for t in by_op)
+        return cls(tuple(targets), tuple(created), tuple(labels), reached)
 
 
 class Replacer:
-    """Quantises the ``seq``-th value made by an interpretation as a `Plan` says."""
+    """Quantises the ``seq``-th value an interpretation makes as a `Plan` says: in place
+    (every reader gets the rounded value) or for the matmuls that read it (`reads`)."""
 
     def __init__(self, plan: Plan, block_axes: dict[Any, tuple[int, ...]]) -> None:
         self.plan, self.block_axes, self.seq = plan, block_axes, 0
+        self.for_matmul: dict[int, Any] = {}  # id(value) -> what a matmul reads instead
+        self._keep: list[Any] = []  # keeps the ids above from being reused
 
     def __call__(self, seq: int, value: Any, var: Any, primitive: str = "") -> Any:
         plan = self.plan
@@ -141,13 +138,25 @@ class Replacer:
                 f"emulate: value {seq} is a '{primitive}' here and a '{expected}' in the op "
                 "table; does the function trace differently from one call to the next?"
             )
-        target = plan.targets[seq]
-        if target is None:
+        entry = plan.targets[seq]
+        if entry is None:
             return value
+        target, reads = entry
         axes = self.block_axes.get(var) if var is not None else None
-        return quantise(value, target, axes)
+        rounded = quantise(value, target, axes)
+        if reads == "all":
+            return rounded
+        self.for_matmul[id(value)] = rounded
+        self._keep.append(value)
+        return value
 
     def next(self, value: Any, var: Any, primitive: str) -> Any:
         out = self(self.seq, value, var, primitive)
         self.seq += 1
         return out
+
+    def reads(self, eqn: Any, invals: Sequence[Any]) -> Sequence[Any]:
+        """A matmul's operands as it reads them: rounded where a rule says so."""
+        if eqn.primitive.name != "dot_general" or not self.for_matmul:
+            return invals
+        return [self.for_matmul.get(id(v), v) for v in invals]

@@ -280,9 +280,11 @@ class _Shared:
     inputs: list[str] = field(default_factory=list)  # argument paths of the inputs
     outputs: list[tuple[str, _Info | None]] = field(default_factory=list)
     created: list[OpRecord] = field(default_factory=list)  # every record, as made
-    #: ``(seq, value, var, primitive) -> value``: what downstream ops read instead of the value made
-    #: ``seq``-th (`emulate`'s quantisation); None: the value itself.
-    replace: Callable[[int, Any, Any, str], Any] | None = None
+    operands: dict[int, list[OpRecord | None]] = field(default_factory=dict)  # of GEMMs
+    #: `emulate`'s `Replacer`: called ``(seq, value, var, primitive)`` on the value made
+    #: ``seq``-th, it returns what downstream ops read instead; ``reads(eqn, invals)``
+    #: gives a matmul its rounded operands. None: values as computed.
+    replace: Any = None
 
     @property
     def at_once(self) -> bool:
@@ -394,6 +396,10 @@ class Recorder(Observer):
             keep = k if keep is None else keep & k
         return kernel.across_devices(raw, keep, axes)
 
+    def reads(self, eqn: Any, invals: Sequence[Any]) -> Sequence[Any]:
+        replace = self.shared.replace
+        return invals if replace is None else replace.reads(eqn, invals)
+
     def same_value(self, src: Any, dst: Any) -> None:
         info = self.shared.lookup(src)
         if info is not None and self.shared.lookup(dst) is None:
@@ -451,6 +457,7 @@ class Recorder(Observer):
         if eqn.primitive.name == "convert_element_type" and ins and ins[0] is not None:
             self._mark_cast(ins[0], eqn.params.get("new_dtype"))
         outs = []
+        first = len(self.shared.created)
         for k, (var, out) in enumerate(zip(eqn.outvars, outvals)):
             src = (
                 ins[k]
@@ -473,6 +480,10 @@ class Recorder(Observer):
                     origin=(static, big, fill),
                 )
             )
+        if eqn.primitive.name == "dot_general":  # the values this GEMM reads
+            self.shared.operands[id(self.shared.created[first])] = [
+                None if i is None else i.own for i in ins[:2]
+            ]
         return outs
 
     # -- recording -----------------------------------------------------------------------
@@ -676,6 +687,9 @@ class Recorder(Observer):
             np.int32,
         )
         for rec in records:
+            reads = shared.operands.get(id(rec))
+            if reads is not None:
+                rec.operands = tuple(-1 if r is None else r.id for r in reads)
             rec.stats_op = rec.id if rec.recorded else -1
             if rec.alias_of is not None and rec.alias_of.recorded:
                 rec.stats_op = rec.alias_of.id

@@ -40,6 +40,7 @@ from .sections import (
     _metadata_html,
     _summary_html,
     _title_html,
+    _verified_html,
 )
 from .verdicts import _verdicts
 from .worst import _worst_op_models
@@ -151,6 +152,9 @@ def _page(
     if results:
         models.append(div(_fail_on_html(results), "report-fail-on"))
     models.append(div(_summary_html(data), "report-summary"))
+    verified = _verified_html(reader)
+    if verified:
+        models.append(div(verified, "report-verified"))
     models.append(div(_findings_html(data), "report-findings"))
     models += _heatmaps(data, max_ops, max_steps)
     models += _worst_op_models(data, worst)

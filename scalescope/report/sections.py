@@ -144,6 +144,42 @@ def _summary_html(data: _RunData) -> str:
     )
 
 
+def _verified_html(reader: Any) -> str:
+    """Policies checked against training on this run (``scalescope verify``): measured
+    loss gap and verdict beside the what-if's prediction; "" when there are none."""
+    records = reader.verifications()
+    policy = reader.meta.get("policy")
+    if not records and not policy:
+        return ""
+    parts = ["<h2>Precision policies</h2>"]
+    if policy:
+        parts.append(
+            f"<div>This run was trained under a policy: {_e(A.policy_text(policy))}.</div>"
+        )
+    if records:
+        rows = []
+        for r in records:
+            cls = "safe-all" if r["verdict"] == "safe" else "safe-none"
+            rows.append(
+                [
+                    _td(A.policy_text(r["policy"])),
+                    _td(r["steps"], "num"),
+                    _td(f"{100 * float(r['gap']):+.2f} %", "num"),
+                    _td(r["verdict"], cls),
+                    _td(r.get("predicted") or "-"),
+                    _td(A.agreement(r)),
+                ]
+            )
+        parts.append(
+            "<div>Each policy was applied to this run's model, seed and batches "
+            "(<code>scalescope verify</code>) and trained beside the plain step: the gap "
+            "is the relative loss difference over the last tenth of the steps, unsafe above "
+            "the threshold it was run with.</div>"
+            + _table(["policy", "steps", "loss gap", "measured", "predicted", "agree"], rows)
+        )
+    return "".join(parts)
+
+
 _RECIPE_RULE = (
     "<div>A block-scaled recipe is safe for an op when, at every recorded step, it clips at "
     "most {over} of the elements (recipes clip by design; clipping that matters lowers the "

@@ -251,5 +251,10 @@ def _verdicts(
         "findings": _plain(f.to_dict("records")),
         "fail_on": _plain([{k: v for k, v in r.items() if k != "text"} for r in results]),
         "compare": cmp,
+        "policy": reader.meta.get("policy"),
+        "verified": [
+            {k: v for k, v in r.items() if k not in ("loss_plain", "loss_policy")}
+            for r in reader.verifications()
+        ],
     }
     return verdicts

@@ -64,6 +64,11 @@ class Observer:
         hands back values its kernel measured); None keeps them."""
         return None
 
+    def reads(self, eqn: Any, invals: Sequence[Any]) -> Sequence[Any]:
+        """The values ``eqn`` computes on, given those its inputs hold (the emulation
+        hands a matmul its operands rounded); ``on_eqn`` still sees ``invals``."""
+        return invals
+
     def nested(self, eqn: Any, kind: str) -> Observer:
         return self
 
@@ -240,7 +245,8 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
         env[v] = a
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
-        outvals = _apply(ctx, eqn, invals)
+        reads = invals if ctx.observer is None else ctx.observer.reads(eqn, invals)
+        outvals = _apply(ctx, eqn, list(reads))
         if not _higher_order(eqn.primitive):
             # (a body's own rules materialise their scales; its outputs keep their
             # identity, which the observer relies on)

@@ -271,7 +271,7 @@ def ops_table(frame: pd.DataFrame) -> pa.Table:
     list is empty (an untyped empty list would be Parquet's null type, which some
     engines reading ``ops.parquet`` directly, Spark among them, refuse)."""
     table = pa.Table.from_pandas(frame.reset_index(), preserve_index=False)
-    for col in ("shape", "loop"):
+    for col in ("shape", "loop", "operands"):
         if col in table.column_names and pa.types.is_list(table.schema.field(col).type):
             i = table.column_names.index(col)
             table = table.set_column(i, col, table.column(col).cast(pa.list_(pa.int64())))

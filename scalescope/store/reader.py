@@ -134,14 +134,14 @@ class RunReader:
         frame = self._frame()
         return np.unique(frame["step"].to_numpy()) if len(frame) else np.zeros(0, np.int64)
 
-    @property
     def verifications(self) -> list[dict[str, Any]]:
         """Outcomes of ``scalescope verify`` on this run, oldest first: each the policy
         (``[[pattern, target], ...]``), ``steps``, both loss curves, the measured ``gap``
         and ``verdict``, and the what-if's ``predicted`` verdict (see
-        `scalescope.verify.Verification`)."""
+        `scalescope.Verification`)."""
         return L.read_verifications(self.path)
 
+    @property
     def scale_graph_steps(self) -> list[int]:
         """Steps with a recorded scale graph (`Run.scale_graph`), ascending."""
         return list(L.list_scale_graphs(self.path))
@@ -217,8 +217,9 @@ class RunReader:
             )
             return None
         frame = frame.set_index("op")
-        for col in ("shape", "loop"):
-            frame[col] = [tuple(int(v) for v in x) for x in frame[col]]
+        for col in ("shape", "loop", "operands"):
+            if col in frame.columns:
+                frame[col] = [tuple(int(v) for v in x) for x in frame[col]]
         return frame
 
     def _read_part(self, part: Path, columns: list[str]) -> pd.DataFrame | None:

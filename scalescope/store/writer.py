@@ -712,7 +712,7 @@ class Run:
             _check_int("every", every, 1)
         if policy is not None:
             policy = as_policy(policy)
-            self._meta["policy"] = [[r.pattern, r.target] for r in policy.rules]
+            self._meta["policy"] = [[r.pattern, r.spec] for r in policy.rules]
             if self.process == 0:
                 L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
         return Tracked(self, fn, scalify=scalify, every=every or self.every, policy=policy)

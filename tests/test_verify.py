@@ -1,0 +1,227 @@
+"""The closed loop: a recorded run's what-if becomes a policy (`recommend_policy`), the
+policy's prediction (`predict_policy`), and `ss.verify` / ``scalescope verify`` train it
+beside the plain step and keep the measured gap, which the report shows."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pandas as pd
+import pytest
+
+import scalescope as ss
+from scalescope import analysis as A
+from scalescope.analysis.whatif import CHEAPEST
+from scalescope.cli import main
+
+TINY_GPT = ["--layers", "2", "--d-model", "16", "--seq-len", "8", "--batch", "4"]
+RECIPES = "e4m3,e5m2,fp16,bf16,mxfp8_e4m3_rceil,nvfp4"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("verify") / "gpt"
+    argv = ["train", "gpt", "--steps", "6", "--every", "2", "--run", str(run), "--quiet"]
+    argv += ["--data", "vendored", "--formats", RECIPES, *TINY_GPT]
+    assert main(argv) == 0
+    return run
+
+
+# -- recommend and predict on frames -------------------------------------------------------
+
+
+def _frames(cheapest: dict[str, str], bf16_safe: dict[str, bool], extra=()):
+    """An op frame (labels as names, every op a matmul operand unless in ``extra``) and
+    a what-if frame with a cheapest recipe and a BF16 verdict per op."""
+    names = list(cheapest) + list(extra)
+    ops = pd.DataFrame(
+        {
+            "pass": [n.split("/")[0] for n in names],
+            "name": ["/".join(n.split("/")[1:]) for n in names],
+            "note": "",
+            "stats_op": range(len(names)),
+            "gemm": [n in cheapest for n in names],
+        },
+        index=pd.Index(range(len(names)), name="op"),
+    )
+    whatif = pd.DataFrame(
+        {
+            ("bf16", "safe"): [bf16_safe.get(n, True) for n in names],
+            ("bf16", "reason"): "ok",
+            ("nvfp4", "safe"): [cheapest.get(n) == "nvfp4" for n in names],
+            ("nvfp4", "reason"): "ok",
+            ("nvfp4", "block_flush"): 0.0,
+            (CHEAPEST, ""): [cheapest.get(n, "") for n in names],
+        },
+        index=ops.index,
+    )
+    return ops, whatif
+
+
+def test_recommend_merges_layers_only_where_every_layer_agrees():
+    cheapest = {
+        "fwd/block_0/mlp/x": "nvfp4",
+        "fwd/block_1/mlp/x": "nvfp4",
+        "fwd/block_0/attn/q": "nvfp4",
+        "fwd/block_1/attn/q": "",  # no recipe is safe: BF16 is
+        "bwd/block_0/mlp/g": "",  # not even BF16: no rule
+    }
+    ops, whatif = _frames(cheapest, {"bwd/block_0/mlp/g": False}, extra=["fwd/block_0/mlp/y"])
+    policy = A.recommend_policy(whatif, ops)
+    rules = {r.pattern: r.spec for r in policy}
+    assert rules == {
+        "fwd/block_*/mlp/x": "nvfp4@matmul",
+        "fwd/block_0/attn/q": "nvfp4@matmul",
+        "fwd/block_1/attn/q": "bf16@matmul",
+    }
+    # every value gets exactly what it was picked, nothing else is reached
+    got = dict(zip(A.op_label_series(ops), [policy.target(lab) for lab in A.op_label_series(ops)]))
+    assert got["fwd/block_1/mlp/x"] == "nvfp4" and got["fwd/block_0/mlp/y"] is None
+    assert got["bwd/block_0/mlp/g"] is None
+    prediction = A.predict_policy(policy, whatif, ops)
+    assert list(prediction["safe"]) == [True] * 4 and A.predicted_verdict(prediction) == "safe"
+    unsafe = ss.Policy({"fwd/block_1/attn/q": "nvfp4"})
+    assert A.predicted_verdict(A.predict_policy(unsafe, whatif, ops)) == "unsafe"
+    with pytest.raises(ss.PolicyError, match="reaches no op"):
+        A.predict_policy(ss.Policy({"fwd/nowhere": "bf16"}), whatif, ops)
+    with pytest.raises(ValueError, match="records no block-scaled recipe"):
+        A.recommend_policy(whatif.drop(columns=[(CHEAPEST, "")]), ops)
+
+
+# -- matmul reads ----------------------------------------------------------------------------
+
+
+def test_matmul_reads_round_what_the_matmul_reads_and_nothing_else():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+
+    def loss(w):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    def step(w):
+        value, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, value
+
+    wq = ss.emulate(lambda w: w * 1.0, {"input/w": "e4m3"})(w)
+    new, value = jax.jit(ss.emulate(step, {"input/w": "e4m3@matmul"}))(w)
+    # the matmul read the rounded weight; the update applies to the weight as passed
+    np.testing.assert_allclose(float(value), float(loss(wq)), rtol=1e-6)
+    want = w - 0.1 * jax.grad(loss)(wq)
+    np.testing.assert_allclose(np.asarray(new), np.asarray(want), rtol=1e-6, atol=1e-7)
+    # held in place instead, the update applies to the rounded weight
+    held, _ = jax.jit(ss.emulate(step, {"input/w": "e4m3"}))(w)
+    np.testing.assert_allclose(np.asarray(held), np.asarray(wq - 0.1 * jax.grad(loss)(wq)),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    assert not np.allclose(np.asarray(held), np.asarray(new))
+    assert ss.Policy.from_json(ss.Policy({"input/w": "e4m3@matmul"}).to_json()).rules[0].reads == (
+        "matmul"
+    )
+    with pytest.raises(ss.PolicyError, match="'@gemm' is not a reader"):
+        ss.Policy({"input/w": "e4m3@gemm"})
+
+
+# -- ss.verify ---------------------------------------------------------------------------------
+
+
+def _sgd_problem():
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((8, 4)) * 0.3, jnp.float32)
+    batches = [
+        (jnp.asarray(rng.standard_normal((16, 8)), jnp.float32),
+         jnp.asarray(rng.standard_normal((16, 4)), jnp.float32))
+        for _ in range(12)
+    ]  # fmt: skip
+
+    def step(w, batch):
+        x, y = batch
+
+        def loss(w):
+            with jax.named_scope("lin"):
+                return jnp.mean((x @ w - y) ** 2)
+
+        value, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, value
+
+    return step, (w,), batches
+
+
+def test_verify_measures_a_harmless_and_a_harmful_policy():
+    step, init, batches = _sgd_problem()
+    same = ss.verify(step, init, batches, {"fwd/**": "fp32"}, steps=10)
+    assert same.gap == 0.0 and same.verdict == "safe"
+    assert same.loss_plain == same.loss_policy and len(same.loss_plain) == 10
+    # the weight held in MXFP4 itself: most updates round away, training stalls
+    bad = ss.verify(step, init, iter(batches), {"input/w": "mxfp4"}, steps=10)
+    assert bad.gap > 0.005 and bad.verdict == "unsafe"
+    assert bad.policy == [["input/w", "mxfp4"]]
+    assert "unsafe" in bad.summary()
+    with pytest.raises(ss.PolicyError, match="reaches no op"):
+        ss.verify(step, init, batches, {"fwd/nowhere": "bf16"}, steps=2)
+    with pytest.raises(ValueError, match="20 steps need 20 batches, got 12"):
+        ss.verify(step, init, batches, {}, steps=20)
+    with pytest.raises(TypeError, match=r"\(\*state, loss\)"):
+        ss.verify(lambda w, b: w, init, batches, {}, steps=2)
+
+
+# -- on a recorded sample-model run ------------------------------------------------------------
+
+
+def test_run_track_under_a_policy_records_the_emulated_step(tmp_path):
+    step, init, batches = _sgd_problem()
+    policy = {"fwd/lin/dot_general": "e4m3"}
+    emulated = jax.jit(ss.emulate(step, policy))
+    with ss.Run(tmp_path / "r", every=2) as run:
+        tracked = run.track(step, scalify=False, policy=policy)
+        w, v = init[0], init[0]
+        for b in batches[:4]:
+            w, loss = tracked(w, b)
+            v, want = emulated(v, b)
+            assert float(loss) == float(want)
+    reader = ss.open_run(tmp_path / "r")
+    assert reader.meta["policy"] == [["fwd/lin/dot_general", "e4m3"]]
+    assert list(reader.steps) == [0, 2]
+
+
+def test_the_matmul_table_finds_each_layer_and_its_gradients(tiny_run):
+    reader = ss.open_run(tiny_run)
+    table = A.matmul_table(reader.ops)
+    linear = table[table["params"]]
+    assert set(linear["layer"]) >= {"fwd/block_*/mlp/dot_general#1", "fwd/head/dot_general"}
+    assert (linear["bwd_gradients"].map(len) > 0).all()
+    labels = A.op_label_series(reader.ops)
+    for ops_ in linear["bwd_gradients"]:
+        assert all(labels[x].startswith("bwd/") for x in ops_)
+    policy = A.matmul_policy(reader.ops, "fwd/head/dot_general", "nvfp4")
+    assert [r.reads for r in policy] == ["matmul", "matmul"]
+    with pytest.raises(ValueError, match="no matmul layer 'fwd/nope'"):
+        A.matmul_policy(reader.ops, "fwd/nope", "nvfp4")
+
+
+def test_scalescope_verify_keeps_the_outcome_and_the_report_shows_it(tiny_run, tmp_path, capsys):
+    policy_file = tmp_path / "policy.json"
+    code = main(["verify", str(tiny_run), "--policy", "recommend", "--steps", "4",
+                 "--write-policy", str(policy_file)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "measured over 4 steps" in out and "predicted by the what-if" in out
+    policy = ss.Policy.from_json(policy_file)
+    assert len(policy) > 0 and all(r.reads == "matmul" for r in policy)
+    (record,) = ss.open_run(tiny_run).verifications()
+    assert record["steps"] == 4 and record["verdict"] == ("safe" if code == 0 else "unsafe")
+    assert record["policy"] == [[r.pattern, r.spec] for r in policy]
+    assert record["predicted"] in ("safe", "unsafe", "unknown")
+    report = tmp_path / "report.json"
+    html = tmp_path / "r.html"
+    assert main(["report", str(tiny_run), "-o", str(html), "--json", str(report)]) in (0, 1)
+    doc = json.loads(report.read_text())
+    assert doc["verified"][0]["gap"] == pytest.approx(record["gap"])
+    assert "Precision policies" in html.read_text()
+    # a bad policy is exit 2, naming the rule and the nearest op labels
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"fwd/block_0/mlp/dot_generl": "nvfp4"}))
+    assert main(["verify", str(tiny_run), "--policy", str(bad), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "fwd/block_0/mlp/dot_generl" in err and "fwd/block_0/mlp/dot_general" in err
