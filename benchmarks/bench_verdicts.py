@@ -306,6 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--models", default="gpt,mlp", help="--interventions: models (gpt,mlp)")
     p.add_argument(
+        "--all-layers",
+        action="store_true",
+        help="--interventions: also hold every linear layer at once (rows 'all')",
+    )
+    p.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="--interventions: judge the rows of --json again (current thresholds, no training)",
+    )
+    p.add_argument(
         "--recipes", default=None, help="--interventions: comma-separated recipes (default all)"
     )
     args = p.parse_args(argv)

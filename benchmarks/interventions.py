@@ -35,19 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from scalescope.core import recipes as _recipes
+
 #: A held layer whose loss ends more than this far (%) above plain FP32's is unsafe.
 GAP_PCT = 0.5
-#: Recipes of the table, and BF16 as the control.
-RECIPES = (
-    "e4m3_tensor",
-    "mxfp8_e4m3",
-    "mxfp8_e5m2",
-    "mxfp8_e4m3_rceil",
-    "mxfp4",
-    "nvfp4",
-    "fp8_block128",
-    "fp8_block128x128",
-)
+#: Recipes of the table (every one scalescope knows), and BF16 as the control.
+RECIPES = _recipes.names()
 CONTROL = "bf16"
 
 
@@ -113,7 +106,7 @@ def intervene(model: str, args: argparse.Namespace, root: Path) -> list[dict[str
     import jax
 
     import scalescope as ss
-    from scalescope.analysis import format_whatif, predict_policy, predicted_verdict
+    from scalescope.analysis import format_whatif
     from scalescope.analysis.policies import matmul_policy, matmul_table
 
     run = record_reference(model, args.steps, args.seed, root)
@@ -126,22 +119,26 @@ def intervene(model: str, args: argparse.Namespace, root: Path) -> list[dict[str
     ref, t_plain = _train(jax.jit(step), state, batches)
     print(f"  {model}: plain fp32 loss {np.mean(ref[-len(ref) // 10 :]):.4f}", file=sys.stderr)
     rows = []
-    for layer in layers:
+    named = [(layer, layer) for layer in layers]
+    if getattr(args, "all_layers", False):
+        named.append(("all", layers))  # every linear layer at once
+    for name, layer in named:
         for direction in ("fwd", "bwd"):
             for recipe in (*args.recipes, CONTROL):
                 policy = matmul_policy(reader.ops, layer, recipe, direction=direction, merge=merge)
-                predicted = predicted_verdict(predict_policy(policy, whatif, reader.ops))
+                predicted, evidence = predict(policy, whatif, reader.ops, recipe)
                 t0 = time.perf_counter()
                 loss, t_step = _train(jax.jit(ss.emulate(step, policy)), state, batches)
                 gap = tail_gap(loss, ref)
                 measured = "unsafe" if not gap <= GAP_PCT else "safe"
                 row = {
                     "model": model,
-                    "layer": layer,
+                    "layer": name,
                     "direction": direction,
                     "recipe": recipe,
                     "values": len(policy),
                     "predicted": predicted,
+                    **evidence,
                     "gap_pct": gap,
                     "measured": measured,
                     "agree": predicted == measured,
@@ -150,11 +147,77 @@ def intervene(model: str, args: argparse.Namespace, root: Path) -> list[dict[str
                 }
                 rows.append(row)
                 print(
-                    f"  {model} {layer} {direction} {recipe}: predicted {predicted}, gap "
+                    f"  {model} {name} {direction} {recipe}: predicted {predicted}, gap "
                     f"{gap:+.2f}% -> {measured}",
                     file=sys.stderr,
                 )
     return rows
+
+
+def predict(policy, whatif, ops, recipe: str) -> tuple[str, dict[str, float]]:
+    """The what-if's verdict of ``policy`` and its evidence: the worst SNR (dB),
+    clipped and flushed fractions of ``recipe`` over the values held."""
+    from scalescope.analysis import predict_policy, predicted_verdict
+
+    prediction = predict_policy(policy, whatif, ops)
+    ids = [int(ops["stats_op"].get(op, op)) for op in prediction["op"]]
+    ids = [i for i in ids if i in whatif.index]
+    group = whatif.loc[ids, recipe] if ids else None
+    evidence = {
+        "snr_db": float(group["snr"].min()) if group is not None else math.nan,
+        "overflow": float(group["overflow"].max()) if group is not None else math.nan,
+        "underflow": float(group["underflow"].max()) if group is not None else math.nan,
+    }
+    return predicted_verdict(prediction), evidence
+
+
+def rejudge(rows: list[dict[str, Any]], root: Path, thresholds=None) -> list[dict[str, Any]]:
+    """The rows' predictions again, from the recorded runs, under ``thresholds`` (the
+    measured gaps stay): how a threshold change moves the agreement, without training."""
+    import scalescope as ss
+    from scalescope.analysis import format_whatif
+    from scalescope.analysis.policies import matmul_policy, matmul_table
+
+    out, cache = [], {}
+    for row in rows:
+        model = row["model"]
+        if model not in cache:
+            reader = ss.open_run(root / f"{model}-fp32-recipes")
+            whatif = format_whatif(
+                reader.stats(wide=True), reader.ops, meta=reader.meta, thresholds=thresholds
+            )
+            cache[model] = (reader, whatif)
+        reader, whatif = cache[model]
+        layer = row["layer"]
+        if layer == "all":
+            table = matmul_table(reader.ops, merge=model == "gpt")
+            layer = list(dict.fromkeys(table[table["params"]]["layer"]))
+        policy = matmul_policy(
+            reader.ops, layer, row["recipe"], direction=row["direction"], merge=model == "gpt"
+        )
+        predicted, evidence = predict(policy, whatif, reader.ops, row["recipe"])
+        new = {**row, "predicted": predicted, **evidence}
+        new["agree"] = predicted == new["measured"]
+        out.append(new)
+    return out
+
+
+def measured_with(rows: list[dict[str, Any]], gap_pct: dict[str, float]) -> list[dict[str, Any]]:
+    """The rows measured again under a gap threshold per model (%)."""
+    out = []
+    for row in rows:
+        measured = "unsafe" if not row["gap_pct"] <= gap_pct[row["model"]] else "safe"
+        out.append({**row, "measured": measured, "agree": row["predicted"] == measured})
+    return out
+
+
+def noise_floor(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per model, the largest |gap| of the BF16 control rows (%)."""
+    out: dict[str, float] = {}
+    for row in rows:
+        if row["recipe"] == CONTROL and math.isfinite(row["gap_pct"]):
+            out[row["model"]] = max(out.get(row["model"], 0.0), abs(row["gap_pct"]))
+    return out
 
 
 def _cell(value: Any) -> str:
@@ -165,12 +228,15 @@ def _cell(value: Any) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | layer | dir | recipe | predicted | loss gap % | measured | agree |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | layer | dir | recipe | worst SNR dB | clipped | flushed | predicted "
+        "| loss gap % | measured | agree |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['layer']} | {r['direction']} | {r['recipe']} "
+            f"| {r.get('snr_db', math.nan):.1f} | {r.get('overflow', math.nan):.2e} "
+            f"| {r.get('underflow', math.nan):.2e} "
             f"| {r['predicted']} | {_cell(r['gap_pct'])} | {r['measured']} "
             f"| {'yes' if r['agree'] else 'NO'} |"
         )
@@ -200,16 +266,41 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: The gap threshold of a model is this many times its noise floor (the largest |gap| of
+#: its BF16 control rows), and at least `GAP_PCT`.
+NOISE_FACTOR = 2.0
+
+
+def thresholds_of(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each model's gap threshold (%) from its control rows."""
+    floor = noise_floor(rows)
+    models = dict.fromkeys(r["model"] for r in rows)
+    return {m: max(GAP_PCT, NOISE_FACTOR * floor.get(m, 0.0)) for m in models}
+
+
 def main(args: argparse.Namespace) -> int:
     root = Path(args.out) if args.out else Path("/tmp/bench-interventions")
     root.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for model in args.models:
-        rows += intervene(model, args, root)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    if getattr(args, "rejudge", False):
+        if not args.json or not Path(args.json).is_file():
+            raise SystemExit("--rejudge needs --json FILE written by an earlier run")
+        rows = rejudge(json.loads(Path(args.json).read_text()), root)
+    else:
+        for model in args.models:
+            rows += intervene(model, args, root)
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    gaps = thresholds_of(rows)
+    rows = measured_with(rows, gaps)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"{platform.node()}  load {load:.1f}  steps {args.steps}  gap threshold {GAP_PCT} %")
+    floor = noise_floor(rows)
+    print(f"{platform.node()}  load {load:.1f}  steps {args.steps}")
+    for model, gap in gaps.items():
+        print(
+            f"{model}: noise floor (largest |gap| of the BF16 controls) "
+            f"{floor.get(model, math.nan):.2f} %, gap threshold {gap:.2f} %"
+        )
     print(table(rows))
     print(summary(rows))
     return 0

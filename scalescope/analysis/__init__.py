@@ -70,6 +70,7 @@ from .measured import budget_note, measurement_notes, sampled_note
 from .policies import (
     PREDICTION_COLUMNS,
     agreement,
+    exact_pattern,
     matmul_policy,
     matmul_table,
     op_label_series,
@@ -111,6 +112,7 @@ from .whatif import (
 )
 
 __all__ = [
+    "exact_pattern",
     "op_label_series",
     "agreement",
     "matmul_policy",

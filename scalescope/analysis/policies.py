@@ -107,7 +107,7 @@ def _compress(picks: dict[str, str], labels: Sequence[str], level: int = 0) -> l
     any: labels merged into one glob (`_generalised`) where every label that glob matches
     is picked with the same target, with a finer glob where not, else one rule each."""
     if level > 1:
-        return [Rule(_escaped(label), target) for label, target in picks.items()]
+        return [Rule(exact_pattern(label), target) for label, target in picks.items()]
     groups: dict[tuple[str, str], dict[str, str]] = {}
     for label, target in picks.items():
         groups.setdefault((_generalised(label, level), target), {})[label] = target
@@ -122,7 +122,7 @@ def _compress(picks: dict[str, str], labels: Sequence[str], level: int = 0) -> l
     return rules
 
 
-def _escaped(label: str) -> str:
+def exact_pattern(label: str) -> str:
     """A glob matching exactly ``label`` (its ``*?[`` made literal)."""
     return re.sub(r"([*?\[])", r"[\1]", label)
 
@@ -245,25 +245,32 @@ def matmul_table(ops: pd.DataFrame, *, merge: bool = True) -> pd.DataFrame:
 
 
 def matmul_policy(
-    ops: pd.DataFrame, layer: str, target: str, *, direction: str = "fwd", merge: bool = True
+    ops: pd.DataFrame,
+    layer: str | Sequence[str],
+    target: str,
+    *,
+    direction: str = "fwd",
+    merge: bool = True,
 ) -> Policy:
     """A policy holding the operands of the matmuls of ``layer`` (a `matmul_table`
-    layer name) in ``target`` as the matmuls read them (``target@matmul``: the optimizer
+    layer name, or several) in ``target`` as the matmuls read them (``target@matmul``: the optimizer
     and the residual path keep the values as computed): their forward operands
     (``direction="fwd"``) or the gradients their backward matmuls read (``"bwd"``)."""
     if direction not in ("fwd", "bwd"):
         raise ValueError(f"matmul_policy: direction must be 'fwd' or 'bwd', got {direction!r}")
     table = matmul_table(ops, merge=merge)
-    rows = table[table["layer"] == layer]
-    if rows.empty:
+    wanted = [layer] if isinstance(layer, str) else list(layer)
+    missing = [name for name in wanted if name not in set(table["layer"])]
+    if missing or not wanted:
         known = ", ".join(sorted(set(table["layer"])))
-        raise ValueError(f"matmul_policy: no matmul layer {layer!r}; layers: {known}")
+        raise ValueError(f"matmul_policy: no matmul layer {missing or wanted!r}; layers: {known}")
+    rows = table[table["layer"].isin(wanted)]
     labels = op_label_series(ops)
     column = "fwd_operands" if direction == "fwd" else "bwd_gradients"
     picked = dict.fromkeys(labels[x] for ids in rows[column] for x in ids if x >= 0)
     if not picked:
         raise ValueError(f"matmul_policy: layer {layer!r} has no {direction} operand to hold")
-    return Policy([(_escaped(label), f"{target}@matmul") for label in picked])
+    return Policy([(exact_pattern(label), f"{target}@matmul") for label in picked])
 
 
 def policy_text(rules: Sequence[Sequence[str]], shown: int = 3) -> str:
