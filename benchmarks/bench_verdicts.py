@@ -311,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         help="--interventions: also hold every linear layer at once (rows 'all')",
     )
     p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="--interventions: also the agreement under each candidate recipe SNR threshold",
+    )
+    p.add_argument(
         "--rejudge",
         action="store_true",
         help="--interventions: judge the rows of --json again (current thresholds, no training)",

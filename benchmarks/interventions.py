@@ -278,6 +278,26 @@ def thresholds_of(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {m: max(GAP_PCT, NOISE_FACTOR * floor.get(m, 0.0)) for m in models}
 
 
+#: Candidate recipe SNR thresholds (dB) the calibration scans.
+SNR_CANDIDATES = (13.5, 15.0, 16.0, 17.0, 18.0, 19.0, 20.0, 21.0, 22.0, 25.0)
+
+
+def calibration(rows: list[dict[str, Any]], root: Path) -> str:
+    """Agreement of the recipe rows under each candidate ``recipe_snr_db`` (the measured
+    verdicts fixed): the table the default threshold is chosen from."""
+    from scalescope.analysis import Thresholds
+
+    gaps = thresholds_of(rows)
+    lines = ["| recipe_snr_db | agree (recipes) | predicted unsafe |", "|---|---|---|"]
+    for snr in SNR_CANDIDATES:
+        judged = measured_with(rejudge(rows, root, Thresholds(recipe_snr_db=snr)), gaps)
+        main = [r for r in judged if r["recipe"] != CONTROL]
+        agree = sum(r["agree"] for r in main)
+        unsafe = sum(r["predicted"] == "unsafe" for r in main)
+        lines.append(f"| {snr:g} | {agree}/{len(main)} | {unsafe} |")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     root = Path(args.out) if args.out else Path("/tmp/bench-interventions")
     root.mkdir(parents=True, exist_ok=True)
@@ -303,4 +323,6 @@ def main(args: argparse.Namespace) -> int:
         )
     print(table(rows))
     print(summary(rows))
+    if getattr(args, "calibrate", False):
+        print(calibration(rows, root))
     return 0

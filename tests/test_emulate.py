@@ -216,3 +216,19 @@ def test_bad_policies_are_errors_naming_the_rule(operands):
         ss.emulate(lambda x: x, {"fwd/**": "mxfp9"})
     with pytest.raises(ss.PolicyError, match="expected a Policy"):
         ss.emulate(lambda x: x, 3)
+
+
+def test_a_value_held_for_matmuls_no_matmul_can_be_seen_to_read_is_a_warning():
+    ws = jnp.ones((3, 8, 8), jnp.float32) * 0.1
+    x = jnp.ones((2, 8), jnp.float32)
+
+    def f(ws, x):
+        def body(h, w):
+            with jax.named_scope("layer"):
+                return jnp.tanh(h @ w), None
+
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    with pytest.warns(UserWarning, match=r"read by no matmul .*\(input/ws\)"):
+        out = ss.emulate(f, {"input/ws": "nvfp4@matmul"})(ws, x)
+    assert float(out) == float(f(ws, x))  # the rule changed nothing, as the warning says

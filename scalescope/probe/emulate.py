@@ -17,6 +17,7 @@ value's primitive is checked against the table's.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +116,7 @@ def emulate(
         ctx = Context(fallback=fallback, recurse_plain=True, observer=_Emulator(replacer),
                       scaling=scalify)  # fmt: skip
         outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
+        _warn_unread(replacer)
         outs = array_scales(outs) if scalify else outs
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
@@ -129,3 +131,16 @@ def emulate(
     emulated.describe = describe
     emulated.op_table = op_table
     return emulated
+
+
+def _warn_unread(replacer: Replacer) -> None:
+    unread = replacer.unread()
+    if unread:
+        shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
+        warnings.warn(
+            f"emulate: {len(unread)} value(s) held '@matmul' are read by no matmul that "
+            f"emulate can follow ({shown}): a scan body or a loop carry reads a new value "
+            "each step. Hold them in place (drop '@matmul') or name the matmul's own "
+            "operand inside the loop.",
+            stacklevel=3,
+        )

@@ -96,6 +96,7 @@ class Plan:
     primitives: tuple[str, ...]
     labels: tuple[str, ...]
     reached: int  # values that get a target
+    ops: tuple[int, ...] = ()  # the op id of each value (`OpTable.sequence`)
 
     @classmethod
     def build(cls, table: OpTable, policy: Policy) -> Plan:
@@ -112,7 +113,7 @@ class Plan:
         targets = [by_op[i] if i >= 0 else None for i in table.sequence]
         created = [prims[i] if i >= 0 else "" for i in table.sequence]
         reached = sum(t is not None for t in by_op)
-        return cls(tuple(targets), tuple(created), tuple(labels), reached)
+        return cls(tuple(targets), tuple(created), tuple(labels), reached, table.sequence)
 
 
 class Replacer:
@@ -123,6 +124,7 @@ class Replacer:
         self.plan, self.block_axes, self.seq = plan, block_axes, 0
         self.for_matmul: dict[int, Any] = {}  # id(value) -> what a matmul reads instead
         self._keep: list[Any] = []  # keeps the ids above from being reused
+        self._waiting: dict[int, int] = {}  # id(value) -> seq, until a matmul reads it
 
     def __call__(self, seq: int, value: Any, var: Any, primitive: str = "") -> Any:
         plan = self.plan
@@ -147,6 +149,7 @@ class Replacer:
         if reads == "all":
             return rounded
         self.for_matmul[id(value)] = rounded
+        self._waiting[id(value)] = seq
         self._keep.append(value)
         return value
 
@@ -159,4 +162,14 @@ class Replacer:
         """A matmul's operands as it reads them: rounded where a rule says so."""
         if eqn.primitive.name != "dot_general" or not self.for_matmul:
             return invals
+        for v in invals[:2]:
+            self._waiting.pop(id(v), None)
         return [self.for_matmul.get(id(v), v) for v in invals]
+
+    def unread(self) -> list[str]:
+        """Labels of the values held ``@matmul`` that no matmul read where the
+        interpretation could see it (inside a ``scan`` body a loop's values are new ones
+        at each step): their rule changed nothing."""
+        plan = self.plan
+        ids = sorted({plan.ops[seq] for seq in self._waiting.values() if plan.ops})
+        return [plan.labels[i] for i in ids if i >= 0]
