@@ -1,4 +1,4 @@
-"""Independent NumPy + ml_dtypes reference for the probe's statistics (DESIGN.md)."""
+"""Independent NumPy + ml_dtypes reference for the probe's statistics (docs/probe.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Independent NumPy + ml_dtypes reference for the block-scaled recipe statistics
-(DESIGN.md, "Recipes").
+(docs/probe.md, "Block-scaled recipes").
 
 Slow and exact on purpose. Every rounding onto an element grid is done once, from the
 exact real number:

@@ -16,7 +16,7 @@ Two families of inputs, each float leaf at its own scale 2^k, k in [-40, 40]:
 
 Wherever the reference holds, the scalified outputs equal it within float32 rounding
 (rtol 1e-4, plus 1e-5 of the leaf's largest magnitude for elements that cancel).
-The exhaustive variant is ``benchmarks/check_exactness.py``.
+More examples: raise ``max_examples`` in `SETTINGS` (each costs a compile).
 """
 
 from __future__ import annotations

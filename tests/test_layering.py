@@ -1,10 +1,11 @@
-"""The layering of DESIGN.md, checked on the source: engine (core, scalify, ops, unit) ->
-probe -> store -> analysis -> viz -> notebook / report -> run_view (``ss.open_run``'s
-conveniences) -> the package root (``import scalescope as ss``) -> the CLI. Each part
-imports only parts before it; data flows one way. Every import counts, also one inside a
-function or under ``TYPE_CHECKING``. Within the package only the CLI reaches the top-level
-folders `app/` and `sample_models/`; `app/` reaches neither the CLI nor `sample_models/`,
-and `sample_models/` does not import `app/` (the CLI hands the demo `app.serve`)."""
+"""The layering of the package (README, "Layout"), checked on the source: engine (core,
+scalify, ops, unit) -> probe -> store -> analysis -> viz -> notebook / report /
+verification -> run_view (``ss.open_run``'s conveniences) -> the package root (``import
+scalescope as ss``) -> the CLI. Each part imports only parts before it; data flows one
+way. Every import counts, also one inside a function or under ``TYPE_CHECKING``. Within
+the package only the CLI reaches the top-level folders `app/` and `sample_models/`;
+`app/` reaches neither the CLI nor `sample_models/`, and `sample_models/` does not
+import `app/` (the CLI hands the demo `app.serve`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Block-scaled recipes (DESIGN.md, "Recipes"): the independent reference on cases worked
-out by hand, then the probe's recipe statistics (both kernels) against the reference."""
+"""Block-scaled recipes (docs/probe.md, "Block-scaled recipes"): the independent reference
+on cases worked out by hand, then the probe's recipe statistics (both kernels) against
+the reference."""
 
 from __future__ import annotations
 

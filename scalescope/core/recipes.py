@@ -2,8 +2,8 @@
 
 A *format* casts each element as it is. A *recipe* first divides a block of elements by
 a shared dequantisation scale ``X`` chosen from the block's abs-max, then casts: the
-probe reports what that would do to every recorded value (DESIGN.md, "Recipes"). The
-rules, with ``amax_b`` a block's finite abs-max and ``amax`` the tensor's:
+probe reports what that would do to every recorded value (docs/probe.md, "Block-scaled
+recipes"). The rules, with ``amax_b`` a block's finite abs-max and ``amax`` the tensor's:
 
 - ``tensor``: one block; ``s = f32(448 / amax)``, ``X = 1/s`` (TE current scaling).
   Where ``448 / amax`` overflows float32 (``amax`` below ~1.3e-36), ``s`` is float32's

@@ -2,9 +2,9 @@
 
 A GEMM scales its operands along the axis it contracts, so a value whose only uses are
 as a ``dot_general`` operand, contracted along the same axes by each, is blocked along
-those axes (DESIGN.md, "Recipes"); any other value along its last axis. Uses are followed
-into the bodies of call-like primitives (``jit``, ``remat``, custom derivatives), where
-the value keeps its identity.
+those axes (docs/probe.md, "Block-scaled recipes"); any other value along its last axis.
+Uses are followed into the bodies of call-like primitives (``jit``, ``remat``, custom
+derivatives), where the value keeps its identity.
 """
 
 from __future__ import annotations

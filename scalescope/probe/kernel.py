@@ -493,7 +493,7 @@ def _extremes(maxima: jax.Array, measured: jax.Array) -> dict[str, jax.Array]:
 
 
 def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
-    """Published statistics from raw rows (see DESIGN.md, "The probe").
+    """Published statistics from raw rows (see docs/probe.md, "Two kernels, one definition").
 
     Moments and extremes (rms, mean, std, absmax, min, max, absmin) are over the finite
     elements (float32 subnormals count as zeros); fractions over all

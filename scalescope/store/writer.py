@@ -388,7 +388,7 @@ class _Writer:
 
 
 class Run:
-    """A run directory being recorded (see DESIGN.md, "The run store").
+    """A run directory being recorded (see docs/store.md).
 
     ``every``: tracked functions record every ``every``-th call (steps 0, every, 2·every…).
     ``budget``: instead, keep the time spent recording at or under this fraction of the
