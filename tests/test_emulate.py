@@ -232,3 +232,24 @@ def test_a_value_held_for_matmuls_no_matmul_can_be_seen_to_read_is_a_warning():
     with pytest.warns(UserWarning, match=r"read by no matmul .*\(input/ws\)"):
         out = ss.emulate(f, {"input/ws": "nvfp4@matmul"})(ws, x)
     assert float(out) == float(f(ws, x))  # the rule changed nothing, as the warning says
+
+
+def test_a_rule_may_choose_the_block_axis(operands):
+    x, ws, _ = operands
+    w = ws[1]
+    f = ss.emulate(lambda x, w: (x @ w) * 1.0, {"fwd/dot_general": "mxfp8_e4m3:0"})
+    y = np.asarray(jax.jit(lambda x, w: x @ w)(x, w))
+    _same(jax.jit(f)(x, w), R.dequantise(y, "mxfp8_e4m3", axis=0), "blocks along axis 0")
+    rule = ss.Policy({"a": "nvfp4:-2@matmul"}).rules[0]
+    assert (rule.target, rule.axis, rule.reads, rule.spec) == (
+        "nvfp4",
+        -2,
+        "matmul",
+        "nvfp4:-2@matmul",
+    )
+    with pytest.raises(ss.PolicyError, match="a block axis applies to a recipe"):
+        ss.Policy({"a": "e4m3:0"})
+    with pytest.raises(ss.PolicyError, match="':x' is not a block axis"):
+        ss.Policy({"a": "nvfp4:x"})
+    with pytest.raises(ss.PolicyError, match="has 2 axes; its rule blocks along axis 5"):
+        ss.emulate(lambda x, w: x @ w, {"fwd/dot_general": "nvfp4:5"})(x, w)

@@ -8,7 +8,8 @@ that matches an op decides its target, a format of `scalescope.formats` (``e4m3`
 recipe of `scalescope.core.recipes` (``mxfp8_e4m3``, ``nvfp4``...). A target written
 ``mxfp8_e4m3@matmul`` rounds the value for the matmuls that read it only (what a
 low-precision GEMM reads), while other ops (the optimizer updating a weight, a residual
-path carrying a gradient) keep it as computed.
+path carrying a gradient) keep it as computed. ``nvfp4:0`` blocks a recipe along axis 0
+instead of the probe's layout (a GEMM operand along its contracted axes, else the last).
 
 Patterns are globs over the whole label: ``*`` matches within one ``/``-separated part,
 ``**`` across parts, ``?`` one character of a part, ``[...]`` a character class. A
@@ -89,12 +90,14 @@ READS = ("all", "matmul")
 @dataclass(frozen=True)
 class Rule:
     """One rule of a `Policy`: ops whose label matches ``pattern`` get ``target``, read
-    by every op or only by matmuls (``reads``; a target ``"mxfp8_e4m3@matmul"`` sets
-    it)."""
+    by every op or only by matmuls (``reads``), a recipe's blocks along ``axis`` (None:
+    the probe's layout, a GEMM operand along its contracted axes, else the last axis).
+    The target may be written with both: ``"mxfp8_e4m3:0@matmul"``."""
 
     pattern: str
     target: str
     reads: str = "all"
+    axis: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern.strip():
@@ -108,6 +111,17 @@ class Rule:
             target, _, reads = self.target.partition("@")
             object.__setattr__(self, "target", target)
             object.__setattr__(self, "reads", reads)
+        if ":" in self.target:
+            target, _, axis = self.target.partition(":")
+            try:
+                value = int(axis)
+            except ValueError:
+                raise PolicyError(
+                    f"rule {self.pattern!r}: ':{axis}' is not a block axis; write "
+                    "'recipe:AXIS' with an integer axis (-1: the last)"
+                ) from None
+            object.__setattr__(self, "target", target)
+            object.__setattr__(self, "axis", value)
         if self.reads not in READS:
             raise PolicyError(
                 f"rule {self.pattern!r}: '@{self.reads}' is not a reader; write the target "
@@ -120,6 +134,11 @@ class Rule:
                 f"rule {self.pattern!r}: unknown format or recipe {self.target!r}{hint}; "
                 f"known: {', '.join(targets())}"
             )
+        if self.axis is not None and not _recipes.is_recipe(self.target):
+            raise PolicyError(
+                f"rule {self.pattern!r}: a block axis applies to a recipe; {self.target!r} "
+                "is a format (it rounds each element alone)"
+            )
         try:
             object.__setattr__(self, "_rx", re.compile(self.regex))
         except re.error as err:
@@ -127,8 +146,9 @@ class Rule:
 
     @property
     def spec(self) -> str:
-        """The target as written: ``target`` or ``target@matmul``."""
-        return self.target if self.reads == "all" else f"{self.target}@{self.reads}"
+        """The target as written: ``target[:axis][@matmul]``."""
+        out = self.target if self.axis is None else f"{self.target}:{self.axis}"
+        return out if self.reads == "all" else f"{out}@{self.reads}"
 
     @property
     def regex(self) -> str:
@@ -269,7 +289,13 @@ class Policy:
                 if not got:
                     raise PolicyError(_no_match(rule, labels))
         return [
-            {"pattern": r.pattern, "target": r.target, "reads": r.reads, "ops": got}
+            {
+                "pattern": r.pattern,
+                "target": r.target,
+                "reads": r.reads,
+                "axis": r.axis,
+                "ops": got,
+            }  # fmt: skip
             for r, got in zip(self.rules, reached)
         ]
 

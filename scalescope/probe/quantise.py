@@ -89,10 +89,10 @@ def _is_identity(target: str, x: Any) -> bool:
 @dataclass(frozen=True)
 class Plan:
     """What to do with each value of one call signature, in the order of interpretation:
-    ``targets[seq]`` (None: keep it; else ``(target, reads)``, `Rule.reads`) and the
+    ``targets[seq]`` (None: keep it; else ``(target, reads, axis)`` of its `Rule`) and the
     primitive the probe saw there."""
 
-    targets: tuple[tuple[str, str] | None, ...]
+    targets: tuple[tuple[str, str, int | None] | None, ...]
     primitives: tuple[str, ...]
     labels: tuple[str, ...]
     reached: int  # values that get a target
@@ -108,7 +108,7 @@ class Plan:
         by_op: list[tuple[str, str] | None] = []
         for op, label in zip(ops, labels):
             rule = None if op.note in _UNREACHABLE else policy.rule_for(label)
-            by_op.append(None if rule is None else (rule.target, rule.reads))
+            by_op.append(None if rule is None else (rule.target, rule.reads, rule.axis))
         prims = [op.primitive for op in ops]
         targets = [by_op[i] if i >= 0 else None for i in table.sequence]
         created = [prims[i] if i >= 0 else "" for i in table.sequence]
@@ -143,8 +143,17 @@ class Replacer:
         entry = plan.targets[seq]
         if entry is None:
             return value
-        target, reads = entry
-        axes = self.block_axes.get(var) if var is not None else None
+        target, reads, axis = entry
+        if axis is not None:
+            ndim = np.ndim(value.data if isinstance(value, ScaledArray) else value)
+            if ndim and not -ndim <= axis < ndim:
+                label = plan.labels[plan.ops[seq]] if plan.ops else f"value {seq}"
+                raise PolicyError(
+                    f"emulate: {label} has {ndim} axes; its rule blocks along axis {axis}"
+                )
+            axes: Any = (axis % max(ndim, 1),)
+        else:
+            axes = self.block_axes.get(var) if var is not None else None
         rounded = quantise(value, target, axes)
         if reads == "all":
             return rounded
