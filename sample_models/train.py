@@ -263,10 +263,12 @@ def train(
     stop_on_nan: bool = True,
     progress: bool = True,
     stream: TextIO | None = None,
+    policy: Any = None,
 ) -> dict[str, Any]:
     """Train ``cfg.model`` in ``cfg.precision`` for ``cfg.steps`` steps, recording every
     ``every`` steps into ``run_dir`` (or under an overhead ``budget``, see `ss.Run`);
-    ``formats``: formats and recipes to audit (default: `ss.Run`'s).
+    ``formats``: formats and recipes to audit (default: `ss.Run`'s). ``policy``: a
+    precision policy the step trains under (`ss.emulate`, via `Run.track`).
     Returns a summary: final train and validation loss,
     steps done, speed, and the first step whose loss was not finite (or None)."""
     task = make_task(cfg)
@@ -282,6 +284,10 @@ def train(
     if scalified:
         params = ss.as_scaled_array(params, "rms")
         opt_state = ss.as_scaled_array(opt_state, "rms")
+    if policy is not None and task.eval_batches:
+        # a rule reaching no op fails here, before the run directory exists
+        example = {k: jnp.asarray(v) for k, v in task.eval_batches[0].items()}
+        ss.emulate(step_fn, policy, scalify=scalified).describe(params, opt_state, example)
     eval_every = cfg.eval_every or max(1, cfg.steps // 10)
     config = {
         **asdict(cfg),
@@ -318,7 +324,7 @@ def train(
         config=config,
         **extra,
     ) as run:
-        tracked = run.track(step_fn, scalify=scalified)
+        tracked = run.track(step_fn, scalify=scalified, policy=policy)
         first = tracked.step
         try:
             for i in range(first, first + cfg.steps):

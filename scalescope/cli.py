@@ -121,6 +121,13 @@ def _add_train(sub) -> None:
     )
     p.add_argument("--keep-going", action="store_true", help="do not stop when the loss is NaN")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--policy",
+        default=None,
+        metavar="FILE",
+        help="train under a precision policy (JSON, as `scalescope verify --write-policy` "
+        "writes it): each value it names rounded as ss.emulate rounds it",
+    )
 
 
 def _recipe_names() -> tuple[str, ...]:
@@ -155,6 +162,13 @@ def _train(args, parser) -> int:
             _check_formats(formats)
         except ValueError as err:
             parser.error(f"--formats: {err}")
+    policy = None
+    if args.policy is not None:
+        try:
+            policy = ss.Policy.from_json(args.policy)
+        except ss.PolicyError as err:
+            print(f"scalescope train: error: --policy: {err}", file=sys.stderr)
+            return 2
     heads = args.heads or (4 if args.d_model % 4 == 0 else 1)
     if heads < 1 or args.d_model % heads:
         parser.error(f"--heads {heads} must be >= 1 and divide --d-model {args.d_model}")
@@ -192,7 +206,11 @@ def _train(args, parser) -> int:
             formats=formats,
             stop_on_nan=not args.keep_going,
             progress=not args.quiet,
+            policy=policy,
         )
+    except ss.PolicyError as err:
+        print(f"scalescope train: error: --policy: {err}", file=sys.stderr)
+        return 2
     except (DatasetError, ss.RunError, FileNotFoundError) as err:
         print(f"scalescope train: error: {err}", file=sys.stderr)
         return 2
