@@ -44,10 +44,12 @@ def verify_run(
     threshold: float = GAP_THRESHOLD,
     stream: TextIO | None = None,
     save: bool = True,
+    control: bool = True,
 ) -> Verification:
     """Re-train the run's model, precision, seed and batches for ``steps`` steps with
     ``policy`` and without (`ss.verify`), set the what-if's prediction beside the
-    measurement and keep it in the run (``verified/``) when ``save``."""
+    measurement and keep it in the run (``verified/``) when ``save``. ``control``: also
+    train the BF16 control that sets the noise floor (`ss.verify`)."""
     reader = ss.open_run(run_dir)
     policy = as_policy(policy)
     prediction = predict_policy_run(reader, policy)  # a rule reaching nothing fails here
@@ -64,8 +66,8 @@ def verify_run(
     ]
     out = stream or sys.stderr
     out.write(
-        f"verify: {cfg.model} {cfg.precision}, {steps} steps plain and with the policy "
-        f"({len(policy)} rules, {len(prediction)} values)\n"
+        f"verify: {cfg.model} {cfg.precision}, {steps} steps plain, with the policy "
+        f"({len(policy)} rules, {len(prediction)} values){' and the BF16 control' * control}\n"
     )
     result = ss.verify(
         step_fn,
@@ -75,6 +77,7 @@ def verify_run(
         steps=steps,
         scalify=scalified,
         threshold=threshold,
+        control=control,
         progress=out,
     )
     result.predicted = predicted_verdict(prediction)

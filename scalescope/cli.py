@@ -342,7 +342,8 @@ def _add_verify(sub) -> None:
         "and measure the loss gap next to the what-if's prediction",
         description="Re-train RUN's model, precision, seed and batches (from its metadata) "
         "for N steps as recorded and with POLICY applied (ss.emulate), and report the "
-        "measured loss gap beside what the what-if predicts for the policy. The outcome is "
+        "measured loss gap beside what the what-if predicts for the policy; a third run, the "
+        "same values in BF16, measures the noise floor the gap must clear. The outcome is "
         "kept in RUN (shown by the report and the dashboard). Exit status: 0 measured safe, "
         "1 measured unsafe, 2 bad input (a policy rule reaching no op, an unknown target).",
     )
@@ -360,10 +361,17 @@ def _add_verify(sub) -> None:
         type=float,
         default=None,
         metavar="GAP",
-        help="relative loss gap above which the policy is unsafe (default 0.005)",
+        help="relative loss gap above which the policy is unsafe (default 0.005, raised to "
+        "twice the BF16 control's gap)",
     )
     p.add_argument(
         "--write-policy", metavar="FILE", default=None, help="also write the policy as JSON"
+    )
+    p.add_argument(
+        "--no-control",
+        action="store_true",
+        help="skip the BF16 control run that measures the noise floor (a third of the time; "
+        "the gap is then judged against --threshold alone)",
     )
 
 
@@ -383,7 +391,9 @@ def _verify(args, parser) -> int:
         if args.write_policy:
             policy.to_json(args.write_policy)
         threshold = GAP_THRESHOLD if args.threshold is None else args.threshold
-        result = verify_run(args.run, policy, steps=args.steps, threshold=threshold)
+        result = verify_run(
+            args.run, policy, steps=args.steps, threshold=threshold, control=not args.no_control
+        )
     except (ss.PolicyError, ss.RunError, DatasetError, ValueError) as err:
         print(f"scalescope verify: error: {err}", file=sys.stderr)
         return 2

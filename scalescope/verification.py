@@ -27,8 +27,11 @@ from .probe import emulate
 from .scalify import scalify as _scalify
 
 #: A policy whose loss is more than this much (relative) above the plain step's, over
-#: the last tenth of the steps, is measured unsafe (docs/policies.md: the noise floor).
+#: the last tenth of the steps, is measured unsafe; at least (docs/policies.md): the
+#: threshold rises to `NOISE_FACTOR` times the gap of the BF16 control.
 GAP_THRESHOLD = 0.005
+#: How many times the control's |gap| (the noise floor) a gap must exceed to count.
+NOISE_FACTOR = 2.0
 
 
 @dataclass
@@ -36,7 +39,10 @@ class Verification:
     """What `verify` measured. ``gap``: (policy - plain) / plain of the mean loss over
     the last tenth of the steps (``tail`` steps); ``verdict``: ``"unsafe"`` when the gap
     exceeds ``threshold`` or the policy's loss went non-finite, else ``"safe"``.
-    ``step_ratio``: the emulated step's time over the plain step's (median, compiled)."""
+    ``step_ratio``: the emulated step's time over the plain step's (median, compiled).
+    ``noise``: the gap of the control (the same values rounded to BF16 instead, a
+    harmless perturbation: how far any two trajectories drift apart; NaN when no control
+    ran); ``threshold`` is then at least `NOISE_FACTOR` times its magnitude."""
 
     policy: list[list[str]]
     steps: int
@@ -47,6 +53,8 @@ class Verification:
     threshold: float
     verdict: str
     step_ratio: float
+    noise: float = math.nan
+    loss_control: list[float] = field(default_factory=list)
     predicted: str = ""  # the what-if's verdict of the policy, when known
     prediction: list[dict[str, Any]] = field(default_factory=list)  # per reached value
     meta: dict[str, Any] = field(default_factory=dict)
@@ -65,8 +73,10 @@ class Verification:
         a, b = _tail_mean(self.loss_plain, self.tail), _tail_mean(self.loss_policy, self.tail)
         line = (
             f"measured over {self.steps} steps: loss {a:.4f} plain, {b:.4f} with the policy "
-            f"({self.gap:+.2%}; unsafe above {self.threshold:.1%}): {self.verdict}"
+            f"({self.gap:+.2%}; unsafe above {self.threshold:.2%}): {self.verdict}"
         )
+        if math.isfinite(self.noise):
+            line += f"\nnoise floor: the same values in BF16 move the loss {self.noise:+.2%}"
         if self.predicted:
             agree = {True: "agrees", False: "disagrees", None: "cannot be compared"}[self.agrees]
             line += f"\npredicted by the what-if: {self.predicted} ({agree})"
@@ -79,6 +89,11 @@ class Verification:
 def _tail_mean(values: list[float], tail: int) -> float:
     arr = np.asarray(values[-tail:], np.float64)
     return float(np.mean(arr)) if arr.size else math.nan
+
+
+def _gap(plain: float, other: float) -> float:
+    """(other - plain) / |plain|; NaN when the plain loss is not a finite non-zero."""
+    return (other - plain) / abs(plain) if plain != 0 and math.isfinite(plain) else math.nan
 
 
 def _loss_of(out: Any, where: str) -> tuple[tuple, float | Any]:
@@ -122,6 +137,7 @@ def verify(
     steps: int = 300,
     scalify: bool = False,
     threshold: float = GAP_THRESHOLD,
+    control: bool = True,
     progress: bool | TextIO = False,
 ) -> Verification:
     """Train ``step`` for ``steps`` steps as it is and under ``policy`` (`emulate`),
@@ -132,7 +148,13 @@ def verify(
     initial state. ``batches``: an iterable of at least ``steps`` batches (or a callable
     returning one), each passed as the last argument; the first ``steps`` are used by
     both runs. ``scalify``: run both scalified (``ss.scalify``). A rule of ``policy``
-    that reaches no op is a `PolicyError` before anything trains."""
+    that reaches no op is a `PolicyError` before anything trains.
+
+    ``control``: also train the control, the policy with every target replaced by BF16
+    (a harmless rounding of the same values): its gap is the noise floor, and a gap
+    counts as unsafe only beyond `NOISE_FACTOR` times it (or ``threshold``, whichever
+    is larger). A small model whose trajectories drift apart by a percent from any
+    perturbation would otherwise be called unsafe by noise."""
     policy = as_policy(policy)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"verify: steps must be a positive int, got {steps!r}")
@@ -157,7 +179,16 @@ def verify(
     loss_b, time_b = _train(emulated, state, taken, "policy", stream)
     tail = max(1, steps // 10)
     a, b = _tail_mean(loss_a, tail), _tail_mean(loss_b, tail)
-    gap = (b - a) / abs(a) if a != 0 and math.isfinite(a) else math.nan
+    gap = _gap(a, b)
+    noise, loss_c = math.nan, []
+    if control:
+        bf16 = Policy([(r.pattern, r.spec if r.target == "fp32" else f"bf16@{r.reads}")
+                       for r in policy.rules])  # fmt: skip
+        loss_c, _ = _train(jax.jit(emulate(step, bf16, scalify=scalify)), state, taken,
+                           "control", stream)  # fmt: skip
+        noise = _gap(a, _tail_mean(loss_c, tail))
+        if math.isfinite(noise):
+            threshold = max(threshold, NOISE_FACTOR * abs(noise))
     bad = not all(math.isfinite(v) for v in loss_b)
     verdict = "unsafe" if bad or not (gap <= threshold) else "safe"
     ratio = math.nan
@@ -173,4 +204,6 @@ def verify(
         threshold=float(threshold),
         verdict=verdict,
         step_ratio=ratio,
+        noise=float(noise),
+        loss_control=loss_c,
     )

@@ -157,6 +157,9 @@ def test_verify_measures_a_harmless_and_a_harmful_policy():
     # the weight held in MXFP4 itself: most updates round away, training stalls
     bad = ss.verify(step, init, iter(batches), {"input/w": "mxfp4"}, steps=10)
     assert bad.gap > 0.005 and bad.verdict == "unsafe"
+    # the control (the weight in BF16) moves the loss far less: the noise floor
+    assert abs(bad.noise) < bad.gap / 4 and bad.threshold >= 2 * abs(bad.noise)
+    assert len(bad.loss_control) == 10 and same.noise == 0.0
     assert bad.policy == [["input/w", "mxfp4"]]
     assert "unsafe" in bad.summary()
     with pytest.raises(ss.PolicyError, match="reaches no op"):
@@ -197,8 +200,8 @@ def test_the_matmul_table_finds_each_layer_and_its_gradients(tiny_run):
         assert all(labels[x].startswith("bwd/") for x in ops_)
     policy = A.matmul_policy(reader.ops, "fwd/head/dot_general", "nvfp4")
     assert [r.reads for r in policy] == ["matmul", "matmul"]
-    with pytest.raises(ValueError, match="no matmul layer 'fwd/nope'"):
-        A.matmul_policy(reader.ops, "fwd/nope", "nvfp4")
+    with pytest.raises(ValueError, match=r"no matmul layer \['fwd/nope'\]; layers: fwd/"):
+        A.matmul_policy(reader.ops, "fwd/nope", "nvfp4")  # names the layers it has
 
 
 def test_scalescope_verify_keeps_the_outcome_and_the_report_shows_it(tiny_run, tmp_path, capsys):

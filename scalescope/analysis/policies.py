@@ -298,6 +298,9 @@ def verification_line(record: dict[str, Any]) -> str:
         f"policy {policy_text(record['policy'], 2)}: measured {100 * float(record['gap']):+.2f} %"
         f" over {record['steps']} steps ({record['verdict']})"
     )
+    noise = record.get("noise")
+    if noise is not None and noise == noise:  # not NaN
+        line += f", noise floor {100 * float(noise):+.2f} %"
     if record.get("predicted"):
         line += f"; predicted {record['predicted']} (agrees: {agreement(record)})"
     return line

@@ -144,6 +144,13 @@ def _summary_html(data: _RunData) -> str:
     )
 
 
+def _noise(record: dict[str, Any]) -> str:
+    noise = record.get("noise")
+    if noise is None or noise != noise:
+        return "-"
+    return f"{100 * float(noise):+.2f} %"
+
+
 def _verified_html(reader: Any) -> str:
     """Policies checked against training on this run (``scalescope verify``): measured
     loss gap and verdict beside the what-if's prediction; "" when there are none."""
@@ -165,6 +172,7 @@ def _verified_html(reader: Any) -> str:
                     _td(A.policy_text(r["policy"])),
                     _td(r["steps"], "num"),
                     _td(f"{100 * float(r['gap']):+.2f} %", "num"),
+                    _td(_noise(r), "num"),
                     _td(r["verdict"], cls),
                     _td(r.get("predicted") or "-"),
                     _td(A.agreement(r)),
@@ -174,7 +182,8 @@ def _verified_html(reader: Any) -> str:
             "<div>Each policy was applied to this run's model, seed and batches "
             "(<code>scalescope verify</code>) and trained beside the plain step: the gap "
             "is the relative loss difference over the last tenth of the steps, unsafe above "
-            "the threshold it was run with.</div>"
+            "the threshold it was run with (at least twice the noise floor: the gap of the "
+            "same values rounded to BF16).</div>"
             + _table(["policy", "steps", "loss gap", "measured", "predicted", "agree"], rows)
         )
     return "".join(parts)

@@ -253,7 +253,7 @@ def _verdicts(
         "compare": cmp,
         "policy": reader.meta.get("policy"),
         "verified": [
-            {k: v for k, v in r.items() if k not in ("loss_plain", "loss_policy")}
+            {k: v for k, v in r.items() if k not in ("loss_plain", "loss_policy", "loss_control")}
             for r in reader.verifications()
         ],
     }
