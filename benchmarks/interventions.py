@@ -10,8 +10,9 @@ steps from the same initial state on the same batches as the plain FP32 training
 
 The what-if predicts **unsafe** when it calls the recipe unsafe for any value held.
 Training measures **unsafe** when the mean loss of the last tenth of the steps ends more
-than the model's gap threshold above the plain run's (or NaN). BF16 rows are the control:
-the gap a harmless rounding makes, the noise floor of one trajectory against another.
+than the row's gap threshold above the plain run's (or NaN). BF16 rows are the controls:
+the gap a harmless rounding makes, the noise floor of one trajectory against another. A
+model's threshold is twice the largest |gap| of its controls, at least 0.5 %.
 
     python benchmarks/bench_verdicts.py --interventions [--models gpt,mlp] [--steps 300]
         [--recipes ...] [--out DIR] [--json out.json]
@@ -202,17 +203,24 @@ def rejudge(rows: list[dict[str, Any]], root: Path, thresholds=None) -> list[dic
     return out
 
 
-def measured_with(rows: list[dict[str, Any]], gap_pct: dict[str, float]) -> list[dict[str, Any]]:
-    """The rows measured again under a gap threshold per model (%)."""
+def _key(row: dict[str, Any]) -> tuple[str, str, str]:
+    return row["model"], row["layer"], row["direction"]
+
+
+def measured_with(rows: list[dict[str, Any]], gap_pct: dict[Any, float]) -> list[dict[str, Any]]:
+    """The rows measured again under a gap threshold (%) per (model, layer, direction)."""
     out = []
     for row in rows:
-        measured = "unsafe" if not row["gap_pct"] <= gap_pct[row["model"]] else "safe"
-        out.append({**row, "measured": measured, "agree": row["predicted"] == measured})
+        limit = gap_pct.get(_key(row), GAP_PCT)
+        measured = "unsafe" if not row["gap_pct"] <= limit else "safe"
+        new = {**row, "threshold_pct": limit, "measured": measured}
+        new["agree"] = row["predicted"] == measured
+        out.append(new)
     return out
 
 
 def noise_floor(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Per model, the largest |gap| of the BF16 control rows (%)."""
+    """Per model, the largest |gap| of its BF16 control rows (%)."""
     out: dict[str, float] = {}
     for row in rows:
         if row["recipe"] == CONTROL and math.isfinite(row["gap_pct"]):
@@ -229,15 +237,16 @@ def _cell(value: Any) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | layer | dir | recipe | worst SNR dB | clipped | flushed | predicted "
-        "| loss gap % | measured | agree |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| loss gap % | threshold % | measured | agree |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['layer']} | {r['direction']} | {r['recipe']} "
             f"| {r.get('snr_db', math.nan):.1f} | {r.get('overflow', math.nan):.2e} "
             f"| {r.get('underflow', math.nan):.2e} "
-            f"| {r['predicted']} | {_cell(r['gap_pct'])} | {r['measured']} "
+            f"| {r['predicted']} | {_cell(r['gap_pct'])} | {r.get('threshold_pct', GAP_PCT):.2f} "
+            f"| {r['measured']} "
             f"| {'yes' if r['agree'] else 'NO'} |"
         )
     return "\n".join(lines)
@@ -266,16 +275,17 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-#: The gap threshold of a model is this many times its noise floor (the largest |gap| of
-#: its BF16 control rows), and at least `GAP_PCT`.
+#: A model's gap threshold is this many times its noise floor (the largest |gap| of its
+#: BF16 controls), and at least `GAP_PCT`. The floor is the model's: how far two of its
+#: trajectories drift apart does not depend on which layer is perturbed, and one control
+#: alone underestimates it (the MLP's six controls: 0.03 % to 1.75 %).
 NOISE_FACTOR = 2.0
 
 
-def thresholds_of(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Each model's gap threshold (%) from its control rows."""
+def thresholds_of(rows: list[dict[str, Any]]) -> dict[Any, float]:
+    """The gap threshold (%) of each (model, layer, direction): its model's."""
     floor = noise_floor(rows)
-    models = dict.fromkeys(r["model"] for r in rows)
-    return {m: max(GAP_PCT, NOISE_FACTOR * floor.get(m, 0.0)) for m in models}
+    return {_key(row): max(GAP_PCT, NOISE_FACTOR * floor.get(row["model"], 0.0)) for row in rows}
 
 
 #: Candidate recipe SNR thresholds (dB) the calibration scans.
@@ -316,10 +326,10 @@ def main(args: argparse.Namespace) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     floor = noise_floor(rows)
     print(f"{platform.node()}  load {load:.1f}  steps {args.steps}")
-    for model, gap in gaps.items():
+    for model, noise in floor.items():
         print(
-            f"{model}: noise floor (largest |gap| of the BF16 controls) "
-            f"{floor.get(model, math.nan):.2f} %, gap threshold {gap:.2f} %"
+            f"{model}: noise floor (largest |gap| of its BF16 controls) {noise:.2f} %; "
+            f"unsafe above max({GAP_PCT} %, {NOISE_FACTOR:g} x that)"
         )
     print(table(rows))
     print(summary(rows))
