@@ -236,13 +236,13 @@ def test_scalescope_verify_keeps_the_outcome_and_the_report_shows_it(tiny_run, t
 
 def test_train_under_a_policy_file(tmp_path, capsys):
     policy = tmp_path / "p.json"
-    ss.Policy({"fwd/**/mlp/dot_general#1": "mxfp8_e4m3_rceil@matmul"}).to_json(policy)
+    ss.Policy({"fwd/**/mlp/dot_general#1": "mxfp8_e4m3_rceil"}).to_json(policy)
     run = tmp_path / "run"
     argv = ["train", "gpt", "--steps", "2", "--every", "1", "--run", str(run), "--quiet"]
     argv += ["--data", "vendored", "--policy", str(policy), *TINY_GPT]
     assert main(argv) == 0
     assert ss.open_run(run).meta["policy"] == [["fwd/**/mlp/dot_general#1",
-                                                "mxfp8_e4m3_rceil@matmul"]]  # fmt: skip
+                                                "mxfp8_e4m3_rceil"]]  # fmt: skip
     policy.write_text('{"fwd/nowhere": "nvfp4"}')
     argv[argv.index(str(run))] = str(tmp_path / "run2")
     assert main(argv) == 2
