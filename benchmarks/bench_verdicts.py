@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--models", default="gpt,mlp", help="--interventions: models (gpt,mlp)")
     p.add_argument(
+        "--layers", default=None, help="--interventions: only the layers this regex finds"
+    )
+    p.add_argument(
         "--all-layers",
         action="store_true",
         help="--interventions: also hold every linear layer at once (rows 'all')",

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -120,7 +121,8 @@ def intervene(model: str, args: argparse.Namespace, root: Path) -> list[dict[str
     ref, t_plain = _train(jax.jit(step), state, batches)
     print(f"  {model}: plain fp32 loss {np.mean(ref[-len(ref) // 10 :]):.4f}", file=sys.stderr)
     rows = []
-    named = [(layer, layer) for layer in layers]
+    only = getattr(args, "layers", None)
+    named = [(layer, layer) for layer in layers if only is None or re.search(only, layer)]
     if getattr(args, "all_layers", False):
         named.append(("all", layers))  # every linear layer at once
     for name, layer in named:
