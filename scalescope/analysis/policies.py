@@ -17,13 +17,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..core.policy import Policy, Rule, glob_regex, unique_labels
+from ..core.policy import UNREACHABLE, Policy, Rule, glob_regex, unique_labels
 from .whatif import CHEAPEST, format_whatif, whatif_groups
 
 #: Passes whose matmul operands a recommendation covers (weights are ``input`` values).
 RECOMMEND_PASSES = ("input", "fwd", "bwd")
-#: Op notes a rule cannot reach (no float elements, or a function output).
-_UNREACHABLE = ("not float", "empty", "output")
 #: What `predict_policy` returns per reached value.
 PREDICTION_COLUMNS = ("op", "label", "target", "safe", "reason")
 
@@ -37,7 +35,7 @@ def op_label_series(ops: pd.DataFrame) -> pd.Series:
 
 def _reachable(ops: pd.DataFrame) -> np.ndarray:
     note = ops["note"].astype(str) if "note" in ops.columns else pd.Series("", index=ops.index)
-    return ~note.isin(_UNREACHABLE).to_numpy()
+    return ~note.isin(UNREACHABLE).to_numpy()
 
 
 def _stats_op(ops: pd.DataFrame) -> pd.Series:

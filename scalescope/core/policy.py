@@ -333,7 +333,7 @@ def as_policy(policy: Policy | Mapping[str, str] | str | Path) -> Policy:
 
 #: Ops no rule can reach: no float elements to quantise, or a function output (the same
 #: value as the op that computed it, which rules reach).
-_UNREACHABLE = ("not float", "empty", "output")
+UNREACHABLE = ("not float", "empty", "output")
 
 
 def label_of(pass_: str, name: str) -> str:
@@ -380,7 +380,7 @@ def op_labels(ops: Any) -> list[str]:
         passes, names = [op.pass_ for op in ops], [op.name for op in ops]
         notes = [getattr(op, "note", "") for op in ops]
     labels = unique_labels(passes, names)
-    return [lab for lab, note in zip(labels, notes) if note not in _UNREACHABLE]
+    return [lab for lab, note in zip(labels, notes) if note not in UNREACHABLE]
 
 
 def _no_match(rule: Rule, labels: Sequence[str]) -> str:
@@ -393,6 +393,7 @@ def _no_match(rule: Rule, labels: Sequence[str]) -> str:
 __all__ = [
     "POLICY_VERSION",
     "READS",
+    "UNREACHABLE",
     "Policy",
     "PolicyError",
     "Rule",

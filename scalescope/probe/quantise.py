@@ -15,13 +15,10 @@ from jax import lax
 
 from ..core import formats as _formats
 from ..core import recipes as _recipes
-from ..core.policy import Policy, PolicyError, unique_labels
+from ..core.policy import UNREACHABLE, Policy, PolicyError, targets, unique_labels
 from ..core.scaled_array import ScaledArray
 from .optable import OpTable
 from .recipe_kernel import dequantise
-
-#: Op notes a rule cannot reach (no float elements to round).
-_UNREACHABLE = ("not float", "empty", "output")
 
 
 def _round_format(x: jax.Array, fmt: _formats.Format) -> jax.Array:
@@ -63,7 +60,7 @@ def quantise(x: Any, target: str, axes: Sequence[int] | None = None) -> Any:
     stay as they are. A `ScaledArray` is quantised on its data (its scale is a power of
     two the recipes' scales absorb), as scalify's casts do. Differentiating through it
     passes the tangent unchanged (a straight-through estimator)."""
-    if not isinstance(target, str) or target not in _targets():
+    if not isinstance(target, str) or target not in targets():
         raise PolicyError(f"quantise: unknown format or recipe {target!r}")
     if isinstance(x, ScaledArray):
         return ScaledArray(quantise(x.data, target, axes), x.scale)
@@ -71,10 +68,6 @@ def quantise(x: Any, target: str, axes: Sequence[int] | None = None) -> Any:
         return x
     axes = None if axes is None else tuple(int(a) for a in axes)
     return _qdq_ste(jnp.asarray(x), target, axes)
-
-
-def _targets() -> tuple[str, ...]:
-    return tuple(_formats.names()) + tuple(_recipes.names())
 
 
 def _is_identity(target: str, x: Any) -> bool:
@@ -107,7 +100,7 @@ class Plan:
         labels = unique_labels([op.pass_ for op in ops], [op.name for op in ops])
         by_op: list[tuple[str, str] | None] = []
         for op, label in zip(ops, labels):
-            rule = None if op.note in _UNREACHABLE else policy.rule_for(label)
+            rule = None if op.note in UNREACHABLE else policy.rule_for(label)
             by_op.append(None if rule is None else (rule.target, rule.reads, rule.axis))
         prims = [op.primitive for op in ops]
         targets = [by_op[i] if i >= 0 else None for i in table.sequence]
