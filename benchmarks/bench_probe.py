@@ -11,6 +11,7 @@ to leave on"): step <= 4x (stretch 2x), compile <= 2.5x, temporaries <= 1.25x.
     python benchmarks/bench_probe.py [--layers 2] [--d-model 128] [--scan] [--quick]
     python benchmarks/bench_probe.py --layers 6 --d-model 384 --seq 256 --scan   # nanoGPT
     python benchmarks/bench_probe.py --quick --recipes   # the cost of the eight recipes
+    python benchmarks/bench_probe.py --kernel xla --quick --compile-only   # the GPU's path
 """
 
 from __future__ import annotations
@@ -30,18 +31,22 @@ from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
 from sample_models.precision import PRECISIONS
 from sample_models.train_step import make_optimizer, make_train_step
 from scalescope.core.recipes import names as recipe_names
+from scalescope.probe import native
 
 GOALS = {"step": 4.0, "compile": 2.5, "temp": 1.25}
 
 
 def _measure(fn, args, n_steps: int) -> tuple[float, float, int, int]:
-    """(trace + compile seconds, median seconds per step, temporary bytes, output bytes)."""
+    """(trace + compile seconds, median seconds per step, temporary bytes, output bytes);
+    the step time is NaN when ``n_steps`` is 0 (compile only)."""
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
     out = int(getattr(mem, "output_size_in_bytes", 0)) if mem is not None else 0
+    if n_steps == 0:
+        return compile_s, float("nan"), temp, out
     jax.block_until_ready(compiled(*args))
     times = []
     for _ in range(n_steps):
@@ -81,7 +86,20 @@ def main() -> None:
         help="also the statistics program with all eight block-scaled recipes (goal: <= 2x "
         "the one without)",
     )
+    parser.add_argument(
+        "--kernel",
+        default="auto",
+        choices=("auto", "native", "xla"),
+        help="the probe's kernel: xla is the path a GPU takes (SCALESCOPE_PROBE_KERNEL)",
+    )
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile time and memory only, no timed steps (large models on a small CPU)",
+    )
     args = parser.parse_args()
+    os.environ["SCALESCOPE_PROBE_KERNEL"] = args.kernel
+    n_steps = 0 if args.compile_only else args.steps
 
     cfg = GPTConfig(
         vocab_size=65,
@@ -114,9 +132,11 @@ def main() -> None:
     )
     print(
         f"# GPT: {args.layers} layers, d={args.d_model}, seq={args.seq}, batch={args.batch}, "
-        f"{'scan' if args.scan else 'unrolled'}, precision={args.precision}, AdamW step"
+        f"{'scan' if args.scan else 'unrolled'}, precision={args.precision}, AdamW step, "
+        f"probe kernel {args.kernel} ({'native' if native.use_native() else 'xla'} taken)"
     )
-    base_c, base_t, base_m, base_o = _measure(ss.scalify(step), step_args, max(args.steps, 5))
+    base_steps = max(n_steps, 5) if n_steps else 0
+    base_c, base_t, base_m, base_o = _measure(ss.scalify(step), step_args, base_steps)
     table = ss.instrument(step).op_table(*step_args)
     recorded = [op for op in table if op.recorded]
     elements = sum(int(np.prod(op.shape)) * op.n_rows for op in recorded)
@@ -166,7 +186,7 @@ def main() -> None:
         stats_only = kw.pop("_stats_only", False)
         inst = ss.instrument(step, **kw)
         fn = (lambda *a, inst=inst: inst(*a)[1]) if stats_only else inst
-        c, t, m, o = _measure(fn, step_args, args.steps)
+        c, t, m, o = _measure(fn, step_args, n_steps)
         results[label] = (c, t, m, o)
         print(
             f"{label:34s}{c:10.2f}{t * 1e3:10.2f}{m / 2**20:10.1f}{o / 2**20:9.1f}"
@@ -174,16 +194,15 @@ def main() -> None:
             f"{(m + o) / base_f:11.2f}",
             flush=True,
         )
-    added = max(results["Run.track statistics program"][1] - base_t, 1e-9)
-    sum_bw = _sum_bandwidth(n_bytes)
-    print(
-        f"# floor: the probe reads {n_bytes / 2**20:.0f} MiB per step; over the "
-        f"{added * 1e3:.1f} ms it adds that is {n_bytes / added / 2**30:.2f} GiB/s; a plain "
-        f"jnp.sum over as many bytes runs at {sum_bw / 2**30:.2f} GiB/s "
-        f"({n_bytes / sum_bw * 1e3:.1f} ms)"
-    )
-    from scalescope.probe import native
-
+    if n_steps:
+        added = max(results["Run.track statistics program"][1] - base_t, 1e-9)
+        sum_bw = _sum_bandwidth(n_bytes)
+        print(
+            f"# floor: the probe reads {n_bytes / 2**20:.0f} MiB per step; over the "
+            f"{added * 1e3:.1f} ms it adds that is {n_bytes / added / 2**30:.2f} GiB/s; a "
+            f"plain jnp.sum over as many bytes runs at {sum_bw / 2**30:.2f} GiB/s "
+            f"({n_bytes / sum_bw * 1e3:.1f} ms)"
+        )
     kernel_s, calls = native.clock()
     if calls:
         print(f"# native kernel: {kernel_s / calls * 1e3:.3f} ms per call on average")
@@ -208,9 +227,13 @@ def main() -> None:
                 f" (footprint, temporaries + outputs: {foot_x:.2f}x "
                 f"{verdict(foot_x, GOALS['temp'])})"
             )
+        step = (
+            f"step {step_x:.2f}x <= {GOALS['step']} {verdict(step_x, GOALS['step'])}"
+            if n_steps
+            else "step not timed"
+        )
         print(
-            f"# goals, {label}: step {step_x:.2f}x <= {GOALS['step']} "
-            f"{verdict(step_x, GOALS['step'])}; compile {c / base_c:.2f}x <= "
+            f"# goals, {label}: {step}; compile {c / base_c:.2f}x <= "
             f"{GOALS['compile']} {verdict(c / base_c, GOALS['compile'])}; {memory}"
         )
 

@@ -1,0 +1,524 @@
+"""scalescope on a GPU, in one command: FP8 GEMMs, throughput, the probe's cost, numerics.
+
+Runs on one H100/H200 in at most ~8 minutes and writes ``results.json`` and
+``results.md`` to ``--out``. Sections (each timed; one that fails is recorded with its
+error and the others still run):
+
+- ``env``: versions, device, which probe kernel is taken (the pure-XLA one off CPU), and
+  every primitive of the steps below that scalify has no rule for, by name;
+- ``fp8_gemms``: the scalified FP8 GPT step compiled (GPT-2 small: 12 x 768, seq 1024,
+  layers scanned); its GEMMs counted as FP8 (f8 operands or an fp8 cuBLASLt call) or not,
+  with the HLO of each GEMM that did not become FP8;
+- ``throughput``: tokens/s of the plain BF16 step, the scalified FP8 step and the naive
+  FP8 step (casts without scales), same model, same batch;
+- ``probe``: `ss.instrument`'s step time and temporaries against the scalified step, and
+  `Run(every=10)` / `Run(budget=0.05)` amortized over a loop, against the same loop
+  untracked;
+- ``numerics``: the sample GPT (character level, the vendored Shakespeare) trained for
+  300 steps scalified FP8 and BF16 from the same initial weights and batches: the gap of
+  their final losses.
+
+It imports neither Panel nor Bokeh (the GPU image has neither). ``--smoke`` runs every
+section on a tiny model (CPU, under a minute or two): a test runs it so that it cannot rot.
+
+    PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR [--smoke] [--only a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import check_gpu_fp8  # noqa: E402
+
+import scalescope as ss  # noqa: E402
+from sample_models.gpt import GPTConfig, gpt_loss, init_gpt  # noqa: E402
+from sample_models.precision import PRECISIONS, SCALIFIED, Precision  # noqa: E402
+from sample_models.train_step import make_optimizer, make_train_step  # noqa: E402
+from scalescope.probe import native  # noqa: E402
+from scalescope.scalify.registry import has_rule, primitives_in  # noqa: E402
+
+SECTIONS = ("env", "fp8_gemms", "throughput", "probe", "numerics")
+GOALS = {
+    "fp8_vs_bf16_tokens": 1.0,  # scalified FP8 >= BF16 (stretch 1.3)
+    "instrument_step": 1.5,
+    "instrument_temp": 1.1,
+    "run_every10": 1.05,
+    "run_budget": 1.02,
+    "numerics_gap": 0.01,
+}
+BF16 = Precision("bf16", param_dtype=jnp.bfloat16)
+
+
+@dataclass(frozen=True)
+class Size:
+    """The model and loop lengths of one suite."""
+
+    layers: int = 12
+    d_model: int = 768
+    heads: int = 12
+    seq: int = 1024
+    batch: int = 8
+    vocab: int = 50304  # GPT-2's 50257, padded to a multiple of 64
+    steps: int = 20  # timed steps per throughput variant
+    run_steps: int = 100  # steps per Run loop
+    numerics_steps: int = 300
+    numerics_gpt: tuple[tuple[str, int], ...] = ()  # the sample GPT's default size
+
+
+FULL = Size()
+SMOKE = Size(
+    layers=1,
+    d_model=32,
+    heads=2,
+    seq=16,
+    batch=2,
+    vocab=65,
+    steps=2,
+    run_steps=11,
+    numerics_steps=4,
+    numerics_gpt=(("n_layers", 1), ("d_model", 32), ("n_heads", 2), ("seq_len", 16)),
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- the model --------------------------------------------------------------------------
+
+
+@dataclass
+class Model:
+    """The GPT of one size in one precision: the step as written (``raw_step``, on
+    ``raw_args``) and as run (``step`` on ``args``: scalified where the recipe is)."""
+
+    name: str
+    raw_step: Callable[..., Any]
+    raw_args: tuple[Any, ...]
+    step: Callable[..., Any]
+    args: tuple[Any, ...]
+    tokens: int  # per step
+
+
+def make_model(size: Size, precision: str) -> Model:
+    prec = BF16 if precision == "bf16" else PRECISIONS[precision]
+    cfg = GPTConfig(
+        vocab_size=size.vocab,
+        seq_len=size.seq,
+        d_model=size.d_model,
+        n_heads=size.heads,
+        n_layers=size.layers,
+        scan_layers=True,
+    )
+    params = init_gpt(jax.random.key(0), cfg, prec.param_dtype)
+    opt = make_optimizer()
+    raw = make_train_step(functools.partial(gpt_loss, cfg=cfg, precision=prec), opt)
+    state = opt.init(params)
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, size.vocab, (size.batch, size.seq + 1)).astype(np.int32)
+    batch = {"inputs": jnp.asarray(tok[:, :-1]), "targets": jnp.asarray(tok[:, 1:])}
+    raw_args = (params, state, batch)
+    step, args = raw, raw_args
+    if precision in SCALIFIED:
+        step = ss.scalify(raw)
+        args = (ss.as_scaled_array(params, "rms"), ss.as_scaled_array(state, "rms"), batch)
+    return Model(precision, raw, raw_args, step, args, size.batch * size.seq)
+
+
+def compile_fn(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, float, dict]:
+    """(compiled, seconds to trace and compile, memory in bytes)."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    memory = {
+        k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) if mem is not None else 0
+        for k in ("temp", "output", "argument")
+    }
+    return compiled, seconds, memory
+
+
+def time_steps(compiled: Any, args: tuple[Any, ...], n: int) -> float:
+    """Median seconds per call (after one warm call), synchronised on the outputs."""
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(max(n, 1)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def loop(fn: Callable[..., Any], args: tuple[Any, ...], n: int) -> float:
+    """Seconds for ``n`` training steps, each from the last one's state, same batch."""
+    params, state, batch = args
+    t0 = time.perf_counter()
+    for _ in range(n):
+        params, state, loss = fn(params, state, batch)
+    jax.block_until_ready((params, state, loss))
+    return time.perf_counter() - t0
+
+
+def hlo_context(text: str, name: str, lines: int = 6) -> str:
+    """The HLO line defining ``name`` and the lines defining its operands."""
+    found = [line for line in text.splitlines() if f"%{name} = " in line or f" {name} = " in line]
+    if not found:
+        return f"{name}: not found in the HLO text"
+    head = found[0].strip()
+    operands = check_gpu_fp8._top_level(
+        check_gpu_fp8._split_operands(head, head.index("(", head.index("=")))
+    )
+    out = [head]
+    for operand in operands[:lines]:
+        ref = operand.split()[-1].lstrip("%")
+        for line in text.splitlines():
+            if f"%{ref} = " in line or line.strip().startswith(f"{ref} = "):
+                out.append("  <- " + line.strip()[:400])
+                break
+    return "\n".join(out)
+
+
+# -- sections ---------------------------------------------------------------------------
+
+
+class Suite:
+    """The sections, sharing the compiled scalified FP8 step."""
+
+    def __init__(self, size: Size, out: Path):
+        self.size, self.out = size, out
+        self._fp8: tuple[Model, Any, float, dict] | None = None
+
+    def fp8(self) -> tuple[Model, Any, float, dict]:
+        if self._fp8 is None:
+            model = make_model(self.size, "fp8")
+            self._fp8 = (model, *compile_fn(model.step, model.args))
+        return self._fp8
+
+    def env(self) -> dict[str, Any]:
+        versions = {"python": platform.python_version(), "platform": platform.platform()}
+        for name in ("jax", "jaxlib", "numpy", "ml_dtypes", "optax", "flax", "pandas", "pyarrow"):
+            try:
+                versions[name] = __import__(name).__version__
+            except Exception as err:  # noqa: BLE001 - a missing package is a finding
+                versions[name] = f"missing ({type(err).__name__})"
+        missing = {}
+        for precision in ("fp8", "fp16"):
+            model = make_model(self.size, precision)
+            names = primitives_in(jax.make_jaxpr(model.raw_step)(*model.raw_args))
+            missing[precision] = sorted(n for n in names if not has_rule(n))
+        dev = jax.devices()[0]
+        return {
+            "versions": versions,
+            "device": {
+                "platform": dev.platform,
+                "kind": dev.device_kind,
+                "count": jax.device_count(),
+                "compute_capability": getattr(dev, "compute_capability", None),
+            },
+            "probe_kernel": "native" if native.use_native() else "xla",
+            "missing_rules": missing,
+        }
+
+    def fp8_gemms(self) -> dict[str, Any]:
+        model, compiled, seconds, memory = self.fp8()
+        text = compiled.as_text()
+        summary = check_gpu_fp8.parse_hlo(text)
+        dense = _dense_matmuls(self.size)
+        patterns = [hlo_context(text, g.name) for g in summary.other_gemms]
+        (self.out / "not_fp8_gemms.txt").write_text("\n\n".join(patterns) + "\n")
+        return {
+            "compile_s": seconds,
+            "temp_bytes": memory["temp"],
+            "gemms": len(summary.gemms),
+            "fp8_gemms": len(summary.fp8_gemms),
+            "fp8_kinds": summary.counts(summary.fp8_gemms),
+            "other_kinds": summary.counts(summary.other_gemms),
+            "f8_converts": summary.f8_converts,
+            "fp8_cast_gemms": 3 * dense,
+            "evidence": jax.devices()[0].platform == "gpu",
+            "not_fp8_patterns": "not_fp8_gemms.txt",
+        }
+
+    def throughput(self) -> dict[str, Any]:
+        rows = {}
+        for name in ("bf16", "fp8", "fp8-naive"):
+            if name == "fp8":
+                model, compiled, seconds, memory = self.fp8()
+            else:
+                model = make_model(self.size, name)
+                compiled, seconds, memory = compile_fn(model.step, model.args)
+            t = time_steps(compiled, model.args, self.size.steps)
+            rows[name] = {
+                "compile_s": seconds,
+                "step_ms": 1e3 * t,
+                "tokens_per_s": model.tokens / t,
+                "temp_bytes": memory["temp"],
+            }
+            log(f"  {name}: {model.tokens / t:,.0f} tokens/s")
+        ratio = rows["fp8"]["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
+        return {"steps": rows, "fp8_vs_bf16": ratio}
+
+    def probe(self) -> dict[str, Any]:
+        model, compiled, seconds, memory = self.fp8()
+        base_t = time_steps(compiled, model.args, self.size.steps)
+        i_compiled, i_seconds, i_memory = compile_fn(ss.instrument(model.raw_step), model.args)
+        i_t = time_steps(i_compiled, model.args, self.size.steps)
+        out = {
+            "probe_kernel": "native" if native.use_native() else "xla",
+            "scalified": {"compile_s": seconds, "step_ms": 1e3 * base_t, **memory},
+            "instrument": {"compile_s": i_seconds, "step_ms": 1e3 * i_t, **i_memory},
+            "instrument_step_x": i_t / base_t,
+            "instrument_temp_x": i_memory["temp"] / max(memory["temp"], 1),
+            "instrument_compile_x": i_seconds / max(seconds, 1e-9),
+        }
+        del i_compiled
+        log(
+            f"  instrument: step {out['instrument_step_x']:.2f}x, "
+            f"temporaries {out['instrument_temp_x']:.2f}x"
+        )
+        n = self.size.run_steps
+        for key, kw in (("run_every10", {"every": 10}), ("run_budget", {"budget": 0.05})):
+            with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
+                run = ss.Run(f"{tmp}/run", **kw)
+                fn = run.track(model.raw_step)
+                fn.warmup(*model.args)
+                loop(compiled, model.args, 2)
+                untracked = loop(compiled, model.args, n)
+                t0 = time.perf_counter()
+                loop(fn, model.args, n)
+                run.flush()
+                tracked = time.perf_counter() - t0
+                run.close()
+            out[key] = {"steps": n, "ratio": tracked / untracked, **kw}
+            log(f"  {key}: {tracked / untracked:.3f}x over {n} steps")
+        return out
+
+    def numerics(self) -> dict[str, Any]:
+        from sample_models.train import TrainConfig, make_task
+
+        gpt = dict(self.size.numerics_gpt) or TrainConfig().gpt
+        cfg = TrainConfig(model="gpt", steps=self.size.numerics_steps, data="vendored", gpt=gpt)
+        curves = {}
+        for name in ("fp8", "bf16"):
+            task = make_task(cfg)  # the same initial weights and batches for both
+            prec = BF16 if name == "bf16" else PRECISIONS[name]
+            gcfg = task.loss_fn.keywords["cfg"]
+            params = jax.tree.map(lambda a, p=prec: a.astype(p.param_dtype), task.params)
+            opt = make_optimizer(schedule_steps=cfg.steps)
+            step = make_train_step(functools.partial(gpt_loss, cfg=gcfg, precision=prec), opt)
+            state = opt.init(params)
+            if name in SCALIFIED:
+                step = ss.scalify(step)
+                params, state = ss.as_scaled_array(params, "rms"), ss.as_scaled_array(state, "rms")
+            step = jax.jit(step)
+            curve = []
+            for _, b in zip(range(cfg.steps), task.train_batches, strict=False):
+                params, state, loss = step(params, state, {k: jnp.asarray(v) for k, v in b.items()})
+                curve.append(loss)
+            curves[name] = np.asarray([float(np.asarray(_unscaled(x))) for x in curve])
+            log(f"  {name}: final loss {curves[name][-1]:.4f}")
+        tail = max(1, cfg.steps // 10)
+        fp8, bf16 = (float(np.mean(curves[k][-tail:])) for k in ("fp8", "bf16"))
+        return {
+            "steps": cfg.steps,
+            "gpt": gpt,
+            "loss_fp8": fp8,
+            "loss_bf16": bf16,
+            "mean_of_last_steps": tail,
+            "gap": (fp8 - bf16) / bf16,
+            "finite": bool(np.isfinite(curves["fp8"]).all() and np.isfinite(curves["bf16"]).all()),
+        }
+
+
+def _unscaled(x: Any) -> Any:
+    return x.to_array() if hasattr(x, "to_array") else x
+
+
+def _dense_matmuls(size: Size) -> int:
+    """FP8-cast dense layers per forward of the GPT (each: three GEMMs per step)."""
+    model = make_model(size, "fp8-naive")
+    params, _, batch = model.raw_args
+    cfg = GPTConfig(
+        vocab_size=size.vocab,
+        seq_len=size.seq,
+        d_model=size.d_model,
+        n_heads=size.heads,
+        n_layers=size.layers,
+        scan_layers=False,  # unrolled: a scanned layer is traced once
+    )
+    loss = functools.partial(gpt_loss, cfg=cfg, precision=PRECISIONS["fp8-naive"])
+    return check_gpu_fp8.count_dense_matmuls(loss, init_gpt(jax.random.key(0), cfg), batch)
+
+
+# -- the report -------------------------------------------------------------------------
+
+
+def verdict(value: float, goal: float, *, at_least: bool = False) -> str:
+    ok = value >= goal if at_least else value <= goal
+    return "met" if ok else "MISSED"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """results.md: what was measured, on which device, against the issue's goals."""
+    lines = ["# scalescope GPU suite", ""]
+    env = results.get("env", {})
+    if "device" in env:
+        d, v = env["device"], env["versions"]
+        lines += [
+            f"Device: {d['kind']} ({d['platform']}, compute capability "
+            f"{d.get('compute_capability')}), {d['count']} device(s); jax {v.get('jax')}, "
+            f"jaxlib {v.get('jaxlib')}, python {v.get('python')}; probe kernel "
+            f"{env['probe_kernel']}. Model: {results['model']}. Smoke: {results['smoke']}.",
+            "",
+        ]
+        for prec, names in env["missing_rules"].items():
+            lines.append(
+                f"- primitives without a scalify rule ({prec} step): "
+                + (", ".join(names) if names else "none")
+            )
+        lines.append("")
+    g = results.get("fp8_gemms", {})
+    if "gemms" in g:
+        lines += [
+            "## FP8 GEMMs",
+            "",
+            f"{g['fp8_gemms']} of {g['gemms']} GEMMs in the compiled scalified FP8 step run "
+            f"in FP8 ({g['fp8_cast_gemms']} are FP8-cast dense-layer GEMMs); "
+            f"{g['f8_converts']} converts to f8; evidence: {g['evidence']}.",
+            f"FP8: {g['fp8_kinds']}",
+            f"other: {g['other_kinds']} (patterns: {g['not_fp8_patterns']})",
+            "",
+        ]
+    t = results.get("throughput", {})
+    if "steps" in t:
+        lines += [
+            "## Throughput",
+            "",
+            "| step | tokens/s | ms/step | compile s |",
+            "|---|---|---|---|",
+        ]
+        for name, row in t["steps"].items():
+            lines.append(
+                f"| {name} | {row['tokens_per_s']:,.0f} | {row['step_ms']:.1f} | "
+                f"{row['compile_s']:.1f} |"
+            )
+        r = t["fp8_vs_bf16"]
+        lines += [
+            "",
+            f"Scalified FP8 / BF16: {r:.2f}x (goal >= 1.0 "
+            f"{verdict(r, 1.0, at_least=True)}; stretch 1.3)",
+            "",
+        ]
+    p = results.get("probe", {})
+    if "instrument_step_x" in p:
+        lines += [
+            "## The probe",
+            "",
+            f"Kernel: {p['probe_kernel']}. ss.instrument: step {p['instrument_step_x']:.2f}x "
+            f"(goal <= 1.5 {verdict(p['instrument_step_x'], 1.5)}), temporaries "
+            f"{p['instrument_temp_x']:.2f}x (goal <= 1.1 {verdict(p['instrument_temp_x'], 1.1)}), "
+            f"compile {p['instrument_compile_x']:.2f}x the scalified step.",
+            f"Run(every=10): {p['run_every10']['ratio']:.3f}x (goal <= 1.05 "
+            f"{verdict(p['run_every10']['ratio'], 1.05)}); Run(budget=0.05): "
+            f"{p['run_budget']['ratio']:.3f}x (goal <= 1.02 "
+            f"{verdict(p['run_budget']['ratio'], 1.02)}), "
+            f"over {p['run_every10']['steps']} steps each.",
+            "",
+        ]
+    n = results.get("numerics", {})
+    if "gap" in n:
+        lines += [
+            "## Numerics",
+            "",
+            f"Sample GPT {n['gpt']}, {n['steps']} steps: scalified FP8 {n['loss_fp8']:.4f}, "
+            f"BF16 {n['loss_bf16']:.4f} (mean of the last {n['mean_of_last_steps']}): gap "
+            f"{100 * n['gap']:+.2f} % (goal <= 1 % {verdict(abs(n['gap']), 0.01)}); "
+            f"finite: {n['finite']}.",
+            "",
+        ]
+    failed = {k: v["error"] for k, v in results.get("sections", {}).items() if v.get("error")}
+    if failed:
+        lines += ["## Sections that failed", ""]
+        lines += [f"- {k}: {e.strip().splitlines()[-1]}" for k, e in failed.items()]
+        lines.append("")
+    secs = results.get("sections", {})
+    lines.append(
+        "Section times: " + ", ".join(f"{k} {v['seconds']:.0f} s" for k, v in secs.items())
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for results.json and results.md")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model (CPU, CI)")
+    parser.add_argument("--only", default=None, help=f"comma-separated sections of {SECTIONS}")
+    args = parser.parse_args(argv)
+    only = SECTIONS if args.only is None else tuple(args.only.split(","))
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; expected some of {SECTIONS}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    size = SMOKE if args.smoke else FULL
+    suite = Suite(size, out)
+    results: dict[str, Any] = {
+        "smoke": args.smoke,
+        "model": f"GPT {size.layers}x{size.d_model}, {size.heads} heads, seq {size.seq}, "
+        f"batch {size.batch}, vocab {size.vocab}, layers scanned, AdamW",
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "sections": {},
+    }
+    t_all = time.perf_counter()
+    for name in only:
+        log(f"section {name}")
+        t0 = time.perf_counter()
+        try:
+            results[name] = getattr(suite, name)()
+            error = None
+        except Exception:  # noqa: BLE001 - recorded, and the other sections still run
+            error = traceback.format_exc()
+            log(f"section {name} FAILED:\n{error}")
+        results["sections"][name] = {"seconds": time.perf_counter() - t0, "error": error}
+        _write(out, results)  # after every section: a killed suite keeps what it measured
+    results["seconds"] = time.perf_counter() - t_all
+    # The GPU image has neither: nothing the suite ran may have needed them.
+    results["ui_modules_imported"] = sorted(
+        {m.split(".")[0] for m in sys.modules if m.split(".")[0] in ("panel", "bokeh")}
+    )
+    _write(out, results)
+    print(markdown(results))
+    return 1 if any(v["error"] for v in results["sections"].values()) else 0
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    for name, text in (
+        ("results.json", json.dumps(results, indent=1, default=str)),
+        ("results.md", markdown(results)),
+    ):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
