@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import sys
 import time
@@ -325,6 +326,13 @@ def train(
         **extra,
     ) as run:
         tracked = run.track(step_fn, scalify=scalified, policy=policy)
+        if budget is not None:
+            # Under a budget the statistics program would compile in the background, and
+            # a short run could end before it is ready: compile both programs first, on
+            # the first batch (which the loop then trains on).
+            head = next(task.train_batches)
+            task.train_batches = itertools.chain([head], task.train_batches)
+            tracked.warmup(params, opt_state, {k: jnp.asarray(v) for k, v in head.items()})
         first = tracked.step
         try:
             for i in range(first, first + cfg.steps):

@@ -3,6 +3,9 @@ budgeted run whose rows are exact where measured and absent elsewhere."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,3 +220,77 @@ def test_train_cli_budget(tmp_path, capsys):
     assert len(reader.steps) >= 2, "a generous budget records several steps"
     last = reader.last_measured()
     assert last.notna().any()
+
+
+def _held_compile(monkeypatch) -> tuple[threading.Event, list[float]]:
+    """Hold `Tracked`'s background compile until the returned event is set; the list gets
+    the time each compile finished."""
+    from scalescope.store import writer
+
+    release, done = threading.Event(), []
+    real = writer.Tracked._compile_async
+
+    class Held:
+        def __init__(self, traced):
+            self.traced = traced
+
+        def lower(self):
+            return self
+
+        def compile(self):
+            release.wait(timeout=60)  # a failed test must not hang in close()
+            out = self.traced.lower().compile()
+            done.append(time.perf_counter())
+            return out
+
+    monkeypatch.setattr(writer.Tracked, "_compile_async", lambda self, t: real(self, Held(t)))
+    return release, done
+
+
+def test_budget_steps_run_plain_while_the_statistics_program_compiles(tmp_path, monkeypatch):
+    """Under a budget no step waits for the statistics program: it compiles in a thread,
+    steps run plain (and give the plain outputs) meanwhile, and recording starts once it
+    is ready."""
+    release, done = _held_compile(monkeypatch)
+    plain = jax.jit(_step)
+    with ss.Run(tmp_path / "run", budget=0.5, groups=2) as run:
+        step = run.track(_step, scalify=False)
+        w = W
+        for _ in range(5):  # a step that waited for the held compile would never return
+            w_next, _ = step(w, X)
+            np.testing.assert_array_equal(np.asarray(w_next), np.asarray(plain(w, X)[0]))
+            w = w_next
+        assert not done and step._compile_thread.is_alive()
+        run.flush()
+        assert len(ss.open_run(tmp_path / "run").steps) == 0, "nothing recorded before ready"
+        release.set()
+        step._compile_thread.join()
+        assert done
+        for _ in range(MAX_STEPS):
+            w, _ = step(w, X)
+            if step.controller.slot:  # a recorded step
+                break
+        assert step.controller.slot, "recording starts once the program is compiled"
+    assert len(ss.open_run(tmp_path / "run").steps) >= 1
+
+
+def test_closing_while_compiling_warns_and_waits(tmp_path, monkeypatch, caplog):
+    release, done = _held_compile(monkeypatch)
+    run = ss.Run(tmp_path / "run", budget=0.05)
+    step = run.track(_step, scalify=False)
+    step(W, X)
+    threading.Timer(0.3, release.set).start()
+    with caplog.at_level("WARNING", logger="scalescope"):
+        run.close()
+    assert "still compiling" in caplog.text and "warmup" in caplog.text
+    assert done and not step._compile_thread.is_alive(), "no compile outlives the run"
+    assert ss.open_run(tmp_path / "run").status == "closed"
+
+
+def test_warmup_waits_for_the_background_compile(tmp_path, monkeypatch):
+    release, done = _held_compile(monkeypatch)
+    threading.Timer(0.3, release.set).start()
+    with ss.Run(tmp_path / "run", budget=0.5) as run:
+        step = run.track(_step, scalify=False)
+        step.warmup(W, X)
+        assert done, "warmup returned before the statistics program compiled"

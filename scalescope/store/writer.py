@@ -482,6 +482,7 @@ class Run:
             )
         self.config = dict(config or {})
         self._closed = False
+        self._compiling: list[threading.Thread] = []  # `Tracked` background compiles
         self._lock_file = None
         self._graph: dict[str, Any] | None = None
         self._ops: pd.DataFrame | None = None
@@ -703,7 +704,8 @@ class Run:
         applied to every step as `scalescope.emulate` applies it; recorded values are
         those of the emulated step, and the run's metadata keeps the policy. The plain
         and the recording variants are compiled separately, the recording one at the
-        first recorded call.
+        first recorded call; under a budget, in the background from the first call (steps
+        run plain until it is ready; ``warmup`` compiles both at once).
         """
         self._check_open()
         if not callable(fn):
@@ -782,6 +784,15 @@ class Run:
             return
         self._closed = True
         _OPEN_RUNS.discard(self)
+        for thread in self._compiling:  # no compile may outlive the run (nor the process)
+            if thread.is_alive():
+                log.warning(
+                    "scalescope: %s closed while its statistics program was still compiling "
+                    "(under a budget it compiles in the background): the steps so far ran "
+                    "unrecorded. Call tracked.warmup(...) before training to compile it first.",
+                    self.path,
+                )
+                thread.join()
         try:
             self._writer.sync("close")
         finally:
@@ -864,6 +875,10 @@ class Tracked:
         self._signatures: dict[Any, bool] = {}  # call signature -> records (same graph)?
         self.controller: _budget.BudgetController | None = None
         self._warm: set[str] = set()  # variants already compiled (their first call is not timed)
+        # Under a budget the statistics program compiles in a thread (`_compile_async`);
+        # set once it has (or has failed: the first recorded step then compiles it again).
+        self._compiled = threading.Event()
+        self._compile_thread: threading.Thread | None = None
         functools.update_wrapper(self, fn)
 
     def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
@@ -893,7 +908,7 @@ class Tracked:
         # The op table comes from tracing the recording program itself: jit keeps that
         # trace, so the first recorded step compiles without tracing the step again.
         mask = self._every_group()
-        self._recording.trace(*(() if mask is None else (mask,)), *args, **kwargs)
+        traced = self._recording.trace(*(() if mask is None else (mask,)), *args, **kwargs)
         table = self.instrumented.op_table(*args, **kwargs)
         self.run._register(table, self.scalify)
         self._registered = True
@@ -906,9 +921,12 @@ class Tracked:
             )
             self.run._writer.on_findings = self.controller.observe_findings
             self.run._writer.on_cost = self.controller.observe_writer
+            self._compile_async(traced)
+        else:
+            self._compiled.set()
         log.info(
             "scalescope: recording %d ops (%d rows) %s into %s (traced in %.1f s; the "
-            "recording step compiles at its first use)",
+            "recording step compiles %s)",
             len(table),
             table.n_rows,
             f"under a {self.run.budget:.0%} budget in {table.n_groups} groups"
@@ -916,7 +934,40 @@ class Tracked:
             else f"every {self.every} steps",
             self.run.path,
             time.perf_counter() - t0,
+            "in the background while steps run plain" if self.budgeted else "at its first use",
         )
+
+    def _compile_async(self, traced: Any) -> None:
+        """Compile the statistics program in a thread: under a budget, steps run plain
+        until it is ready instead of the first recorded step waiting for it (the compile
+        fills jit's own cache, so the first recorded call runs at once)."""
+        if "recording" in self._warm:
+            self._compiled.set()
+            return
+
+        def compile_() -> None:
+            t0 = time.perf_counter()
+            try:
+                traced.lower().compile()
+            except Exception as err:  # noqa: BLE001 - the first recorded step compiles again
+                log.warning(
+                    "scalescope: compiling the statistics program in the background failed "
+                    "(%s: %s); it compiles at the first recorded step",
+                    type(err).__name__,
+                    err,
+                )
+            else:
+                log.info(
+                    "scalescope: statistics program compiled in %.1f s; recording starts",
+                    time.perf_counter() - t0,
+                )
+            finally:
+                self._compiled.set()
+
+        thread = threading.Thread(target=compile_, name="scalescope-compile", daemon=True)
+        self._compile_thread = thread
+        self.run._compiling.append(thread)
+        thread.start()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.run._check_open()
@@ -980,6 +1031,8 @@ class Tracked:
         recorded = self._records_signature(args, kwargs, partition(args, kwargs, where=_WHERE))
         jax.block_until_ready(self._plain(*args, **kwargs))
         self._warm.add("plain")
+        if self._compile_thread is not None:
+            self._compile_thread.join()
         if recorded:
             jax.block_until_ready(self._record(self._every_group(), args, kwargs))
             self._warm.add("recording")
@@ -996,6 +1049,13 @@ class Tracked:
 
     def _budgeted_call(self, step: int, args: tuple, kwargs: dict, parts: tuple) -> Any:
         ctrl = self.controller
+        if not self._compiled.is_set():  # the statistics program is still compiling
+            if ctrl.ready:
+                return self._plain.call_parts(parts)
+            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
+            if seconds is not None:
+                ctrl.observe_plain(seconds)
+            return out
         mask = ctrl.plan(step)
         if mask is None:
             if ctrl.ready and ctrl.steps % 32:
