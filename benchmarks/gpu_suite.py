@@ -131,6 +131,13 @@ def gpt_config(size: Size, *, scan: bool = True) -> GPTConfig:
     )
 
 
+def make_batch(size: Size) -> dict[str, jax.Array]:
+    """Random tokens: inputs and next-token targets, the same for every model."""
+    tok = np.random.default_rng(0).integers(0, size.vocab, (size.batch, size.seq + 1))
+    tok = tok.astype(np.int32)
+    return {"inputs": jnp.asarray(tok[:, :-1]), "targets": jnp.asarray(tok[:, 1:])}
+
+
 def make_model(size: Size, precision: str) -> Model:
     prec = BF16 if precision == "bf16" else PRECISIONS[precision]
     cfg = gpt_config(size)
@@ -138,14 +145,11 @@ def make_model(size: Size, precision: str) -> Model:
     opt = make_optimizer()
     raw = make_train_step(functools.partial(gpt_loss, cfg=cfg, precision=prec), opt)
     state = opt.init(params)
-    rng = np.random.default_rng(0)
-    tok = rng.integers(0, size.vocab, (size.batch, size.seq + 1)).astype(np.int32)
-    batch = {"inputs": jnp.asarray(tok[:, :-1]), "targets": jnp.asarray(tok[:, 1:])}
-    raw_args = (params, state, batch)
+    raw_args = (params, state, make_batch(size))
     step, args = raw, raw_args
     if precision in SCALIFIED:
         step = ss.scalify(raw)
-        args = (ss.as_scaled_array(params, "rms"), ss.as_scaled_array(state, "rms"), batch)
+        args = (ss.as_scaled_array(params, "rms"), ss.as_scaled_array(state, "rms"), raw_args[2])
     return Model(precision, raw, raw_args, step, args, size.batch * size.seq)
 
 
@@ -183,22 +187,29 @@ def loop(fn: Callable[..., Any], args: tuple[Any, ...], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def hlo_context(text: str, name: str, lines: int = 6) -> str:
+def hlo_definitions(text: str) -> dict[str, str]:
+    """Each HLO instruction's defining line, by name (read once for every GEMM)."""
+    out = {}
+    for line in text.splitlines():
+        m = check_gpu_fp8._INSTR.match(line)
+        if m:
+            out[m["name"]] = line.strip()
+    return out
+
+
+def hlo_context(defs: dict[str, str], name: str, lines: int = 6) -> str:
     """The HLO line defining ``name`` and the lines defining its operands."""
-    found = [line for line in text.splitlines() if f"%{name} = " in line or f" {name} = " in line]
-    if not found:
+    head = defs.get(name)
+    if head is None:
         return f"{name}: not found in the HLO text"
-    head = found[0].strip()
     operands = check_gpu_fp8._top_level(
         check_gpu_fp8._split_operands(head, head.index("(", head.index("=")))
     )
     out = [head]
     for operand in operands[:lines]:
-        ref = operand.split()[-1].lstrip("%")
-        for line in text.splitlines():
-            if f"%{ref} = " in line or line.strip().startswith(f"{ref} = "):
-                out.append("  <- " + line.strip()[:400])
-                break
+        line = defs.get(operand.split()[-1].lstrip("%"))
+        if line is not None:
+            out.append("  <- " + line[:400])
     return "\n".join(out)
 
 
@@ -248,7 +259,8 @@ class Suite:
         text = compiled.as_text()
         summary = check_gpu_fp8.parse_hlo(text)
         dense = _dense_matmuls(self.size)
-        patterns = [hlo_context(text, g.name) for g in summary.other_gemms]
+        defs = hlo_definitions(text)
+        patterns = [hlo_context(defs, g.name) for g in summary.other_gemms]
         (self.out / "not_fp8_gemms.txt").write_text("\n\n".join(patterns) + "\n")
         return {
             "compile_s": seconds,
@@ -360,11 +372,10 @@ def _unscaled(x: Any) -> Any:
 
 def _dense_matmuls(size: Size) -> int:
     """FP8-cast dense layers per forward of the GPT (each: three GEMMs per step)."""
-    model = make_model(size, "fp8-naive")
-    params, _, batch = model.raw_args
     cfg = gpt_config(size, scan=False)  # unrolled: a scanned layer is traced once
     loss = functools.partial(gpt_loss, cfg=cfg, precision=PRECISIONS["fp8-naive"])
-    return check_gpu_fp8.count_dense_matmuls(loss, init_gpt(jax.random.key(0), cfg), batch)
+    params = jax.eval_shape(lambda: init_gpt(jax.random.key(0), cfg))  # shapes only
+    return check_gpu_fp8.count_dense_matmuls(loss, params, make_batch(size))
 
 
 # -- the report -------------------------------------------------------------------------

@@ -941,9 +941,6 @@ class Tracked:
         """Compile the statistics program in a thread: under a budget, steps run plain
         until it is ready instead of the first recorded step waiting for it (the compile
         fills jit's own cache, so the first recorded call runs at once)."""
-        if "recording" in self._warm:
-            self._compiled.set()
-            return
 
         def compile_() -> None:
             t0 = time.perf_counter()
