@@ -11,7 +11,12 @@ as it does on GPUs (where XLA's fused reductions are bandwidth-bound).
 ``SCALESCOPE_PROBE_KERNEL=xla`` forces the pure-XLA kernel; ``=native`` makes a failed
 build an error instead of a warning. The build tries ``-march=native`` first (the CPU's
 vector width) and then no ``-march``; ``SCALESCOPE_NATIVE_MARCH`` names another target
-(``haswell``) or ``none`` for only the portable build (the tests use it).
+(``haswell``) or ``none`` for only the portable build (the tests use it). A
+``-march=native`` library is cached under a key that holds the CPU's model and feature
+flags, so a shared home or a prebuilt image never loads it on a CPU that lacks an
+instruction it uses. The compiler gets ``SCALESCOPE_NATIVE_TIMEOUT`` seconds (300). Any
+failure to build, load or register the kernel falls back to the pure-XLA kernel with one
+warning per process that says why.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -77,23 +83,54 @@ def _marches() -> tuple[tuple[str, ...], ...]:
     return ((f"-march={march}",), ())
 
 
+def cpu_signature() -> str:
+    """The CPU's model and instruction-set flags (what ``-march=native`` compiles for):
+    part of a native build's cache key."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("model name", "flags", "Features", "CPU part", "isa")
+    fields = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in wanted and name not in fields:  # the first core's: all are alike here
+            fields[name] = " ".join(sorted(value.split()))
+    return "|".join(f"{k}={fields[k]}" for k in sorted(fields)) or platform.machine()
+
+
+def library_path(cxx: str, marches: tuple[tuple[str, ...], ...]) -> Path:
+    """Where the kernel built by ``cxx`` for ``marches`` is cached: keyed by the sources,
+    jax, the compiler, the machine and the targets, and the CPU's features for a
+    ``-march=native`` build."""
+    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    parts = [src, jax.__version__.encode(), cxx.encode(), os.uname().machine.encode()]
+    parts.append(repr(marches).encode())
+    if any("-march=native" in arch for arch in marches):
+        parts.append(cpu_signature().encode())
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return _cache_dir() / f"libscalescope_stats-{key}.so"
+
+
+def _timeout() -> float:
+    raw = os.environ.get("SCALESCOPE_NATIVE_TIMEOUT", "300")
+    try:
+        return float(raw)
+    except ValueError:
+        raise NativeBuildError(f"SCALESCOPE_NATIVE_TIMEOUT={raw!r} is not a number") from None
+
+
 def _build(cxx: str) -> Path:
     """Compile the kernels into the cache (once per source, jaxlib, machine and target)."""
     include = jax.ffi.include_dir()
-    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     marches = _marches()
-    key = hashlib.sha256(
-        src
-        + jax.__version__.encode()
-        + cxx.encode()
-        + os.uname().machine.encode()
-        + repr(marches).encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"libscalescope_stats-{key}.so"
+    out = library_path(cxx, marches)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = []
+    timeout = _timeout()
     # -march=native first (AVX2 or AVX-512 where the CPU has them); plain -O3 if the
     # compiler refuses.
     for arch in marches:
@@ -101,12 +138,30 @@ def _build(cxx: str) -> Path:
             tmp_out = Path(tmp) / out.name
             cmd = [cxx, *_FLAGS, *arch, f"-I{include}", f"-I{_HERE}", *map(str, SOURCES)]
             cmd += ["-o", str(tmp_out)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                errors.append(f"{' '.join(cmd)}\ntimed out after {timeout:g} s")
+                continue
             if proc.returncode == 0:
                 os.replace(tmp_out, out)  # atomic: a concurrent build finds a whole file
                 return out
             errors.append(f"{' '.join(cmd)}\n{proc.stderr[-2000:]}")
     raise NativeBuildError("building the native probe kernel failed:\n" + "\n".join(errors))
+
+
+def _load(cxx: str) -> ctypes.CDLL:
+    """Build (or find) the library, load it and register its FFI targets."""
+    lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+    for target, symbol in (
+        (TARGET, "ScalescopeStats"),
+        (ASYNC_TARGET, "ScalescopeStatsAsync"),
+        (SAME_TARGET, "ScalescopeSame"),
+        (RECIPES_TARGET, "ScalescopeRecipes"),
+        (RECIPES_ASYNC_TARGET, "ScalescopeRecipesAsync"),
+    ):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return lib
 
 
 def available() -> bool:
@@ -121,25 +176,18 @@ def available() -> bool:
             cxx = _compiler()
             if cxx is None:
                 raise NativeBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
-            lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
-            jax.ffi.register_ffi_target(
-                TARGET, jax.ffi.pycapsule(lib.ScalescopeStats), platform="cpu"
-            )
-            jax.ffi.register_ffi_target(
-                ASYNC_TARGET, jax.ffi.pycapsule(lib.ScalescopeStatsAsync), platform="cpu"
-            )
-            for target, symbol in (
-                (SAME_TARGET, lib.ScalescopeSame),
-                (RECIPES_TARGET, lib.ScalescopeRecipes),
-                (RECIPES_ASYNC_TARGET, lib.ScalescopeRecipesAsync),
-            ):
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
-            _state["lib"] = lib
+            _state["lib"] = _load(cxx)
             _state["ok"] = True
-        except (NativeBuildError, OSError) as err:
+        except Exception as err:  # any failure to build, load or register: same remedy
             if mode == "native":
-                raise
-            log.warning("scalescope: using the pure-XLA probe kernel (%s)", err)
+                if isinstance(err, NativeBuildError):
+                    raise
+                raise NativeBuildError(f"the native probe kernel failed to load: {err!r}") from err
+            log.warning(
+                "scalescope: the native CPU probe kernel is not available, so statistics "
+                "use the pure-XLA kernel (slower to compile and run on CPU): %s",
+                err,
+            )
             _state["ok"] = False
         return bool(_state["ok"])
 
