@@ -232,6 +232,35 @@ def test_adamw_keeps_the_scale_invariant_under_check_mode():
     assert _all_finite(ss.asarray(out))
 
 
+def _negate_scale(x):  # a rule bug: the scale comes out negative, the data unchanged
+    return ss.ScaledArray(-x.data, -x.scale) if isinstance(x, ss.ScaledArray) else -x
+
+
+def _neg_twice(a):
+    return lax.neg(lax.neg(a)) * 3.0
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_check_mode_raises_on_a_broken_rule_and_names_it(monkeypatch, jitted):
+    """What makes the AdamW test above mean something: with a rule that breaks the
+    invariant, check mode raises naming the primitive and the source line (eagerly, and
+    through the host callback under jit); without check mode the same step runs."""
+    from scalescope.scalify import registry
+
+    monkeypatch.setitem(registry.RULES, "neg", registry.Rule(_negate_scale))
+    x = ss.as_scaled_array(jnp.linspace(1.0, 2.0, 8), scale=1.0)
+    unchecked = ss.scalify(_neg_twice, check=False)
+    checked = ss.scalify(_neg_twice, check=True)
+    if jitted:
+        unchecked, checked = jax.jit(unchecked), jax.jit(checked)
+    np.testing.assert_allclose(ss.asarray(unchecked(x)), 3.0 * np.linspace(1.0, 2.0, 8))
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(checked(x))
+    msg = str(info.value)
+    assert "scalify check: 'neg'" in msg and "a negative scale (-1.0)" in msg, msg
+    assert "test_exactness.py" in msg, msg
+
+
 def test_normalize_moves_far_data_into_the_scale_and_keeps_near_data():
     params = transformer_params()
     far = ss.as_scaled_array(params["wq"], scale=2.0**-30)  # data = wq * 2**30
