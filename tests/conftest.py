@@ -148,6 +148,17 @@ CHROME_ARGS = [
 ]
 
 
+def node_binary() -> str:
+    """Node.js, which runs the BokehJS formatter code of some tests outside a browser
+    (Debian's ``nodejs``; `.ci/run` installs it): missing is a failure, not a skip."""
+    import shutil
+
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.fail("node missing: apt-get install -y nodejs (.ci/run does)")
+    return node
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as sock:

@@ -8,7 +8,6 @@ break across long gaps."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 from bokeh.models import GlyphRenderer, HoverTool, Image, Quad
+from conftest import node_binary
 
 import scalescope as ss
 from scalescope import analysis as A
@@ -386,9 +386,7 @@ def test_heatmap_without_measured_nan_has_no_grey_image_and_updates_in_place():
 
 def test_heatmap_hover_says_not_measured_or_nan():
     """Run the value formatter in node, as BokehJS compiles it."""
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node not installed")
+    node = node_binary()
     stats = _frame(rotating)
     mat = A.matrix(stats, "rms")
     mat.loc[0, 0] = np.nan

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import subprocess
 from html.parser import HTMLParser
 
@@ -25,6 +24,7 @@ from bokeh.models import (
     Span,
     TapTool,
 )
+from conftest import node_binary
 
 from scalescope import viz
 
@@ -185,9 +185,7 @@ def test_heatmap_axes_uneven_steps_and_labels():
 
 def test_heatmap_js_snippets_map_pixels_to_steps_and_labels():
     """Run the hover/tick formatter code in node, as BokehJS compiles it."""
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node not installed")
+    node = node_binary()
     fig = viz.heatmap(_matrix(), metric="rms", labels=pd.Series({3: "a", 13: "b"}))
     hover = next(t for t in fig.tools if isinstance(t, HoverTool))
     step_js, op_js = hover.formatters["$x"], hover.formatters["$y"]
@@ -633,9 +631,7 @@ def test_grouped_heatmap_labels_rows_or_groups_by_row_height():
     assert ticker.tags == ["groups"] and ticker.ticks[:3] == [0, 30, 60]
     fmt = fig.yaxis[0].formatter
     assert fmt.args["sections"][30] == "▾ fwd/layers/1 (30 ops)" and fmt.args["sections"][31] == ""
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node not installed")
+    node = node_binary()
     callback = fig.y_range.js_property_callbacks["change:start"][0]
 
     def zoom(start, end):
