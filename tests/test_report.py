@@ -22,6 +22,9 @@ from conftest import watch_offline
 import scalescope as ss
 from scalescope import analysis as A
 from scalescope import report
+from scalescope.report import collect as report_collect
+from scalescope.report import heatmaps as report_heatmaps
+from scalescope.report import verdicts as report_verdicts
 
 HERE = Path(__file__).parent
 WRITER = HERE / "dashboard_writer.py"
@@ -226,7 +229,7 @@ def test_json_verdicts_agree_with_the_advisor_and_the_whatif(runs, naive_report)
     assert doc["schema"] == "scalescope-report" and doc["version"] == 1
     reader = ss.open_run(runs / "naive")
     # findings: exactly the advisor's rows
-    advised = report._plain(reader.advise().to_dict("records"))
+    advised = report_verdicts._plain(reader.advise().to_dict("records"))
     assert doc["findings"] == advised
     key = {(f["op"], f["rule"], f["format"]) for f in doc["findings"]}
     assert ("op", "overflow", "e4m3") not in key and (3, "overflow", "e4m3") in key
@@ -463,9 +466,9 @@ def test_report_heatmap_rows_are_collapsed_module_groups_naming_the_worst_op(tmp
     n_ops, n_steps = 700, 4
     _synthetic_run(tmp_path / "big", n_ops, n_steps)
     reader = ss.open_run(tmp_path / "big")
-    data = report._collect(reader, A.Thresholds())
+    data = report_collect._collect(reader, A.Thresholds())
     data.css = InlineStyleSheet(css="")
-    figs = report._heatmaps(data, max_ops=600, max_steps=200)
+    figs = report_heatmaps._heatmaps(data, max_ops=600, max_steps=200)
     fig = next(f for f in figs if getattr(f, "name", "") == "report-heatmap-log2_rms")
     tag = fig.tags[0]["scalescope.heatmap"]
     ops = reader.ops
@@ -506,7 +509,7 @@ def test_merged_heatmap_rows_keep_the_worst_value():
         columns=pd.Index([0, 5], name="step"),
     )
     labels = pd.Series([f"op{i}" for i in mat.index], index=mat.index)
-    out, names, width = report._merge_rows(mat, labels, "overflow_e4m3", max_ops=2)
+    out, names, width = report_heatmaps._merge_rows(mat, labels, "overflow_e4m3", max_ops=2)
     assert width == 3 and out.index.tolist() == [10, 13]
     np.testing.assert_array_equal(out.to_numpy()[1], [0.9, 0.3])
     assert np.isnan(out.to_numpy()[0, 1]) and out.to_numpy()[0, 0] == 0.5
@@ -589,15 +592,15 @@ def test_merged_heatmap_rows_skip_unmeasured_cells():
         columns=mat.columns,
     )
     labels = pd.Series(["a", "b", "c"], index=mat.index)
-    out, _, width = report._merge_rows(mat, labels, "overflow_e4m3", 1, measured)
+    out, _, width = report_heatmaps._merge_rows(mat, labels, "overflow_e4m3", 1, measured)
     assert width == 3
     # step 0: the worst of the two measured ops; step 1: op 1 was measured and is NaN
     # (non-finite data), which stays NaN; step 2: op 1's value, not NaN from the others
     np.testing.assert_array_equal(out.to_numpy()[0], [0.3, np.nan, 0.2])
-    merged = report._merge_measured(measured, width)
+    merged = report_heatmaps._merge_measured(measured, width)
     assert merged.to_numpy().tolist() == [[True, True, True]]
     nothing = measured & False
-    out, _, _ = report._merge_rows(mat, labels, "overflow_e4m3", 1, nothing)
+    out, _, _ = report_heatmaps._merge_rows(mat, labels, "overflow_e4m3", 1, nothing)
     assert np.isnan(out.to_numpy()).all()  # no op measured: blank, not 0
 
 

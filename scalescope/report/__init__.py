@@ -27,15 +27,14 @@ audit or recipe it does not record, unwritable output), with a one-line message 
 stderr.
 """
 
-from .collect import ReportError, _collect, _RunData
+from .collect import ReportError
 from .command import add_parser, main_report, write_report
 from .compare import COMPARE_ROWS
 from .figures import MAX_SCALAR_POINTS
 from .gate import FAIL_ON_HELP, Rule, evaluate_rules, parse_fail_on
-from .heatmaps import _heatmaps, _merge_measured, _merge_rows
 from .page import DEFAULT_MAX_OPS, DEFAULT_MAX_STEPS, DEFAULT_WORST, build_report
 from .sections import MAX_FINDING_ROWS
-from .verdicts import REPORT_SCHEMA, REPORT_VERSION, _plain
+from .verdicts import REPORT_SCHEMA, REPORT_VERSION
 
 __all__ = [
     "COMPARE_ROWS",
@@ -55,11 +54,4 @@ __all__ = [
     "main_report",
     "parse_fail_on",
     "write_report",
-    # private helpers the tests reach (kept at their old dotted path)
-    "_RunData",
-    "_collect",
-    "_heatmaps",
-    "_merge_measured",
-    "_merge_rows",
-    "_plain",
 ]

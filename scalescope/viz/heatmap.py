@@ -45,77 +45,33 @@ from bokeh.models import (
     LinearColorMapper,
     Range1d,
     TapTool,
-    Title,
 )
 from bokeh.plotting import figure
 
 from . import theme
+from .heatmap_base import (
+    JS_INDEX,
+    JS_TICK,
+    PAN_ZOOM_TOOLS,
+    TAG,
+    blank_background,
+    cell_hover,
+    color_range,
+    nan_cells,
+    note,
+)
+from .heatmap_groups import grouped_heatmap, update_grouped
 
-#: Key of the dict stored in ``fig.tags`` that `heatmap_cell` reads.
-TAG = "scalescope.heatmap"
+__all__ = ["TAG", "color_range", "heatmap", "heatmap_cell", "heatmap_group", "update_heatmap"]
 
 #: Op labels are written on the y axis only when there are fewer rows than this.
 MAX_LABELLED_ROWS = 60
 
-_PAN_ZOOM_TOOLS = "pan,wheel_zoom,box_zoom,reset,save"
-
-# Round a data coordinate to the row/column index whose unit square contains it.
-_JS_INDEX = "const i = Math.floor(value + 0.5);"
-
-_JS_STEP = _JS_INDEX + "return (i >= 0 && i < steps.length) ? String(steps[i]) : '';"
-
 _JS_OP = (
-    _JS_INDEX
+    JS_INDEX
     + "if (!(i >= 0 && i < ops.length)) return '';"
     + "return format == 'id' ? String(ops[i]) : labels[i];"
 )
-
-_JS_VALUE = """
-if (value == null || Number.isNaN(value)) {
-  if (!measured) return 'no data';
-  if (nan != null) {
-    const c = Math.floor(special_vars.x + 0.5), r = Math.floor(special_vars.y + 0.5);
-    if (nan.data.image[0][r * n_cols + c]) return 'NaN (non-finite data)';
-  }
-  return 'not measured';
-}
-if (!Number.isFinite(value)) return value > 0 ? 'inf' : '-inf';
-const a = Math.abs(value);
-return (a != 0 && (a < 1e-3 || a >= 1e5)) ? value.toExponential(3) : String(+value.toPrecision(4));
-"""
-
-_JS_TICK = (
-    "const i = Math.round(tick);"
-    "return (Math.abs(tick - i) < 1e-6 && i >= 0 && i < steps.length) ? String(steps[i]) : '';"
-)
-
-
-def color_range(metric: str, values: np.ndarray) -> tuple[float, float]:
-    """Default colour range of ``metric`` for these values (see `theme.metric_family`).
-
-    Fixed per family, the same in every run and view, so that a colour means one value:
-    fractions ``0 .. 1`` (their palette is spaced by decade, `theme.FRACTION_PALETTE`, so
-    a 1.5 % underflow reads light orange and 99 % dark red); SNR `theme.SNR_RANGE` dB
-    (``inf``, an exact cast, takes the top colour); ``log2_*`` ``-8 .. 8``, centred on 0
-    so that drift up and down read symmetrically. Other metrics (rms, abs-max, scale):
-    finite min .. max of the values.
-    """
-    family = theme.metric_family(metric)
-    if family == "log2":
-        return -theme.LOG2_HALF_RANGE, theme.LOG2_HALF_RANGE
-    if family == "fraction":
-        return 0.0, 1.0
-    if family == "snr":
-        return theme.SNR_RANGE
-    finite = np.asarray(values, dtype=float)
-    finite = finite[np.isfinite(finite)]
-    if not finite.size:
-        return 0.0, 1.0
-    low, high = float(finite.min()), float(finite.max())
-    if low == high:
-        pad = abs(low) * 0.05 or 1.0
-        low, high = low - pad, high + pad
-    return low, high
 
 
 def _op_labels(ops: Sequence[int], labels: pd.Series | None) -> list[str]:
@@ -147,35 +103,10 @@ def _hover(
     return cell_hover(renderer, metric, op_fmt, rows, steps, measured, nan)
 
 
-def cell_hover(
-    renderer: Any,
-    metric: str,
-    row_fmt: Any,
-    row_tips: list[tuple[str, str]],
-    steps: list[int],
-    measured: bool,
-    nan: Any,
-) -> HoverTool:
-    """The heatmap's hover: ``row_tips`` (resolved by ``row_fmt`` from ``$y``), then the
-    step and the value of the cell under the pointer (shared by the grouped figure)."""
-    step_fmt = CustomJSHover(args={"steps": steps}, code=_JS_STEP)
-    value_fmt = CustomJSHover(
-        args={"measured": measured, "nan": nan, "n_cols": len(steps)},
-        code=_JS_VALUE,
-        name="heatmap-value-format",
-    )
-    return HoverTool(
-        renderers=[renderer],
-        tooltips=[*row_tips, ("step", "$x{step}"), (metric, "@image{value}")],
-        formatters={"$y": row_fmt, "$x": step_fmt, "@image": value_fmt},
-        name="heatmap-hover",
-    )
-
-
 def _label_axes(fig, steps: list[int], labels: list[str]) -> None:
     """Real step numbers on the x axis; op labels on the y axis when there are few rows."""
     fig.xaxis.ticker = BasicTicker(min_interval=1, desired_num_ticks=10)
-    fig.xaxis.formatter = CustomJSTickFormatter(args={"steps": steps}, code=_JS_TICK)
+    fig.xaxis.formatter = CustomJSTickFormatter(args={"steps": steps}, code=JS_TICK)
     fig.xaxis.axis_label = "step"
     n = len(labels)
     if n < MAX_LABELLED_ROWS:
@@ -200,34 +131,6 @@ def _measured_mask(matrix: pd.DataFrame, measured: Any) -> np.ndarray | None:
     if mask.shape != matrix.shape:
         raise ValueError(f"measured: shape {mask.shape} differs from the matrix's {matrix.shape}")
     return mask
-
-
-def _nan_cells(values: np.ndarray, mask: np.ndarray | None) -> np.ndarray | None:
-    """uint8 image: 1 where a measured cell holds NaN (None when there is none)."""
-    if mask is None or not values.size:
-        return None
-    cells = np.isnan(values) & mask
-    return cells.astype(np.uint8) if cells.any() else None
-
-
-def _blank_background(fig, n_rows: int, n_cols: int, name: str) -> None:
-    """A faint hatch behind the image: it shows through the transparent cells of ops that
-    were not measured at a step, so they read as "no measurement", not as a value. (A
-    hatched quad: Bokeh 3.9 fails to draw a plot's own ``background_hatch_pattern``.)"""
-    quad = fig.quad(
-        left=[-0.5],
-        right=[n_cols - 0.5],
-        bottom=[-0.5],
-        top=[n_rows - 0.5],
-        fill_alpha=0.0,
-        line_alpha=0.0,
-        hatch_pattern=theme.UNMEASURED_HATCH,
-        hatch_color=theme.UNMEASURED_HATCH_COLOR,
-        hatch_scale=8,
-        hatch_weight=0.6,
-        name=f"{name}-blank",
-    )
-    quad.nonselection_glyph = quad.glyph.clone()
 
 
 def heatmap(
@@ -266,8 +169,6 @@ def heatmap(
     `scalescope.viz.heatmap_groups`.
     """
     if groups is not None:
-        from .heatmap_groups import grouped_heatmap
-
         return grouped_heatmap(
             matrix,
             metric=metric,
@@ -304,7 +205,7 @@ def heatmap(
         height=_figure_height(n_rows),
         x_range=Range1d(-0.5, max(n_cols, 1) - 0.5, bounds="auto"),
         y_range=Range1d(max(n_rows, 1) - 0.5, -0.5, bounds="auto"),  # row 0 on top
-        tools=_PAN_ZOOM_TOOLS,
+        tools=PAN_ZOOM_TOOLS,
         toolbar_location="above",
     )
     fig.tags = [{TAG: {"metric": metric, "ops": ops, "steps": steps, "measured": mask is not None}}]
@@ -316,7 +217,7 @@ def heatmap(
         fig.add_layout(Label(x=0, y=0, text="no data", text_align="center"))
         return fig
     if mask is not None and not mask.all():
-        _blank_background(fig, n_rows, n_cols, name)
+        blank_background(fig, n_rows, n_cols, name)
     renderer = fig.image(
         image=[values],
         x=-0.5,
@@ -327,7 +228,7 @@ def heatmap(
         name=f"{name}-image",
     )
     renderer.nonselection_glyph = renderer.glyph.clone()  # a tap must not fade the image
-    nan = _nan_cells(values, mask)
+    nan = nan_cells(values, mask)
     nan_source = None
     if nan is not None:
         nan_source = _nan_image(fig, nan, name).data_source
@@ -336,7 +237,7 @@ def heatmap(
         TapTool(behavior="inspect"),
     )
     if mask is not None and not mask.all():
-        _note(fig, f"hatched: not measured at that step ({int((~mask).sum())} cells)")
+        note(fig, f"hatched: not measured at that step ({int((~mask).sum())} cells)")
     return fig
 
 
@@ -349,13 +250,6 @@ def _nan_image(fig, cells: np.ndarray, name: str) -> Any:
     )
     nan.nonselection_glyph = nan.glyph.clone()
     return nan
-
-
-def _note(fig, text: str) -> None:
-    fig.add_layout(
-        Title(text=text, text_font_size="8pt", text_font_style="italic", name="heatmap-note"),
-        "below",
-    )
 
 
 def _cell_axes(fig_or_matrix: Any) -> tuple[list[int], list[int]]:
@@ -434,8 +328,6 @@ def update_heatmap(
     if info.get("grouped"):
         if groups is None:
             return False
-        from .heatmap_groups import update_grouped
-
         return update_grouped(
             fig,
             matrix,
@@ -463,7 +355,7 @@ def update_heatmap(
         return False
     dtype = np.float32 if (matrix.dtypes == np.float32).all() else np.float64
     values = matrix.to_numpy(dtype=dtype, copy=True)
-    nan = _nan_cells(values, mask)
+    nan = nan_cells(values, mask)
     nan_images = [r for r in fig.renderers if getattr(r, "name", "") == f"{fig.name}-nan"]
     if nan is not None and not nan_images:
         return False

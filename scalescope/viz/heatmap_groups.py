@@ -44,15 +44,15 @@ from bokeh.plotting import figure
 from scalescope.analysis import GroupedMatrix, group_matrix, metric_direction
 
 from . import theme
-from .heatmap import (
-    _JS_TICK,
-    _PAN_ZOOM_TOOLS,
+from .heatmap_base import (
+    JS_TICK,
+    PAN_ZOOM_TOOLS,
     TAG,
-    _blank_background,
-    _nan_cells,
-    _note,
+    blank_background,
     cell_hover,
     color_range,
+    nan_cells,
+    note,
 )
 
 #: Rows at least this tall (pixels) get a label each; shorter rows get group labels.
@@ -163,12 +163,12 @@ def grouped_heatmap(
         height=_grouped_height(n_rows),
         x_range=Range1d(-0.5, max(n_cols, 1) - 0.5),
         y_range=Range1d(max(n_rows, 1) - 0.5, -0.5),  # row 0 on top
-        tools=_PAN_ZOOM_TOOLS,
+        tools=PAN_ZOOM_TOOLS,
         toolbar_location="above",
     )
     fig.grid.visible = False
     fig.xaxis.ticker = BasicTicker(min_interval=1, desired_num_ticks=10)
-    fig.xaxis.formatter = CustomJSTickFormatter(args={"steps": steps}, code=_JS_TICK)
+    fig.xaxis.formatter = CustomJSTickFormatter(args={"steps": steps}, code=JS_TICK)
     fig.xaxis.axis_label = "step"
     fig.add_layout(ColorBar(color_mapper=mapper, title=metric, width=12), "right")
     fig.tags = [{TAG: {"metric": metric, "steps": steps, "measured": mask is not None}}]
@@ -184,7 +184,7 @@ def grouped_heatmap(
         args={"labels": [], "sections": [], "ticker": ticker}, code=_JS_YTICK
     )
     if mask is not None and not mask.all():
-        _blank_background(fig, n_rows, n_cols, fig.name)
+        blank_background(fig, n_rows, n_cols, fig.name)
     image = fig.image(
         image=[np.zeros((1, 1), np.float32)],
         x=-0.5,
@@ -196,7 +196,7 @@ def grouped_heatmap(
     )
     image.nonselection_glyph = image.glyph.clone()
     nan_source = None
-    if _nan_cells(rows.values, mask) is not None:
+    if nan_cells(rows.values, mask) is not None:
         nan_source = _add_nan(fig, n_rows, n_cols).data_source
     fig.add_tools(_hover(image, metric, mask is not None, nan_source, n_cols, steps, name))
     fig.add_tools(TapTool(behavior="inspect"))
@@ -205,7 +205,7 @@ def grouped_heatmap(
         rows.values = rows.values.astype(np.float32)
     fill_rows(fig, rows, metric=metric, labels=labels, palette=palette, low=low, high=high)
     if mask is not None and not mask.all():
-        _note(fig, "hatched: not measured at that step")
+        note(fig, "hatched: not measured at that step")
     return fig
 
 
@@ -306,7 +306,7 @@ def fill_rows(
     )
     image.glyph.update(dh=n_rows, dw=n_cols)
     image.data_source.data = {"image": [values]}
-    cells = _nan_cells(values, mask)
+    cells = nan_cells(values, mask)
     if nan is not None:
         nan.glyph.update(dh=n_rows, dw=n_cols)
         nan.data_source.data = {
@@ -419,7 +419,7 @@ def update_grouped(
     rows = group_matrix(matrix, groups, metric, expanded, measured)
     # Measured NaN cells or unmeasured ones need the grey image or the hatch: a figure
     # built without them is rebuilt.
-    if _nan_cells(rows.values, rows.measured) is not None and _model(fig, "nan") is None:
+    if nan_cells(rows.values, rows.measured) is not None and _model(fig, "nan") is None:
         return False
     if rows.measured is not None and not rows.measured.all() and _model(fig, "blank") is None:
         return False
