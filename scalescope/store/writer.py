@@ -397,7 +397,11 @@ class Run:
     are measured more often (see `budget`); ``every`` is then the shortest gap between
     two recorded steps. Statistics stay exact; a value simply has no row at the steps
     that did not measure it. ``formats``, ``histograms``, ``select``, ``sample``,
-    ``isolate``, ``fallback``: passed to `instrument`. ``config``: any JSON-able dict kept
+    ``fallback``: passed to `instrument`. ``isolate`` means what it means for `instrument`
+    (a recorded step's outputs are bit for bit those of the plain step) and `Run` gets it
+    more cheaply: True (default) runs the plain program for the outputs, then the
+    statistics as a program of their own; False records inside one program that also
+    gives the outputs (cheaper; outputs may differ in the last bits). ``config``: any JSON-able dict kept
     in the metadata (model sizes, precision, seed). ``flush_steps`` / ``flush_seconds``:
     when the writer writes a part (see the module docstring for the crash bound).
     ``start_step``: the first step number of tracked functions; by default 0, or one past
