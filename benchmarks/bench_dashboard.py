@@ -720,8 +720,8 @@ def profile_server(path: Path, metrics: list[str]) -> tuple[list[tuple[str, floa
 
     from bokeh.embed import json_item
 
-    from app.data import RunData
     from scalescope import viz
+    from scalescope.app.data import RunData
 
     rows: list[tuple[str, float]] = []
     sizes: dict = {}

@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import scalescope as ss
-    from sample_models.train import TrainConfig, make_adamw, make_task
-    from sample_models.train_step import make_train_step
     from scalescope.analysis import exact_pattern, matmul_table, op_label_series
+    from scalescope.sample_models.train import TrainConfig, make_adamw, make_task
+    from scalescope.sample_models.train_step import make_train_step
 
     gpt = {"seq_len": args.seq_len, "d_model": args.d_model, "n_heads": 4}
     gpt["n_layers"] = args.layers

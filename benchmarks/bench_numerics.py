@@ -189,15 +189,15 @@ def run_row(row: Row, args: argparse.Namespace, log=sys.stderr) -> dict[str, Any
     import numpy as np
 
     import scalescope as ss
-    from sample_models.precision import SCALIFIED
-    from sample_models.train import (
+    from scalescope.sample_models.precision import SCALIFIED
+    from scalescope.sample_models.train import (
         TrainConfig,
         learning_rate_schedule,
         make_adamw,
         make_task,
         peak_learning_rate,
     )
-    from sample_models.train_step import make_train_step
+    from scalescope.sample_models.train_step import make_train_step
 
     cfg = TrainConfig(
         model="gpt",

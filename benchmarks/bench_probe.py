@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import scalescope as ss
-from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
-from sample_models.precision import PRECISIONS
-from sample_models.train_step import make_optimizer, make_train_step
 from scalescope.core.recipes import names as recipe_names
 from scalescope.probe import native
+from scalescope.sample_models.gpt import GPTConfig, gpt_loss, init_gpt
+from scalescope.sample_models.precision import PRECISIONS
+from scalescope.sample_models.train_step import make_optimizer, make_train_step
 
 GOALS = {"step": 4.0, "compile": 2.5, "temp": 1.25}
 

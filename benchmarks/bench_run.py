@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import scalescope as ss
-from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
-from sample_models.precision import PRECISIONS
-from sample_models.train_step import make_optimizer, make_train_step
+from scalescope.sample_models.gpt import GPTConfig, gpt_loss, init_gpt
+from scalescope.sample_models.precision import PRECISIONS
+from scalescope.sample_models.train_step import make_optimizer, make_train_step
 
 
 def _state(cfg: GPTConfig, precision: str):

@@ -37,9 +37,9 @@ import numpy as np
 from bench_probe import _measure  # (run as a script: benchmarks/ is on the path)
 
 import scalescope as ss
-from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
-from sample_models.precision import PRECISIONS
-from sample_models.train_step import make_optimizer, make_train_step
+from scalescope.sample_models.gpt import GPTConfig, gpt_loss, init_gpt
+from scalescope.sample_models.precision import PRECISIONS
+from scalescope.sample_models.train_step import make_optimizer, make_train_step
 
 
 def _peak_mib() -> float:

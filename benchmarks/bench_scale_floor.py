@@ -45,7 +45,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import scalescope as ss
-from sample_models.train_step import make_optimizer, make_train_step
+from scalescope.sample_models.train_step import make_optimizer, make_train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_scalify import _gpt, _mlp  # noqa: E402  (the same models as bench_scalify)

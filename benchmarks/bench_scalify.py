@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import scalescope as ss
-from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
-from sample_models.mlp import MLPConfig, init_mlp, mlp_loss
-from sample_models.precision import PRECISIONS
-from sample_models.train_step import make_optimizer, make_train_step
+from scalescope.sample_models.gpt import GPTConfig, gpt_loss, init_gpt
+from scalescope.sample_models.mlp import MLPConfig, init_mlp, mlp_loss
+from scalescope.sample_models.precision import PRECISIONS
+from scalescope.sample_models.train_step import make_optimizer, make_train_step
 
 
 def _block(tree):

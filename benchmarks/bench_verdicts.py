@@ -175,7 +175,7 @@ def final_loss(loss: np.ndarray) -> float:
 
 
 def train_case(case: Case, args: argparse.Namespace, root: Path) -> Path:
-    from sample_models.train import TrainConfig, train
+    from scalescope.sample_models.train import TrainConfig, train
 
     settings = dict(case.settings)
     if args.fast:

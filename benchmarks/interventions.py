@@ -49,7 +49,7 @@ CONTROL = "bf16"
 def record_reference(model: str, steps: int, seed: int, root: Path) -> Path:
     """The model's FP32 run, every recipe audited (trained once, reused after)."""
     import scalescope as ss
-    from sample_models.train import TrainConfig, train
+    from scalescope.sample_models.train import TrainConfig, train
 
     run = root / f"{model}-fp32-recipes"
     if run.exists():
@@ -72,8 +72,8 @@ def _setup(model: str, steps: int, seed: int):
     ``scalescope train`` builds them."""
     import jax.numpy as jnp
 
-    from sample_models.train import TrainConfig, make_adamw, make_task
-    from sample_models.train_step import make_train_step
+    from scalescope.sample_models.train import TrainConfig, make_adamw, make_task
+    from scalescope.sample_models.train_step import make_train_step
 
     cfg = TrainConfig(model=model, precision="fp32", steps=steps, seed=seed)
     task = make_task(cfg)

@@ -1,6 +1,6 @@
 """Sample models for scalescope: a small GPT decoder and an MLP, in plain JAX + optax."""
 
-from sample_models.gpt import (
+from .gpt import (
     GPTConfig,
     gpt_forward,
     gpt_loss,
@@ -8,10 +8,10 @@ from sample_models.gpt import (
     stack_blocks,
     unstack_blocks,
 )
-from sample_models.losses import cross_entropy
-from sample_models.mlp import MLPConfig, init_mlp, mlp_accuracy, mlp_forward, mlp_loss
-from sample_models.precision import PRECISIONS, Precision, get_precision
-from sample_models.train_step import make_optimizer, make_train_step
+from .losses import cross_entropy
+from .mlp import MLPConfig, init_mlp, mlp_accuracy, mlp_forward, mlp_loss
+from .precision import PRECISIONS, Precision, get_precision
+from .train_step import make_optimizer, make_train_step
 
 __all__ = [
     "PRECISIONS",

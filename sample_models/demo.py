@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from sample_models.train import TrainConfig, train
+from .train import TrainConfig, train
 
 #: (run folder name, precision recipe), in training order.
 DEMO_RUNS = (("fp8-naive", "fp8-naive"), ("fp8", "fp8"))

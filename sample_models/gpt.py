@@ -16,9 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sample_models.losses import cross_entropy
-from sample_models.precision import PRECISIONS, Precision
 from scalescope.ops.scaling import dynamic_rescale_l2_grad
+
+from .losses import cross_entropy
+from .precision import PRECISIONS, Precision
 
 Params = dict[str, Any]
 

@@ -27,11 +27,12 @@ import numpy as np
 import optax
 
 import scalescope as ss
-from sample_models import data as D
-from sample_models.gpt import GPTConfig, gpt_loss, init_gpt
-from sample_models.mlp import MLPConfig, init_mlp, mlp_accuracy, mlp_loss
-from sample_models.precision import PRECISIONS, SCALIFIED, get_precision, unit_init
-from sample_models.train_step import make_train_step, with_state_dtype
+
+from . import data as D
+from .gpt import GPTConfig, gpt_loss, init_gpt
+from .mlp import MLPConfig, init_mlp, mlp_accuracy, mlp_loss
+from .precision import PRECISIONS, SCALIFIED, get_precision, unit_init
+from .train_step import make_train_step, with_state_dtype
 
 MODELS = ("gpt", "mlp")
 PRECISION_NAMES = tuple(PRECISIONS)

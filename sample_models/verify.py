@@ -12,13 +12,14 @@ from typing import Any, TextIO
 import jax.numpy as jnp
 
 import scalescope as ss
-from sample_models.precision import SCALIFIED
-from sample_models.train import TrainConfig, make_adamw, make_task
-from sample_models.train_step import make_train_step
 from scalescope.analysis import predict_policy_run, predicted_verdict
 from scalescope.core.policy import as_policy
 from scalescope.store import layout as L
 from scalescope.verification import GAP_THRESHOLD, Verification
+
+from .precision import SCALIFIED
+from .train import TrainConfig, make_adamw, make_task
+from .train_step import make_train_step
 
 
 def config_of(reader: ss.RunReader) -> TrainConfig:

@@ -148,8 +148,8 @@ def _check_formats(names: tuple[str, ...]) -> None:
 
 
 def _train(args, parser) -> int:
-    from sample_models.data import DatasetError
-    from sample_models.train import TrainConfig, train
+    from scalescope.sample_models.data import DatasetError
+    from scalescope.sample_models.train import TrainConfig, train
 
     if args.every < 1:
         parser.error("--every must be >= 1")
@@ -259,7 +259,7 @@ def _add_serve(sub) -> None:
 def _serve(args, parser) -> int:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
-    from app import ServeError, serve  # heavy (Panel): only imported for this command
+    from scalescope.app import ServeError, serve  # heavy (Panel): only imported for this command
 
     try:
         serve(args.path, port=args.port, address=args.address, show=args.show, threaded=True)
@@ -311,8 +311,8 @@ def _add_demo(sub) -> None:
 
 
 def _demo(args) -> int:
-    from sample_models.data import DatasetError
-    from sample_models.demo import DemoError, DemoOptions, run_demo
+    from scalescope.sample_models.data import DatasetError
+    from scalescope.sample_models.demo import DemoError, DemoOptions, run_demo
 
     opts = DemoOptions(
         steps=args.steps,
@@ -327,7 +327,7 @@ def _demo(args) -> int:
     )
     serve = None
     if opts.serve:
-        from app import serve
+        from scalescope.app import serve
     try:
         return run_demo(opts, serve=serve)
     except (DemoError, DatasetError, ss.RunError) as err:
@@ -376,8 +376,8 @@ def _add_verify(sub) -> None:
 
 
 def _verify(args, parser) -> int:
-    from sample_models.data import DatasetError
-    from sample_models.verify import verify_run
+    from scalescope.sample_models.data import DatasetError
+    from scalescope.sample_models.verify import verify_run
     from scalescope.verification import GAP_THRESHOLD
 
     if args.steps < 1:

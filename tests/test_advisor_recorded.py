@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 
 import scalescope as ss
-from sample_models.data import load_fashion_mnist
-from sample_models.train import TrainConfig
 from scalescope.analysis import advise_run
 from scalescope.cli import main
+from scalescope.sample_models.data import load_fashion_mnist
+from scalescope.sample_models.train import TrainConfig
 
 E4M3_MAX = 448.0
 E4M3_NAN_FROM = 464.0  # the midpoint to the next binade: larger values round to NaN

@@ -133,7 +133,7 @@ def test_serve_rejects_bad_paths_with_a_message(tmp_path):
 
 
 def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
-    from app import Dashboard, RunSet
+    from scalescope.app import Dashboard, RunSet
 
     dash = Dashboard(RunSet(runs), run="naive", poll_ms=0)
     for i, view in enumerate(TABS):
@@ -176,7 +176,7 @@ def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
 def test_overview_opens_on_the_worst_findings_metric(runs):
     """The worst-ops table opens on the statistic of the worst finding (highest severity,
     then magnitude), not on a fixed one; a metric picked in the page is kept."""
-    from app import Dashboard, RunSet
+    from scalescope.app import Dashboard, RunSet
 
     for run in ("naive", "scalified"):
         dash = Dashboard(RunSet(runs), run=run, poll_ms=0)
@@ -206,7 +206,7 @@ def test_overview_opens_on_the_worst_findings_metric(runs):
 def test_overview_of_a_run_without_nan_opens_on_its_worst_finding(grouped_root):
     """No NaN anywhere (frac_nonfinite is zero everywhere): the worst ops open on the
     statistic of the worst finding, here a critical overflow."""
-    from app import Dashboard, RunSet
+    from scalescope.app import Dashboard, RunSet
 
     dash = Dashboard(RunSet(grouped_root), poll_ms=0)
     findings = dash.data.findings()
@@ -223,8 +223,8 @@ def test_served_page_draws_the_overview_before_the_advisor_ends(runs, monkeypatc
     ends draws its summary and opens the worst ops on the worst finding's metric."""
     import threading
 
-    from app import Dashboard, RunSet
-    from app import data as app_data
+    from scalescope.app import Dashboard, RunSet
+    from scalescope.app import data as app_data
 
     gate = threading.Event()
     frame = app_data.advisor_frame
@@ -250,7 +250,7 @@ def test_served_page_draws_the_overview_before_the_advisor_ends(runs, monkeypatc
 
 
 def test_overview_columns_from_the_grids_match_the_op_summary(runs):
-    from app import RunSet
+    from scalescope.app import RunSet
 
     for run in ("naive", "scalified"):
         data = RunSet(runs).get(run)
@@ -267,7 +267,7 @@ def test_overview_columns_from_the_grids_match_the_op_summary(runs):
 def test_measured_from_the_grid_is_the_readers(runs, budget_root, grouped_root):
     """When each op was measured, read from the heatmap grid's mask (no pass over every
     row): the reader's own frame, for full, budgeted and grouped runs."""
-    from app import RunSet
+    from scalescope.app import RunSet
 
     for root, run in ((runs, "naive"), (runs, "scalified"), (budget_root, "budget")):
         data = RunSet(root).get(run)
@@ -282,7 +282,7 @@ def test_advice_runs_in_the_background_and_waits_between_live_steps(grouped_root
     `Advice.MIN_INTERVAL`, the older findings stay shown meanwhile."""
     import shutil
 
-    from app import RunSet
+    from scalescope.app import RunSet
 
     run = tmp_path / "live"
     shutil.copytree(grouped_root / "big", run)
@@ -447,7 +447,7 @@ def test_page_model_shows_recipes_beside_formats(runs):
     """The "Formats & recipes" tab: verdict counts and the cheapest safe recipe per pass,
     each op's recipes side by side; the heatmap offers recipe statistics; the op detail
     draws the block scales."""
-    from app import Dashboard, RunSet
+    from scalescope.app import Dashboard, RunSet
 
     dash = Dashboard(RunSet(runs), run="scalified", poll_ms=0)
     assert dash.tabs._names[TABS.index("Formats")] == "Formats & recipes"
@@ -481,7 +481,7 @@ def test_page_model_shows_recipes_beside_formats(runs):
 
 def test_matrix_of_the_page_matches_the_reader(runs):
     """The heatmap's values are the reader's statistics (independently pivoted here)."""
-    from app import RunSet
+    from scalescope.app import RunSet
 
     data = RunSet(runs).get("scalified")
     ops = data.filtered_ops((), (), "")
@@ -517,7 +517,7 @@ def budget_root(runs, tmp_path_factory) -> Path:
 
 
 def test_page_model_notes_sampled_statistics_and_last_measured(budget_root, runs):
-    from app import Dashboard, RunSet
+    from scalescope.app import Dashboard, RunSet
 
     dash = Dashboard(RunSet(budget_root), run="budget", poll_ms=0)
     for i, view in enumerate(TABS):
@@ -622,7 +622,7 @@ def _rows(dash) -> dict:
 
 
 def test_heatmap_groups_expand_collapse_and_search(grouped_root):
-    from app import Dashboard, RunSet
+    from scalescope.app import Dashboard, RunSet
 
     dash = Dashboard(RunSet(grouped_root), poll_ms=0)
     dash.tabs.active = TABS.index("Heatmap")
@@ -699,7 +699,7 @@ def test_a_new_step_reaches_the_open_heatmap_in_place(grouped_root, tmp_path):
     figure gets the new column (the value the reader reads)."""
     import shutil
 
-    from app import Dashboard, RunSet
+    from scalescope.app import Dashboard, RunSet
 
     run = tmp_path / "live"
     shutil.copytree(grouped_root / "big", run)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sample_models import data
-from sample_models.data import (
+from scalescope.sample_models import data
+from scalescope.sample_models.data import (
     FASHION_MNIST_CLASSES,
     VENDORED_PLAYS,
     CharVocab,

@@ -17,8 +17,8 @@ import pytest
 from conftest import free_port
 
 import scalescope as ss
-from sample_models.demo import DEMO_RUNS, DemoError, demo_folder
 from scalescope.cli import main
+from scalescope.sample_models.demo import DEMO_RUNS, DemoError, demo_folder
 
 REPO = Path(__file__).resolve().parents[1]
 # The two tests that train and finish run the same demo (steps and every are compiled

@@ -72,6 +72,8 @@ def part_of(module: tuple[str, ...]) -> str | None:
         return None
     if len(module) == 1:
         return "__init__"
+    if module[1] in TOP_LEVEL:  # installed as scalescope.app, scalescope.sample_models
+        return module[1]
     if module[1] in RANK or module[1] in LEAVES:
         return module[1]
     return "__init__"  # a name imported from the package root (``from scalescope import x``)

@@ -21,7 +21,7 @@ from conftest import xla_flags_with as _flags
 
 import scalescope as ss
 from scalescope.store import layout as L
-from scalescope.store import writer as W
+from scalescope.store import processes as W
 from scalescope.store.reader import one_value_per_step
 
 HERE = Path(__file__).parent
@@ -218,7 +218,7 @@ def test_a_run_reads_closed_only_once_every_process_closed(tmp_path):
 
 
 def test_dashboard_data_shows_one_run(recorded):
-    from app.data import RunData
+    from scalescope.app.data import RunData
 
     run, _, _ = recorded
     data = RunData(run)

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from sample_models import (
+from scalescope.sample_models import (
     PRECISIONS,
     GPTConfig,
     MLPConfig,
@@ -352,7 +352,7 @@ def test_with_state_dtype_keeps_fp32_adam_state_for_fp16_weights_under_scalify(m
     import functools
 
     import scalescope as ss
-    from sample_models.train_step import with_state_dtype
+    from scalescope.sample_models.train_step import with_state_dtype
 
     prec = get_precision("fp8")
     params = init_mlp(jax.random.PRNGKey(0), MLP_CFG, prec.param_dtype)
@@ -381,7 +381,7 @@ def test_with_state_dtype_keeps_fp32_adam_state_for_fp16_weights_under_scalify(m
 
 
 def test_with_state_dtype_of_the_params_dtype_is_the_plain_optimizer():
-    from sample_models.train_step import with_state_dtype
+    from scalescope.sample_models.train_step import with_state_dtype
 
     params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32), "n": jnp.arange(3)}
     grads = {"w": jnp.linspace(0.5, -0.2, 6, dtype=jnp.float32), "n": jnp.zeros(3, int)}

@@ -16,8 +16,8 @@ TINY_MLP = ["--hidden", "32", "--batch", "16"]
 
 def test_the_cli_offers_every_precision_the_trainer_knows():
     # the parser spells them out (it does not import the training code): held equal here
-    from sample_models.train import PRECISION_NAMES
     from scalescope.cli import PRECISION_CHOICES
+    from scalescope.sample_models.train import PRECISION_NAMES
 
     assert PRECISION_CHOICES == PRECISION_NAMES
 
@@ -133,7 +133,7 @@ def test_train_rejects_bad_arguments(argv, message, capsys):
 def test_progress_prints_rate_loss_and_eta():
     import io
 
-    from sample_models.train import Progress
+    from scalescope.sample_models.train import Progress
 
     out = io.StringIO()
     bar = Progress(200, "gpt fp8", out)
@@ -158,7 +158,7 @@ def test_progress_prints_rate_loss_and_eta():
 def test_train_config_opt_state_dtype_defaults_to_the_params_and_is_checked():
     import jax
 
-    from sample_models.train import TrainConfig, make_adamw
+    from scalescope.sample_models.train import TrainConfig, make_adamw
 
     params = {"w": np.ones(4, np.float16)}
     TrainConfig().check()
@@ -192,8 +192,8 @@ def test_train_gpt_unit_fp8_is_the_unit_scaled_model_and_learns(tmp_path):
 def test_unit_init_redraws_weights_only():
     import jax
 
-    from sample_models.gpt import GPTConfig, init_gpt
-    from sample_models.precision import unit_init
+    from scalescope.sample_models.gpt import GPTConfig, init_gpt
+    from scalescope.sample_models.precision import unit_init
 
     params = init_gpt(jax.random.key(0), GPTConfig(d_model=32, n_layers=1, scan_layers=True))
     new = unit_init(params, jax.random.key(1))

@@ -24,7 +24,7 @@ from test_unit_scale import (
 )
 
 import scalescope as ss
-from sample_models.gpt import gpt_loss, init_gpt, stack_blocks
+from scalescope.sample_models.gpt import gpt_loss, init_gpt, stack_blocks
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 
 import scalescope as ss
 import scalescope.unit as U
-from sample_models.gpt import GPTConfig, gpt_forward, gpt_loss, init_gpt
-from sample_models.losses import cross_entropy
+from scalescope.sample_models.gpt import GPTConfig, gpt_forward, gpt_loss, init_gpt
+from scalescope.sample_models.losses import cross_entropy
 from scalescope.unit.functional import attention_scale
 
 WIDTHS = (512, 1024, 256, 512)

@@ -132,7 +132,7 @@ def test_report_gate_and_views_agree_on_the_verdict(corpus, tmp_path, capsys):
     assert all(r.cause in causes for r in v.reasons[1:]), (causes, v.reasons)
     assert report["causes"][0]["cause"] in [r.cause for r in v.reasons]
     # one op count: the report's, the what-if's and the dashboard's
-    from app.data import RunData
+    from scalescope.app.data import RunData
 
     whatif = A.format_whatif_run(broken)
     data = RunData(root / BROKEN)
@@ -156,8 +156,8 @@ def test_train_prints_the_verdict_first(gpt_run, capsys):
 
 @pytest.mark.data
 def test_dashboard_page_opens_on_the_failing_run(served):
-    from app.dashboard import Dashboard
-    from app.data import RunSet
+    from scalescope.app.dashboard import Dashboard
+    from scalescope.app.data import RunSet
 
     dash = Dashboard(RunSet(served), poll_ms=0, live=False)
     assert dash.run_select.value == BROKEN

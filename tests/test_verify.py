@@ -222,7 +222,7 @@ def test_scalescope_verify_keeps_the_outcome_and_the_report_shows_it(tiny_run, t
     doc = json.loads(report.read_text())
     assert doc["verified"][0]["gap"] == pytest.approx(record["gap"])
     assert "Precision policies" in html.read_text()
-    from app.dashboard import verified_html  # the dashboard's line below the verdict
+    from scalescope.app.dashboard import verified_html  # the dashboard's line below the verdict
 
     line = verified_html(ss.open_run(tiny_run))
     assert f"{100 * record['gap']:+.2f} % over 4 steps ({record['verdict']})" in line

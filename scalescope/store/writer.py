@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
-import functools
 import logging
 import os
 import platform
@@ -26,7 +25,6 @@ import queue
 import socket
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,13 +39,17 @@ from ..core import formats as _formats
 from ..core import recipes as _recipes
 from ..core.policy import as_policy
 from ..core.scaled_array import ScaledArray, asarray
-from ..probe import emulate, instrument
 from ..probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
 from ..probe.optable import OpTable
-from ..scalify import scalify as _scalify
 from . import budget as _budget
 from . import layout as L
-from .jitting import StaticLeafJit, partition, signature
+from .processes import (
+    agree_across_processes,
+    is_global,
+    start_copy,
+    to_host,
+)
+from .tracked import Tracked
 
 try:  # advisory lock so two writers never share a process slot; absent on Windows
     import fcntl
@@ -110,102 +112,6 @@ def _format_info(names: Sequence[str]) -> dict[str, dict[str, Any]]:
             "exponent_bits": int(f.exponent_bits),
         }
     return out
-
-
-def _to_host(x: Any) -> np.ndarray:
-    """A device array as NumPy; for an array that spans several processes (a global
-    array), this process's replica of it, which must then hold the whole value."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if not x.is_fully_replicated:
-            raise L.RunError(
-                f"a recorded value of shape {x.shape} is split over several processes "
-                f"({x.sharding}); scalescope records values replicated on every device"
-            )
-        x = x.addressable_data(0)
-    return np.asarray(x)
-
-
-def _is_global(tree: Any) -> bool:
-    """Whether ``tree`` holds an array that spans devices of several processes (a
-    global value, the same in every process) rather than this process's own."""
-    return any(
-        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
-        for leaf in jax.tree.leaves(tree)
-    )
-
-
-def _global_mesh(tree: Any) -> jax.sharding.Mesh | None:
-    """The mesh of the first array of ``tree`` laid out over devices of several
-    processes (a step jitted over a global mesh), or None."""
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if (
-            isinstance(leaf, jax.Array)
-            and isinstance(sharding, jax.sharding.NamedSharding)
-            and not leaf.is_fully_addressable
-        ):
-            return sharding.mesh
-    return None
-
-
-def _replicated(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
-    """``tree`` constrained (inside a jitted function) to be replicated on every device
-    of ``mesh``, so each process holds the whole statistics; unchanged without a mesh."""
-    if mesh is None:
-        return tree
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.lax.with_sharding_constraint(tree, sharding)
-
-
-def agree_across_processes(process: int, last_step: int, start_step: int | None) -> int:
-    """Check the process indices that the writers of a multi-process run claim and agree
-    on its first step; returns that step. Every JAX process calls it once, at the same
-    point (one collective, `jax.experimental.multihost_utils.process_allgather`), so a
-    bad claim raises `RunError` in every process instead of leaving the others waiting.
-
-    ``process``: the index this writer claims; ``last_step``: the last step this process
-    found in the run (-1: none); ``start_step``: the one it was asked for, or None.
-    The claims must be 0 .. process_count - 1, each once; explicit start steps must be
-    the same in every process; otherwise the run starts one past the last step found.
-    """
-    from jax.experimental import multihost_utils
-
-    mine = np.array([process, last_step, -1 if start_step is None else start_step], np.int64)
-    rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
-    return agreed_start(rows)
-
-
-def agreed_start(rows: np.ndarray) -> int:
-    """The first step of a multi-process session from every process's ``[claimed
-    process index, last step found, explicit start step or -1]`` (row k: JAX process k);
-    `RunError` when the claims or the explicit start steps disagree."""
-    n = len(rows)
-    claims = [int(c) for c in rows[:, 0]]
-    if sorted(claims) != list(range(n)):
-        detail = ", ".join(f"JAX process {k} as {c}" for k, c in enumerate(claims))
-        raise L.RunError(
-            f"Run: the {n} JAX processes must record as processes 0..{n - 1}, one each; "
-            f"they claim: {detail} (leave process_index unset: it defaults to "
-            "jax.process_index())"
-        )
-    starts = {int(s) for s in rows[:, 2]}
-    if starts == {-1}:
-        return int(rows[:, 1].max()) + 1
-    if len(starts) > 1:
-        raise L.RunError(
-            f"Run: the JAX processes ask for different start_step values "
-            f"({sorted(s for s in starts if s >= 0)}, -1: unset); pass the same in every process"
-        )
-    return starts.pop()
-
-
-def _start_copy(tree: Any) -> None:
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            try:
-                leaf.copy_to_host_async()
-            except Exception:  # noqa: BLE001 - a hint only; np.asarray copies anyway
-                pass
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,7 +208,7 @@ class _Writer:
             self.oldest = time.monotonic()
         if kind == "stats":
             _, step, stats, mask = item
-            host = {k: _to_host(v) for k, v in stats.items()}
+            host = {k: to_host(v) for k, v in stats.items()}
             rows = None
             if mask is not None:
                 if self.layout is None:
@@ -315,7 +221,7 @@ class _Writer:
         elif kind == "scalars":
             _, step, values = item
             for name, value in values.items():
-                self.scalar_buf.append((step, name, float(_to_host(value))))
+                self.scalar_buf.append((step, name, float(to_host(value))))
             if len(self.scalar_buf) >= _SCALAR_FLUSH_ROWS:
                 self._flush()
 
@@ -401,9 +307,10 @@ class Run:
     (a recorded step's outputs are bit for bit those of the plain step) and `Run` gets it
     more cheaply: True (default) runs the plain program for the outputs, then the
     statistics as a program of their own; False records inside one program that also
-    gives the outputs (cheaper; outputs may differ in the last bits). ``config``: any JSON-able dict kept
-    in the metadata (model sizes, precision, seed). ``flush_steps`` / ``flush_seconds``:
-    when the writer writes a part (see the module docstring for the crash bound).
+    gives the outputs (cheaper; outputs may differ in the last bits). ``config``: any
+    JSON-able dict kept in the metadata (model sizes, precision, seed). ``flush_steps`` /
+    ``flush_seconds``: when the writer writes a part (see the module docstring for the
+    crash bound).
     ``start_step``: the first step number of tracked functions; by default 0, or one past
     the last step already in the run when appending. ``process_index``: this writer's JAX
     process (default `jax.process_index()`); only process 0 writes the metadata and the op
@@ -743,7 +650,7 @@ class Run:
                 )
             values[name] = value
         if values:
-            _start_copy(values)
+            start_copy(values)
             self._writer.put(("scalars", int(step), values))
 
     def scale_graph(self, step: int, loss_fn: Callable[..., Any], *args: Any) -> pd.DataFrame:
@@ -768,9 +675,9 @@ class Run:
         return frame
 
     def _submit(self, step: int, stats: dict[str, jax.Array], mask: Any = None) -> None:
-        if self.process != 0 and _is_global(stats):
+        if self.process != 0 and is_global(stats):
             return  # the same global statistics in every process: process 0 writes them
-        _start_copy(stats)
+        start_copy(stats)
         self._writer.put(("stats", step, stats, mask))
 
     def flush(self) -> None:
@@ -831,248 +738,6 @@ def _graph_of(table: OpTable) -> tuple[list, str]:
     """An op table's records and the fingerprint that identifies its graph in a run."""
     records = table.to_records()
     return records, L.graph_fingerprint(records, table.stat_names, table.hist_columns)
-
-
-#: How a tracked step's arguments are named in errors (see `jitting.partition`).
-_WHERE = "Run.track: the step's argument"
-
-
-class Tracked:
-    """What `Run.track` returns: call it like the step function it wraps.
-
-    ``step`` is the number the next call gets; calls whose number is a multiple of
-    ``every`` run the recording variant (under a budget, the `budget.BudgetController`
-    decides instead, and ``controller`` holds its state).
-    """
-
-    def __init__(
-        self, run: Run, fn: Callable[..., Any], *, scalify: bool, every: int, policy: Any = None
-    ) -> None:
-        self.run, self.every, self.scalify, self.policy = run, every, scalify, policy
-        self.step = run.start_step
-        self.budgeted = run.budget is not None
-        # The recorded values come from a program of their own (the step evaluated again,
-        # with statistics): a recorded step runs the plain program for its outputs, so
-        # they are bit for bit those of an unrecorded step, and the two programs never
-        # hold their temporaries at once. isolate=False records inside one program that
-        # also gives the outputs (cheaper; outputs may differ in the last bits).
-        self.instrumented = instrument(
-            fn,
-            scalify=scalify,
-            formats=run.formats + run.recipes,
-            histograms=run.histograms,
-            select=run.select,
-            sample=run.sample,
-            isolate=False,
-            fallback=run.fallback,
-            groups=run.groups if self.budgeted else 0,
-            policy=policy,
-        )
-        self.separate = run.isolate
-        self._recording = self._recording_fn(None)
-        if policy is not None:
-            plain = emulate(fn, policy, scalify=scalify, fallback=run.fallback)
-        else:
-            plain = _scalify(fn, fallback=run.fallback) if scalify else fn
-        self._plain = StaticLeafJit(plain, _WHERE)
-        self._registered = False
-        self._signatures: dict[Any, bool] = {}  # call signature -> records (same graph)?
-        self.controller: _budget.BudgetController | None = None
-        self._warm: set[str] = set()  # variants already compiled (their first call is not timed)
-        # Under a budget the statistics program compiles in a thread (`_compile_async`);
-        # set once it has (or has failed: the first recorded step then compiles it again).
-        self._compiled = threading.Event()
-        self._compile_thread: threading.Thread | None = None
-        functools.update_wrapper(self, fn)
-
-    def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
-        """The jitted recording variant; with ``mesh`` (a step jitted over devices of
-        several processes) its statistics are replicated on every device of the mesh."""
-        inst = self.instrumented.masked if self.budgeted else self.instrumented
-        if self.separate:
-            return StaticLeafJit(lambda *a, **k: _replicated(inst(*a, **k)[1], mesh), _WHERE)
-
-        def both(*a: Any, **k: Any) -> tuple[Any, Any]:
-            out, stats = inst(*a, **k)
-            return out, _replicated(stats, mesh)
-
-        return StaticLeafJit(both, _WHERE)
-
-    def records(self, step: int) -> bool:
-        """Whether call number ``step`` records statistics (every-``every`` mode)."""
-        return step % self.every == 0
-
-    def _register(self, args: tuple, kwargs: dict) -> None:
-        # Trace (no compile) and check the graph against the run before anything of this
-        # call reaches the directory, recorded step or not.
-        t0 = time.perf_counter()
-        mesh = _global_mesh((args, kwargs))
-        if mesh is not None:
-            self._recording = self._recording_fn(mesh)
-        # The op table comes from tracing the recording program itself: jit keeps that
-        # trace, so the first recorded step compiles without tracing the step again.
-        mask = self._every_group()
-        traced = self._recording.trace(*(() if mask is None else (mask,)), *args, **kwargs)
-        table = self.instrumented.op_table(*args, **kwargs)
-        self.run._register(table, self.scalify)
-        self._registered = True
-        if self.budgeted:
-            self.controller = _budget.BudgetController(
-                self.run.budget,
-                table.group_elements,
-                every=self.every,
-                fixed_share=1.0 if self.run.isolate else 0.1,
-            )
-            self.run._writer.on_findings = self.controller.observe_findings
-            self.run._writer.on_cost = self.controller.observe_writer
-            self._compile_async(traced)
-        else:
-            self._compiled.set()
-        log.info(
-            "scalescope: recording %d ops (%d rows) %s into %s (traced in %.1f s; the "
-            "recording step compiles %s)",
-            len(table),
-            table.n_rows,
-            f"under a {self.run.budget:.0%} budget in {table.n_groups} groups"
-            if self.budgeted
-            else f"every {self.every} steps",
-            self.run.path,
-            time.perf_counter() - t0,
-            "in the background while steps run plain" if self.budgeted else "at its first use",
-        )
-
-    def _compile_async(self, traced: Any) -> None:
-        """Compile the statistics program in a thread: under a budget, steps run plain
-        until it is ready instead of the first recorded step waiting for it (the compile
-        fills jit's own cache, so the first recorded call runs at once)."""
-
-        def compile_() -> None:
-            t0 = time.perf_counter()
-            try:
-                traced.lower().compile()
-            except Exception as err:  # noqa: BLE001 - the first recorded step compiles again
-                log.warning(
-                    "scalescope: compiling the statistics program in the background failed "
-                    "(%s: %s); it compiles at the first recorded step",
-                    type(err).__name__,
-                    err,
-                )
-            else:
-                log.info(
-                    "scalescope: statistics program compiled in %.1f s; recording starts",
-                    time.perf_counter() - t0,
-                )
-            finally:
-                self._compiled.set()
-
-        thread = threading.Thread(target=compile_, name="scalescope-compile", daemon=True)
-        self._compile_thread = thread
-        self.run._compiling.append(thread)
-        thread.start()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.run._check_open()
-        parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
-        if not self._records_signature(args, kwargs, parts):
-            self.step += 1
-            return self._plain.call_parts(parts)
-        step, self.step = self.step, self.step + 1
-        if self.budgeted:
-            return self._budgeted_call(step, args, kwargs, parts)
-        if not self.records(step):
-            return self._plain.call_parts(parts)
-        out, stats = self._record(None, args, kwargs)
-        self.run._submit(step, stats)
-        return out
-
-    def _records_signature(self, args: tuple, kwargs: dict, parts: tuple) -> bool:
-        """Whether calls like this one are recorded: the first call registers the run's
-        graph; a later call whose arguments trace differently (other shapes, dtypes or
-        static values) is recorded if its graph is the same, and otherwise runs
-        unrecorded, with a warning once: a run holds one graph. ``parts``: the call's
-        arguments split by `partition`."""
-        key = signature(*parts)
-        known = self._signatures.get(key)
-        if known is not None:
-            return known
-        if not self._registered:
-            self._register(args, kwargs)
-            known = True
-        else:
-            difference = self.run._graph_difference(self.instrumented.op_table(*args, **kwargs))
-            known = difference is None
-            if not known:
-                warnings.warn(
-                    f"Run.track: call {self.step} of {getattr(self, '__name__', 'the step')} "
-                    f"traces a graph other than the one {self.run.path} records "
-                    f"({difference}); such calls run unrecorded. A run holds one graph: "
-                    "track the other variant into a Run of its own.",
-                    stacklevel=3,
-                )
-        self._signatures[key] = known
-        return known
-
-    def _every_group(self) -> np.ndarray | None:
-        """The mask that measures every group (None outside a budget: no mask)."""
-        return np.ones(self.instrumented.groups, bool) if self.budgeted else None
-
-    def _record(self, mask: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        """``(outputs, statistics)`` of a recorded step (``mask``: the groups to measure,
-        under a budget)."""
-        lead = () if mask is None else (mask,)
-        if self.separate:
-            out = self._plain(*args, **kwargs)
-            return out, self._recording(*lead, *args, **kwargs)
-        return self._recording(*lead, *args, **kwargs)
-
-    def warmup(self, *args: Any, **kwargs: Any) -> None:
-        """Compile both variants now (each runs once on these arguments; nothing is
-        recorded and the step counter does not move), so no training step pays for it."""
-        self.run._check_open()
-        recorded = self._records_signature(args, kwargs, partition(args, kwargs, where=_WHERE))
-        jax.block_until_ready(self._plain(*args, **kwargs))
-        self._warm.add("plain")
-        if self._compile_thread is not None:
-            self._compile_thread.join()
-        if recorded:
-            jax.block_until_ready(self._record(self._every_group(), args, kwargs))
-            self._warm.add("recording")
-
-    def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-        """Run ``fn`` alone on the device and time it; None on its first (compiling) call."""
-        jax.block_until_ready(args)
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        elapsed = time.perf_counter() - t0
-        first = variant not in self._warm
-        self._warm.add(variant)
-        return out, (None if first else elapsed)
-
-    def _budgeted_call(self, step: int, args: tuple, kwargs: dict, parts: tuple) -> Any:
-        ctrl = self.controller
-        if not self._compiled.is_set():  # the statistics program is still compiling
-            if ctrl.ready:
-                return self._plain.call_parts(parts)
-            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
-            if seconds is not None:
-                ctrl.observe_plain(seconds)
-            return out
-        mask = ctrl.plan(step)
-        if mask is None:
-            if ctrl.ready and ctrl.steps % 32:
-                return self._plain.call_parts(parts)
-            # Time a plain step now and then: the budget is a fraction of it.
-            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
-            if seconds is not None:
-                ctrl.observe_plain(seconds)
-            return out
-        (out, stats), seconds = self._timed(
-            "recording", lambda *a: self._record(mask, a, kwargs), *args
-        )
-        if seconds is not None:
-            ctrl.observe_record(seconds - float(ctrl.t_plain), mask)
-        self.run._submit(step, stats, mask)
-        return out
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

@@ -1,0 +1,272 @@
+"""`Tracked`: what `Run.track` returns, the step function wrapped to record.
+
+A tracked step compiles the plain step and a recording program (the step evaluated
+again with the probe's statistics). Every ``every``-th call, or the calls a
+`budget.BudgetController` picks, runs the recording program after the plain one (so the
+outputs are bit for bit those of an unrecorded step) and hands the statistics to the
+run's background writer. Under a budget the recording program compiles in a background
+thread while the steps run plain.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..probe import emulate, instrument
+from ..scalify import scalify as _scalify
+from . import budget as _budget
+from .jitting import StaticLeafJit, partition, signature
+from .processes import global_mesh, replicated
+
+log = logging.getLogger("scalescope")
+
+#: How a tracked step's arguments are named in errors (see `jitting.partition`).
+_WHERE = "Run.track: the step's argument"
+
+
+class Tracked:
+    """What `Run.track` returns: call it like the step function it wraps.
+
+    ``step`` is the number the next call gets; calls whose number is a multiple of
+    ``every`` run the recording variant (under a budget, the `budget.BudgetController`
+    decides instead, and ``controller`` holds its state). ``run``: the `Run` that owns
+    it (typed loosely: `writer` imports this module, not the reverse).
+    """
+
+    def __init__(
+        self, run: Any, fn: Callable[..., Any], *, scalify: bool, every: int, policy: Any = None
+    ) -> None:
+        self.run, self.every, self.scalify, self.policy = run, every, scalify, policy
+        self.step = run.start_step
+        self.budgeted = run.budget is not None
+        # The recorded values come from a program of their own (the step evaluated again,
+        # with statistics): a recorded step runs the plain program for its outputs, so
+        # they are bit for bit those of an unrecorded step, and the two programs never
+        # hold their temporaries at once. isolate=False records inside one program that
+        # also gives the outputs (cheaper; outputs may differ in the last bits).
+        self.instrumented = instrument(
+            fn,
+            scalify=scalify,
+            formats=run.formats + run.recipes,
+            histograms=run.histograms,
+            select=run.select,
+            sample=run.sample,
+            isolate=False,
+            fallback=run.fallback,
+            groups=run.groups if self.budgeted else 0,
+            policy=policy,
+        )
+        self.separate = run.isolate
+        self._recording = self._recording_fn(None)
+        if policy is not None:
+            plain = emulate(fn, policy, scalify=scalify, fallback=run.fallback)
+        else:
+            plain = _scalify(fn, fallback=run.fallback) if scalify else fn
+        self._plain = StaticLeafJit(plain, _WHERE)
+        self._registered = False
+        self._signatures: dict[Any, bool] = {}  # call signature -> records (same graph)?
+        self.controller: _budget.BudgetController | None = None
+        self._warm: set[str] = set()  # variants already compiled (their first call is not timed)
+        # Under a budget the statistics program compiles in a thread (`_compile_async`);
+        # set once it has (or has failed: the first recorded step then compiles it again).
+        self._compiled = threading.Event()
+        self._compile_thread: threading.Thread | None = None
+        functools.update_wrapper(self, fn)
+
+    def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
+        """The jitted recording variant; with ``mesh`` (a step jitted over devices of
+        several processes) its statistics are replicated on every device of the mesh."""
+        inst = self.instrumented.masked if self.budgeted else self.instrumented
+        if self.separate:
+            return StaticLeafJit(lambda *a, **k: replicated(inst(*a, **k)[1], mesh), _WHERE)
+
+        def both(*a: Any, **k: Any) -> tuple[Any, Any]:
+            out, stats = inst(*a, **k)
+            return out, replicated(stats, mesh)
+
+        return StaticLeafJit(both, _WHERE)
+
+    def records(self, step: int) -> bool:
+        """Whether call number ``step`` records statistics (every-``every`` mode)."""
+        return step % self.every == 0
+
+    def _register(self, args: tuple, kwargs: dict) -> None:
+        # Trace (no compile) and check the graph against the run before anything of this
+        # call reaches the directory, recorded step or not.
+        t0 = time.perf_counter()
+        mesh = global_mesh((args, kwargs))
+        if mesh is not None:
+            self._recording = self._recording_fn(mesh)
+        # The op table comes from tracing the recording program itself: jit keeps that
+        # trace, so the first recorded step compiles without tracing the step again.
+        mask = self._every_group()
+        traced = self._recording.trace(*(() if mask is None else (mask,)), *args, **kwargs)
+        table = self.instrumented.op_table(*args, **kwargs)
+        self.run._register(table, self.scalify)
+        self._registered = True
+        if self.budgeted:
+            self.controller = _budget.BudgetController(
+                self.run.budget,
+                table.group_elements,
+                every=self.every,
+                fixed_share=1.0 if self.run.isolate else 0.1,
+            )
+            self.run._writer.on_findings = self.controller.observe_findings
+            self.run._writer.on_cost = self.controller.observe_writer
+            self._compile_async(traced)
+        else:
+            self._compiled.set()
+        log.info(
+            "scalescope: recording %d ops (%d rows) %s into %s (traced in %.1f s; the "
+            "recording step compiles %s)",
+            len(table),
+            table.n_rows,
+            f"under a {self.run.budget:.0%} budget in {table.n_groups} groups"
+            if self.budgeted
+            else f"every {self.every} steps",
+            self.run.path,
+            time.perf_counter() - t0,
+            "in the background while steps run plain" if self.budgeted else "at its first use",
+        )
+
+    def _compile_async(self, traced: Any) -> None:
+        """Compile the statistics program in a thread: under a budget, steps run plain
+        until it is ready instead of the first recorded step waiting for it (the compile
+        fills jit's own cache, so the first recorded call runs at once)."""
+
+        def compile_() -> None:
+            t0 = time.perf_counter()
+            try:
+                traced.lower().compile()
+            except Exception as err:  # noqa: BLE001 - the first recorded step compiles again
+                log.warning(
+                    "scalescope: compiling the statistics program in the background failed "
+                    "(%s: %s); it compiles at the first recorded step",
+                    type(err).__name__,
+                    err,
+                )
+            else:
+                log.info(
+                    "scalescope: statistics program compiled in %.1f s; recording starts",
+                    time.perf_counter() - t0,
+                )
+            finally:
+                self._compiled.set()
+
+        thread = threading.Thread(target=compile_, name="scalescope-compile", daemon=True)
+        self._compile_thread = thread
+        self.run._compiling.append(thread)
+        thread.start()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.run._check_open()
+        parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
+        if not self._records_signature(args, kwargs, parts):
+            self.step += 1
+            return self._plain.call_parts(parts)
+        step, self.step = self.step, self.step + 1
+        if self.budgeted:
+            return self._budgeted_call(step, args, kwargs, parts)
+        if not self.records(step):
+            return self._plain.call_parts(parts)
+        out, stats = self._record(None, args, kwargs)
+        self.run._submit(step, stats)
+        return out
+
+    def _records_signature(self, args: tuple, kwargs: dict, parts: tuple) -> bool:
+        """Whether calls like this one are recorded: the first call registers the run's
+        graph; a later call whose arguments trace differently (other shapes, dtypes or
+        static values) is recorded if its graph is the same, and otherwise runs
+        unrecorded, with a warning once: a run holds one graph. ``parts``: the call's
+        arguments split by `partition`."""
+        key = signature(*parts)
+        known = self._signatures.get(key)
+        if known is not None:
+            return known
+        if not self._registered:
+            self._register(args, kwargs)
+            known = True
+        else:
+            difference = self.run._graph_difference(self.instrumented.op_table(*args, **kwargs))
+            known = difference is None
+            if not known:
+                warnings.warn(
+                    f"Run.track: call {self.step} of {getattr(self, '__name__', 'the step')} "
+                    f"traces a graph other than the one {self.run.path} records "
+                    f"({difference}); such calls run unrecorded. A run holds one graph: "
+                    "track the other variant into a Run of its own.",
+                    stacklevel=3,
+                )
+        self._signatures[key] = known
+        return known
+
+    def _every_group(self) -> np.ndarray | None:
+        """The mask that measures every group (None outside a budget: no mask)."""
+        return np.ones(self.instrumented.groups, bool) if self.budgeted else None
+
+    def _record(self, mask: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """``(outputs, statistics)`` of a recorded step (``mask``: the groups to measure,
+        under a budget)."""
+        lead = () if mask is None else (mask,)
+        if self.separate:
+            out = self._plain(*args, **kwargs)
+            return out, self._recording(*lead, *args, **kwargs)
+        return self._recording(*lead, *args, **kwargs)
+
+    def warmup(self, *args: Any, **kwargs: Any) -> None:
+        """Compile both variants now (each runs once on these arguments; nothing is
+        recorded and the step counter does not move), so no training step pays for it."""
+        self.run._check_open()
+        recorded = self._records_signature(args, kwargs, partition(args, kwargs, where=_WHERE))
+        jax.block_until_ready(self._plain(*args, **kwargs))
+        self._warm.add("plain")
+        if self._compile_thread is not None:
+            self._compile_thread.join()
+        if recorded:
+            jax.block_until_ready(self._record(self._every_group(), args, kwargs))
+            self._warm.add("recording")
+
+    def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """Run ``fn`` alone on the device and time it; None on its first (compiling) call."""
+        jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        elapsed = time.perf_counter() - t0
+        first = variant not in self._warm
+        self._warm.add(variant)
+        return out, (None if first else elapsed)
+
+    def _budgeted_call(self, step: int, args: tuple, kwargs: dict, parts: tuple) -> Any:
+        ctrl = self.controller
+        if not self._compiled.is_set():  # the statistics program is still compiling
+            if ctrl.ready:
+                return self._plain.call_parts(parts)
+            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
+            if seconds is not None:
+                ctrl.observe_plain(seconds)
+            return out
+        mask = ctrl.plan(step)
+        if mask is None:
+            if ctrl.ready and ctrl.steps % 32:
+                return self._plain.call_parts(parts)
+            # Time a plain step now and then: the budget is a fraction of it.
+            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
+            if seconds is not None:
+                ctrl.observe_plain(seconds)
+            return out
+        (out, stats), seconds = self._timed(
+            "recording", lambda *a: self._record(mask, a, kwargs), *args
+        )
+        if seconds is not None:
+            ctrl.observe_record(seconds - float(ctrl.t_plain), mask)
+        self.run._submit(step, stats, mask)
+        return out
