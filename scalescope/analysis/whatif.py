@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .advisor import Thresholds, fill_ops, mask_ops, pct
 from .frames import (
     check_stats,
     format_list,
@@ -27,6 +26,9 @@ from .frames import (
     require_columns,
     worst_by_op,
 )
+from .masks import fill_ops, mask_ops
+from .percent import pct
+from .thresholds import Thresholds
 
 WHATIF_FIELDS = ("safe", "reason", "snr", "overflow", "underflow")
 #: Fields of a recipe's column group (a format's, plus its worst flushed-block fraction).

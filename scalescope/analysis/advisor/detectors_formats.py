@@ -1,0 +1,118 @@
+"""The format rules: ``overflow``, ``underflow`` and ``snr`` of an op against each
+format or block-scaled recipe it is checked against (`_format_findings`), and the limits
+of a format their evidence quotes (`rounding_edge`, `format_span`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..percent import pct
+from ..thresholds import Thresholds, _format_info, recipe_element
+from .cells import _Cells, _compare, _Dense, _hit_rows, _hits
+from .text import _num, _steps_text
+
+
+def _format_findings(
+    cells: _Cells | _Dense,
+    checked: dict[str, np.ndarray],
+    thresholds: Thresholds,
+    meta: Mapping[str, Any] | None,
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for fmt, ids in checked.items():
+        sel = cells.rows_of(ids)
+        info = _format_info(fmt, meta)
+        limit = info.get("max")
+        tiny = info.get("min_subnormal")
+        snr_thr = thresholds.snr_for(fmt, meta)
+        over = thresholds.overflow_for(fmt)
+        rules = (
+            ("overflow", f"overflow_{fmt}", "max", over, "gt"),
+            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow_for(fmt), "gt"),
+            ("snr", f"snr_{fmt}", "min", snr_thr, "lt"),
+        )
+        edge = rounding_edge(info) if recipe_element(fmt) is None else math.nan
+        for rule, col, worst, thr, how in rules:
+            values = cells.cols[col]
+            mask = _compare(values, how, thr) & sel
+            peaks = {}
+            if rule == "overflow" and math.isfinite(edge) and "absmax" in cells.cols:
+                hits = _hit_rows(_hits(cells, cells.cols["absmax"], mask, "max"))
+                peaks = {op: peak for op, _, _, peak, _ in hits}
+            for op, first, k, v, at in _hit_rows(_hits(cells, values, mask, worst)):
+                n = int(cells.sizes[np.searchsorted(cells.ids, op)])
+                # every overflowing element under the edge rounds to the max (an abs-max
+                # not above the max disagrees with the overflow: no claim then)
+                saturated = bool(limit < peaks.get(op, math.inf) < edge) if peaks else False
+                if rule == "overflow":
+                    bound = f" (|x| > {_num(limit)})" if limit else ""
+                    text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
+                    if saturated:
+                        text += (
+                            f", none beyond {_num(edge)} (largest {_num(peaks[op])}): they "
+                            f"round to ±{_num(limit)}, not to inf/NaN, but no headroom is left"
+                        )
+                elif rule == "underflow":
+                    bound = f" (|x| < {_num(tiny)})" if tiny else ""
+                    text = f"{pct(v)} of non-zero values flush to zero in {fmt}{bound} at step {at}"
+                    wide = _too_wide(cells, op, at, info)
+                    if wide is not None:
+                        text += (
+                            f"; its dynamic range, {wide[0]:.1f} octaves, is wider than "
+                            f"{fmt}'s {wide[1]:.1f} (max to smallest subnormal): no single "
+                            "scale keeps every element"
+                        )
+                else:
+                    text = f"SNR in {fmt} falls to {v:.1f} dB (threshold {thr:g} dB) at step {at}"
+                rows.append(
+                    dict(
+                        op=op,
+                        rule=rule,
+                        format=fmt,
+                        first_step=first,
+                        steps=k,
+                        value=v,
+                        threshold=float(thr),
+                        evidence=f"{text}; {_steps_text(k, n, first)}.",
+                        _at=at,
+                        _saturated=saturated,
+                    )
+                )
+    return rows
+
+
+def rounding_edge(info: Mapping[str, Any]) -> float:
+    """The magnitude from which a plain cast to a format gives inf (NaN in e4m3fn): its
+    max plus half a unit in the last place (464 for e4m3, 61440 for e5m2, 65520 for
+    fp16); values between the max and this edge round to the max. NaN when the limits
+    are unknown."""
+    top, bits = info.get("max"), info.get("mantissa_bits")
+    if not top or bits is None:
+        return math.nan
+    return float(top) + 2.0 ** (math.floor(math.log2(float(top))) - int(bits) - 1)
+
+
+def format_span(info: Mapping[str, Any]) -> float:
+    """Octaves from a format's max down to its smallest subnormal (17.8 for e4m3): the
+    widest dynamic range one scale can keep without flushing or clipping; NaN when the
+    limits are unknown (a block-scaled recipe has per-block scales, no single span)."""
+    top, tiny = info.get("max"), info.get("min_subnormal")
+    if not top or not tiny:
+        return math.nan
+    return math.log2(float(top)) - math.log2(float(tiny))
+
+
+def _too_wide(
+    cells: _Cells | _Dense, op: int, step: int, info: Mapping[str, Any]
+) -> tuple[float, float] | None:
+    """``(dynamic range, format span)`` when the op's recorded dynamic range at ``step``
+    is wider than the format's span, else None (also when it was not recorded)."""
+    if "dynamic_range" not in cells.cols:
+        return None
+    span = format_span(info)
+    octaves = cells.at("dynamic_range", op, int(step))
+    return (octaves, span) if octaves > span else None

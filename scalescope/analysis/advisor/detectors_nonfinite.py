@@ -1,0 +1,129 @@
+"""The ``nonfinite`` rule: NaN/inf outside masks (`_nonfinite_findings`), with the
+earliest op holding one, and whether the step's outputs (`output_ops`) stay finite where
+it appears (dropped downstream)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..percent import pct
+from ..thresholds import Thresholds
+from .cells import _Cells, _compare, _Dense, _hit_rows, _hits
+from .text import _steps_text
+
+
+def _mask_groups(
+    cells: _Cells | _Dense, values: np.ndarray, min_steps: int | np.ndarray
+) -> np.ndarray:
+    """Per op (bool, aligned with ``cells.ids``): a non-finite fraction that is the same,
+    non-zero and below 1, at every recorded step (at least ``min_steps`` of them, per op
+    when an array): masks, see `Thresholds.mask_min_steps`."""
+    if not np.size(values):
+        return np.zeros(len(cells.ids), bool)
+    with np.errstate(invalid="ignore"):
+        if isinstance(cells, _Dense):
+            lo, hi = np.fmin.reduce(values, axis=0), np.fmax.reduce(values, axis=0)
+        else:
+            lo = np.fmin.reduceat(values, cells.starts)
+            hi = np.fmax.reduceat(values, cells.starts)
+        lo, hi = lo.astype(np.float64), hi.astype(np.float64)  # min/max: exact either way
+        return (cells.sizes >= min_steps) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
+
+
+def output_ops(ops: pd.DataFrame) -> np.ndarray:
+    """Op ids whose statistics are those of the step's outputs (``output/...`` ops share
+    the statistics of the op that produced them, ``stats_op``): parameters, optimizer
+    state, loss."""
+    if not {"name", "stats_op"} <= set(ops.columns) or not len(ops):
+        return np.zeros(0, np.int64)
+    out = ops["name"].astype(str).str.startswith("output").to_numpy()
+    src = pd.to_numeric(ops["stats_op"], errors="coerce").to_numpy(np.float64)[out]
+    return np.unique(src[np.isfinite(src) & (src >= 0)].astype(np.int64))  # -1: no stats
+
+
+def _finite_output_steps(cells: _Cells | _Dense, outputs: np.ndarray) -> np.ndarray:
+    """Recorded steps at which every output op (`output_ops`) is recorded and holds no
+    NaN/inf (empty when the outputs are not all recorded)."""
+    outputs = np.unique(outputs)
+    if not len(outputs) or not np.isin(outputs, cells.ids).all():
+        return np.zeros(0, np.int64)
+    values = cells.cols["frac_nonfinite"]
+    if isinstance(cells, _Dense):
+        cols = np.searchsorted(cells.ids, outputs)
+        bad = np.asarray(values)[:, cols]
+        return cells.steps[~(np.isnan(bad) | (bad > 0)).any(axis=1)]
+    rows = np.flatnonzero(cells.rows_of(outputs))
+    steps, v = cells.step[rows], np.asarray(values, np.float64)[rows]
+    uniq, inv, count = np.unique(steps, return_inverse=True, return_counts=True)
+    bad = np.zeros(len(uniq), bool)
+    np.logical_or.at(bad, inv, np.isnan(v) | (v > 0))
+    return uniq[(count == len(outputs)) & ~bad]
+
+
+def _op_steps(cells: _Cells | _Dense, op: int, mask: np.ndarray) -> np.ndarray:
+    """Recorded steps of ``op`` where ``mask`` (a flag per row) holds."""
+    g = int(np.searchsorted(cells.ids, op))
+    if isinstance(cells, _Dense):
+        return cells.steps[np.broadcast_to(mask, (len(cells.steps), len(cells.ids)))[:, g]]
+    a = int(cells.starts[g])
+    b = a + int(cells.sizes[g])
+    return cells.step[a:b][np.asarray(mask)[a:b]]
+
+
+def _nonfinite_findings(
+    cells: _Cells | _Dense,
+    thresholds: Thresholds,
+    labels: pd.Series,
+    fills: np.ndarray,
+    outputs: np.ndarray | None = None,
+) -> list[dict[str, Any]]:
+    values = cells.cols["frac_nonfinite"]
+    # a fill the probe saw (a -inf mask) is a mask from its first recorded step on
+    need = np.where(np.isin(cells.ids, fills), 1, thresholds.mask_min_steps)
+    kept = ~cells.per_op(_mask_groups(cells, values, need))
+    bad = _compare(values, "gt", thresholds.nonfinite) & kept
+    hits = _hits(cells, values, bad, "max")
+    if not hits.op:
+        return []
+    outputs = np.zeros(0, np.int64) if outputs is None else np.asarray(outputs, np.int64)
+    finite_out = _finite_output_steps(cells, outputs)
+    first_steps = np.asarray(hits.first_step)
+    k0 = int(np.argmin(first_steps))  # earliest; ties: the smallest op id
+    origin, origin_step = hits.op[k0], int(first_steps[k0])
+    rows = []
+    for op, first, k, v, at in _hit_rows(hits):
+        n = int(cells.sizes[np.searchsorted(cells.ids, op)])
+        text = f"{pct(v)} of values are NaN/inf at step {at}"
+        if op == origin:
+            tail = "the earliest op with non-finite values"
+        else:
+            tail = (
+                f"the earliest op with non-finite values is {labels[origin]} (step {origin_step})"
+            )
+        # dropped downstream: at every step it holds NaN/inf, the step's outputs are
+        # finite (a where/select discards it: a warm-up branch at step 0, an empty segment)
+        contained = op not in outputs and bool(np.isin(_op_steps(cells, op, bad), finite_out).all())
+        if contained:
+            tail += (
+                "; dropped downstream: the step's outputs (parameters, optimizer state, "
+                "loss) stay finite at those steps"
+            )
+        rows.append(
+            dict(
+                op=op,
+                rule="nonfinite",
+                format="",
+                first_step=first,
+                steps=k,
+                value=v,
+                threshold=float(thresholds.nonfinite),
+                evidence=f"{text}; {_steps_text(k, n, first)}; {tail}.",
+                _at=at,
+                _origin=origin,
+                _contained=contained,
+            )
+        )
+    return rows

@@ -1,0 +1,368 @@
+"""The advisor's entry points: `advise` runs every rule over a run's statistics and
+returns the findings frame (`FINDING_COLUMNS`), with impact, severity and fix, sorted;
+`advise_run` over a recorded run; `advisor_columns`, the statistics columns it reads;
+`summary_by_rule`, findings counted per rule and format. A naive cast's fix names the
+cheapest recipe the format what-if (`scalescope.analysis.whatif`) shows safe."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import delayed
+from ..frames import (
+    check_stats,
+    format_list,
+    op_labels,
+    op_table,
+    recorded_formats,
+    recorded_recipes,
+    require_columns,
+)
+from ..masks import fill_ops
+from ..relevance import constant_ops
+from ..thresholds import Thresholds, _format_info
+from ..whatif import cheapest_recipe, format_whatif
+from .cells import _Cells, _cells_of, _Dense, _dense_blocks, _value_amax
+from .detectors_delayed import _delayed_findings, _delayed_formats
+from .detectors_formats import _format_findings, _too_wide
+from .detectors_nonfinite import _nonfinite_findings, output_ops
+from .detectors_scales import _drift_band, _drift_findings, _trend_findings
+from .severity import RULES, SEVERITY, SEVERITY_ORDER, _impact, severity_level, severity_of
+from .text import _LOW_PRECISION, delayed_fix_line, fix_line
+
+FINDING_COLUMNS = [
+    "op",
+    "label",
+    "name",
+    "pass",
+    "primitive",
+    "source",
+    "rule",
+    "format",
+    "first_step",
+    "steps",
+    "value",
+    "threshold",
+    "impact",
+    "evidence",
+    "severity",
+    "fix",
+]
+
+
+def _empty_findings() -> pd.DataFrame:
+    frame = pd.DataFrame({c: pd.Series(dtype=object) for c in FINDING_COLUMNS})
+    return frame.astype({"op": np.int64, "first_step": np.int64, "steps": np.int64}).astype(
+        {"value": np.float64, "threshold": np.float64, "impact": np.float64}
+    )
+
+
+def _default_horizon(meta: Mapping[str, Any] | None, last_step: int) -> float:
+    steps = ((meta or {}).get("config") or {}).get("steps")
+    if isinstance(steps, int | float) and not isinstance(steps, bool) and steps > 0:
+        return float(steps)
+    return float(last_step * 2)
+
+
+def advisor_columns(
+    columns: Sequence[str], ops: pd.DataFrame, audit: str | Sequence[str] = ()
+) -> list[str]:
+    """The statistics columns `advise` reads, of the wide frame's ``columns``: key columns
+    (step, op, iteration), frac_nonfinite, rms, absmax, scale, count, and the overflow,
+    underflow and snr columns of every format some op of ``ops`` is cast to or that is
+    audited, plus every recorded recipe's (their verdicts pick a naive-cast fix). A view
+    that holds the statistics as parts builds a frame of these only."""
+    cols = [c for c in columns if isinstance(c, str)]
+    have = pd.DataFrame(columns=cols)
+    audit_list = set([audit] if isinstance(audit, str) else audit)
+    cast = set(op_table(ops)["cast_to"].astype(str)) if len(ops) else set()
+    keep = ["step", "op", "iteration", "frac_nonfinite", "rms", "absmax", "scale", "count"]
+    keep.append("dynamic_range")
+    for fmt in recorded_formats(have):
+        if fmt in cast or fmt in audit_list:
+            keep += [f"overflow_{fmt}", f"underflow_{fmt}", f"snr_{fmt}"]
+    for recipe in recorded_recipes(have):
+        keep += [f"overflow_{recipe}", f"underflow_{recipe}", f"snr_{recipe}"]
+        keep.append(f"block_flush_{recipe}")
+    return [c for c in dict.fromkeys(keep) if c in cols]
+
+
+def advise(
+    stats: pd.DataFrame,
+    ops: pd.DataFrame,
+    *,
+    meta: Mapping[str, Any] | None = None,
+    audit: str | Sequence[str] = (),
+    thresholds: Thresholds | None = None,
+    horizon: int | float | None = None,
+) -> pd.DataFrame:
+    """Findings of the advisor (see `scalescope.analysis.advisor` for the rules, their
+    severity grades and fixes), one row per (op, rule, format), sorted by severity,
+    then first step, then op.
+
+    ``stats``: wide statistics frame (`advisor_columns` lists the columns read);
+    ``ops``: the op table; ``meta``: the run's metadata
+    (``graph.scalify`` picks the fix, ``config.steps`` the default horizon, ``format_info``
+    the limits quoted in the evidence); ``audit``: formats every op is also checked
+    against (recorded block-scaled recipes too, with ``thresholds.recipe_overflow``,
+    ``recipe_underflow`` and ``recipe_snr_db``; flushed blocks are the format what-if's
+    business); ``horizon``: the step trends are projected
+    to (default ``config.steps``, else twice the last recorded step).
+
+    Columns: op, label, name, pass, primitive, source, rule, format ("" for nonfinite,
+    drift, trend and delayed), first_step (first recorded step where the rule holds; for
+    trend the first fitted step), steps (recorded steps where it holds; for trend the
+    fitted points), value (worst: max fraction, min SNR dB, log2 rms of larger magnitude; for
+    trend the projected log2 rms at the horizon; for delayed the largest log2(value amax
+    / delayed-scaling threshold)), threshold (for trend the signed bound crossed; 0 for
+    delayed), impact (the estimated share of the value lost at the worst step, in
+    [0, 1]: 1 for nonfinite and for an overflow of a plain format, whose inf or NaN ends
+    the step; for the underflow of a backward or optimizer value, the fraction of its
+    non-zero elements flushed, each a lost piece of an update; the quantisation noise
+    over the signal power, ``10**(-snr/10)``, of the format at that step for snr and for
+    the underflow of a forward value, which counts the flushed values' share of the
+    signal; the clipped fraction for a recipe's overflow; NaN for drift, trend and
+    delayed, which warn before anything is lost), evidence, severity (graded by the
+    value: `severity_level`), fix
+    (`fix_line`). The delayed rule needs ``absmax`` and ``scale`` columns (skipped
+    without them) and reads the histogram range from ``meta["hist_columns"]``.
+
+    Values NaN in a statistic (no finite element) never trigger overflow, underflow,
+    snr or drift: the nonfinite rule reports them. An all-zero value (rms 0) has no scale
+    to drift from and is skipped by drift and trend.
+
+    Vectorised: a run of 20 000 ops x 1000 recorded steps in the writer's order is
+    transposed to op-major order (no sort), and each rule touches only the rows where it
+    holds beyond one comparison per row.
+    """
+    thresholds = Thresholds() if thresholds is None else thresholds
+    if not isinstance(thresholds, Thresholds):
+        raise TypeError(f"thresholds: expected a Thresholds, got {type(thresholds).__name__}")
+    stats = check_stats(stats)
+    require = ["frac_nonfinite", "rms"]
+    missing = [c for c in require if c not in stats.columns]
+    if missing:
+        raise KeyError(f"stats: missing column(s) {missing} the advisor needs")
+    table = op_table(ops)
+    unknown = np.setdiff1d(pd.unique(stats["op"].to_numpy()), table.index.to_numpy())
+    if len(unknown):
+        raise KeyError(f"ops: op id {int(unknown[0])} appears in stats but not in ops")
+    audit_list = list([audit] if isinstance(audit, str) else audit)
+    audit_formats = format_list(audit_list, stats, "audit", recipes=True)
+    if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int | float)):
+        raise TypeError(f"horizon: expected a step number, got {horizon!r}")
+    if stats.empty:
+        return _empty_findings()
+
+    known = recorded_formats(stats) + recorded_recipes(stats)
+    ids = table.index.to_numpy()
+    cast_to = table["cast_to"].to_numpy()
+    checked: dict[str, np.ndarray] = {}
+    for fmt in known:
+        mask = (cast_to == fmt) | (fmt in audit_formats)
+        if mask.any():
+            checked[fmt] = ids[mask]
+
+    columns = {"frac_nonfinite": "max"}
+    if "dynamic_range" in stats.columns:
+        columns["dynamic_range"] = "max"
+    for fmt in checked:
+        columns |= {f"overflow_{fmt}": "max", f"underflow_{fmt}": "max", f"snr_{fmt}": "min"}
+    if checked and "absmax" in stats.columns:  # does an overflow saturate or turn inf?
+        columns["absmax"] = "max"
+    rms = stats["rms"].to_numpy(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        l2 = np.log2(np.where(rms > 0, rms, np.nan))
+    extra = {"log2_rms": l2}
+    columns |= {"log2_rms": "abs"}
+    replay_delayed = {"absmax", "scale"} <= set(stats.columns)
+    exp_range = delayed.hist_range((meta or {}).get("hist_columns"))
+    dense = _dense_blocks(stats["op"].to_numpy(np.int64), stats["step"].to_numpy(np.int64))
+    if replay_delayed and dense is None:  # value amax, its binade's floor, ran: maxima
+        amax, floor, ran = delayed.value_columns(stats, exp_range)  # over iterations
+        extra |= {"_amax": amax, "_floor": floor, "_ran": ran}
+        columns |= {"_amax": "max", "_floor": "max", "_ran": "max"}
+    elif replay_delayed:  # one row per op and step: the floor where it matters only
+        amax, ran = _value_amax(stats)
+        extra |= {"_amax": amax, "_ran": ran}
+        columns |= {"_amax": "max", "_ran": "max", "absmax": "max", "scale": "max"}
+    cells = _cells_of(stats, columns, extra, dense)
+    del extra, l2
+    labels = op_labels(table)
+
+    # Drift matters where the data is stored or cast in a narrow format: an FP32 value of
+    # RMS 2^8 loses nothing, an FP16 or FP8 one heads for overflow or underflow.
+    low = table["dtype"].astype(str).isin(list(_LOW_PRECISION)).to_numpy()
+    judged = ~np.isin(ids, constant_ops(table, stats))  # not constant by construction
+    drift_ops = ids[((table["scaled"].to_numpy(bool) & low) | (cast_to != "")) & judged]
+    band = np.tile([-math.inf, math.inf], (len(cells.ids), 1))
+    judged_drift = np.isin(cells.ids, drift_ops)
+    band[judged_drift] = _drift_band(table, cells.ids[judged_drift], thresholds.drift_log2)
+    last_step = int(stats["step"].max())
+    horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
+
+    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table), output_ops(table))
+    rows += _format_findings(cells, checked, thresholds, meta)
+    rows += _drift_findings(cells, band, thresholds)
+    rows += _trend_findings(cells, band, thresholds, horizon)
+    if replay_delayed:
+        replayed = _delayed_formats(table[judged], audit_formats)
+        rows += _delayed_findings(cells, replayed, thresholds, exp_range)
+    if not rows:
+        return _empty_findings()
+    found = pd.DataFrame(rows)
+    passes = table["pass"].reindex(found["op"].to_numpy()).astype(str).to_numpy()
+    found["impact"] = _impact(found, cells, passes)
+    recipes = _safe_recipes(found, stats, table, thresholds, meta)
+    recorded = recorded_recipes(stats)
+    return _finish(found, table, labels, meta, thresholds.delayed_history, cells, recipes, recorded)
+
+
+def _safe_recipes(
+    found: pd.DataFrame,
+    stats: pd.DataFrame,
+    table: pd.DataFrame,
+    thresholds: Thresholds,
+    meta: Mapping[str, Any] | None,
+) -> dict[int, str] | None:
+    """Op id -> the cheapest recorded recipe safe for it over the recorded steps
+    (`scalescope.analysis.format_whatif`; "" when none is), for the ops of format
+    findings; None when the run records no recipe. A backward or optimizer value is
+    offered 8-bit recipes only: FP4 training casts gradients with stochastic rounding and
+    random Hadamard transforms, which these statistics do not model."""
+    recorded = recorded_recipes(stats)
+    if not recorded:
+        return None
+    want = found["rule"].isin(["overflow", "underflow", "snr", "drift", "trend"]).to_numpy()
+    ids = np.unique(found.loc[want, "op"].to_numpy(np.int64))
+    if not len(ids):
+        return {}
+    op = stats["op"].to_numpy(np.int64)
+    rows = np.isin(op, ids, kind="table") if op.min() >= 0 else np.isin(op, ids)
+    whatif = format_whatif(stats[rows], table, recorded, thresholds=thresholds, meta=meta)
+    grads = ~table["pass"].reindex(whatif.index).astype(str).isin(["fwd", "input"]).to_numpy()
+    from ...core import recipes as _recipes
+
+    for name in recorded:
+        if _recipes.get(name).bits < 8 and grads.any():
+            whatif[(name, "safe")] = whatif[(name, "safe")].to_numpy(bool) & ~grads
+    return {int(k): str(v) for k, v in cheapest_recipe(whatif).items()}
+
+
+def _finish(
+    found: pd.DataFrame,
+    table: pd.DataFrame,
+    labels: pd.Series,
+    meta: Mapping[str, Any] | None,
+    history: int = 1024,
+    cells: _Cells | _Dense | None = None,
+    recipes: Mapping[int, str] | None = None,
+    recorded: Sequence[str] = (),
+) -> pd.DataFrame:
+    """Add op details, severity and fix; sort."""
+    run_scalified = bool(((meta or {}).get("graph") or {}).get("scalify", False))
+    found["op"] = found["op"].astype(np.int64)
+    op_ids = found["op"].tolist()
+    rec = table.loc[found["op"]].assign(label=labels.reindex(found["op"]).to_numpy())
+    rec.index = found.index
+    for col in ("label", "name", "pass", "primitive", "source"):
+        found[col] = rec[col].to_numpy()
+    found["severity"] = severity_of(severity_level(found))
+    at = found["_at"].tolist() if "_at" in found else [None] * len(found)
+    origin_of = found["_origin"].tolist() if "_origin" in found else [None] * len(found)
+    records = rec.to_dict("records")
+    by_op = dict(zip(op_ids, records))
+    fixes = []
+    for i, (rule, fmt, op) in enumerate(zip(found["rule"].tolist(), found["format"], records)):
+        scaled = run_scalified or bool(op["scaled"])
+        if rule == "delayed":
+            fixes.append(delayed_fix_line(op, history, scaled))
+            continue
+        fmt = fmt or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
+        recipe = None if recipes is None else recipes.get(op_ids[i], "")
+        log2_rms = math.nan
+        if rule in ("underflow", "snr") and scaled and cells is not None:
+            log2_rms = cells.at("log2_rms", op_ids[i], int(at[i]))
+        too_wide = (
+            rule == "underflow"
+            and cells is not None
+            and _too_wide(cells, op_ids[i], int(at[i]), _format_info(fmt, meta)) is not None
+        )
+        origin = None
+        if rule == "nonfinite" and origin_of[i] is not None and not pd.isna(origin_of[i]):
+            origin = by_op.get(int(origin_of[i]))
+            if origin is None:  # the origin op has a finding of its own: always in by_op
+                origin = table.loc[int(origin_of[i])].to_dict() | {
+                    "label": labels[int(origin_of[i])]
+                }
+        fixes.append(
+            fix_line(
+                op,
+                fmt,
+                scaled,
+                rule,
+                recipe=recipe,
+                log2_rms=log2_rms,
+                origin=origin,
+                recorded=recorded,
+                too_wide=too_wide,
+            )
+        )
+    found["fix"] = fixes
+    found["_sev"] = found["severity"].map({s: i for i, s in enumerate(SEVERITY_ORDER)})
+    found["_rule"] = found["rule"].map({r: i for i, r in enumerate(RULES)})
+    found = found.sort_values(["_sev", "first_step", "op", "_rule", "format"], kind="stable")
+    found = found[FINDING_COLUMNS].reset_index(drop=True)
+    return found.astype({"op": np.int64, "first_step": np.int64, "steps": np.int64})
+
+
+def advise_run(reader: Any, **kwargs: Any) -> pd.DataFrame:
+    """`advise` over a recorded run (its statistics, op table and metadata)."""
+    kwargs.setdefault("meta", reader.meta)
+    return advise(reader.stats(wide=True), reader.ops, **kwargs)
+
+
+def summary_by_rule(findings: pd.DataFrame) -> pd.DataFrame:
+    """Findings counted per (rule, format): severity (the most severe of its findings),
+    findings, distinct ops, passes involved, first step, and the worst value (max
+    fraction, min SNR, log2 rms of larger magnitude). Ordered by severity, then rule."""
+    require_columns(findings, ("op", "rule", "format", "first_step", "value", "pass"), "findings")
+    cols = ["rule", "format", "severity", "findings", "ops", "passes", "first_step", "worst"]
+    if findings.empty:
+        return pd.DataFrame(columns=cols)
+    rank = {s: i for i, s in enumerate(SEVERITY_ORDER)}
+    rows = []
+    for (rule, fmt), g in findings.groupby(["rule", "format"], sort=False):
+        values = g["value"].astype(np.float64)
+        if rule == "snr":
+            worst = values.min()
+        elif rule in ("drift", "trend"):
+            worst = values.iloc[int(np.argmax(values.abs().to_numpy()))]
+        else:
+            worst = values.max()
+        if "severity" in g.columns:
+            severity = min(g["severity"], key=lambda s: rank.get(s, len(rank)))
+        else:
+            severity = SEVERITY.get(rule, "")
+        rows.append(
+            dict(
+                rule=rule,
+                format=fmt,
+                severity=severity,
+                findings=len(g),
+                ops=g["op"].nunique(),
+                passes=", ".join(dict.fromkeys(g["pass"])),
+                first_step=int(g["first_step"].min()),
+                worst=float(worst),
+            )
+        )
+    out = pd.DataFrame(rows, columns=cols)
+    sev = out["severity"].map(rank).fillna(len(SEVERITY))
+    rule = out["rule"].map({r: i for i, r in enumerate(RULES)}).fillna(len(RULES))
+    order = np.lexsort((out["format"].to_numpy(), rule.to_numpy(), sev.to_numpy()))
+    return out.iloc[order].reset_index(drop=True)
