@@ -83,6 +83,9 @@ class Size:
     run_steps: int = 100  # steps per Run loop
     numerics_steps: int = 300
     numerics_gpt: tuple[tuple[str, int], ...] = ()  # the sample GPT's default size
+    #: The probe section records only the ops this selects (None: every op). The smoke
+    #: test's: the matmuls, so that its statistics programs compile in seconds on a CPU.
+    select: str | None = None
 
 
 FULL = Size()
@@ -97,6 +100,7 @@ SMOKE = Size(
     run_steps=11,
     numerics_steps=4,
     numerics_gpt=(("n_layers", 1), ("d_model", 32), ("n_heads", 2), ("seq_len", 16)),
+    select="dot_general",
 )
 
 
@@ -297,7 +301,9 @@ class Suite:
     def probe(self) -> dict[str, Any]:
         model, compiled, seconds, memory = self.fp8()
         base_t = time_steps(compiled, model.args, self.size.steps)
-        i_compiled, i_seconds, i_memory = compile_fn(ss.instrument(model.raw_step), model.args)
+        i_compiled, i_seconds, i_memory = compile_fn(
+            ss.instrument(model.raw_step, select=self.size.select), model.args
+        )
         i_t = time_steps(i_compiled, model.args, self.size.steps)
         out = {
             "probe_kernel": "native" if native.use_native() else "xla",
@@ -315,7 +321,7 @@ class Suite:
         n = self.size.run_steps
         for key, kw in (("run_every10", {"every": 10}), ("run_budget", {"budget": 0.05})):
             with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
-                run = ss.Run(f"{tmp}/run", **kw)
+                run = ss.Run(f"{tmp}/run", select=self.size.select, **kw)
                 fn = run.track(model.raw_step)
                 fn.warmup(*model.args)
                 loop(compiled, model.args, 2)
