@@ -22,7 +22,7 @@ demo: venv
 # compiled steps), slowest modules first (tests/conftest.py orders them; --durations
 # shows what to reorder).
 test: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=60
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -108,6 +108,8 @@ SLOWEST_MODULES = (
     "test_notebooks.py",
     "test_demo.py",
     "test_train.py",
+    "test_gpu_suite.py",
+    "test_verify.py",
     "test_collectives.py",
     "test_other_models.py",
     "test_exactness.py",
@@ -126,6 +128,8 @@ SLOWEST_MODULES = (
     "test_notebook.py",
     "test_scalify.py",
     "test_readme.py",
+    "test_packaging.py",
+    "test_native_build.py",
 )
 
 
