@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -130,6 +131,29 @@ def test_serve_rejects_bad_paths_with_a_message(tmp_path):
         )
         assert proc.returncode == 2, proc.stderr
         assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_serve_on_a_taken_port_or_a_foreign_address_exits_2(runs):
+    """The server binds in a thread: without a check first, a taken port printed a
+    traceback there while the command announced the other server's URL and never ended."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for address, words in (
+            ("127.0.0.1", "the port is in use"),
+            ("192.0.2.1", "the address is not one of"),
+        ):
+            proc = subprocess.run(
+                [sys.executable, "-m", "scalescope.cli", "serve", str(runs), "--port", str(port)]
+                + ["--address", address],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert f"cannot listen on {address}:{port}: {words}" in proc.stderr, proc.stderr
+            assert "Traceback" not in proc.stderr and "dashboard on" not in proc.stdout
 
 
 def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
