@@ -78,6 +78,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        lr = self.learning_rate
+        if lr is not None and not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"learning_rate must be finite and > 0, got {lr}")
+        for name in ("seq_len", "d_model", "n_layers", "n_heads"):
+            value = self.gpt.get(name)
+            if value is not None and value < 1:
+                raise ValueError(f"gpt {name} must be >= 1, got {value}")
+        if any(width < 1 for width in self.mlp_hidden):
+            raise ValueError(f"mlp_hidden widths must be >= 1, got {list(self.mlp_hidden)}")
         scale = self.input_scale
         if isinstance(scale, bool) or not isinstance(scale, int | float):
             raise ValueError(f"input_scale must be a number, got {scale!r}")

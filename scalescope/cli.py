@@ -10,6 +10,7 @@ re-trains a recorded run under a precision policy and measures what it costs.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -153,6 +154,8 @@ def _train(args, parser) -> int:
 
     if args.every < 1:
         parser.error("--every must be >= 1")
+    if args.sample is not None and args.sample < 1:
+        parser.error(f"--sample must be >= 1 (elements measured per value), got {args.sample}")
     if args.budget is not None and not 0 < args.budget < 1:
         parser.error(f"--budget must be a fraction in (0, 1), e.g. 0.05; got {args.budget}")
     formats = None
@@ -169,6 +172,17 @@ def _train(args, parser) -> int:
         except ss.PolicyError as err:
             print(f"scalescope train: error: --policy: {err}", file=sys.stderr)
             return 2
+    for flag, value in (
+        ("--layers", args.layers),
+        ("--d-model", args.d_model),
+        ("--seq-len", args.seq_len),
+    ):  # --steps and --batch: TrainConfig.check names them
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if any(width < 1 for width in args.hidden):
+        parser.error(f"--hidden widths must be >= 1, got {' '.join(map(str, args.hidden))}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a finite learning rate > 0, got {args.lr}")
     heads = args.heads or (4 if args.d_model % 4 == 0 else 1)
     if heads < 1 or args.d_model % heads:
         parser.error(f"--heads {heads} must be >= 1 and divide --d-model {args.d_model}")
@@ -177,7 +191,7 @@ def _train(args, parser) -> int:
         precision=args.precision,
         steps=args.steps,
         seed=args.seed,
-        batch=args.batch or (32 if args.model == "gpt" else 128),
+        batch=(32 if args.model == "gpt" else 128) if args.batch is None else args.batch,
         learning_rate=args.lr,
         data=args.data,
         data_dir=args.data_dir,

@@ -204,3 +204,40 @@ def test_unit_init_redraws_weights_only():
     np.testing.assert_array_equal(
         new["blocks"]["attn"]["qkv"]["b"], params["blocks"]["attn"]["qkv"]["b"]
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--batch", "0", "batch must be positive, got 0"),
+        ("--seq-len", "0", "--seq-len must be >= 1, got 0"),
+        ("--d-model", "0", "--d-model must be >= 1, got 0"),
+        ("--layers", "0", "--layers must be >= 1, got 0"),
+        ("--sample", "0", "--sample must be >= 1"),
+        ("--lr", "nan", "--lr must be a finite learning rate > 0, got nan"),
+        ("--lr", "-1", "--lr must be a finite learning rate > 0, got -1.0"),
+    ],
+)
+def test_train_refuses_bad_sizes_before_creating_the_run(tmp_path, capsys, flag, value, words):
+    """`--batch 0` used to become 32, `--lr nan` trained a NaN step and exited 0, zero
+    sizes gave tracebacks and left an empty run folder."""
+    from scalescope.cli import main
+
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["train", "gpt", "--steps", "2", "--run", str(run), "--quiet", flag, value])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_train_config_refuses_bad_sizes_and_rates():
+    from scalescope.sample_models.train import TrainConfig
+
+    for kwargs, words in (
+        ({"learning_rate": float("nan")}, "learning_rate must be finite"),
+        ({"gpt": {"d_model": 0}}, "gpt d_model must be >= 1"),
+        ({"model": "mlp", "mlp_hidden": (64, 0)}, "mlp_hidden widths must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            TrainConfig(**kwargs).check()
