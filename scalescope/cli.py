@@ -10,7 +10,6 @@ re-trains a recorded run under a precision policy and measures what it costs.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -172,17 +171,6 @@ def _train(args, parser) -> int:
         except ss.PolicyError as err:
             print(f"scalescope train: error: --policy: {err}", file=sys.stderr)
             return 2
-    for flag, value in (
-        ("--layers", args.layers),
-        ("--d-model", args.d_model),
-        ("--seq-len", args.seq_len),
-    ):  # --steps and --batch: TrainConfig.check names them
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
-    if any(width < 1 for width in args.hidden):
-        parser.error(f"--hidden widths must be >= 1, got {' '.join(map(str, args.hidden))}")
-    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be a finite learning rate > 0, got {args.lr}")
     heads = args.heads or (4 if args.d_model % 4 == 0 else 1)
     if heads < 1 or args.d_model % heads:
         parser.error(f"--heads {heads} must be >= 1 and divide --d-model {args.d_model}")

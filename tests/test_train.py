@@ -210,12 +210,13 @@ def test_unit_init_redraws_weights_only():
     ("flag", "value", "words"),
     [
         ("--batch", "0", "batch must be positive, got 0"),
-        ("--seq-len", "0", "--seq-len must be >= 1, got 0"),
-        ("--d-model", "0", "--d-model must be >= 1, got 0"),
-        ("--layers", "0", "--layers must be >= 1, got 0"),
+        ("--seq-len", "0", "gpt seq_len must be >= 1, got 0"),
+        ("--d-model", "0", "gpt d_model must be >= 1, got 0"),
+        ("--layers", "0", "gpt n_layers must be >= 1, got 0"),
         ("--sample", "0", "--sample must be >= 1"),
-        ("--lr", "nan", "--lr must be a finite learning rate > 0, got nan"),
-        ("--lr", "-1", "--lr must be a finite learning rate > 0, got -1.0"),
+        ("--hidden", "0", "mlp_hidden widths must be >= 1, got [0]"),
+        ("--lr", "nan", "learning_rate must be finite and > 0, got nan"),
+        ("--lr", "-1", "learning_rate must be finite and > 0, got -1.0"),
     ],
 )
 def test_train_refuses_bad_sizes_before_creating_the_run(tmp_path, capsys, flag, value, words):
