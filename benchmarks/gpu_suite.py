@@ -307,6 +307,7 @@ class Suite:
         i_t = time_steps(i_compiled, model.args, self.size.steps)
         out = {
             "probe_kernel": "native" if native.use_native() else "xla",
+            "select": self.size.select,  # None: every op recorded
             "scalified": {"compile_s": seconds, "step_ms": 1e3 * base_t, **memory},
             "instrument": {"compile_s": i_seconds, "step_ms": 1e3 * i_t, **i_memory},
             "instrument_step_x": i_t / base_t,

@@ -46,6 +46,7 @@ def test_gpu_suite_smoke_runs_every_section(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     probe = results["probe"]
     assert probe["probe_kernel"] == "xla"
+    assert probe["select"] == "dot_general"  # the smoke records the matmuls only
     for key in ("instrument_step_x", "instrument_temp_x"):
         assert math.isfinite(probe[key]) and probe[key] > 0
     assert probe["run_every10"]["every"] == 10 and probe["run_budget"]["budget"] == 0.05
