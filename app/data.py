@@ -75,6 +75,7 @@ class Advice:
         self.data = data
         self.version = 0
         self.findings: pd.DataFrame | None = None
+        self.bundle: analysis.RunAnalysis | None = None  # the analysis the findings are of
         self.of_version = -1  # RunData.version the findings are of
         self.step: int | None = None  # last recorded step they cover
         self.error: str | None = None
@@ -114,18 +115,20 @@ class Advice:
         return self._thread is not None
 
     def _run(self, snapshot: tuple[Any, ...]) -> None:
-        version, frames, columns, ops, meta = snapshot
+        version, frames, columns, ops, meta, scalars = snapshot
         t0 = time.monotonic()
         try:
             stats = advisor_frame(frames, columns)
-            found = analysis.advise(stats, ops, meta=meta)
+            bundle = analysis.RunAnalysis(_Snapshot(stats, ops, meta, scalars))
+            found = bundle.findings
+            bundle.verdict  # noqa: B018 - computed here, off the page's thread
             step = int(stats["step"].max()) if len(stats) else None
             error = None
         except Exception as err:  # noqa: BLE001 - shown in the page, the server stays up
-            found, step, error = None, None, f"{type(err).__name__}: {err}"
+            bundle, found, step, error = None, None, None, f"{type(err).__name__}: {err}"
         with self._cond:
             if found is not None:
-                self.findings, self.step = found, step
+                self.findings, self.step, self.bundle = found, step, bundle
             self.error = error
             self.of_version = version
             self.took = time.monotonic() - t0
@@ -157,6 +160,22 @@ class Advice:
                 self._cond.wait_for(lambda: self._thread is None, timeout=60)
 
 
+class _Snapshot:
+    """A run as read at one moment, the face of a reader a `RunAnalysis` reads: a
+    background advisor run works on it while the live reader moves on."""
+
+    version = None  # never cached by `scalescope.analysis.analyse`
+
+    def __init__(self, stats: pd.DataFrame, ops: pd.DataFrame, meta: Any, scalars: Any) -> None:
+        self._stats, self.ops, self.meta, self._scalars = stats, ops, meta, scalars
+
+    def stats(self, wide: bool = True) -> pd.DataFrame:
+        return self._stats
+
+    def scalar_rows(self) -> pd.DataFrame:
+        return self._scalars
+
+
 def advisor_frame(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
     """Process 0's rows of the parts ``frames``, only ``columns`` (what the advisor reads:
     `scalescope.analysis.advisor_columns`), as one frame in the parts' order."""
@@ -183,7 +202,6 @@ class RunData:
         self.grid = StatGrid(self.reader)  # heatmap grids, extended part by part
         self._by_ops: dict[Any, Any] = {}  # frames of the op table only (kept on refresh)
         self.advice = Advice(self)  # the advisor's findings, computed in the background
-        self._verdict: tuple[Any, Any, Any] | None = None  # (key, findings, Verdict)
 
     @property
     def name(self) -> str:
@@ -249,10 +267,17 @@ class RunData:
         """Deepest useful group depth (`scalescope.analysis.max_depth`)."""
         return self._of_ops("max_depth", analysis.max_depth)
 
+    def run_analysis(self) -> analysis.RunAnalysis:
+        """The run's `scalescope.analysis.RunAnalysis` as read now (one per reader state,
+        shared with a report or notebook of the same reader)."""
+        with self.lock:
+            return analysis.analyse(self.reader)
+
     @property
     def stats(self) -> pd.DataFrame:
-        """Wide statistics of process 0."""
-        return self.cached("stats", lambda: self.reader.stats(wide=True))
+        """Wide statistics of process 0 (the analysis bundle's)."""
+        with self.lock:
+            return self.run_analysis().stats
 
     @property
     def scalars(self) -> pd.DataFrame:
@@ -382,7 +407,8 @@ class RunData:
     def notes(self) -> list[str]:
         """What every view computed from statistics says next to its figures: sampled
         statistics, ops measured in turns (`scalescope.analysis.measurement_notes`)."""
-        return self.cached("notes", lambda: analysis.measurement_notes(self.reader))
+        with self.lock:
+            return self.run_analysis().notes
 
     def findings(self) -> pd.DataFrame:
         """The advisor's findings of the run as it is now (waits for them; `advice`'s
@@ -391,17 +417,14 @@ class RunData:
 
     def verdict(self, findings: pd.DataFrame) -> analysis.Verdict:
         """The run's verdict from ``findings`` (the advisor's, as shown) and its logged
-        loss (`scalescope.analysis.verdict`); computed once per findings and run version."""
-        key = ("verdict", id(findings), len(findings))
+        loss (`scalescope.analysis.verdict`): the verdict of the analysis the findings
+        came from, computed beside them."""
+        bundle = self.advice.bundle
+        if bundle is not None and bundle.findings is findings:
+            return bundle.verdict
         with self.lock:
-            hit = self._verdict
-            if hit is not None and hit[0] == key and hit[1] is findings:
-                return hit[2]
             loss = analysis.logged_loss(self.reader.scalar_rows())
-        found = analysis.verdict(findings, loss)
-        with self.lock:
-            self._verdict = (key, findings, found)
-        return found
+        return analysis.verdict(findings, loss)
 
     def latest_verdict(self, wait: float = 0.0) -> analysis.Verdict | None:
         """The verdict of the newest findings there are (None before the first), starting
@@ -409,15 +432,25 @@ class RunData:
         findings = self.advice.latest(wait=wait)
         return None if findings is None else self.verdict(findings)
 
-    def advisor_snapshot(self) -> tuple[int, list[pd.DataFrame], list[str], pd.DataFrame, Any]:
+    def advisor_snapshot(
+        self,
+    ) -> tuple[int, list[pd.DataFrame], list[str], pd.DataFrame, Any, pd.DataFrame]:
         """What a background advisor run reads, taken under the lock: the version, the
-        parts read so far, the columns the advisor needs, the op table and metadata."""
+        parts read so far, the columns the advisor needs, the op table, metadata and
+        logged scalars."""
         with self.lock:
             ops = self.ops
             columns = analysis.advisor_columns(
                 ["step", "op", "iteration", *self.reader.stat_names], ops
             )
-            return self.version, self.reader.part_frames(), columns, ops, self.reader.meta
+            return (
+                self.version,
+                self.reader.part_frames(),
+                columns,
+                ops,
+                self.reader.meta,
+                self.reader.scalar_rows(),
+            )
 
     def summary(self) -> pd.DataFrame:
         return self.cached("summary", lambda: analysis.op_summary(self.stats, self.ops))
@@ -513,9 +546,9 @@ class RunData:
             return self.grid.recorded_ops()
 
     def whatif(self) -> pd.DataFrame:
-        return self.cached(
-            "whatif", lambda: analysis.format_whatif(self.stats, self.ops, meta=self.reader.meta)
-        )
+        """The format and recipe what-if (the analysis bundle's)."""
+        with self.lock:
+            return self.run_analysis().whatif
 
     def op_stats(self, op: int) -> pd.DataFrame:
         """Wide rows of one op (process 0), all steps and loop iterations, as

@@ -112,8 +112,10 @@ class RunView(RunReader):
         """The advisor's findings grouped into one row per cause (rule, format, pass and
         module), most severe and largest impact first (`scalescope.analysis.causes`);
         keyword arguments pass to `advise`."""
-        from .analysis import advise_run, causes
+        from .analysis import advise_run, analyse, causes
 
+        if set(kwargs) <= {"thresholds", "audit"}:
+            return analyse(self, **kwargs).causes.copy()
         return causes(advise_run(self, **kwargs))
 
     def heatmap(

@@ -15,7 +15,6 @@ from .advisor import (
     SEVERITY_STEPS,
     Thresholds,
     advise,
-    advise_run,
     advisor_columns,
     drift_bounds,
     finding_metric,
@@ -28,6 +27,17 @@ from .advisor import (
     summary_by_rule,
     worst_finding,
     worst_finding_metric,
+)
+from .bundle import (
+    RunAnalysis,
+    advise_run,
+    analyse,
+    format_whatif_run,
+    per_step_worst,
+    predict_policy_run,
+    recommend_policy_run,
+    verdict_run,
+    worst_step,
 )
 from .causes import CAUSE_COLUMNS, causes, impact_text, module_of, worst_text
 from .compare import (
@@ -76,10 +86,8 @@ from .policies import (
     op_label_series,
     policy_text,
     predict_policy,
-    predict_policy_run,
     predicted_verdict,
     recommend_policy,
-    recommend_policy_run,
     verification_line,
 )
 from .relevance import CONSTANT_ORIGINS, constant_ops
@@ -92,7 +100,6 @@ from .verdict import (
     logged_loss,
     parse_status,
     verdict,
-    verdict_run,
     worst_first,
 )
 from .whatif import (
@@ -103,7 +110,6 @@ from .whatif import (
     cheapest_counts,
     cheapest_recipe,
     format_whatif,
-    format_whatif_run,
     recipe_cost,
     recipe_elements,
     verdict_counts,
@@ -136,7 +142,11 @@ __all__ = [
     "STATUSES",
     "WHATIF_FIELDS",
     "advise",
+    "RunAnalysis",
     "advise_run",
+    "analyse",
+    "per_step_worst",
+    "worst_step",
     "advisor_columns",
     "block_scales",
     "budget_note",

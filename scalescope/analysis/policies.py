@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.policy import UNREACHABLE, Policy, Rule, glob_regex, unique_labels
-from .whatif import CHEAPEST, format_whatif, whatif_groups
+from .whatif import CHEAPEST, whatif_groups
 
 #: Passes whose matmul operands a recommendation covers (weights are ``input`` values).
 RECOMMEND_PASSES = ("input", "fwd", "bwd")
@@ -171,18 +171,6 @@ def recommend_policy(
             picks[labels[op]] = f"{target}@matmul" if gemm_only else target
     reachable = [lab for lab, ok in zip(labels, _reachable(ops)) if ok]
     return Policy(_compress(picks, reachable))
-
-
-def recommend_policy_run(reader: Any, **kwargs: Any) -> Policy:
-    """`recommend_policy` of a recorded run (its what-if over every recorded step)."""
-    whatif = format_whatif(reader.stats(wide=True), reader.ops, meta=reader.meta)
-    return recommend_policy(whatif, reader.ops, **kwargs)
-
-
-def predict_policy_run(reader: Any, policy: Policy) -> pd.DataFrame:
-    """`predict_policy` over a recorded run."""
-    whatif = format_whatif(reader.stats(wide=True), reader.ops, meta=reader.meta)
-    return predict_policy(policy, whatif, reader.ops)
 
 
 #: Columns of `matmul_table`.

@@ -240,20 +240,3 @@ def worst_first(verdicts: Sequence[Verdict]) -> list[int]:
         return (-v.rank, float(v.step) if v.step is not None else math.inf, i)
 
     return sorted(range(len(verdicts)), key=key)
-
-
-def verdict_run(
-    reader: Any,
-    *,
-    findings: pd.DataFrame | None = None,
-    loss: str = "loss",
-    thresholds: VerdictThresholds | None = None,
-    **advise_kwargs: Any,
-) -> Verdict:
-    """`verdict` of a recorded run: its findings (`advise_run`, with ``advise_kwargs``
-    such as ``audit``; or ``findings`` already computed) and its logged scalar ``loss``."""
-    if findings is None:
-        from .advisor import advise_run
-
-        findings = advise_run(reader, **advise_kwargs)
-    return verdict(findings, logged_loss(reader.scalar_rows(), loss), thresholds=thresholds)

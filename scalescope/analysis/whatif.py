@@ -318,9 +318,3 @@ def recipe_elements(recipes: Sequence[str]) -> dict[str, Any]:
     from ..core import recipes as _recipes
 
     return {r: _recipes.get(r).element for r in recipes}
-
-
-def format_whatif_run(reader: Any, formats: str | Sequence[str] | None = None, **kwargs: Any):
-    """`format_whatif` of a recorded run (its metadata supplies unknown SNR thresholds)."""
-    kwargs.setdefault("meta", reader.meta)
-    return format_whatif(reader.stats(wide=True), reader.ops, formats, **kwargs)

@@ -46,8 +46,7 @@ def _compare_data(data: _RunData, other: Any) -> dict[str, Any]:
                 }
             )
     matched = values[f"op_{a}"].nunique() if len(values) else 0
-    other_stats = other.stats(wide=True)
-    whatif = A.format_whatif(other_stats, other.ops, thresholds=data.thresholds, meta=other.meta)
+    whatif = A.analyse(other, thresholds=data.thresholds).whatif
     counts = A.verdict_counts(whatif, other.ops)
     verdicts = _verdict_dict(counts).get("all", {})
     return _plain(

@@ -53,6 +53,9 @@ class RunReader:
         self._measured_cache: dict[Any, pd.DataFrame] = {}
         self._scalars_cache: pd.DataFrame | None = None
         self._ops: pd.DataFrame | None = None
+        #: Counts the changes `refresh` has read (new parts, the op table, new metadata):
+        #: what a cache of results computed from this reader is keyed by.
+        self.version = 0
         self.refresh()
 
     # -- metadata ---------------------------------------------------------------------
@@ -171,6 +174,7 @@ class RunReader:
 
     def refresh(self) -> int:
         """Read the parts written since the last call; returns how many were new."""
+        before = self.meta, self._ops
         try:
             self.meta = L.read_metadata(self.path)
         except L.RunError as err:  # keep the last good metadata while it is replaced
@@ -198,6 +202,8 @@ class RunReader:
                 self._scalar_parts.append(frame)
                 self._scalars_cache = None
                 new += 1
+        if new or self._ops is not before[1] or self.meta != before[0]:
+            self.version += 1
         return new
 
     def part_frames(self, start: int = 0) -> list[pd.DataFrame]:

@@ -95,7 +95,7 @@ from ..thresholds import (
 from .detectors_formats import format_span, rounding_edge
 from .detectors_nonfinite import output_ops
 from .detectors_scales import drift_bounds
-from .findings import FINDING_COLUMNS, advise, advise_run, advisor_columns, summary_by_rule
+from .findings import FINDING_COLUMNS, advise, advisor_columns, summary_by_rule
 from .severity import (
     RULES,
     SEVERITY,
@@ -123,7 +123,6 @@ __all__ = [
     "SUGGESTED_RECIPE",
     "Thresholds",
     "advise",
-    "advise_run",
     "advisor_columns",
     "delayed_fix_line",
     "drift_bounds",

@@ -1,8 +1,9 @@
 """The advisor's entry points: `advise` runs every rule over a run's statistics and
-returns the findings frame (`FINDING_COLUMNS`), with impact, severity and fix, sorted;
-`advise_run` over a recorded run; `advisor_columns`, the statistics columns it reads;
-`summary_by_rule`, findings counted per rule and format. A naive cast's fix names the
-cheapest recipe the format what-if (`scalescope.analysis.whatif`) shows safe."""
+returns the findings frame (`FINDING_COLUMNS`), with impact, severity and fix, sorted
+(`scalescope.analysis.advise_run` over a recorded run); `advisor_columns`, the
+statistics columns it reads; `summary_by_rule`, findings counted per rule and format.
+A naive cast's fix names the cheapest recipe the format what-if
+(`scalescope.analysis.whatif`) shows safe."""
 
 from __future__ import annotations
 
@@ -319,12 +320,6 @@ def _finish(
     found = found.sort_values(["_sev", "first_step", "op", "_rule", "format"], kind="stable")
     found = found[FINDING_COLUMNS].reset_index(drop=True)
     return found.astype({"op": np.int64, "first_step": np.int64, "steps": np.int64})
-
-
-def advise_run(reader: Any, **kwargs: Any) -> pd.DataFrame:
-    """`advise` over a recorded run (its statistics, op table and metadata)."""
-    kwargs.setdefault("meta", reader.meta)
-    return advise(reader.stats(wide=True), reader.ops, **kwargs)
 
 
 def summary_by_rule(findings: pd.DataFrame) -> pd.DataFrame:
