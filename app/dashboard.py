@@ -273,6 +273,9 @@ class Dashboard(
             scalars = data.scalars
             note = statistics_note(data.notes())
             statistics = data.reader.statistics
+            status = data.reader.status
+            damage = list(data.reader.damage)
+            damage += [f"unreadable part {p} skipped ({why})" for p, why in data.reader.skipped]
         for pane in self.notes.values():
             if pane.object != note:
                 pane.object = note
@@ -280,7 +283,7 @@ class Dashboard(
         loss_step = int(scalars.index.max()) if len(scalars) else None
         parts = [
             f"<b>{html.escape(data.name)}</b>",
-            f"status: <span class='ss-run-status'>{html.escape(str(meta.get('status')))}</span>",
+            f"status: <span class='ss-run-status'>{html.escape(status)}</span>",
             f"recorded steps: <span class='ss-step-count'>{len(steps)}</span>",
             "last recorded step: "
             f"<span class='ss-last-step'>{last if last is not None else '-'}</span>",
@@ -294,6 +297,17 @@ class Dashboard(
             text += message_html(
                 "no recorded step yet: the run is being created, this page updates when its "
                 "first statistics are written",
+                "warn",
+            )
+        if damage:
+            text += message_html(
+                "this run is damaged; the views show what could be read: " + "; ".join(damage),
+                "error",
+            )
+        broken = self.runs.broken
+        if broken:
+            text += message_html(
+                "not shown (unreadable): " + "; ".join(f"{k}: {v}" for k, v in broken.items()),
                 "warn",
             )
         self.status.object = f"<div class='ss-status'>{text}</div>"

@@ -16,6 +16,7 @@ reads the op x step grids of the heatmap (`StatGrid`), not the wide frame either
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
@@ -596,6 +597,7 @@ class RunSet:
         self.lock = threading.Lock()
         self._runs: dict[str, RunData] = {}
         self._broken: dict[str, str] = {}
+        self._outside: set[str] = set()  # links to runs outside the root, warned once
         self.rescan()
         if not self._runs and not self._broken:
             raise ServeError(
@@ -609,6 +611,9 @@ class RunSet:
         added = False
         with self.lock:
             for path in found:
+                if not path.resolve().is_relative_to(self.root):
+                    self._outside_once(path)
+                    continue
                 key = self.key(path)
                 if key in self._runs:
                     continue
@@ -619,6 +624,19 @@ class RunSet:
                 except RunError as err:  # e.g. run.json being replaced right now
                     self._broken[key] = str(err)
         return added
+
+    def _outside_once(self, path: Path) -> None:
+        """Warn (once per path) that a run reached through a link outside the served
+        folder is not served: PATH bounds what the dashboard reads."""
+        if str(path) in self._outside:
+            return
+        self._outside.add(str(path))
+        print(
+            f"scalescope serve: warning: not serving {path}: it links to "
+            f"{path.resolve()}, outside {self.root}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def warm(self, name: str | None = None) -> None:
         """Start the advisor (in the background) on run ``name``, by default on every

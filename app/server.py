@@ -1,7 +1,10 @@
 """Serving the dashboard: one Panel server, one `Dashboard` per browser session.
 
 Bokeh and Panel's JavaScript and CSS come from this server (no CDN, no web font), and
-the server binds 127.0.0.1 unless told otherwise.
+the server binds 127.0.0.1 unless told otherwise. Every request must name this server
+in its ``Host`` header (`allowed_hosts`): a page from elsewhere whose name was rebound to
+this machine's address (DNS rebinding) gets 403, not the runs. The web server alone
+would let such a page's WebSocket in, since its Origin equals its Host.
 """
 
 from __future__ import annotations
@@ -9,10 +12,15 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
 import panel as pn
+from panel.io.server import get_server
+from panel.io.threads import StoppableThread
+from tornado.ioloop import IOLoop
+from tornado.web import RequestHandler
 
 from .dashboard import POLL_MS, Dashboard
 from .data import RunSet, ServeError
@@ -41,6 +49,71 @@ def check_listen(address: str, port: int) -> None:
                 errno.EACCES: "permission denied (ports below 1024 need privileges)",
             }.get(err.errno, err.strerror or str(err))
             raise ServeError(f"cannot listen on {address}:{port}: {why}") from None
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+_WILDCARD = ("0.0.0.0", "::", "")
+
+
+def allowed_hosts(address: str, port: int) -> set[str]:
+    """The ``Host`` header values (``name:port``, lower case) a request to this server may
+    carry: the address it binds and, for a loopback address, the loopback names; for a
+    wildcard address (every interface, asked for explicitly), this machine's name, full
+    name and addresses too."""
+    names = {address.lower()}
+    if address in _LOOPBACK or address == "::1":
+        names |= set(_LOOPBACK)
+    if address in _WILDCARD:
+        names = set(_LOOPBACK)
+        host = socket.gethostname()
+        names |= {host.lower(), socket.getfqdn().lower()}
+        try:
+            infos = socket.getaddrinfo(host, None)
+        except OSError:
+            infos = []
+        for info in infos:
+            ip = str(info[4][0])
+            names.add(f"[{ip}]" if ":" in ip else ip)
+    return {f"{n}:{port}" for n in names if n}
+
+
+class _WrongHost(RequestHandler):
+    """403 for a request whose Host header names another server."""
+
+    def initialize(self, hosts: set[str]) -> None:
+        self.hosts = hosts
+
+    def prepare(self) -> None:
+        self.set_status(403)
+        self.finish(
+            f"scalescope: Host {self.request.host!r} is not this server's "
+            f"({', '.join(sorted(self.hosts))}); refused\n"
+        )
+
+
+def guard_hosts(app: Any, hosts: set[str]) -> None:
+    """Route every request to tornado application ``app`` whose Host header is not one
+    of ``hosts`` to a 403 (checked before any handler, the WebSocket's included)."""
+    find = app.find_handler
+
+    def find_handler(request: Any, **kwargs: Any) -> Any:
+        if (request.host or "").lower() in hosts:
+            return find(request, **kwargs)
+        return app.get_handler_delegate(request, _WrongHost, {"hosts": hosts})
+
+    app.find_handler = find_handler
+
+
+def _run_guarded(panels: dict, address: str, **kwargs: Any) -> Any:
+    """Build the Panel server, guard its Host header, start it and run its loop."""
+    server = get_server(panels, address=address, start=False, **kwargs)
+    guard_hosts(server._tornado, allowed_hosts(address, server.port))  # Bokeh's tornado app
+    server.start()
+    try:
+        server.io_loop.start()
+    except RuntimeError:  # the loop already runs (a notebook): it serves from there
+        pass
+    return server
 
 
 def _page(runs: RunSet, poll_ms: int):
@@ -75,13 +148,20 @@ def serve(
     origins = [f"{address}:{port}"]
     if address in ("127.0.0.1", "localhost"):
         origins += [f"localhost:{port}", f"127.0.0.1:{port}"]
-    return pn.serve(
-        {"/": _page(runs, poll_ms)},
-        port=port,
-        address=address,
-        show=show,
-        threaded=threaded,
-        title="scalescope",
-        websocket_origin=origins,
-        **kwargs,
+    options = dict(port=port, show=show, title="scalescope", websocket_origin=origins, **kwargs)
+    panels = {"/": _page(runs, poll_ms)}
+    if not threaded:
+        return _run_guarded(panels, address, **options)
+    loop = IOLoop(make_current=False)
+    options |= {"loop": loop, "server_id": uuid.uuid4().hex}
+    thread = StoppableThread(
+        target=_run_guarded,
+        io_loop=loop,
+        args=(panels, address),
+        kwargs=options,
+        owns_loop=True,
+        name="scalescope-serve",
+        daemon=True,
     )
+    thread.start()
+    return thread

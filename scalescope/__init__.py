@@ -19,12 +19,15 @@ from .probe import (
 from .run_view import RunView, open_run
 from .scalify import ScalifyError, register_rule, scalify
 from .store import (
+    NonFiniteStep,
     NotARunError,
     Run,
     RunError,
     RunMismatchError,
     RunReader,
     RunWarning,
+    RunWriteError,
+    Triggers,
     list_runs,
 )
 from .unit import unit_scale
@@ -32,6 +35,7 @@ from .verification import Verification, verify
 
 __all__ = [
     "Format",
+    "NonFiniteStep",
     "NotARunError",
     "OpRecord",
     "OpTable",
@@ -43,6 +47,8 @@ __all__ = [
     "RunReader",
     "RunView",
     "RunWarning",
+    "RunWriteError",
+    "Triggers",
     "ScaledArray",
     "ScalifyError",
     "as_scaled_array",

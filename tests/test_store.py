@@ -281,9 +281,12 @@ def test_reopening_with_the_same_graph_appends(tmp_path, data):
 def test_reopening_with_a_different_graph_refuses_and_leaves_the_run_intact(tmp_path, data):
     _record(tmp_path / "r", mlp_step, data, 2, every=1)
     before = sorted(os.listdir(tmp_path / "r" / "stats"))
+    meta = (tmp_path / "r" / L.RUN_FILE).read_bytes()
     with pytest.raises(ss.RunMismatchError, match="different graph.*op"):
         _record(tmp_path / "r", wide_step, data, 2, every=1)
     assert sorted(os.listdir(tmp_path / "r" / "stats")) == before
+    # nothing written: not even the refused session's entry or config in run.json
+    assert (tmp_path / "r" / L.RUN_FILE).read_bytes() == meta
     with pytest.raises(ss.RunMismatchError, match="formats"):
         ss.Run(tmp_path / "r", formats=("e5m2",))
     reader = ss.open_run(tmp_path / "r")

@@ -74,6 +74,9 @@ class OpRecord:
     gemm: bool = False
     operands: tuple[int, ...] = ()
     alias_of: OpRecord | None = field(default=None, repr=False)
+    #: Op ids whose statistics describe this op's float inputs (in memory only, not in
+    #: the stored op table: what an incident quotes as the inputs of its op).
+    inputs: tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def recorded(self) -> bool:

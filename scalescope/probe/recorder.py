@@ -281,6 +281,7 @@ class _Shared:
     outputs: list[tuple[str, _Info | None]] = field(default_factory=list)
     created: list[OpRecord] = field(default_factory=list)  # every record, as made
     operands: dict[int, list[OpRecord | None]] = field(default_factory=dict)  # of GEMMs
+    reads: dict[int, list[OpRecord]] = field(default_factory=dict)  # inputs of every op
     #: `emulate`'s `Replacer`: called ``(seq, value, var, primitive)`` on the value made
     #: ``seq``-th, it returns what downstream ops read instead; ``reads(eqn, invals)``
     #: gives a matmul its rounded operands. None: values as computed.
@@ -483,6 +484,10 @@ class Recorder(Observer):
         if eqn.primitive.name == "dot_general":  # the values this GEMM reads
             self.shared.operands[id(self.shared.created[first])] = [
                 None if i is None else i.own for i in ins[:2]
+            ]
+        if len(self.shared.created) > first:  # the values this op reads, for incidents
+            self.shared.reads[id(self.shared.created[first])] = [
+                i.record for i in ins if i is not None and i.record is not None
             ]
         return outs
 
@@ -690,6 +695,7 @@ class Recorder(Observer):
             reads = shared.operands.get(id(rec))
             if reads is not None:
                 rec.operands = tuple(-1 if r is None else r.id for r in reads)
+            rec.inputs = tuple(dict.fromkeys(r.id for r in shared.reads.get(id(rec), ())))
             rec.stats_op = rec.id if rec.recorded else -1
             if rec.alias_of is not None and rec.alias_of.recorded:
                 rec.stats_op = rec.alias_of.id

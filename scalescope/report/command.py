@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import analysis as A
 from .collect import ReportError
-from .gate import FAIL_ON_HELP, Rule, _as_rules, parse_fail_on
+from .gate import FAIL_ON_HELP, Rule, _as_rules, damage_notes, parse_fail_on
 from .page import DEFAULT_MAX_OPS, DEFAULT_MAX_STEPS, DEFAULT_WORST, _build
 
 
@@ -38,11 +38,13 @@ def write_report(
     max_ops: int = DEFAULT_MAX_OPS,
     max_steps: int = DEFAULT_MAX_STEPS,
     quiet: bool = False,
+    allow_damaged: bool = False,
 ) -> int:
     """Write the report of ``run`` (a path or reader) to ``html_path`` and/or
     ``json_path`` (parent folders created), print where, and return the exit status:
     0, or 1 when a ``fail_on`` rule trips (each rule's line is printed, the tripped ones
-    naming value, op and step). ``audit``: formats every op is also judged against (as if
+    naming value, op and step; a damaged run trips the gate unless ``allow_damaged``:
+    `damage_result`). ``audit``: formats every op is also judged against (as if
     cast: `scalescope.analysis.advise`). Bad input raises: ValueError (malformed rule),
     `ReportError`, `scalescope.RunError` / FileNotFoundError (no run there), OSError
     (cannot write); `main_report` turns those into exit status 2."""
@@ -63,8 +65,11 @@ def write_report(
         worst=DEFAULT_WORST,
         html=html_path is not None,
         audit=tuple(audit),
+        allow_damaged=allow_damaged,
     )
     say(verdicts["verdict"]["headline"])
+    for note in damage_notes(reader):
+        print(f"scalescope report: warning: the run is damaged: {note}", file=sys.stderr)
     if html_path is not None:
         path = Path(html_path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,6 +88,12 @@ def write_report(
     tripped = [r["rule"] for r in verdicts["fail_on"] if r["tripped"]]
     if tripped:
         print(f"scalescope report: --fail-on tripped: {', '.join(tripped)}", file=sys.stderr)
+        if "intact run" in tripped:
+            print(
+                "scalescope report: the run is damaged, so the gate fails closed; "
+                "--allow-damaged judges what could be read",
+                file=sys.stderr,
+            )
         return 1
     return 0
 
@@ -101,6 +112,12 @@ def add_parser(subparsers: Any) -> Any:
     p.add_argument("-o", "--output", metavar="HTML", help="the HTML report to write")
     p.add_argument("--json", metavar="JSON", help="the JSON verdicts to write")
     p.add_argument("--fail-on", metavar="RULES", action="append", help=FAIL_ON_HELP)
+    p.add_argument(
+        "--allow-damaged",
+        action="store_true",
+        help="let --fail-on judge a damaged run (data lost in writing, unreadable parts) "
+        "on what could be read; by default a damaged run fails the gate",
+    )
     p.add_argument("--compare", metavar="OTHER_RUN", help="another run to compare with")
     p.add_argument(
         "--audit",
@@ -154,6 +171,7 @@ def main_report(args: Any) -> int:
             max_ops=args.max_ops,
             max_steps=args.max_steps,
             audit=audit,
+            allow_damaged=args.allow_damaged,
         )
     except (ReportError, RunError, FileNotFoundError) as err:
         return fail(str(err))

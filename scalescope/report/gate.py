@@ -397,3 +397,41 @@ def _rule_line(rule, value, op, step, op_value, data, tripped, note) -> str:
         elif op is not None:
             text += f" at {where}"
     return text + (f" [{note}]" if note else "")
+
+
+def damage_notes(reader: Any) -> list[str]:
+    """What the run could not give the report: the writer's damage notes (a failed
+    write lost steps) and each part the reader skipped as unreadable."""
+    notes = list(getattr(reader, "damage", []) or [])
+    for part, why in getattr(reader, "skipped", []) or []:
+        notes.append(f"unreadable part {part} skipped ({why})")
+    return notes
+
+
+def damage_result(reader: Any, allow_damaged: bool) -> dict[str, Any] | None:
+    """The gate's own rule, added to the ``--fail-on`` results: a damaged run (data
+    lost in writing, or parts it cannot read) trips it, since no rule can vouch for
+    values it never saw; ``allow_damaged`` judges what was read instead. None for an
+    intact run."""
+    notes = damage_notes(reader)
+    if not notes:
+        return None
+    tripped = not allow_damaged
+    head = "TRIPPED" if tripped else "ok (--allow-damaged)"
+    more = f" (+{len(notes) - 1} more)" if len(notes) > 1 else ""
+    hint = "; pass --allow-damaged to judge what was read" if tripped else ""
+    return {
+        "rule": "intact run",
+        "metric": "damage",
+        "scope": "all",
+        "operator": "==",
+        "threshold": 0.0,
+        "value": float(len(notes)),
+        "tripped": tripped,
+        "op": None,
+        "label": None,
+        "step": None,
+        "op_value": None,
+        "note": "; ".join(notes),
+        "text": f"{head}: intact run: the run is damaged: {notes[0]}{more}{hint}",
+    }

@@ -31,6 +31,7 @@ td.safe-none { background: #fcbba1; }
 .verdict-healthy { background: #d9f0d3; color: #1b5e20; }
 .verdict-at-risk { background: #feb24c; color: #3d2600; }
 .verdict-failing { background: #b10026; color: #fff; }
+.damaged { border: 2px solid #b10026; padding: 6px 10px; margin: 6px 0; }
 .tripped { color: #fff; background: #b10026; font-weight: bold; padding: 1px 4px; }
 .passed { background: #d9f0d3; padding: 1px 4px; }
 code, pre { font-family: monospace; font-size: 12px; }

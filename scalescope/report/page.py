@@ -31,7 +31,7 @@ from .. import analysis as A
 from .collect import _collect, _RunData
 from .compare import _compare_data, _compare_html
 from .figures import _loss_models, _scale_graph_models
-from .gate import Rule, _as_rules, _check_rules, evaluate_rules
+from .gate import Rule, _as_rules, _check_rules, damage_result, evaluate_rules
 from .heatmaps import _heatmaps
 from .markup import _CSS, _WIDTH
 from .sections import (
@@ -68,6 +68,7 @@ def build_report(
     max_steps: int = DEFAULT_MAX_STEPS,
     worst: int = DEFAULT_WORST,
     audit: Sequence[str] = (),
+    allow_damaged: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """The report of run ``reader`` (a `scalescope.open_run` reader): ``(html, verdicts)``.
 
@@ -79,8 +80,10 @@ def build_report(
     ``max_ops`` / ``max_steps``: heatmap rows and columns beyond which neighbours are
     merged (keeps the file small for thousands of ops); ``worst``: ops shown with a
     histogram; ``audit``: formats every op is judged against as if cast (the advisor's
-    ``audit``). Raises `ReportError` for a run without recorded steps or a rule on a
-    format the run does not audit, ValueError for a malformed rule.
+    ``audit``). With rules, a damaged run (lost or unreadable data: `damage_result`)
+    trips the gate unless ``allow_damaged``. Raises `ReportError` for a run without
+    recorded steps or a rule on a format the run does not audit, ValueError for a
+    malformed rule.
     """
     page, verdicts, _ = _build(
         reader,
@@ -92,6 +95,7 @@ def build_report(
         worst=worst,
         html=True,
         audit=tuple(audit),
+        allow_damaged=allow_damaged,
     )
     return page, verdicts
 
@@ -107,21 +111,36 @@ def _build(
     worst: int,
     html: bool,
     audit: tuple[str, ...] = (),
+    allow_damaged: bool = False,
 ) -> tuple[str | None, dict[str, Any], list[str]]:
     """`build_report`, the HTML only when ``html``; also the rules' one-line results."""
     with np.errstate(invalid="ignore", divide="ignore"):  # NaN statistics are expected
         return _build_quiet(
-            reader, compare, thresholds, rules, max_ops, max_steps, worst, html, audit
+            reader,
+            compare,
+            thresholds,
+            rules,
+            max_ops,
+            max_steps,
+            worst,
+            html,
+            audit,
+            allow_damaged,
         )
 
 
-def _build_quiet(reader, compare, thresholds, rules, max_ops, max_steps, worst, html, audit):
+def _build_quiet(
+    reader, compare, thresholds, rules, max_ops, max_steps, worst, html, audit, allow_damaged
+):
     thresholds = A.Thresholds() if thresholds is None else thresholds
     max_ops, max_steps = _check_limit("max_ops", max_ops), _check_limit("max_steps", max_steps)
     worst = _check_limit("worst", worst)
     data = _collect(reader, thresholds, audit)
     _check_rules(rules, data.formats, data.recipes)
     results = evaluate_rules(data, rules)
+    damaged = damage_result(reader, allow_damaged) if rules else None
+    if damaged is not None:
+        results.append(damaged)
     cmp = _compare_data(data, compare) if compare is not None else None
     page = _page(data, compare, cmp, results, max_ops, max_steps, worst) if html else None
     return page, _verdicts(reader, data, thresholds, results, cmp), [r["text"] for r in results]

@@ -16,7 +16,7 @@ import pandas as pd
 from .. import analysis as A
 from ..analysis.advisor import pct
 from .collect import _RunData
-from .gate import _SEVERITIES, _fmt_value, _metric_kind
+from .gate import _SEVERITIES, _fmt_value, _metric_kind, damage_notes
 from .markup import _e, _source_html, _stat_note, _table, _td
 from .verdicts import _plain, _thresholds_dict
 
@@ -44,12 +44,26 @@ def _title_html(reader: Any, data: _RunData, compare: Any) -> str:
         f"{_e(reader.status)}.</div>",
         f"<div><b>{len(f)} findings</b> ({_e(sev)}). <b>{_e(safe)}</b>.</div>",
         _stat_note(data),
+        _damage_html(reader),
     ]
     if compare is not None:
         lines.append(f"<div>Compared with run <b>{_e(compare.name)}</b>.</div>")
     stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     lines.append(f'<div class="note">generated {_e(stamp)} from {_e(reader.path)}</div>')
     return "".join(lines)
+
+
+def _damage_html(reader: Any) -> str:
+    """A banner saying what the run lost or could not be read (empty for an intact
+    run): the figures below are of what was read."""
+    notes = damage_notes(reader)
+    if not notes:
+        return ""
+    items = "".join(f"<li>{_e(n)}</li>" for n in notes)
+    return (
+        '<div class="damaged" id="damage"><b>This run is damaged</b>: what follows is '
+        f"computed from what could be read.<ul>{items}</ul></div>"
+    )
 
 
 def _verdict_html(verdict: A.Verdict) -> str:

@@ -211,6 +211,10 @@ def _run_json(reader: Any, data: _RunData) -> dict[str, Any]:
         "last": int(steps[-1]) if len(steps) else None,
     }
     out["ops"] = {"total": len(reader.ops), "with_stats": len(data.ids)}
+    out["damage"] = list(getattr(reader, "damage", []) or [])
+    out["skipped_parts"] = [
+        {"path": str(part), "reason": why} for part, why in getattr(reader, "skipped", []) or []
+    ]
     return _plain(out)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import os
 import warnings
@@ -461,6 +462,37 @@ def _warn_if_arguments_changed(before: list[Any], args: Any, out: Any, fn: Any) 
     )
 
 
+def describe_function(fn: Any) -> str:
+    """``name (file:line)`` of a user's function, for errors that must point at it."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    target = inspect.unwrap(target)
+    name = getattr(target, "__qualname__", None) or type(target).__name__
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return name
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+
+
+_RETURNABLE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _check_returned(fn: Any, out: Any) -> None:
+    """A traced function returns arrays and numbers (any pytree of them); anything else
+    (a string, an object) is a `TypeError` naming the function and where in its output,
+    not JAX's complaint about our internal wrapper."""
+    leaves = jax.tree_util.tree_leaves_with_path(out, is_leaf=lambda x: isinstance(x, ScaledArray))
+    for path, leaf in leaves:
+        if isinstance(leaf, (ScaledArray, *_RETURNABLE)) or is_array_like(leaf):
+            continue
+        where = f" at {jax.tree_util.keystr(path)}" if path else ""
+        shown = repr(leaf)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TypeError(
+            f"{describe_function(fn)} returned a {type(leaf).__name__}{where} ({shown}); "
+            "a traced function must return arrays and numbers (any pytree of them)"
+        )
+
+
 def trace_flat(fn, leaves, treedef, avals):
     dyn_pos = [
         i for i, leaf in enumerate(leaves) if isinstance(leaf, ScaledArray) or is_array_like(leaf)
@@ -472,6 +504,7 @@ def trace_flat(fn, leaves, treedef, avals):
             full[pos] = val
         a, k = jax.tree_util.tree_unflatten(treedef, full)
         out = fn(*a, **k)
+        _check_returned(fn, out)
         _warn_if_arguments_changed(full, (a, k), out, fn)
         return out
 

@@ -61,6 +61,26 @@ class RunMismatchError(RunError):
     """Recording into an existing run whose graph or statistics differ."""
 
 
+class RunWriteError(RunError, OSError):
+    """A file of the run could not be written (disk full, file size limit, read-only
+    folder, no permission): the message names the file and the system's reason. An
+    `OSError` too, so ``except OSError`` still catches it."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def write_error(path: Path, err: OSError, doing: str = "writing") -> RunWriteError:
+    """`RunWriteError` for an `OSError` met while ``doing`` ``path``."""
+    reason = err.strerror or str(err) or type(err).__name__
+    where = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+    return RunWriteError(f"{doing} {path} failed: {reason}{where}", path)
+
+
 def part_name(seq: int, process: int) -> str:
     """File name of part ``seq`` written by JAX process ``process``."""
     return f"part-{seq:06d}.parquet" if process == 0 else f"part-{seq:06d}-p{process}.parquet"
@@ -72,6 +92,38 @@ def parse_part_name(name: str) -> tuple[int, int] | None:
     if m is None:
         return None
     return int(m.group(1)), int(m.group(2) or 0)
+
+
+#: Columns of `RunReader.incidents`.
+INCIDENT_COLUMNS = (
+    "step",
+    "trigger",
+    "op",
+    "name",
+    "source",
+    "detail",
+    "value",
+    "formats",
+    "process",
+)
+
+
+def incidents_name(process: int) -> str:
+    """File of the flight recorder's incidents of JAX process ``process`` (a JSON list,
+    rewritten whole at each incident)."""
+    return "incidents.json" if process == 0 else f"incidents-p{int(process)}.json"
+
+
+def read_incidents_file(path: Path) -> list[dict[str, Any]]:
+    """The incidents in ``path``; `RunError` naming the file when it is not a JSON
+    list of objects."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise RunError(f"{path}: unreadable incidents file ({err})") from err
+    if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
+        raise RunError(f"{path}: not a list of incidents")
+    return data
 
 
 def closed_marker_name(process: int) -> str:
@@ -158,8 +210,16 @@ _FILE_MODE = 0o666 & ~_umask()  # what open() would give; mkstemp makes files 06
 
 
 def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write ``path`` through a temporary file in its folder, renamed over it once whole:
+    a reader sees the old file or the new one, never half of one. An `OSError` on the way
+    becomes a `RunWriteError` naming ``path``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except RunWriteError:
+        raise
+    except OSError as err:
+        raise write_error(path, err) from err
     try:
         os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
@@ -167,11 +227,13 @@ def _atomic(path: Path, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(err, OSError) and not isinstance(err, RunWriteError):
+            raise write_error(path, err) from err
         raise
 
 

@@ -19,6 +19,7 @@ are a subclass defined above them, `scalescope.run_view.RunView`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -53,6 +54,9 @@ class RunReader:
         self._measured_cache: dict[Any, pd.DataFrame] = {}
         self._scalars_cache: pd.DataFrame | None = None
         self._ops: pd.DataFrame | None = None
+        #: Parts that could not be read (path, reason): skipped with a warning, listed by
+        #: the report and the dashboard, and a gate failure unless damage is allowed.
+        self.skipped: list[tuple[Path, str]] = []
         #: Counts the changes `refresh` has read (new parts, the op table, new metadata):
         #: what a cache of results computed from this reader is keyed by.
         self.version = 0
@@ -73,11 +77,27 @@ class RunReader:
         status = str(self.meta.get("status", "unknown"))
         sessions = self.meta.get("sessions") or [{}]
         processes = int(sessions[-1].get("processes", 1))
-        if status == "closed" and processes > 1:
+        if status in ("closed", "damaged") and processes > 1:
             markers = (self.path / L.closed_marker_name(k) for k in range(1, processes))
             if not all(m.is_file() for m in markers):
                 return "recording"
-        return status
+        return "damaged" if status == "closed" and self.damage else status
+
+    @property
+    def damage(self) -> list[str]:
+        """What the run lost, one note per failed writer session (`Run` marks a run
+        ``damaged`` when a write failed: disk full, file size limit, ...); the closed
+        markers of other processes count too. Empty for an intact run."""
+        notes = [str(n) for n in self.meta.get("damage") or []]
+        sessions = self.meta.get("sessions") or [{}]
+        for k in range(1, int(sessions[-1].get("processes", 1))):
+            try:
+                marker = json.loads((self.path / L.closed_marker_name(k)).read_text())
+            except (OSError, ValueError):  # no marker yet: that process still records
+                continue
+            if isinstance(marker, dict) and marker.get("damage"):
+                notes.append(str(marker["damage"]))
+        return notes
 
     @property
     def config(self) -> dict[str, Any]:
@@ -170,6 +190,29 @@ class RunReader:
         out.attrs["step"] = step
         return out
 
+    # -- the flight recorder's incidents ------------------------------------------------
+
+    def incidents(self) -> pd.DataFrame:
+        """The flight recorder's incidents (`scalescope.Run`'s ``detect``), one row per
+        incident, by step: ``step``, ``trigger`` (nonfinite, loss_spike, norm_spike),
+        ``op`` (id, -1 when none was found), ``name`` (its label), ``source`` (file:line),
+        ``detail`` (what was found: the share of non-finite elements, the op's and its
+        inputs' statistics), ``value`` (non-finite elements, or the spiking loss/norm),
+        ``formats`` (the formats its finite values exceed), ``process``. Empty for a run
+        without incidents. An unreadable incidents file is a `RunError` naming it."""
+        rows: list[dict[str, Any]] = []
+        for path in sorted(self.path.glob("incidents*.json")):
+            rows += L.read_incidents_file(path)
+        columns = list(L.INCIDENT_COLUMNS)
+        if not rows:
+            return pd.DataFrame({c: pd.Series(dtype=object) for c in columns})
+        frame = pd.DataFrame(rows)
+        for col in columns:
+            if col not in frame:
+                frame[col] = None
+        frame = frame.sort_values(["step", "process"], kind="stable").reset_index(drop=True)
+        return frame[columns + [c for c in frame.columns if c not in columns]]
+
     # -- incremental reading -----------------------------------------------------------
 
     def refresh(self) -> int:
@@ -179,9 +222,10 @@ class RunReader:
             self.meta = L.read_metadata(self.path)
         except L.RunError as err:  # keep the last good metadata while it is replaced
             warnings.warn(f"{err}; keeping the previous metadata", RunWarning, stacklevel=2)
-        if self._ops is None and (self.path / L.OPS_FILE).is_file():
+        if self._ops is None:
             self._ops = self._read_ops()
-            self._measured_cache.clear()
+            if self._ops is not None:
+                self._measured_cache.clear()
         new = 0
         for part in L.list_parts(self.path / L.STATS_DIR):
             if str(part) in self._seen:
@@ -213,15 +257,26 @@ class RunReader:
         return [frame for _, frame in self._stats_parts[start:]]
 
     def _read_ops(self) -> pd.DataFrame | None:
-        try:
-            frame = pd.read_parquet(self.path / L.OPS_FILE)
-        except Exception as err:  # noqa: BLE001 - any reader failure means a bad file
-            warnings.warn(
-                f"skipping unreadable op table {self.path / L.OPS_FILE}: {err}",
-                RunWarning,
-                stacklevel=3,
-            )
+        """The op table (None before the first recorded step). Every statistic row is
+        named through it, so a run whose table is gone or unreadable cannot be read: a
+        `RunError` naming the file, not a run of 0 ops."""
+        path = self.path / L.OPS_FILE
+        if not path.is_file():
+            if self.meta.get("graph"):  # written before run.json says the graph is known
+                raise L.RunError(
+                    f"{path} is missing: the run's op table (what every statistic row "
+                    "refers to) was deleted or never copied; the run cannot be read"
+                )
             return None
+        try:
+            frame = pd.read_parquet(path)
+            if "op" not in frame.columns:
+                raise ValueError("no 'op' column")
+        except Exception as err:  # noqa: BLE001 - any reader failure means a bad file
+            raise L.RunError(
+                f"{path} is unreadable ({type(err).__name__}: {err}): the run's op table "
+                "is corrupt; the run cannot be read"
+            ) from None
         frame = frame.set_index("op")
         for col in ("shape", "loop", "operands"):
             if col in frame.columns:
@@ -237,6 +292,7 @@ class RunReader:
             return pq.read_table(part, columns=columns).to_pandas()
         except Exception as err:  # noqa: BLE001 - corrupt, truncated or foreign file
             warnings.warn(f"skipping unreadable part {part}: {err}", RunWarning, stacklevel=3)
+            self.skipped.append((part, f"{type(err).__name__}: {err}"))
             return None
 
     def _frame(self) -> pd.DataFrame:

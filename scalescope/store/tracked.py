@@ -6,6 +6,10 @@ again with the probe's statistics). Every ``every``-th call, or the calls a
 outputs are bit for bit those of an unrecorded step) and hands the statistics to the
 run's background writer. Under a budget the recording program compiles in a background
 thread while the steps run plain.
+
+With the flight recorder on (`Run`'s ``detect``), both programs also return the step's
+health (`flight.health`); every call reads it and a step that trips a trigger is replayed
+with every op measured and kept as an incident (see `flight`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 from ..probe import emulate, instrument
 from ..scalify import scalify as _scalify
 from . import budget as _budget
+from . import flight
 from .jitting import StaticLeafJit, partition, signature
 from .processes import global_mesh, replicated
 
@@ -66,12 +71,17 @@ class Tracked:
             policy=policy,
         )
         self.separate = run.isolate
+        self.detect = run.detect
+        self.detector = flight.Detector(run.triggers) if self.detect else None
+        self._last_good: Any = None  # outputs of the last healthy call (on_nonfinite="skip")
+        self._last_stats: Any = None  # statistics of the last fully measured step
+        self._prev_stats: Any = None  # and of the one before it
         self._recording = self._recording_fn(None)
         if policy is not None:
             plain = emulate(fn, policy, scalify=scalify, fallback=run.fallback)
         else:
             plain = _scalify(fn, fallback=run.fallback) if scalify else fn
-        self._plain = StaticLeafJit(plain, _WHERE)
+        self._plain = StaticLeafJit(_with_health(plain) if self.detect else plain, _WHERE)
         self._registered = False
         self._signatures: dict[Any, bool] = {}  # call signature -> records (same graph)?
         self.controller: _budget.BudgetController | None = None
@@ -80,6 +90,7 @@ class Tracked:
         # set once it has (or has failed: the first recorded step then compiles it again).
         self._compiled = threading.Event()
         self._compile_thread: threading.Thread | None = None
+        self._submitted_step = -1  # the last step whose statistics went to the writer
         functools.update_wrapper(self, fn)
 
     def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
@@ -88,9 +99,12 @@ class Tracked:
         inst = self.instrumented.masked if self.budgeted else self.instrumented
         if self.separate:
             return StaticLeafJit(lambda *a, **k: replicated(inst(*a, **k)[1], mesh), _WHERE)
+        detect, lead = self.detect, 1 if self.budgeted else 0
 
-        def both(*a: Any, **k: Any) -> tuple[Any, Any]:
+        def both(*a: Any, **k: Any) -> tuple[Any, ...]:
             out, stats = inst(*a, **k)
+            if detect:  # the step's own arguments follow the budget's mask
+                return out, replicated(stats, mesh), flight.health(a[lead:], out)
             return out, replicated(stats, mesh)
 
         return StaticLeafJit(both, _WHERE)
@@ -172,15 +186,111 @@ class Tracked:
         parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
         if not self._records_signature(args, kwargs, parts):
             self.step += 1
-            return self._plain.call_parts(parts)
+            return self._plain_parts(parts)[0]  # another graph: neither recorded nor judged
         step, self.step = self.step, self.step + 1
         if self.budgeted:
-            return self._budgeted_call(step, args, kwargs, parts)
-        if not self.records(step):
-            return self._plain.call_parts(parts)
-        out, stats = self._record(None, args, kwargs)
-        self.run._submit(step, stats)
+            out, health, stats = self._budgeted_call(step, args, kwargs, parts)
+        elif not self.records(step):
+            (out, health), stats = self._plain_parts(parts), None
+        else:
+            out, stats, health = self._record(None, args, kwargs)
+            self.run._submit(step, stats)
+            self._keep_stats(stats)
+        if health is None:
+            return out
+        return self._judge(step, args, kwargs, out, health, stats)
+
+    def _plain_parts(self, parts: tuple) -> tuple[Any, Any]:
+        """``(outputs, health)`` of the plain program (health None when not detecting)."""
+        res = self._plain.call_parts(parts)
+        return res if self.detect else (res, None)
+
+    def _plain_call(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        res = self._plain(*args, **kwargs)
+        return res if self.detect else (res, None)
+
+    # -- the flight recorder ---------------------------------------------------------------
+
+    def _judge(
+        self, step: int, args: tuple, kwargs: dict, out: Any, health: Any, stats: Any
+    ) -> Any:
+        """Read the step's health and act on a trigger (see `flight` and `Run`)."""
+        found = self.detector.check(jax.device_get(health))
+        if found is None:
+            if self.run.on_nonfinite == "skip":
+                self._last_good = out
+            return out
+        trigger, value, why, first = found
+        incident = None
+        if first:
+            incident = self._incident(step, args, kwargs, out, stats, trigger, value, why)
+        if trigger != "nonfinite":
+            return out
+        if self.run.on_nonfinite == "stop":
+            incident = incident or {"step": step, "name": "", "source": "", "detail": why}
+            where = f"{incident['name']} ({incident['source']})" if incident["name"] else "?"
+            raise flight.NonFiniteStep(
+                f"step {step} produced NaN/Inf ({why}); first non-finite op: {where}. "
+                f"{incident['detail']}",
+                incident,
+            )
+        if self.run.on_nonfinite == "skip":
+            if self._last_good is not None:
+                return self._last_good
+            warnings.warn(
+                f"Run(on_nonfinite='skip'): step {step} is non-finite and no earlier step "
+                "was healthy; its own outputs are returned",
+                stacklevel=3,
+            )
         return out
+
+    def _incident(
+        self,
+        step: int,
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+        stats: Any,
+        trigger: str,
+        value: float,
+        why: str,
+    ) -> dict[str, Any]:
+        """Replay the step with every op measured (unless it was, just now), keep its
+        statistics as a recorded step, and hand the run the incident."""
+        full = stats is not None and stats is self._last_stats
+        replay_equal = True
+        if not full:
+            again, stats, _ = self._record(self._every_group(), args, kwargs)
+            replay_equal = flight.trees_equal(out, again)
+            if not self._submitted(step):
+                self.run._submit(step, stats)
+        table = self.instrumented.op_table(*args, **kwargs)
+        before = self._prev_stats if full else self._last_stats
+        previous = None if before is None else jax.device_get(before)
+        found = flight.describe_incident(
+            table, jax.device_get(stats), trigger, previous, self.run.formats + self.run.recipes
+        )
+        incident = {
+            "step": step,
+            "trigger": trigger,
+            "value": value,
+            **found,
+            "detail": f"{why}; {found['detail']}",
+            "replayed": not full,
+            "replay_equal": replay_equal,
+        }
+        self.run._incident(incident)
+        return incident
+
+    def _keep_stats(self, stats: Any) -> None:
+        """Remember a fully measured step's statistics (device arrays, a few per op):
+        what a spike's op is found against."""
+        self._prev_stats, self._last_stats = self._last_stats, stats
+
+    def _submitted(self, step: int) -> bool:
+        """Whether this step's statistics went to the writer already (a budgeted step
+        that measured some groups: its rows are on their way; the replay adds none)."""
+        return self._submitted_step == step
 
     def _records_signature(self, args: tuple, kwargs: dict, parts: tuple) -> bool:
         """Whether calls like this one are recorded: the first call registers the run's
@@ -213,14 +323,15 @@ class Tracked:
         """The mask that measures every group (None outside a budget: no mask)."""
         return np.ones(self.instrumented.groups, bool) if self.budgeted else None
 
-    def _record(self, mask: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        """``(outputs, statistics)`` of a recorded step (``mask``: the groups to measure,
-        under a budget)."""
+    def _record(self, mask: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+        """``(outputs, statistics, health)`` of a recorded step (``mask``: the groups to
+        measure, under a budget; health None when not detecting)."""
         lead = () if mask is None else (mask,)
         if self.separate:
-            out = self._plain(*args, **kwargs)
-            return out, self._recording(*lead, *args, **kwargs)
-        return self._recording(*lead, *args, **kwargs)
+            out, health = self._plain_call(args, kwargs)
+            return out, self._recording(*lead, *args, **kwargs), health
+        res = self._recording(*lead, *args, **kwargs)
+        return res if self.detect else (*res, None)
 
     def warmup(self, *args: Any, **kwargs: Any) -> None:
         """Compile both variants now (each runs once on these arguments; nothing is
@@ -245,28 +356,45 @@ class Tracked:
         self._warm.add(variant)
         return out, (None if first else elapsed)
 
-    def _budgeted_call(self, step: int, args: tuple, kwargs: dict, parts: tuple) -> Any:
+    def _budgeted_call(
+        self, step: int, args: tuple, kwargs: dict, parts: tuple
+    ) -> tuple[Any, Any, Any]:
+        """``(outputs, health, statistics or None)`` of a call under a budget."""
         ctrl = self.controller
         if not self._compiled.is_set():  # the statistics program is still compiling
             if ctrl.ready:
-                return self._plain.call_parts(parts)
-            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
+                return (*self._plain_parts(parts), None)
+            res, seconds = self._timed("plain", lambda *a: self._plain_parts(parts), *args)
             if seconds is not None:
                 ctrl.observe_plain(seconds)
-            return out
+            return (*res, None)
         mask = ctrl.plan(step)
         if mask is None:
             if ctrl.ready and ctrl.steps % 32:
-                return self._plain.call_parts(parts)
+                return (*self._plain_parts(parts), None)
             # Time a plain step now and then: the budget is a fraction of it.
-            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
+            res, seconds = self._timed("plain", lambda *a: self._plain_parts(parts), *args)
             if seconds is not None:
                 ctrl.observe_plain(seconds)
-            return out
-        (out, stats), seconds = self._timed(
+            return (*res, None)
+        (out, stats, health), seconds = self._timed(
             "recording", lambda *a: self._record(mask, a, kwargs), *args
         )
         if seconds is not None:
             ctrl.observe_record(seconds - float(ctrl.t_plain), mask)
         self.run._submit(step, stats, mask)
-        return out
+        self._submitted_step = step
+        if bool(np.all(mask)):
+            self._keep_stats(stats)
+        return out, health, stats
+
+
+def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
+    """``plain`` returning ``(outputs, flight.health(args, outputs))``: the flight
+    recorder's check, computed inside the step's own program."""
+
+    def checked(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        out = plain(*args, **kwargs)
+        return out, flight.health(args, out)
+
+    return checked

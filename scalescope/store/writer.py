@@ -42,6 +42,7 @@ from ..core.scaled_array import ScaledArray, asarray
 from ..probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
 from ..probe.optable import OpTable
 from . import budget as _budget
+from . import flight
 from . import layout as L
 from .processes import (
     agree_across_processes,
@@ -136,6 +137,9 @@ class _Writer:
         self.oldest: float | None = None
         self.parts = 0
         self.last_flushed_step = -1
+        # what a failed write lost: steps whose statistics, (step, name) whose scalars
+        self.lost_steps: set[int] = set()
+        self.lost_scalars: set[tuple[int, str]] = set()
         self.thread = threading.Thread(target=self._loop, name="scalescope-writer", daemon=True)
         self.thread.start()
 
@@ -153,8 +157,19 @@ class _Writer:
                     raise L.RunError("the scalescope writer thread stopped") from None
 
     def sync(self, kind: str) -> None:
+        """Wait until the thread has handled everything queued so far (``flush``: and
+        written it; ``close``: and stopped). A close waits also after a failed write, so
+        that what the failure lost is known when the run is marked damaged."""
         done = threading.Event()
-        self.put((kind, done))
+        if kind == "close" and self.error is not None:
+            while self.thread.is_alive():  # it drains the queue after a failure
+                try:
+                    self.queue.put((kind, done), timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+        else:
+            self.put((kind, done))
         while not done.wait(0.5):
             if not self.thread.is_alive():
                 break
@@ -192,12 +207,48 @@ class _Writer:
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         if self.error is not None:
-            return  # drain the queue so the training loop never blocks
+            self._lose(*args)  # drain the queue so the training loop never blocks
+            return
         try:
             fn(*args)
         except BaseException as err:  # noqa: BLE001 - reported to the training thread
-            self.error = err
+            self._lose(*args)
+            self._lose_buffers()
+            self.error = err  # after the losses are noted: whoever sees it sees them
             log.error("scalescope: writing %s failed: %s", self.path, err)
+
+    def _lose(self, item: tuple | None = None) -> None:
+        """Note the data of ``item`` (a queued record) as lost."""
+        if item is None:
+            return
+        if item[0] == "stats":
+            self.lost_steps.add(int(item[1]))
+        elif item[0] == "scalars":
+            self.lost_scalars.update((int(item[1]), str(name)) for name in item[2])
+
+    def _lose_buffers(self) -> None:
+        """Note what the buffers held as lost and empty them (a failed flush)."""
+        self.lost_steps.update(int(step) for step, _, _ in self.stats_buf)
+        self.lost_scalars.update((int(step), str(name)) for step, name, _ in self.scalar_buf)
+        self.stats_buf, self.scalar_buf, self.oldest = [], [], None
+
+    def damage(self) -> str | None:
+        """What a failed write lost, in words (None: nothing failed)."""
+        if self.error is None:
+            return None
+        lost = []
+        if self.lost_steps:
+            lost.append(f"the statistics of {_steps_text(self.lost_steps)}")
+        if self.lost_scalars:
+            steps = {step for step, _ in self.lost_scalars}
+            lost.append(f"{len(self.lost_scalars)} logged scalars of {_steps_text(steps)}")
+        what = " and ".join(lost) if lost else "nothing recorded so far"
+        who = f"process {self.process}: " if self.process else ""
+        if isinstance(self.error, L.RunWriteError):
+            failed = str(self.error)  # names the file and the reason
+        else:
+            failed = f"writing failed ({type(self.error).__name__}: {self.error})"
+        return f"{who}{failed}; lost {what}"
 
     def _take(self, item: tuple) -> None:
         kind = item[0]
@@ -325,6 +376,18 @@ class Run:
 
     Opening an existing run appends to it when it records the same formats and, at the
     first recorded step, the same op table; otherwise it refuses with `RunMismatchError`.
+
+    The flight recorder (``detect``, default on; see `flight`): every tracked step, recorded
+    or not, also computes in its own program whether an output holds NaN/Inf, the loss
+    and an update norm; the host reads those three numbers after each step. A step that
+    is non-finite, or whose loss or norm spikes (``triggers``: a `flight.Triggers`), is
+    replayed fully instrumented from its own inputs and kept as an incident
+    (`RunReader.incidents`): the first op whose output went non-finite, its source line,
+    its inputs' statistics, the formats it exceeds. ``on_nonfinite`` says what the step
+    then returns: ``"record"`` its outputs; ``"stop"`` raises `NonFiniteStep` naming the
+    op; ``"skip"`` the outputs of the last healthy step (the update is skipped).
+    ``healthy`` turns False at the first incident and ``on_incident(incident)`` is called
+    with each one (e.g. so that checkpoint code refuses to save).
     """
 
     def __init__(
@@ -345,8 +408,25 @@ class Run:
         flush_seconds: float = 2.0,
         start_step: int | None = None,
         process_index: int | None = None,
+        on_nonfinite: str = "record",
+        detect: bool = True,
+        triggers: flight.Triggers | None = None,
+        on_incident: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         _check_int("every", every, 1)
+        if on_nonfinite not in flight.ON_NONFINITE:
+            raise ValueError(
+                f"Run: on_nonfinite must be one of {', '.join(flight.ON_NONFINITE)}, "
+                f"got {on_nonfinite!r}"
+            )
+        if triggers is not None and not isinstance(triggers, flight.Triggers):
+            raise TypeError(f"Run: triggers must be a Triggers, got {type(triggers).__name__}")
+        if on_incident is not None and not callable(on_incident):
+            raise TypeError(f"Run: on_incident must be callable, got {on_incident!r}")
+        self.on_nonfinite, self.detect = on_nonfinite, bool(detect)
+        self.triggers = triggers if triggers is not None else flight.Triggers()
+        self.on_incident = on_incident
+        self.incidents: list[dict[str, Any]] = []
         _check_int("flush_steps", flush_steps, 1)
         if not flush_seconds > 0:
             raise ValueError(f"Run: flush_seconds must be positive, got {flush_seconds!r}")
@@ -395,6 +475,7 @@ class Run:
         self._closed = False
         self._compiling: list[threading.Thread] = []  # `Tracked` background compiles
         self._lock_file = None
+        self._meta_pending = False  # an append's session, written once its graph matches
         self._graph: dict[str, Any] | None = None
         self._ops: pd.DataFrame | None = None
         if self.process_count > 1:
@@ -415,6 +496,20 @@ class Run:
     # -- directory ------------------------------------------------------------------
 
     def _open_dir(self) -> dict[str, Any]:
+        """Create or open the run directory and take this process's lock; a folder that
+        cannot be written is a `RunWriteError` naming it and the reason."""
+        try:
+            return self._open_dir_unchecked()
+        except L.RunError:
+            raise
+        except OSError as err:
+            reason = err.strerror or str(err)
+            where = f" ({err.filename})" if err.filename else ""
+            raise L.RunWriteError(
+                f"Run: cannot record into {self.path}: {reason}{where}", self.path
+            ) from err
+
+    def _open_dir_unchecked(self) -> dict[str, Any]:
         path = self.path
         if path.exists() and not path.is_dir():
             raise L.NotARunError(f"Run: {path} is a file, not a directory")
@@ -452,7 +547,11 @@ class Run:
             if self.process_count > 1:
                 session["processes"] = self.process_count
             meta.setdefault("sessions", []).append(session)
-            L.write_json_atomic(path / L.RUN_FILE, meta)
+            # appending: run.json changes only once the graph is known to be the run's
+            # (`_register`); a refused append leaves the run as it was
+            self._meta_pending = appending
+            if not appending:
+                L.write_json_atomic(path / L.RUN_FILE, meta)
         if appending and (path / L.OPS_FILE).is_file():
             self._ops = pd.read_parquet(path / L.OPS_FILE).set_index("op")
         return meta
@@ -555,6 +654,7 @@ class Run:
                 "record into a new directory. Appending needs the same function, shapes "
                 "and dtypes."
             )
+        self._write_meta_if_pending()
         if self._graph is None:
             self._graph = {
                 "fingerprint": fingerprint,
@@ -583,6 +683,13 @@ class Run:
                 },
             )
         )
+
+    def _write_meta_if_pending(self) -> None:
+        """Write the appending session's metadata (its session entry, status recording)
+        now that its graph is the run's."""
+        if self._meta_pending:
+            L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
+            self._meta_pending = False
 
     def _graph_difference(
         self, table: OpTable, records: list | None = None, fingerprint: str | None = None
@@ -626,7 +733,7 @@ class Run:
         if policy is not None:
             policy = as_policy(policy)
             self._meta["policy"] = [[r.pattern, r.spec] for r in policy.rules]
-            if self.process == 0:
+            if self.process == 0 and not self._meta_pending:
                 L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
         return Tracked(self, fn, scalify=scalify, every=every or self.every, policy=policy)
 
@@ -680,6 +787,33 @@ class Run:
         start_copy(stats)
         self._writer.put(("stats", step, stats, mask))
 
+    @property
+    def healthy(self) -> bool:
+        """False once a step of this session was an incident (see the class docstring):
+        what checkpoint code can check before saving."""
+        return not self.incidents
+
+    def _incident(self, incident: dict[str, Any]) -> None:
+        """Keep an incident: in memory, in the run's incidents file (rewritten whole,
+        atomically: a few incidents per run), then tell ``on_incident``."""
+        incident = {**incident, "process": self.process, "time": flight.now()}
+        self.incidents.append(incident)
+        path = self.path / L.incidents_name(self.process)
+        kept = L.read_incidents_file(path) if path.is_file() else []
+        L.write_json_atomic(path, [*kept, incident])
+        if self.process == 0 and self._meta_pending:
+            self._write_meta_if_pending()
+        log.warning(
+            "scalescope: incident at step %s (%s): %s at %s: %s",
+            incident["step"],
+            incident["trigger"],
+            incident.get("name") or "no op",
+            incident.get("source") or "?",
+            incident.get("detail", ""),
+        )
+        if self.on_incident is not None:
+            self.on_incident(incident)
+
     def flush(self) -> None:
         """Block until everything recorded so far is written to parts on disk."""
         self._check_open()
@@ -707,12 +841,20 @@ class Run:
         try:
             self._writer.sync("close")
         finally:
-            if self.process == 0:
-                self._meta["status"] = "closed"
+            damage = self._writer.damage()
+            if self.process == 0 and self._meta_pending and damage is None:
+                pass  # an append that recorded nothing: run.json stays as it was
+            elif self.process == 0:
+                if damage is not None:
+                    self._meta.setdefault("damage", []).append(damage)
+                # data lost once is lost for good: the run stays damaged
+                self._meta["status"] = "damaged" if self._meta.get("damage") else "closed"
                 self._meta["closed"] = _now()
                 L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
             else:  # readers wait for every process's marker before calling the run closed
                 marker = {"process": self.process, "closed": _now()}
+                if damage is not None:
+                    marker["damage"] = damage
                 L.write_json_atomic(self.path / L.closed_marker_name(self.process), marker)
             if self._lock_file is not None:
                 self._lock_file.close()
@@ -732,6 +874,13 @@ class Run:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "recording"
         return f"Run({str(self.path)!r}, every={self.every}, {state})"
+
+
+def _steps_text(steps: set[int]) -> str:
+    """``step 7`` or ``5 steps (3..12)``."""
+    if len(steps) == 1:
+        return f"step {next(iter(steps))}"
+    return f"{len(steps)} steps ({min(steps)}..{max(steps)})"
 
 
 def _graph_of(table: OpTable) -> tuple[list, str]:

@@ -1,0 +1,332 @@
+"""The flight recorder: every tracked step is checked, recorded or not, and a step that
+goes wrong is replayed and kept as an incident.
+
+Inside the step's own program `health` computes three scalars from the outputs: how many
+float elements are NaN/Inf, the loss (the first scalar float output) and a norm (of the
+update ``out[0] - args[0]`` when the first output is the first argument's new value, as
+in ``step(params, ...) -> (params, ...)``; else of the non-scalar outputs). The host reads
+them after each step (a few bytes) and `Detector` judges them: non-finite, or a loss or
+norm spike (above the running median of recent healthy steps by ``k`` median absolute
+deviations and by a ratio). A step that trips one is run again fully instrumented from
+the same inputs, which the caller still holds, so nothing is kept between steps and no
+memory is added; `describe_incident` names the first op, in program order, whose output
+holds a NaN/Inf (for a spike: whose magnitude grew most since the last recorded step),
+its source line, its inputs' statistics and the formats its values exceed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import formats as _formats
+from . import layout as L
+
+#: What a trigger is called in an incident.
+TRIGGERS = ("nonfinite", "loss_spike", "norm_spike")
+#: What a tracked step does after a non-finite step (`Run`'s ``on_nonfinite``).
+ON_NONFINITE = ("record", "stop", "skip")
+#: Largest finite value of each plain format an incident's op is judged against.
+_FORMAT_MAX = {name: float(f.max) for name, f in _formats.FORMATS.items()}
+
+
+class NonFiniteStep(L.RunError):
+    """A tracked step produced NaN/Inf and the run was opened with
+    ``on_nonfinite="stop"``; ``incident`` holds what the replay found (the first op)."""
+
+    def __init__(self, message: str, incident: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.incident = incident
+
+
+@dataclass(frozen=True)
+class Triggers:
+    """When a step is an incident. ``nonfinite``: any NaN/Inf in an output. A loss (or
+    norm) spike: the value exceeds the median of the last ``window`` healthy steps by
+    more than ``loss_spike`` (``norm_spike``) median absolute deviations *and* by the
+    ratio ``loss_ratio`` (``norm_ratio``) of that median; None turns it off. Spikes are
+    judged once ``warmup`` healthy steps have been seen."""
+
+    nonfinite: bool = True
+    loss_spike: float | None = 12.0
+    norm_spike: float | None = 12.0
+    loss_ratio: float = 1.5
+    norm_ratio: float = 3.0
+    window: int = 128
+    warmup: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("loss_spike", "norm_spike"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int | float) or not k > 0):
+                raise ValueError(f"Triggers.{name}: expected a number > 0 or None, got {k!r}")
+        for name in ("loss_ratio", "norm_ratio"):
+            r = getattr(self, name)
+            if not isinstance(r, int | float) or not r >= 1:
+                raise ValueError(f"Triggers.{name}: expected a number >= 1, got {r!r}")
+        for name in ("window", "warmup"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"Triggers.{name}: expected an int >= 1, got {n!r}")
+
+
+# -- on the device: the step's health ----------------------------------------------------
+
+
+def _float_leaves(tree: Any) -> list[Any]:
+    return [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether two pytrees have the same structure, shapes and dtypes."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    if ta != tb or not la:
+        return False
+    return all(
+        getattr(x, "shape", None) == getattr(y, "shape", None)
+        and getattr(x, "dtype", None) == getattr(y, "dtype", None)
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+def norm_kind(args: Sequence[Any], out: Any) -> str:
+    """``"update"`` when the first output is the first argument's new value (its norm is
+    that of the update), else ``"output"``."""
+    first = out[0] if isinstance(out, tuple | list) and out else None
+    if args and first is not None and _same_layout(args[0], first) and _float_leaves(first):
+        return "update"
+    return "output"
+
+
+def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
+    """The step's health, computed inside its program (traced): ``nonfinite`` (float
+    elements of the outputs that are NaN/Inf), ``loss`` (the first scalar float output,
+    NaN when there is none) and ``norm`` (see `norm_kind`; non-finite elements left out,
+    they are counted above)."""
+    leaves = _float_leaves(out)
+    bad = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves]
+    nonfinite = sum(bad) if bad else jnp.float32(0)
+    scalars = [x for x in leaves if x.size == 1]
+    loss = scalars[0].reshape(()).astype(jnp.float32) if scalars else jnp.float32(jnp.nan)
+
+    def sq(x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        return jnp.sum(jnp.where(jnp.isfinite(x), x * x, 0.0))
+
+    if norm_kind(args, out) == "update":
+        new, old = jax.tree_util.tree_leaves(out[0]), jax.tree_util.tree_leaves(args[0])
+        pairs = [
+            (n, o) for n, o in zip(new, old, strict=True) if jnp.issubdtype(n.dtype, jnp.inexact)
+        ]
+        total = sum(sq(n.astype(jnp.float32) - o.astype(jnp.float32)) for n, o in pairs)
+    else:
+        big = [x for x in leaves if x.size > 1]
+        total = sum(sq(x) for x in big) if big else jnp.float32(0)
+    return {"nonfinite": nonfinite, "loss": loss, "norm": jnp.sqrt(total)}
+
+
+# -- on the host: the triggers ------------------------------------------------------------
+
+
+class Detector:
+    """Judges each step's health (`health`, read to the host) against `Triggers`; keeps
+    the recent healthy losses and norms that the spike triggers compare with."""
+
+    def __init__(self, triggers: Triggers) -> None:
+        self.triggers = triggers
+        self.losses: deque[float] = deque(maxlen=triggers.window)
+        self.norms: deque[float] = deque(maxlen=triggers.window)
+        self.ongoing: str | None = None  # the trigger of the bad stretch under way
+
+    def check(self, h: Mapping[str, float]) -> tuple[str, float, str, bool] | None:
+        """``(trigger, value, why, first)`` when the step trips a trigger, else None
+        (and the step joins the history). ``first``: the first step of a stretch of
+        steps tripping that trigger (a NaN spreads to every later step: one incident)."""
+        t = self.triggers
+        nonfinite, loss, norm = float(h["nonfinite"]), float(h["loss"]), float(h["norm"])
+        found = None
+        if t.nonfinite and nonfinite > 0:
+            found = ("nonfinite", nonfinite, f"{nonfinite:.0f} non-finite output element(s)")
+        else:
+            found = self._spike("loss", loss, self.losses, t.loss_spike, t.loss_ratio)
+            found = found or self._spike("norm", norm, self.norms, t.norm_spike, t.norm_ratio)
+        if found is not None:
+            first = self.ongoing != found[0]
+            self.ongoing = found[0]
+            return (*found, first)
+        self.ongoing = None
+        if math.isfinite(loss):
+            self.losses.append(loss)
+        if math.isfinite(norm):
+            self.norms.append(norm)
+        return None
+
+    def _spike(
+        self, what: str, value: float, history: deque, k: float | None, ratio: float
+    ) -> tuple[str, float, str] | None:
+        if k is None or not math.isfinite(value) or len(history) < self.triggers.warmup:
+            return None
+        past = np.asarray(history, np.float64)
+        median = float(np.median(past))
+        mad = float(np.median(np.abs(past - median)))
+        floor = max(mad, 1e-12 * max(abs(median), 1.0))
+        excess = value - median
+        if excess > k * floor and excess > (ratio - 1.0) * abs(median):
+            return (
+                f"{what}_spike",
+                value,
+                f"{what} {value:.4g} against a median of {median:.4g} over the last "
+                f"{len(past)} healthy steps ({excess / floor:.0f} median deviations above)",
+            )
+        return None
+
+
+# -- what the replay found -----------------------------------------------------------------
+
+
+def _per_op(table: Any, values: np.ndarray, how: str) -> dict[int, float]:
+    """One value per recorded op from per-row ``values`` (``max`` over its rows)."""
+    out: dict[int, float] = {}
+    for op, v in zip(np.asarray(table.row_op).tolist(), values.tolist(), strict=True):
+        if math.isnan(v):
+            continue
+        out[op] = v if op not in out else max(out[op], v)
+    return out
+
+
+def _log2(x: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log2(np.where(x > 0, x, np.nan))
+
+
+def describe_incident(
+    table: Any,
+    stats: Mapping[str, np.ndarray],
+    trigger: str,
+    previous: Mapping[str, np.ndarray] | None,
+    formats: Sequence[str],
+) -> dict[str, Any]:
+    """The op an incident names and what is known of it, from the replayed step's
+    statistics (host arrays, one value per row of ``table``). Non-finite: the first op,
+    in program order, with a NaN/Inf in its output. A spike: the op whose abs-max grew
+    most (log2) since ``previous`` (the last recorded step's statistics), else the one
+    of largest abs-max. Keys: op, name, primitive, source, detail, formats, inputs.
+
+    A spike's op is the first, in program order, whose abs-max grew by at least a
+    quarter of the largest growth (in log2) and by at least 2x: ops downstream of the
+    jump grow more (a gradient squares it), the origin comes first."""
+    ops = {rec.id: rec for rec in table.ops}
+    frac = _per_op(table, np.asarray(stats["frac_nonfinite"], np.float64), "max")
+    absmax = _per_op(table, np.asarray(stats["absmax"], np.float64), "max")
+    rms = _per_op(table, np.asarray(stats["rms"], np.float64), "max")
+    op = None
+    if trigger == "nonfinite":
+        bad = sorted(o for o, f in frac.items() if f > 0)
+        op = bad[0] if bad else None
+        share = "all" if op is not None and frac[op] >= 1 else None
+        why = (
+            f"first op with a NaN/Inf output: {share or pct_text(frac[op])} of its elements"
+            if op is not None
+            else "no recorded op holds a NaN/Inf (the non-finite value is in an output "
+            "the probe does not record)"
+        )
+    else:
+        growth: dict[int, float] = {}
+        if previous is not None:
+            before = _per_op(table, np.asarray(previous["absmax"], np.float64), "max")
+            for o, a in absmax.items():
+                if o in before:
+                    growth[o] = float(_log2(np.array(a)) - _log2(np.array(before[o])))
+            growth = {o: g for o, g in growth.items() if math.isfinite(g)}
+        if growth:
+            # downstream ops grow more (a gradient squares a jump): the first op, in
+            # program order, whose growth is a good part of the largest is the origin
+            top = max(growth, key=lambda o: (growth[o], -o))
+            sharp = max(1.0, growth[top] / 4)
+            op = min(o for o, g in growth.items() if g >= sharp)
+            why = (
+                "first op whose abs-max jumped since the last recorded step: "
+                f"x{2 ** growth[op]:.3g}"
+            )
+            if op != top:
+                why += f" (the largest jump, x{2 ** growth[top]:.3g}, at {ops[top].label})"
+        elif absmax:
+            op = max(absmax, key=lambda o: (absmax[o], -o))
+            why = "largest abs-max of the step (no earlier recorded step to compare with)"
+        else:
+            why = "no recorded op to compare"
+    if op is None:
+        return {"op": -1, "name": "", "primitive": "", "source": "", "detail": why}
+    rec = ops[op]
+    top = absmax.get(op, math.nan)  # of the finite elements
+    exceeded = [f for f in formats if f in _FORMAT_MAX and top > _FORMAT_MAX[f]]
+    inputs = []
+    for i in rec.inputs:
+        if i in ops:
+            inputs.append(
+                {
+                    "op": int(i),
+                    "name": ops[i].label,
+                    "rms": rms.get(i, math.nan),
+                    "absmax": absmax.get(i, math.nan),
+                    "frac_nonfinite": frac.get(i, math.nan),
+                }
+            )
+    parts = [why]
+    if math.isfinite(top):
+        finite = "of its finite elements " if frac.get(op, 0) > 0 else ""
+        parts.append(f"abs-max {finite}{top:.4g}, rms {rms.get(op, math.nan):.4g}")
+    if exceeded:
+        parts.append("beyond the range of " + ", ".join(exceeded))
+    if inputs:
+        shown = "; ".join(
+            f"{x['name']} (rms {x['rms']:.3g}, abs-max {x['absmax']:.3g}, "
+            f"{pct_text(x['frac_nonfinite'])} non-finite)"
+            for x in inputs[:4]
+        )
+        parts.append(f"inputs: {shown}")
+    return {
+        "op": int(op),
+        "name": rec.label,
+        "primitive": rec.primitive,
+        "source": rec.source,
+        "detail": "; ".join(parts),
+        "formats": exceeded,
+        "inputs": inputs,
+    }
+
+
+def pct_text(fraction: float) -> str:
+    if not math.isfinite(fraction):
+        return "n/a"
+    return f"{fraction * 100:.3g} %"
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def trees_equal(a: Any, b: Any) -> bool:
+    """Whether two pytrees of arrays hold the same values (NaN equal to NaN)."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    if ta != tb:
+        return False
+    for x, y in zip(jax.device_get(la), jax.device_get(lb), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or not np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"):
+            return False
+    return True

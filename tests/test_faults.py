@@ -1,0 +1,265 @@
+"""Faults that used to hide (issue 38, item 6), each as a careful user meets it: a write
+that fails half-way (a file size limit, as a full disk), a part emptied under the CI
+gate, a deleted or corrupt op table, a folder that cannot be written, an append of
+another graph, a step that returns a string, a page whose Host header names another
+server (DNS rebinding), a link under the served folder to a run outside it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from conftest import free_port
+
+import scalescope as ss
+from scalescope.cli import main
+from scalescope.store import layout as L
+
+HERE = Path(__file__).parent
+WRITER = HERE / "fault_writer.py"
+
+
+def _write(run: Path, *extra: str) -> list[str]:
+    """Record the fault writer's run; its output lines."""
+    cmd = [sys.executable, str(WRITER), str(run), "--steps", "20", "--flush-steps", "5", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def intact(tmp_path_factory) -> Path:
+    """An intact run of 20 steps in 4 parts."""
+    run = tmp_path_factory.mktemp("intact") / "run"
+    assert _write(run)[-1] == "closed"
+    return run
+
+
+@pytest.fixture
+def copy(intact, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(intact, out)
+    return out
+
+
+def _report(run: Path, *args: str) -> tuple[int, str, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "scalescope.cli", "report", str(run), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A run whose writes fail from step 10 on (parts ~13 kB over a 4 kB file size
+    limit; run.json, ~3 kB, still fits), and the writer's output lines."""
+    run = tmp_path_factory.mktemp("damaged") / "run"
+    return run, _write(run, "--fsize", "4000", "--after", "10")
+
+
+def test_a_failed_write_marks_the_run_damaged_and_the_gate_fails_closed(damaged, tmp_path):
+    run, out = damaged
+    errors = [line for line in out if line.startswith(("error:", "close error:"))]
+    found = re.search(r"writing (\S+) failed: File too large", errors[0] if errors else "")
+    assert found, out
+    part = Path(found.group(1))  # the first part after step 10: the error names it
+    assert part.parent == run / L.STATS_DIR and not part.exists()  # nothing half-written
+    assert all(f"{part} failed: File too large" in e for e in errors), errors
+    meta = json.loads((run / L.RUN_FILE).read_text())
+    assert meta["status"] == "damaged", meta["status"]
+    (note,) = meta["damage"]
+    assert str(part) in note and "lost the statistics of" in note and "(10.." in note, note
+    reader = ss.open_run(run)
+    assert reader.status == "damaged" and reader.damage == [note]
+    assert list(reader.steps) == list(range(10))  # what was written reads as before
+    # the gate: a damaged run fails it, whatever the rules say, unless allowed
+    code, _, err = _report(run, "--fail-on", "findings>1000", "--json", str(tmp_path / "j"))
+    assert code == 1 and "damaged" in err and "--allow-damaged" in err, err
+    doc = json.loads((tmp_path / "j").read_text())
+    assert doc["run"]["status"] == "damaged" and doc["run"]["damage"] == [note]
+    intact = [r for r in doc["fail_on"] if r["rule"] == "intact run"]
+    assert intact and intact[0]["tripped"]
+    code, _, _ = _report(run, "--fail-on", "findings>1000", "--allow-damaged")
+    assert code == 0
+
+
+def test_an_emptied_part_fails_the_gate_unless_damage_is_allowed(copy, tmp_path):
+    parts = L.list_parts(copy / L.STATS_DIR)
+    assert len(parts) == 4
+    parts[2].write_bytes(b"")  # emptied: a copy cut short, a disk that lost it
+    code, _, err = _report(copy, "--fail-on", "findings>1000", "--json", str(tmp_path / "j"))
+    assert code == 1 and parts[2].name in err, err
+    doc = json.loads((tmp_path / "j").read_text())
+    skipped = doc["run"]["skipped_parts"]
+    assert [Path(s["path"]).name for s in skipped] == [parts[2].name]
+    assert any(r["rule"] == "intact run" and r["tripped"] for r in doc["fail_on"])
+    assert _report(copy, "--fail-on", "findings>1000", "--allow-damaged")[0] == 0
+    # without a gate the report is written, and says what it could not read
+    code, _, _ = _report(copy, "-o", str(tmp_path / "r.html"))
+    html = (tmp_path / "r.html").read_text()
+    assert code == 0 and "This run is damaged" in html and parts[2].name in html
+
+
+@pytest.mark.parametrize("fault", ["deleted", "corrupt"])
+def test_a_missing_or_corrupt_op_table_is_one_clear_error(copy, fault, capsys):
+    ops = copy / L.OPS_FILE
+    if fault == "deleted":
+        ops.unlink()
+    else:
+        ops.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(ss.RunError, match=str(ops)):
+        ss.open_run(copy)
+    assert main(["report", str(copy), "--json", str(copy / "j.json")]) == 2
+    err = capsys.readouterr().err
+    assert str(ops) in err and "cannot be read" in err and "Traceback" not in err
+    assert not (copy / "j.json").exists()
+    from scalescope.app.data import RunSet
+
+    runs = RunSet(copy.parent)  # the dashboard lists it as unreadable, naming the file
+    assert runs.names == [] and str(ops) in runs.broken["run"]
+
+
+def test_a_folder_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() == 0:  # root writes anywhere: refuse as a read-only mount would
+        real_open = open
+
+        def refuse(path, *args, **kwargs):
+            if str(path).startswith(str(folder)):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr("builtins.open", refuse)
+        real_mkdir = Path.mkdir
+
+        def refuse_mkdir(self, *args, **kwargs):
+            if str(self).startswith(str(folder)):
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", refuse_mkdir)
+    else:
+        folder.chmod(0o555)
+    with pytest.raises(ss.RunWriteError, match=f"cannot record into {folder}.*Permission denied"):
+        ss.Run(folder)
+    with pytest.raises(OSError):  # still an OSError for code that catches those
+        ss.Run(folder / "inner")
+    argv = ["train", "mlp", "--steps", "1", "--run", str(folder / "r"), "--quiet"]
+    assert main([*argv, "--hidden", "16", "--batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot record into" in err and "Permission denied" in err and "Traceback" not in err
+
+
+def test_the_dashboard_says_what_a_damaged_run_lost(damaged):
+    from scalescope.app.dashboard import Dashboard
+    from scalescope.app.data import RunSet
+
+    run, _ = damaged
+    dash = Dashboard(RunSet(run), poll_ms=0)
+    status = dash.status.object
+    assert "ss-run-status'>damaged<" in status
+    assert "this run is damaged" in status and "File too large" in status
+
+
+def _bad_step(w):
+    return "done"
+
+
+@pytest.mark.parametrize("how", ["scalify", "instrument", "track"])
+def test_a_step_returning_a_str_names_the_users_function(how, tmp_path):
+    where = rf"_bad_step \({__file__}:\d+\) returned a str"
+    with pytest.raises(TypeError, match=where):
+        if how == "scalify":
+            ss.scalify(_bad_step)(jnp.ones(3))
+        elif how == "instrument":
+            ss.instrument(_bad_step)(jnp.ones(3))
+        else:
+            with ss.Run(tmp_path / "r", every=1) as run:
+                run.track(_bad_step)(jnp.ones(3))
+
+
+def test_serve_skips_a_link_to_a_run_outside_its_folder(intact, tmp_path, capsys):
+    from scalescope.app.data import RunSet
+
+    served = tmp_path / "served"
+    shutil.copytree(intact, served / "mine")
+    (served / "elsewhere").symlink_to(intact.parent, target_is_directory=True)
+    runs = RunSet(served)  # used to fail at start (relative_to) with a ValueError
+    assert runs.names == ["mine"]
+    assert err_once(capsys, f"not serving {served / 'elsewhere' / 'run'}")
+    runs.rescan()  # known: not warned again
+    assert "not serving" not in capsys.readouterr().err
+    (served / "later").symlink_to(intact, target_is_directory=True)  # appears while serving
+    assert runs.rescan() is False and runs.names == ["mine"]
+    assert err_once(capsys, f"not serving {served / 'later'}")
+
+
+def err_once(capsys, text: str) -> bool:
+    return capsys.readouterr().err.count(text) == 1
+
+
+def _request(port: int, host: str, path: str = "/", **headers: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        conn.putheader("Host", host)
+        for key, value in headers.items():
+            conn.putheader(key.replace("_", "-"), value)
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_serve_refuses_a_page_that_names_another_host(intact, tmp_path):
+    """A DNS-rebinding page at evil.example (rebound to 127.0.0.1) sends Host and Origin
+    evil.example: the page and the WebSocket are refused; this server's names pass."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "scalescope.cli", "serve", str(intact), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = server.stdout.readline()
+        assert "scalescope dashboard on" in line, line
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status = _request(port, f"127.0.0.1:{port}")
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert status == 200
+        assert _request(port, f"localhost:{port}") == 200
+        evil = f"evil.example:{port}"
+        upgrade = {
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+        }
+        assert _request(port, evil) == 403
+        assert _request(port, evil, "/ws", Origin=f"http://{evil}", **upgrade) == 403
+        same = {"Sec-Fetch-Site": "same-origin"}  # what a browser sends for that page
+        assert _request(port, evil, "/ws", Origin=f"http://{evil}", **same, **upgrade) == 403
+        mine = f"127.0.0.1:{port}"
+        assert _request(port, mine, "/ws", Origin=f"http://{mine}", **upgrade) == 101
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

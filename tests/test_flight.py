@@ -1,0 +1,193 @@
+"""The flight recorder (issue 38): every tracked step is checked, recorded or not; a step
+that goes non-finite or spikes is replayed fully instrumented and kept as an incident
+naming the first bad op and its source line; ``on_nonfinite`` records, stops or skips.
+
+The model: a small layer whose output feeds a value ``0.1 · 2^-t`` cast to E4M3 (FP8)
+and then a ``log``. E4M3's smallest subnormal is 2^-9; from t = 7 on (0.1 · 2^-7 <
+2^-10) the cast flushes it to zero and the log is -inf: the NaN/Inf starts at that op,
+at that step, and spreads to the loss and the update.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import scalescope as ss
+
+E4M3 = ml_dtypes.float8_e4m3fn
+BAD_STEP = 7
+SPIKE_STEP = 40
+
+
+def step(w, x, t):
+    def loss_fn(w):
+        with jax.named_scope("layer"):
+            h = jnp.tanh(x @ w)
+        with jax.named_scope("tail"):
+            small = (0.1 * 2.0 ** (-t.astype(jnp.float32))).astype(E4M3).astype(jnp.float32)
+            tail = jnp.log(small)
+        return jnp.mean(h**2) + 1e-3 * tail
+
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    with jax.named_scope("opt"):
+        w = w - 0.1 * g
+    return w, loss
+
+
+LOG_LINE = inspect.getsourcelines(step)[1] + 6  # the line of jnp.log(small)
+
+
+def spiky(w, x, t):
+    """A healthy step whose loss jumps 100x at SPIKE_STEP only (a bad batch)."""
+
+    def loss_fn(w):
+        with jax.named_scope("layer"):
+            h = jnp.tanh(x @ w)
+        with jax.named_scope("spike"):
+            h = h * jnp.where(t == SPIKE_STEP, 100.0, 1.0)
+        return jnp.mean(h**2)
+
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 1e-3 * g, loss
+
+
+SPIKE_LINE = inspect.getsourcelines(spiky)[1] + 7  # the line of the where()
+
+
+def _inputs():
+    w = jnp.asarray(np.random.default_rng(0).normal(0, 0.3, (16, 16)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(0, 1, (8, 16)), jnp.float32)
+    return w, x
+
+
+def _train(run, fn, steps, **track):
+    tracked = run.track(fn, scalify=False, **track)
+    w, x = _inputs()
+    trail = []
+    for i in range(steps):
+        w, loss = tracked(w, x, jnp.int32(i))
+        trail.append((w, loss))
+    return trail
+
+
+def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path):
+    seen = []
+    run = ss.Run(tmp_path / "r", every=1000, on_incident=seen.append)
+    trail = _train(run, step, 10)
+    run.close()
+    assert not run.healthy and len(seen) == 1  # the NaN spreads: one incident, not three
+    reader = ss.open_run(tmp_path / "r")
+    (row,) = reader.incidents().to_dict("records")
+    assert row["step"] == BAD_STEP and row["trigger"] == "nonfinite"
+    assert row["name"] == "fwd/tail/log" and row["source"] == f"{__file__}:{LOG_LINE}"
+    assert "all of its elements" in row["detail"]
+    # its input is the flushed value: finite, zero
+    (inp,) = [i for i in row["inputs"] if "convert_element_type" in i["name"]]
+    assert inp["absmax"] == 0.0 and inp["frac_nonfinite"] == 0.0
+    # the replayed step is recorded in full beside the steps `every` recorded
+    assert list(reader.steps) == [0, BAD_STEP]
+    log_op = int(row["op"])
+    nan = reader.stats("frac_nonfinite", ops=[log_op], steps=BAD_STEP)["value"]
+    assert float(nan.iloc[0]) == 1.0
+    # steps before it were healthy, and the run went on recording its losses
+    assert all(np.isfinite(float(loss)) for _, loss in trail[:BAD_STEP])
+    assert not np.isfinite(float(trail[BAD_STEP][1]))
+
+
+def test_the_replayed_step_equals_the_one_that_triggered(tmp_path):
+    run = ss.Run(tmp_path / "r", every=1000)
+    trail = _train(run, step, BAD_STEP + 1)
+    run.close()
+    (incident,) = run.incidents
+    assert incident["replayed"] and incident["replay_equal"]
+    # and both equal the plain step, run independently on the same inputs
+    w, x = _inputs()
+    for i in range(BAD_STEP + 1):
+        w, loss = jax.jit(step)(w, x, jnp.int32(i))
+    got_w, got_loss = trail[BAD_STEP]
+    np.testing.assert_array_equal(np.asarray(got_w), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(got_loss), np.asarray(loss))
+
+
+def test_a_loss_spike_is_caught_at_its_step_and_op(tmp_path):
+    run = ss.Run(tmp_path / "r", every=1000)
+    _train(run, spiky, SPIKE_STEP + 5)
+    run.close()
+    (incident,) = run.incidents  # the steps before and after are quiet
+    assert incident["step"] == SPIKE_STEP and incident["trigger"] == "loss_spike"
+    # the jump starts at the where() that multiplies by 100 (downstream ops jump more)
+    assert incident["name"] == "fwd/spike/select_n", incident["name"]
+    assert incident["source"] == f"{__file__}:{SPIKE_LINE}"
+    assert "jumped" in incident["detail"] and "x100 " in incident["detail"]
+
+
+def test_skip_returns_the_state_of_the_last_healthy_step(tmp_path):
+    run = ss.Run(tmp_path / "r", every=1000, on_nonfinite="skip")
+    trail = _train(run, step, BAD_STEP + 3)
+    run.close()
+    before, before_loss = trail[BAD_STEP - 1]
+    for w, loss in trail[BAD_STEP:]:  # every later step is non-finite: each one skipped
+        assert w is before and loss is before_loss
+    assert np.isfinite(np.asarray(before)).all()
+    assert len(run.incidents) == 1
+
+
+def test_stop_raises_naming_the_op_and_the_step(tmp_path):
+    run = ss.Run(tmp_path / "r", every=1000, on_nonfinite="stop")
+    with pytest.raises(ss.NonFiniteStep, match=rf"step {BAD_STEP} .*fwd/tail/log") as caught:
+        _train(run, step, BAD_STEP + 3)
+    run.close()
+    assert caught.value.incident["name"] == "fwd/tail/log"
+    assert ss.open_run(tmp_path / "r").incidents()["step"].tolist() == [BAD_STEP]
+
+
+def test_detection_off_keeps_the_plain_programs_and_records_nothing(tmp_path):
+    run = ss.Run(tmp_path / "r", every=1000, detect=False)
+    _train(run, step, BAD_STEP + 2)
+    run.close()
+    assert run.healthy and run.incidents == []
+    assert ss.open_run(tmp_path / "r").incidents().empty
+
+
+def test_the_recorder_keeps_no_copy_of_the_training_state(tmp_path):
+    """What the replay needs (the step's inputs) is what the caller holds during the
+    call; between steps the recorder keeps only the last measured statistics (a few
+    numbers per op). Live device memory after a run with detection (and with
+    ``skip``, which keeps the last healthy outputs: the caller's own arrays) equals the
+    run without it, up to those statistics."""
+
+    def live(detect: bool, mode: str, name: str) -> int:
+        run = ss.Run(tmp_path / name, every=5, detect=detect, on_nonfinite=mode)
+        tracked = run.track(spiky, scalify=False)
+        w, x = _inputs()
+        for i in range(12):
+            w, loss = tracked(w, x, jnp.int32(i))
+        jax.block_until_ready(w)
+        stats_bytes = sum(
+            a.nbytes for a in jax.tree_util.tree_leaves(tracked._last_stats or {})
+        ) + sum(a.nbytes for a in jax.tree_util.tree_leaves(tracked._prev_stats or {}))
+        total = sum(a.nbytes for a in jax.live_arrays())
+        run.close()
+        del tracked, w, loss
+        return total - stats_bytes
+
+    base = live(False, "record", "off")
+    assert live(True, "record", "on") <= base + 64
+    assert live(True, "skip", "skip") <= base + 64
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="on_nonfinite must be one of record, stop, skip"):
+        ss.Run(tmp_path / "a", on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="loss_spike"):
+        ss.Triggers(loss_spike=-1)
+    with pytest.raises(ValueError, match="window"):
+        ss.Triggers(window=0)
+    with pytest.raises(TypeError, match="triggers must be a Triggers"):
+        ss.Run(tmp_path / "b", triggers={"loss_spike": 3})
