@@ -3,7 +3,8 @@
 ``jit`` and the custom-derivative calls are inlined (their primal jaxpr is interpreted in
 place, under the call's name). ``scan``, ``while`` and ``cond`` are rebuilt with
 `jax.lax` control flow whose bodies interpret the original sub-jaxprs, so scaled values
-flow through loops and branches.
+flow through loops and branches. Taking the equations apart and rebinding them is
+`traverse`'s (shared with unit_scale); the rules here add what is scalify's own.
 
 Loop carries keep a stable structure: a carry that is scaled on the way in is scaled on
 the way out. Which carries must be scaled is found by a fixpoint: trace the body, and if
@@ -12,12 +13,10 @@ an unscaled carry comes back scaled, promote it and trace again.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from . import traverse
 from .common import (
     is_scaled,
     make_scaled,
@@ -52,10 +51,6 @@ def _conform(values, mask):
     return [_to_scaled(v) if m else v for v, m in zip(values, mask)]
 
 
-def _scope(name: str | None):
-    return jax.named_scope(name) if name else contextlib.nullcontext()
-
-
 # -- calls -----------------------------------------------------------------------------
 
 
@@ -79,28 +74,36 @@ def _constrain(ctx, values, shardings):
     return out
 
 
+def _inlined(ctx, eqn):
+    """The body callback of an inlined call: the body interpreted in place."""
+
+    def body(closed, args, where):
+        return ctx.nested(eqn, "call").eval_closed(closed, args), ()
+
+    return body
+
+
 def scaled_jit(ctx, eqn, invals):
     """Inline the jit body. Explicit in/out shardings are kept as sharding constraints
     (inlining would otherwise drop them)."""
     p = eqn.params
-    with _scope(p.get("name")):
-        invals = _constrain(ctx, invals, p.get("in_shardings"))
-        outs = ctx.nested(eqn, "call").eval_closed(p["jaxpr"], invals)
-        return _constrain(ctx, outs, p.get("out_shardings"))
+
+    def body(closed, args, where):
+        args = _constrain(ctx, args, p.get("in_shardings"))
+        outs = ctx.nested(eqn, "call").eval_closed(closed, args)
+        return _constrain(ctx, outs, p.get("out_shardings")), ()
+
+    return traverse.call(eqn, invals, body)
 
 
-def scaled_custom_call(ctx, eqn, invals):
-    closed = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
-    with _scope(eqn.params.get("name")):
-        return ctx.nested(eqn, "call").eval_closed(closed, invals)
+def scaled_call(ctx, eqn, invals):
+    """Inline a call: closed_call, or a custom-derivative call's primal."""
+    return traverse.call(eqn, invals, _inlined(ctx, eqn))
 
 
 def scaled_remat(ctx, eqn, invals):
-    return ctx.nested(eqn, "call").eval_jaxpr(eqn.params["jaxpr"], [], invals)
-
-
-def scaled_closed_call(ctx, eqn, invals):
-    return ctx.nested(eqn, "call").eval_closed(eqn.params["call_jaxpr"], invals)
+    """Inline a checkpoint's body (the remat is dropped)."""
+    return traverse.checkpoint(eqn, invals, _inlined(ctx, eqn), inline=True)
 
 
 # -- loops and branches ------------------------------------------------------------------
@@ -119,42 +122,45 @@ def _merge_stacked(y):
     return make_scaled(rescale_data(y.data, factor), top)
 
 
-def scaled_scan(ctx, eqn, invals):
-    p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-    body = p["jaxpr"]
-    consts = invals[:n_consts]
-    init = invals[n_consts : n_consts + n_carry]
-    xs = invals[n_consts + n_carry :]
-    xs_data = [x.data if is_scaled(x) else x for x in xs]
-    xs_scale = [x.scale if is_scaled(x) else None for x in xs]
-    mask = [is_scaled(c) for c in init]
-    bodies = []  # the context of the latest body trace, whose observer outputs are kept
+def _conformed(init, mask):
+    """The initial carries, scaled where ``mask`` says so."""
+    return [_to_scaled(c) if m else c for c, m in zip(init, mask)]
 
+
+def _fixed_point(mask, trace):
+    """``trace(mask)``, traced again with the wider mask while a carry (or a branch's
+    output) that the mask says is plain comes back scaled."""
     while True:
-
-        def step(carry, x, mask=mask):
-            x_vals = [make_scaled(d, s) if s is not None else d for d, s in zip(x, xs_scale)]
-            sub = ctx.nested(eqn, "scan")
-            bodies.append(sub)
-            outs = sub.eval_closed(body, [*consts, *carry, *x_vals])
-            return _conform(outs[:n_carry], mask), (outs[n_carry:], sub.body_outputs())
-
-        carry0 = [_to_scaled(c) if m else c for c, m in zip(init, mask)]
         try:
-            carry, (ys, extra) = lax.scan(
-                step,
-                carry0,
-                xs_data,
-                length=p["length"],
-                reverse=p["reverse"],
-                unroll=p["unroll"],
-            )
+            return trace(mask)
         except _CarryMaskChanged as change:
             mask = change.mask
-            continue
-        ctx.adopt(bodies[-1], extra, "scan")
-        return [*carry, *[_merge_stacked(y) for y in ys]]
+
+
+def scaled_scan(ctx, eqn, invals):
+    """Scan the data of scaled ``xs`` (a scalar scale cannot be sliced; each iteration
+    re-attaches it); stacked scaled outputs share their largest iteration's scale."""
+    _, where = traverse.locate(eqn, traverse.SCAN)
+    consts, init, xs = traverse.split(where, invals)
+    xs_data = [x.data if is_scaled(x) else x for x in xs]
+    xs_scale = [x.scale if is_scaled(x) else None for x in xs]
+    bodies = []  # the context of the latest body trace, whose observer outputs are kept
+
+    def trace(mask):
+        def body(closed, args, where):
+            n = where.consts + where.carry
+            x_vals = [make_scaled(d, s) if s is not None else d for d, s in zip(args[n:], xs_scale)]
+            sub = ctx.nested(eqn, "scan")
+            bodies.append(sub)
+            outs = sub.eval_closed(closed, [*args[:n], *x_vals])
+            carry = _conform(outs[: where.carry], mask)
+            return [*carry, *outs[where.carry :]], sub.body_outputs()
+
+        return traverse.scan(eqn, [*consts, *_conformed(init, mask), *xs_data], body)
+
+    outs, extra = _fixed_point([is_scaled(c) for c in init], trace)
+    ctx.adopt(bodies[-1], extra, "scan")
+    return [*outs[: len(init)], *[_merge_stacked(y) for y in outs[len(init) :]]]
 
 
 def _zeros_like(shapes):
@@ -174,79 +180,66 @@ def _extra_shapes(ctx, eqn, kind, body, args):
 
 
 def scaled_while(ctx, eqn, invals):
-    p = eqn.params
-    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
-    cond_consts = invals[:n_cond]
-    body_consts = invals[n_cond : n_cond + n_body]
-    init = invals[n_cond + n_body :]
-    mask = [is_scaled(c) for c in init]
+    """The predicate is interpreted silently (its values are not observed); observer
+    outputs of the body are folded across iterations (`Context.accumulate`)."""
+    body_jaxpr, body_where = traverse.locate(eqn, traverse.WHILE_BODY)
+    body_consts, init, _ = traverse.split(body_where, invals)
+    consts = invals[: len(invals) - len(init)]  # the predicate's and the body's
     silent = ctx.nested(eqn, "silent")
-    run_body = lambda sub, carry: sub.eval_closed(p["body_jaxpr"], [*body_consts, *carry])
+    run_body = lambda sub, carry: sub.eval_closed(body_jaxpr, [*body_consts, *carry])
     acc0 = ()
     if ctx.observer is not None:
         acc0 = _zeros_like(_extra_shapes(ctx, eqn, "while", run_body, init))
     bodies = []
 
-    def cond_fn(state):
-        (pred,) = silent.eval_closed(p["cond_jaxpr"], [*cond_consts, *state[0]])
-        return unscale(pred)
-
-    while True:
-
-        def body_fn(state, mask=mask):
-            carry, acc = state
+    def trace(mask):
+        def body(closed, args, where):
+            if where.kind == traverse.WHILE_COND:
+                (pred,) = silent.eval_closed(closed, args)
+                return [unscale(pred)], ()
             sub = ctx.nested(eqn, "while")
             bodies.append(sub)
-            new = _conform(run_body(sub, carry), mask)
-            return new, sub.accumulate(acc, sub.body_outputs())
+            new = _conform(sub.eval_closed(closed, args), mask)
+            return new, sub.accumulate(where.aux, sub.body_outputs())
 
-        carry0 = [_to_scaled(c) if m else c for c, m in zip(init, mask)]
-        try:
-            carry, acc = lax.while_loop(cond_fn, body_fn, (carry0, acc0))
-        except _CarryMaskChanged as change:
-            mask = change.mask
-            continue
-        if bodies:
-            ctx.adopt(bodies[-1], acc, "while")
-        return list(carry)
+        return traverse.while_loop(eqn, [*consts, *_conformed(init, mask)], body, aux0=acc0)
+
+    carry, acc = _fixed_point([is_scaled(c) for c in init], trace)
+    if bodies:
+        ctx.adopt(bodies[-1], acc, "while")
+    return carry
 
 
 def scaled_cond(ctx, eqn, invals):
-    branches = eqn.params["branches"]
+    """Every branch's outputs are scaled alike; each branch hands out its observer
+    outputs in its own slot (zeros in the others' slots)."""
+    branches = traverse.bodies(eqn)
     index, operands = unscale(invals[0]), invals[1:]
-    mask = [False] * len(branches[0].out_avals)
     shapes = []
     if ctx.observer is not None:
         shapes = [
             _extra_shapes(ctx, eqn, "cond", lambda sub, ops, b=b: sub.eval_closed(b, ops), operands)
-            for b in branches
+            for b, _ in branches
         ]
-    bodies = [None] * len(branches)
+    subs = [None] * len(branches)
 
-    while True:
+    def trace(mask):
+        def body(closed, args, where):
+            i = where.index
+            sub = ctx.nested(eqn, "cond")
+            subs[i] = sub
+            outs = _conform(sub.eval_closed(closed, args), mask)
+            extras = [
+                sub.body_outputs() if j == i else _zeros_like(s) for j, s in enumerate(shapes)
+            ]
+            return outs, extras
 
-        def make_branch(i, closed, mask=mask):
-            def branch(*ops):
-                sub = ctx.nested(eqn, "cond")
-                bodies[i] = sub
-                outs = _conform(sub.eval_closed(closed, list(ops)), mask)
-                extras = [
-                    sub.body_outputs() if j == i else _zeros_like(s) for j, s in enumerate(shapes)
-                ]
-                return outs, extras
+        return traverse.cond(eqn, [index, *operands], body)
 
-            return branch
-
-        try:
-            outs, extras = lax.switch(
-                index, [make_branch(i, b) for i, b in enumerate(branches)], *operands
-            )
-        except _CarryMaskChanged as change:
-            mask = change.mask
-            continue
-        for sub, extra in zip(bodies, extras):
-            ctx.adopt(sub, extra, "cond")
-        return list(outs)
+    outs, extras = _fixed_point([False] * len(branches[0][0].out_avals), trace)
+    for sub, extra in zip(subs, extras):
+        ctx.adopt(sub, extra, "cond")
+    return outs
 
 
 # -- bound whole on the values -----------------------------------------------------------
@@ -265,13 +258,13 @@ RULES = {
     "custom_linear_solve": scaled_on_values,
     "jit": scaled_jit,
     "pjit": scaled_jit,
-    "custom_jvp_call": scaled_custom_call,
-    "custom_vjp_call": scaled_custom_call,
-    "custom_vjp_call_jaxpr": scaled_custom_call,
+    "custom_jvp_call": scaled_call,
+    "custom_vjp_call": scaled_call,
+    "custom_vjp_call_jaxpr": scaled_call,
     "remat2": scaled_remat,
     "checkpoint": scaled_remat,
-    "closed_call": scaled_closed_call,
-    "core_call": scaled_closed_call,
+    "closed_call": scaled_call,
+    "core_call": scaled_call,
     "scan": scaled_scan,
     "while": scaled_while,
     "cond": scaled_cond,

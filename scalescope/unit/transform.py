@@ -19,9 +19,9 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend.core import Literal
 
+from ..scalify import traverse
 from ..scalify.interpreter import bind_plain
 from .calibrate import (
     _ITER,
@@ -192,110 +192,102 @@ class _Interpreter:
         return define
 
     def apply(self, eqn: Any, invals: list[Any], flags: list[str]) -> list[Any]:
-        """Bind ``eqn``, recursing into the bodies of higher-order primitives."""
-        name, p = eqn.primitive.name, eqn.params
-        if name in _CALL_PRIMS:
-            closed = p.get("jaxpr", p.get("call_jaxpr"))
-            with jax.named_scope(p.get("name") or name):
-                if hasattr(closed, "consts"):
-                    return self.run_closed(closed, invals, flags)
-                return self.run(closed, [], invals, flags)
-        if name == "custom_jvp_call" and _contains(p["call_jaxpr"].jaxpr, "dot_general"):
-            return self.run_closed(p["call_jaxpr"], invals, flags)
-        if name in ("checkpoint", "remat2"):
-            body = functools.partial(self.run, p["jaxpr"], [], flags=flags)
-            remat = jax.checkpoint(
-                lambda *a: body(a), prevent_cse=p["prevent_cse"], policy=p["policy"]
-            )
-            return list(remat(*invals))
+        """Bind ``eqn``, recursing into the bodies of higher-order primitives (calls,
+        checkpoints, loops, branches; a custom_jvp function only when it has a matmul)."""
+        name = eqn.primitive.name
+        if not _traversed(eqn):
+            return bind_plain(eqn, invals)
+        if name in ("scan", "while"):
+            # a loop body feeds its next iteration: everything in it stays constrained
+            self.before_residual = True
         if name == "scan":
-            return self._scan(p, invals, flags)
-        if name == "while":
-            return self._while(p, invals, flags)
-        if name == "cond":
-            return self._cond(p, invals, flags)
-        return bind_plain(eqn, invals)
+            return self._scan(eqn, invals, flags)
+        body = functools.partial(self._body, flags)
+        return traverse.apply(eqn, invals, body, scope=_call_scope)
 
-    def _scan(self, p: dict, invals: list[Any], flags: list[str]) -> list[Any]:
-        # a loop body feeds its next iteration: everything in it stays constrained
-        self.before_residual = True
-        nc, nk = p["num_consts"], p["num_carry"]
-        consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-        body_flags = [*flags[:nc], *([ACT] * nk), *flags[nc + nk :]]
-        cal, length = self.cal, p["length"]
+    def _body(
+        self, flags: list[str], closed: Any, args: list[Any], where: traverse.Where
+    ) -> tuple[list[Any], Any]:
+        """Run one body (a `traverse.Body`) with the flags of the operands feeding it
+        (carries are activations); a branch under a path of its own; a while loop's
+        predicate as it is."""
+        if where.kind == traverse.WHILE_COND:
+            return jax.extend.core.jaxpr_as_fun(closed)(*args), ()
+        path = (*self.path, where.index) if where.kind == traverse.BRANCH else self.path
+        return self._run_at(path, self.iteration, closed, args, flags, where), ()
+
+    def _run_at(
+        self,
+        path: tuple,
+        iteration: dict,
+        closed: Any,
+        args: list[Any],
+        flags: list[str],
+        where: traverse.Where,
+    ) -> list[Any]:
+        """``run_closed`` of a body at ``path`` with the multipliers ``iteration``."""
+        outer = self.path, self.iteration
+        self.path, self.iteration = path, iteration
+        try:
+            return self.run_closed(closed, args, traverse.body_operands(where, flags, ACT))
+        finally:
+            self.path, self.iteration = outer
+
+    def _scan(self, eqn: Any, invals: list[Any], flags: list[str]) -> list[Any]:
+        cal, length = self.cal, eqn.params["length"]
         if cal is not None and cal.mode != "apply" and not self.unrolling and length > 0:
-            return self._scan_unrolled(p, consts, init, xs, body_flags)
+            # run in Python while calibrating, so that the body's values are concrete
+            # and each iteration gets multipliers of its own
+            self.unrolling = True
+            try:
+                return traverse.scan_unrolled(
+                    eqn, invals, functools.partial(self._iteration, flags)
+                )
+            finally:
+                self.unrolling = False
         mult = {}
         if cal is not None and cal.mode == "apply" and not self.iteration:
             mult = self._iteration_multipliers(length)
         names = sorted(mult)
-        path = (*self.path, _ITER)
+        step = functools.partial(self._step, flags, names)
+        return traverse.scan(eqn, invals, step, aux_xs=[jnp.asarray(mult[n]) for n in names])[0]
 
-        def step(carry: list, x: list) -> tuple[list, list]:
-            x, m = x[: len(x) - len(names)], x[len(x) - len(names) :]
-            outer = self.path, self.iteration
-            self.path, self.iteration = path, dict(zip(names, m, strict=True)) or self.iteration
-            try:
-                outs = self.run_closed(p["jaxpr"], [*consts, *carry, *x], body_flags)
-            finally:
-                self.path, self.iteration = outer
-            return outs[:nk], outs[nk:]
+    def _step(
+        self,
+        flags: list[str],
+        names: list[tuple],
+        closed: Any,
+        args: list[Any],
+        where: traverse.Where,
+    ) -> tuple[list[Any], Any]:
+        """A scan body: at the scan's generic iteration path, with this iteration's
+        multipliers (``where.aux``, named by ``names``) where it has any."""
+        iteration = dict(zip(names, where.aux, strict=True)) or self.iteration
+        return self._run_at((*self.path, _ITER), iteration, closed, args, flags, where), ()
 
-        carry, ys = lax.scan(
-            step,
-            init,
-            [*xs, *(jnp.asarray(mult[n]) for n in names)],
-            length=length,
-            reverse=p["reverse"],
-            unroll=p["unroll"],
-        )
-        return [*carry, *ys]
+    def _iteration(
+        self, flags: list[str], closed: Any, args: list[Any], where: traverse.Where
+    ) -> tuple[list[Any], Any]:
+        """A scan body run unrolled: at the path of its iteration (``where.index``)."""
+        path = (*self.path, (_ITER, where.index))
+        return self._run_at(path, self.iteration, closed, args, flags, where), ()
 
-    def _scan_unrolled(
-        self, p: dict, consts: list, init: list, xs: list, flags: list[str]
-    ) -> list[Any]:
-        """A scan run iteration by iteration in Python while calibrating, so that its
-        body's values are concrete and each iteration gets multipliers of its own."""
-        nk, length = p["num_carry"], p["length"]
-        carry, ys = list(init), [None] * length
-        outer = self.path
-        self.unrolling = True
-        try:
-            for t in reversed(range(length)) if p["reverse"] else range(length):
-                self.path = (*outer, (_ITER, t))
-                outs = self.run_closed(p["jaxpr"], [*consts, *carry, *(x[t] for x in xs)], flags)
-                carry, ys[t] = outs[:nk], outs[nk:]
-        finally:
-            self.path, self.unrolling = outer, False
-        return [*carry, *(jnp.stack(column) for column in zip(*ys, strict=True))]
 
-    def _while(self, p: dict, invals: list[Any], flags: list[str]) -> list[Any]:
-        self.before_residual = True  # as for scan
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        cc, bc, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-        bflags = [*flags[nc : nc + nb], *([ACT] * len(init))]
+def _traversed(eqn: Any) -> bool:
+    """Whether unit_scale interprets ``eqn``'s bodies: calls, checkpoints, loops and
+    branches; a custom_jvp function (``jax.nn.relu``'s kind) only when it has a matmul."""
+    name = eqn.primitive.name
+    if name == "custom_jvp_call":
+        return _contains(eqn.params["call_jaxpr"].jaxpr, "dot_general")
+    return name in _CALL_PRIMS or name in traverse.CHECKPOINTS or name in ("scan", "while", "cond")
 
-        def cond_fn(carry: list) -> Any:
-            return jax.extend.core.jaxpr_as_fun(p["cond_jaxpr"])(*cc, *carry)[0]
 
-        def body_fn(carry: list) -> list:
-            return self.run_closed(p["body_jaxpr"], [*bc, *carry], bflags)
-
-        return list(lax.while_loop(cond_fn, body_fn, list(init)))
-
-    def _cond(self, p: dict, invals: list[Any], flags: list[str]) -> list[Any]:
-        index, ops = invals[0], invals[1:]
-        branches = [
-            functools.partial(self._branch, n, b, flags[1:]) for n, b in enumerate(p["branches"])
-        ]
-        return list(lax.switch(index, branches, *ops))
-
-    def _branch(self, n: int, closed: Any, flags: list[str], *args: Any) -> list[Any]:
-        outer, self.path = self.path, (*self.path, n)
-        try:
-            return self.run_closed(closed, args, flags)
-        finally:
-            self.path = outer
+def _call_scope(eqn: Any) -> str | None:
+    """The name scope of an inlined call: its name, else its primitive's (none for a
+    custom_jvp function)."""
+    if eqn.primitive.name in _CALL_PRIMS:
+        return eqn.params.get("name") or eqn.primitive.name
+    return None
 
 
 # -- the public transform ----------------------------------------------------------------
