@@ -546,6 +546,11 @@ class RunData:
         with self.lock:
             return self.grid.recorded_ops()
 
+    def incidents(self) -> pd.DataFrame:
+        """The flight recorder's incidents (the analysis bundle's)."""
+        with self.lock:
+            return self.run_analysis().incidents
+
     def whatif(self) -> pd.DataFrame:
         """The format and recipe what-if (the analysis bundle's)."""
         with self.lock:

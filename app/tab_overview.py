@@ -34,8 +34,15 @@ class OverviewTab:
             pd.DataFrame(), "advisor-summary", page_size=10, **wrap_columns("cause", "fix")
         )
         self.worst_by.param.watch(self._on_worst_by, "value")
+        self.incident_table = make_table(
+            pd.DataFrame(), "incidents", page_size=5, **wrap_columns("detail")
+        )
+        self.incident_table.on_click(self._on_incident_click)
+        self.incident_table.visible = False
+        self._shown_incidents = pd.DataFrame()
         self.overview = pn.Column(
             self.alarms,
+            self.incident_table,
             self.loss_pane,
             pn.pane.HTML("<h3>Causes</h3>"),
             self.advisor_note,
@@ -57,13 +64,21 @@ class OverviewTab:
         with data.lock:
             scalars = data.scalars
             options = data.summary_metrics() if len(data.steps) else []
+            incidents = data.incidents()
         findings = self._findings(data)
         if self._loss_of != (data.name, data.version):  # not again when findings land
-            self.loss_pane.object = viz.loss_curve({data.name: scalars})
+            self.loss_pane.object = viz.loss_curve(
+                {data.name: scalars}, incidents={data.name: incidents}
+            )
             self._loss_of = (data.name, data.version)
         self.alarms.object = self._alarm_html(
-            scalars, findings if findings is not None else pd.DataFrame()
+            scalars, findings if findings is not None else pd.DataFrame(), incidents
         )
+        self._shown_incidents = incidents
+        self.incident_table.visible = bool(len(incidents))
+        if len(incidents):
+            cols = ["step", "trigger", "op", "name", "source", "detail"]
+            self.incident_table.value = incidents[cols].reset_index(drop=True)
         if findings is None:
             self.advisor_note.object = message_html(self._advisor_pending(data))
             self.rule_table.value = pd.DataFrame({"advisor": ["reading the statistics..."]})
@@ -108,9 +123,23 @@ class OverviewTab:
         cols = ["label", "pass", "primitive", by, "last_measured", "source"]
         self.worst_table.value = worst.reset_index()[["op", *dict.fromkeys(cols)]]
 
+    def _on_incident_click(self, event: Any) -> None:
+        """A click on an incident opens its op at its step in the op detail view."""
+        shown = self._shown_incidents
+        if shown.empty or event.row is None or event.row >= len(shown):
+            return
+        row = shown.iloc[event.row]
+        if int(row["op"]) >= 0:
+            self.open_op(int(row["op"]), int(row["step"]))
+
     @staticmethod
-    def _alarm_html(scalars: pd.DataFrame, findings: pd.DataFrame) -> str:
+    def _alarm_html(
+        scalars: pd.DataFrame, findings: pd.DataFrame, incidents: pd.DataFrame | None = None
+    ) -> str:
         alarms = []
+        for r in [] if incidents is None else incidents.to_dict("records"):
+            where = f"{r['name']} ({r['source']})" if r["name"] else "no recorded op"
+            alarms.append(f"incident at step {int(r['step'])} ({r['trigger']}): {where}")
         for col in scalars.columns:
             bad = scalars.index[~np.isfinite(scalars[col].to_numpy(np.float64))]
             # In the wide frame a NaN also means "not logged at this step" (val_loss is

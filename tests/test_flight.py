@@ -11,6 +11,7 @@ at that step, and spreads to the loss and the update.
 from __future__ import annotations
 
 import inspect
+import json
 
 import jax
 import jax.numpy as jnp
@@ -191,3 +192,47 @@ def test_bad_settings_are_refused(tmp_path):
         ss.Triggers(window=0)
     with pytest.raises(TypeError, match="triggers must be a Triggers"):
         ss.Run(tmp_path / "b", triggers={"loss_spike": 3})
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    """A run of `step` over 10 steps, recorded every 1000: one incident, at BAD_STEP."""
+    path = tmp_path_factory.mktemp("flight") / "nan"
+    run = ss.Run(path, every=1000)
+    _train(run, step, 10)
+    run.close()
+    return path
+
+
+def test_the_report_lists_incidents_and_the_gate_fails_on_them(nan_run, tmp_path, capsys):
+    from scalescope.cli import main
+
+    out = tmp_path / "a.json"
+    argv = ["report", str(nan_run), "--json", str(out), "-o", str(tmp_path / "a.html")]
+    assert main([*argv, "--fail-on", "incidents>0"]) == 1
+    printed = capsys.readouterr()
+    assert f"1 incident(s), the first at step {BAD_STEP} at fwd/tail/log" in printed.out
+    doc = json.loads(out.read_text())
+    (inc,) = doc["incidents"]
+    assert inc["step"] == BAD_STEP and inc["name"] == "fwd/tail/log"
+    page = (tmp_path / "a.html").read_text()
+    assert "Incidents: 1 step(s) went wrong" in page and "fwd/tail/log" in page
+    assert main(["report", str(nan_run), "--fail-on", "incidents>1"]) == 0
+    assert main(["report", str(nan_run), "--fail-on", "incidents>-1"]) == 2
+
+
+def test_the_dashboard_marks_incidents_and_opens_their_op(nan_run):
+    from types import SimpleNamespace
+
+    from scalescope.app.dashboard import TABS, Dashboard
+    from scalescope.app.data import RunSet
+
+    dash = Dashboard(RunSet(nan_run), poll_ms=0)
+    assert f"incident at step {BAD_STEP} (nonfinite): fwd/tail/log" in dash.alarms.object
+    assert dash.incident_table.visible
+    assert dash.incident_table.value["name"].tolist() == ["fwd/tail/log"]
+    marks = dash.loss_pane.object.select(name="incidents")
+    assert len(marks) == 1 and list(marks[0].data_source.data["step"]) == [BAD_STEP]
+    dash._on_incident_click(SimpleNamespace(row=0))
+    assert dash.tabs.active == TABS.index("Op detail")
+    assert "fwd/tail/log" in dash.op_info.object

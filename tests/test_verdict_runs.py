@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import watch_offline
 
@@ -77,6 +78,17 @@ def test_the_fast_corpus_tells_healthy_from_broken(corpus):
     assert broken["verdict_step"] is not None
     assert broken["departs_step"] is None or broken["verdict_step"] <= broken["departs_step"]
     assert all(r["ok"] for r in rows), rows
+    # the flight recorder raises no alarm over the healthy run's 200 steps (noise is a
+    # defect), and catches the broken one's first non-finite step, if it has one
+    root, _ = corpus
+    assert ss.open_run(root / "mlp-fp8").incidents().empty
+    reader = ss.open_run(root / BROKEN)
+    loss = reader.scalars["loss"]
+    bad = loss.index[~np.isfinite(loss.to_numpy(np.float64))]
+    incidents = reader.incidents()
+    if len(bad):
+        assert incidents["trigger"].tolist()[:1] == ["nonfinite"], incidents
+        assert int(incidents["step"].iloc[0]) <= int(bad[0]), (incidents, bad[0])
 
 
 def test_constants_by_construction_are_never_worst_nor_flagged(gpt_run):

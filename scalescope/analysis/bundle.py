@@ -191,6 +191,15 @@ class RunAnalysis:
         return self.reader.measured()
 
     @_part
+    def incidents(self) -> pd.DataFrame:
+        """The flight recorder's incidents (`RunReader.incidents`; empty for a reader
+        that has none)."""
+        read = getattr(self.reader, "incidents", None)
+        if read is None:
+            return pd.DataFrame(columns=["step", "trigger", "op", "name", "source", "detail"])
+        return read()
+
+    @_part
     def notes(self) -> list[str]:
         """Sampled statistics, ops measured in turns (`measurement_notes`)."""
         return measurement_notes(self.reader)

@@ -37,6 +37,7 @@ class _RunData:
     notes: list[str]  # sampled statistics / ops measured in turns (empty: exact, in full)
     verdict: A.Verdict  # the run's verdict (findings and the logged loss)
     causes: pd.DataFrame  # the findings, one row per cause
+    incidents: pd.DataFrame  # the flight recorder's incidents (`RunReader.incidents`)
     css: Any = None  # the page's one InlineStyleSheet (every Div renders in a shadow root)
 
 
@@ -73,4 +74,5 @@ def _collect(reader: Any, thresholds: A.Thresholds, audit: Sequence[str] = ()) -
         notes=bundle.notes,
         verdict=bundle.verdict,
         causes=bundle.causes,
+        incidents=bundle.incidents,
     )

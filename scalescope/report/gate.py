@@ -40,7 +40,8 @@ FAIL_ON_HELP = (
     "records (mxfp8_e4m3, nvfp4, ...; over every op); "
     "findings, findings_<severity>, findings_<rule> (number of advisor findings); "
     "verdict (the run's verdict: verdict>=at-risk fails an at-risk or failing run, "
-    "verdict>=failing a failing one). "
+    "verdict>=failing a failing one); incidents (number of the flight recorder's "
+    "incidents: NaN/Inf or spiking steps, replayed and kept; incidents>0 fails on any). "
     "Fractions take 0.01 or 1%%. Example: verdict>=at-risk,overflow_e4m3>0,nonfinite>0"
 )
 
@@ -50,7 +51,7 @@ class Rule:
     """One ``--fail-on`` rule: trips when ``value <operator> threshold``.
 
     ``kind``: ``nonfinite``, ``overflow``, ``underflow``, ``snr``, ``block_flush``,
-    ``findings`` or ``verdict`` (``threshold``: the rank of a verdict in
+    ``findings``, ``incidents`` (a count) or ``verdict`` (``threshold``: the rank of a verdict in
     `scalescope.analysis.STATUSES`: 0 healthy, 1 at risk, 2 failing); ``format``: the
     format or recipe of overflow/underflow/snr/block_flush
     rules (else ``""``); ``recipe``: True when ``format`` is a block-scaled recipe;
@@ -103,12 +104,14 @@ def _parse_metric(piece: str, metric: str) -> tuple[str, str, str, str, bool]:
         + ", ".join(_formats.names())
         + "; optional :all), overflow_R, underflow_R, snr_R, block_flush_R (R: "
         + ", ".join(_recipes.names())
-        + "), findings, findings_<severity>, findings_<rule>, verdict"
+        + "), findings, findings_<severity>, findings_<rule>, verdict, incidents"
     )
     if not metric:
         raise _bad(piece, f"no metric before the operator; metrics: {known}")
     if metric == "verdict":
         return "verdict", "", "", "", False
+    if metric == "incidents":
+        return "incidents", "", "", "", False
     name, _, scope = metric.partition(":")
     if name == "nonfinite" or name == "findings" or name.startswith("findings_"):
         if scope:
@@ -230,8 +233,8 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
         threshold = _parse_number(piece, number, kind in _FRACTION_KINDS)
         if kind in _FRACTION_KINDS and not 0.0 <= threshold <= 1.0:
             raise _bad(piece, f"{threshold:g} is not a fraction in [0, 1] (use 0.01 or 1%)")
-        if kind == "findings" and threshold < 0:
-            raise _bad(piece, f"a number of findings cannot be negative ({threshold:g})")
+        if kind in ("findings", "incidents") and threshold < 0:
+            raise _bad(piece, f"a number of {kind} cannot be negative ({threshold:g})")
         rules.append(Rule(piece, metric, kind, fmt, scope, select, op, threshold, recipe))
     return rules
 
@@ -308,6 +311,15 @@ def evaluate_rules(data: _RunData, rules: Sequence[Rule]) -> list[dict[str, Any]
             value, step = float(v.rank), v.step
             if v.reasons:
                 label, note = v.reasons[0].op, v.reasons[0].cause
+        elif rule.kind == "incidents":
+            inc = data.incidents
+            value = float(len(inc))
+            if len(inc):
+                first = inc.iloc[0]
+                step = int(first["step"])
+                if int(first["op"]) >= 0:
+                    op = int(first["op"])
+                note = f"{first['trigger']}: {first['detail']}"
         elif rule.kind == "findings":
             f = data.findings
             if rule.select in _SEVERITIES:
@@ -383,6 +395,12 @@ def _rule_line(rule, value, op, step, op_value, data, tripped, note) -> str:
             + f"the run is {_fmt_value(rule.kind, value)}{since}"
             + (f" ({note})" if note else "")
         )
+    if rule.kind == "incidents":
+        text += f"{_fmt_value(rule.kind, value)} incident(s)"
+        if step is not None:
+            where = f" at {data.labels.get(op, f'op {op}')} (op {op})" if op is not None else ""
+            text += f", the first at step {step}{where}"
+        return text
     if rule.kind == "findings":
         text += f"{_fmt_value(rule.kind, value)} finding(s)"
         if op is not None:

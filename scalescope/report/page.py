@@ -37,6 +37,7 @@ from .markup import _CSS, _WIDTH
 from .sections import (
     _fail_on_html,
     _findings_html,
+    _incidents_html,
     _metadata_html,
     _summary_html,
     _title_html,
@@ -174,6 +175,9 @@ def _page(
     verified = _verified_html(reader)
     if verified:
         models.append(div(verified, "report-verified"))
+    incidents = _incidents_html(data)
+    if incidents:
+        models.append(div(incidents, "report-incidents"))
     models.append(div(_findings_html(data), "report-findings"))
     models += _heatmaps(data, max_ops, max_steps)
     models += _worst_op_models(data, worst)

@@ -46,6 +46,13 @@ def _title_html(reader: Any, data: _RunData, compare: Any) -> str:
         _stat_note(data),
         _damage_html(reader),
     ]
+    if len(data.incidents):
+        first = data.incidents.iloc[0]
+        lines.append(
+            f'<div class="damaged"><b>{len(data.incidents)} incident(s)</b>: the first at '
+            f"step {int(first['step'])} ({_e(first['trigger'])}) at "
+            f"{_e(first['name'] or '?')}.</div>"
+        )
     if compare is not None:
         lines.append(f"<div>Compared with run <b>{_e(compare.name)}</b>.</div>")
     stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
@@ -226,6 +233,30 @@ def _cheapest_html(data: _RunData) -> str:
         "per tensor before scales per block, then larger blocks); <i>none</i>: no recorded "
         "recipe does.</div>" + _table(["pass", *counts.columns], rows)
     )
+
+
+def _incidents_html(data: _RunData) -> str:
+    """The flight recorder's incidents (empty when there are none): the steps that went
+    non-finite or spiked, each with the op it started at and what was found there."""
+    inc = data.incidents
+    if inc.empty:
+        return ""
+    rows = [
+        [
+            _td(int(r["step"]), "num"),
+            _td(r["trigger"]),
+            _td(f"{r['name']} (op {int(r['op'])})" if int(r["op"]) >= 0 else "-"),
+            f"<td>{_source_html(r['source'] or '')}</td>",
+            _td(r["detail"]),
+        ]
+        for r in inc.to_dict("records")
+    ]
+    head = (
+        f"<h2>Incidents: {len(inc)} step(s) went wrong</h2><div>Each step that produced "
+        "NaN/Inf or whose loss or norm spiked was replayed with every op measured; the op "
+        "named is where it started.</div>"
+    )
+    return head + _table(["step", "trigger", "op", "source", "what was found"], rows)
 
 
 def _findings_html(data: _RunData) -> str:

@@ -33,6 +33,8 @@ version 1::
        log2_rms,              # worst |log2 rms| over the steps, signed (null: none finite)
        formats: {fmt: {safe, reason, snr, overflow, underflow}},  # recipes add block_flush
        cheapest_recipe}],     # the cheapest safe recorded recipe; null: none (or no recipe)
+    "incidents": [  # the flight recorder's (reader.incidents()), by step
+      {step, trigger, op, name, source, detail, value, formats, process, inputs, ...}],
     "findings": [  # exactly the rows of reader.advise(thresholds=...), same order
       {op, label, name, pass, primitive, source, rule, format, first_step, steps,
        value, threshold, evidence, severity, fix}],
@@ -253,6 +255,7 @@ def _verdicts(
         "ops": _ops_json(data),
         "causes": _plain(data.causes.to_dict("records")),
         "findings": _plain(f.to_dict("records")),
+        "incidents": _plain(data.incidents.to_dict("records")),
         "fail_on": _plain([{k: v for k, v in r.items() if k != "text"} for r in results]),
         "compare": cmp,
         "policy": reader.meta.get("policy"),

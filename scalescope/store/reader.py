@@ -60,6 +60,7 @@ class RunReader:
         #: Counts the changes `refresh` has read (new parts, the op table, new metadata):
         #: what a cache of results computed from this reader is keyed by.
         self.version = 0
+        self._incidents_seen: tuple = ()
         self.refresh()
 
     # -- metadata ---------------------------------------------------------------------
@@ -246,9 +247,23 @@ class RunReader:
                 self._scalar_parts.append(frame)
                 self._scalars_cache = None
                 new += 1
-        if new or self._ops is not before[1] or self.meta != before[0]:
+        incidents = self._incidents_signature()
+        changed = incidents != self._incidents_seen
+        self._incidents_seen = incidents
+        if new or changed or self._ops is not before[1] or self.meta != before[0]:
             self.version += 1
         return new
+
+    def _incidents_signature(self) -> tuple:
+        """Names, sizes and times of the incidents files: a new incident moves it."""
+        out = []
+        for path in sorted(self.path.glob("incidents*.json")):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            out.append((path.name, st.st_size, st.st_mtime_ns))
+        return tuple(out)
 
     def part_frames(self, start: int = 0) -> list[pd.DataFrame]:
         """The statistics of the parts read so far, one frame per part in the order they

@@ -154,8 +154,12 @@ def loss_curve(
     columns: Sequence[str] = ("loss", "val_loss"),
     log_y: bool = False,
     name: str = "loss",
+    incidents: Mapping[str, pd.DataFrame] | None = None,
 ) -> figure:
     """Training curves of one or more runs: one colour per run, one dash style per column.
+
+    ``incidents``: run name -> the flight recorder's incidents (`RunReader.incidents`),
+    each marked with a red triangle at its step (hover: trigger, op, source).
 
     ``runs``: run name -> scalars frame indexed by step (columns ``loss``, ``val_loss``,
     ...), or one frame. The first of ``columns`` is solid, the next dashed (``val_loss``),
@@ -200,6 +204,7 @@ def loss_curve(
                 marks["run"].append(run)
                 marks["column"].append(column)
     _mark_nonfinite(fig, marks, tops)
+    _mark_incidents(fig, incidents or {}, tops)
     if fig.renderers:
         fig.legend.click_policy = "hide"
         fig.legend.location = "top_right"
@@ -210,27 +215,78 @@ def _mark_nonfinite(fig, marks: dict[str, list], tops: list[float]) -> None:
     """Red x at the top of the finite y range for each run/column's first non-finite step."""
     if not marks["step"]:
         return
+    _marks_at_top(
+        fig,
+        marks,
+        tops,
+        name="nonfinite",
+        legend="non-finite",
+        marker="x",
+        tooltips=[("run", "@run"), ("", "@column became NaN/inf"), ("step", "@step")],
+        note="red x: first step where a value became NaN/inf (drawn at the top)",
+        line_width=3,
+    )
+
+
+def _mark_incidents(fig, incidents: Mapping[str, pd.DataFrame], tops: list[float]) -> None:
+    """Red triangle at the top of the finite y range at each incident's step."""
+    rows = [(run, r) for run, frame in incidents.items() for r in frame.to_dict("records")]
+    if not rows:
+        return
+    columns = {
+        "step": [int(r["step"]) for _, r in rows],
+        "run": [run for run, _ in rows],
+        "trigger": [str(r["trigger"]) for _, r in rows],
+        "op": [str(r.get("name") or "-") for _, r in rows],
+        "source": [str(r.get("source") or "") for _, r in rows],
+    }
+    _marks_at_top(
+        fig,
+        columns,
+        tops,
+        name="incidents",
+        legend="incident",
+        marker="inverted_triangle",
+        tooltips=[
+            ("incident", "@trigger at step @step"),
+            ("op", "@op"),
+            ("source", "@source"),
+            ("run", "@run"),
+        ],
+        note="red triangle: an incident (the step was replayed; see the incidents table)",
+    )
+
+
+def _marks_at_top(
+    fig,
+    columns: dict[str, list],
+    tops: list[float],
+    *,
+    name: str,
+    legend: str,
+    marker: str,
+    tooltips: list[tuple[str, str]],
+    note: str,
+    **style: Any,
+) -> None:
+    """Alarm-coloured markers at ``columns["step"]``, drawn at the top of the finite y
+    range (a NaN has no height), with a hover and a note under the figure."""
     finite_tops = [t for t in tops if np.isfinite(t)]
     top = max(finite_tops) if finite_tops else 1.0
-    source = ColumnDataSource({**marks, "y": [top] * len(marks["step"])}, name="nonfinite-source")
+    source = ColumnDataSource({**columns, "y": [top] * len(columns["step"])}, name=f"{name}-source")
     renderer = fig.scatter(
         "step",
         "y",
         source=source,
-        marker="x",
+        marker=marker,
         size=14,
-        line_width=3,
         color=theme.ALARM_COLOR,
-        legend_label="non-finite",
-        name="nonfinite",
+        legend_label=legend,
+        name=name,
+        **style,
     )
-    fig.add_tools(
-        HoverTool(
-            renderers=[renderer],
-            tooltips=[("run", "@run"), ("", "@column became NaN/inf"), ("step", "@step")],
-        )
-    )
-    _note(fig, "red x: first step where a value became NaN/inf (drawn at the top)")
+    fig.add_tools(HoverTool(renderers=[renderer], tooltips=tooltips))
+    _note(fig, note)
 
 
 def _element_log2(info: Any) -> tuple[float, float]:
