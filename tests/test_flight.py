@@ -101,6 +101,36 @@ def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path):
     assert not np.isfinite(float(trail[BAD_STEP][1]))
 
 
+def masked_step(w, x, t):
+    """`step` behind a causal attention whose mask is -inf: NaN/Inf by construction at
+    every step, never an incident's start."""
+
+    def loss_fn(w):
+        with jax.named_scope("attn"):
+            q = x @ w
+            s = q @ q.T
+            causal = jnp.tril(jnp.ones(s.shape, bool))
+            s = jnp.where(causal, s, -jnp.inf)
+            h = jax.nn.softmax(s, axis=-1) @ q
+        with jax.named_scope("tail"):
+            small = (0.1 * 2.0 ** (-t.astype(jnp.float32))).astype(E4M3).astype(jnp.float32)
+            tail = jnp.log(small)
+        return jnp.mean(h**2) + 1e-3 * tail
+
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 0.01 * g, loss
+
+
+def test_a_mask_that_is_inf_by_construction_is_not_the_incidents_op(tmp_path):
+    run = ss.Run(tmp_path / "r", every=1000)
+    _train(run, masked_step, BAD_STEP + 1)
+    run.close()
+    (incident,) = run.incidents
+    assert incident["step"] == BAD_STEP and incident["name"] == "fwd/tail/log", incident
+    masked = ss.open_run(tmp_path / "r").stats("frac_nonfinite", ops=r"^fwd/attn/", steps=0)
+    assert (masked["value"] > 0).any()  # the mask's -inf is there at every step
+
+
 def test_the_replayed_step_equals_the_one_that_triggered(tmp_path):
     run = ss.Run(tmp_path / "r", every=1000)
     trail = _train(run, step, BAD_STEP + 1)

@@ -226,9 +226,11 @@ def describe_incident(
 ) -> dict[str, Any]:
     """The op an incident names and what is known of it, from the replayed step's
     statistics (host arrays, one value per row of ``table``). Non-finite: the first op,
-    in program order, with a NaN/Inf in its output. A spike: the op whose abs-max grew
-    most (log2) since ``previous`` (the last recorded step's statistics), else the one
-    of largest abs-max. Keys: op, name, primitive, source, detail, formats, inputs.
+    in program order, with a NaN/Inf in its output, leaving out ops non-finite by
+    construction (mask fills, and ops already non-finite at ``previous``, the last fully
+    measured step's statistics). A spike: the op whose abs-max grew most (log2) since
+    ``previous``, else the one of largest abs-max. Keys: op, name, primitive, source,
+    detail, formats, inputs.
 
     A spike's op is the first, in program order, whose abs-max grew by at least a
     quarter of the largest growth (in log2) and by at least 2x: ops downstream of the
@@ -239,7 +241,14 @@ def describe_incident(
     rms = _per_op(table, np.asarray(stats["rms"], np.float64), "max")
     op = None
     if trigger == "nonfinite":
-        bad = sorted(o for o, f in frac.items() if f > 0)
+        # NaN/Inf by construction (a causal mask's -inf, its softmax inputs) is no
+        # incident's start: neither a fill nor an op already non-finite at the last
+        # fully measured step (the step was healthy then)
+        expected = {rec.id for rec in table.ops if rec.origin == "fill"}
+        if previous is not None:
+            before = _per_op(table, np.asarray(previous["frac_nonfinite"], np.float64), "max")
+            expected |= {o for o, f in before.items() if f > 0}
+        bad = sorted(o for o, f in frac.items() if f > 0 and o not in expected)
         op = bad[0] if bad else None
         share = "all" if op is not None and frac[op] >= 1 else None
         why = (
