@@ -213,6 +213,26 @@ def test_the_recorder_keeps_no_copy_of_the_training_state(tmp_path):
     assert live(True, "skip", "skip") <= base + 64
 
 
+def test_health_counts_scaled_arrays_by_their_values():
+    """A dynamic rescale doubles a scale and halves the data: the value, its update and
+    the health are unchanged (the scale is no value of its own: before this, a rescale
+    read as an update of norm ~128, a false norm spike)."""
+    from scalescope.store.flight import health
+
+    rng = np.random.default_rng(0)
+    old = rng.normal(0, 1, (64,)).astype(np.float32)
+    new = old + rng.normal(0, 1e-3, (64,)).astype(np.float32)
+    loss = jnp.float32(0.5)
+    dense = health((jnp.asarray(old),), (jnp.asarray(new), loss))
+    before = ss.ScaledArray(jnp.asarray(old / 4), jnp.float32(4))
+    after = ss.ScaledArray(jnp.asarray(new / 256), jnp.float32(256))  # rescaled 64x
+    scaled = health((before,), (after, loss))
+    want = np.sqrt(np.sum((new.astype(np.float64) - old) ** 2))
+    assert float(dense["norm"]) == pytest.approx(want, rel=1e-5)
+    assert float(scaled["norm"]) == pytest.approx(want, rel=1e-4)
+    assert float(scaled["nonfinite"]) == 0 and float(scaled["loss"]) == 0.5
+
+
 def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="on_nonfinite must be one of record, stop, skip"):
         ss.Run(tmp_path / "a", on_nonfinite="ignore")

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import formats as _formats
+from ..core.scaled_array import ScaledArray
 from . import layout as L
 
 #: What a trigger is called in an incident.
@@ -109,18 +110,29 @@ def _same_layout(a: Any, b: Any) -> bool:
 
 def norm_kind(args: Sequence[Any], out: Any) -> str:
     """``"update"`` when the first output is the first argument's new value (its norm is
-    that of the update), else ``"output"``."""
+    that of the update), else ``"output"``. Scaled arrays: pass them through `_values`."""
     first = out[0] if isinstance(out, tuple | list) and out else None
     if args and first is not None and _same_layout(args[0], first) and _float_leaves(first):
         return "update"
     return "output"
 
 
+def _values(tree: Any) -> Any:
+    """``tree`` with each `ScaledArray` replaced by the float32 value it represents: a
+    rescale changes a value's data and scale, not the value."""
+
+    def value(leaf: Any) -> Any:
+        return leaf.to_array(jnp.float32) if isinstance(leaf, ScaledArray) else leaf
+
+    return jax.tree_util.tree_map(value, tree, is_leaf=lambda x: isinstance(x, ScaledArray))
+
+
 def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
     """The step's health, computed inside its program (traced): ``nonfinite`` (float
     elements of the outputs that are NaN/Inf), ``loss`` (the first scalar float output,
     NaN when there is none) and ``norm`` (see `norm_kind`; non-finite elements left out,
-    they are counted above)."""
+    they are counted above). Scaled arrays count by the values they represent."""
+    args, out = _values(tuple(args)), _values(out)
     leaves = _float_leaves(out)
     bad = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves]
     nonfinite = sum(bad) if bad else jnp.float32(0)
@@ -334,13 +346,21 @@ def now() -> str:
 
 
 def trees_equal(a: Any, b: Any) -> bool:
-    """Whether two pytrees of arrays hold the same values (NaN equal to NaN)."""
+    """Whether two pytrees of arrays hold the same values (NaN equal to NaN); an array
+    spread over several processes is compared on this process's shards."""
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
     if ta != tb:
         return False
-    for x, y in zip(jax.device_get(la), jax.device_get(lb), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape or not np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"):
-            return False
+    for x, y in zip(la, lb, strict=True):
+        for u, v in zip(_local(x), _local(y), strict=False):
+            if u.shape != v.shape or not np.array_equal(u, v, equal_nan=u.dtype.kind in "fc"):
+                return False
     return True
+
+
+def _local(x: Any) -> list[np.ndarray]:
+    """The values of ``x`` this process holds: the whole array, or its own shards."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return [np.asarray(s.data) for s in x.addressable_shards]
+    return [np.asarray(x)]

@@ -30,7 +30,7 @@ from ..scalify import scalify as _scalify
 from . import budget as _budget
 from . import flight
 from .jitting import StaticLeafJit, partition, signature
-from .processes import global_mesh, replicated
+from .processes import global_mesh, replicated, to_host
 
 log = logging.getLogger("scalescope")
 
@@ -215,7 +215,7 @@ class Tracked:
         self, step: int, args: tuple, kwargs: dict, out: Any, health: Any, stats: Any
     ) -> Any:
         """Read the step's health and act on a trigger (see `flight` and `Run`)."""
-        found = self.detector.check(jax.device_get(health))
+        found = self.detector.check({k: float(to_host(v)) for k, v in health.items()})
         if found is None:
             if self.run.on_nonfinite == "skip":
                 self._last_good = out
@@ -266,9 +266,13 @@ class Tracked:
                 self.run._submit(step, stats)
         table = self.instrumented.op_table(*args, **kwargs)
         before = self._prev_stats if full else self._last_stats
-        previous = None if before is None else jax.device_get(before)
+        previous = None if before is None else jax.tree_util.tree_map(to_host, before)
         found = flight.describe_incident(
-            table, jax.device_get(stats), trigger, previous, self.run.formats + self.run.recipes
+            table,
+            jax.tree_util.tree_map(to_host, stats),
+            trigger,
+            previous,
+            self.run.formats + self.run.recipes,
         )
         incident = {
             "step": step,
