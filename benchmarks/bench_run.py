@@ -45,6 +45,8 @@ from scalescope.sample_models.gpt import GPTConfig, gpt_loss, init_gpt
 from scalescope.sample_models.precision import PRECISIONS
 from scalescope.sample_models.train_step import make_optimizer, make_train_step
 
+_QUIET = ss.Triggers(loss_spike=None, norm_spike=None)
+
 
 def _state(cfg: GPTConfig, precision: str):
     prec = PRECISIONS[precision]
@@ -180,7 +182,10 @@ def main() -> None:
         "every=10, exact": ({"every": 10}, 1.3),
         "every=100, exact": ({"every": 100}, 1.03),
         f"budget={args.budget}, exact": ({"budget": args.budget}, 1 + args.budget),
-        "detection only (flight recorder)": ({"every": 10**9}, 1.02),
+        # every round restarts from the same parameters: Adam's first update is ~20x the
+        # later ones, a norm spike at each restart; spikes are off here (the check still
+        # runs at every step) so that no replay lands inside a timed loop
+        "detection only (flight recorder)": ({"every": 10**9, "triggers": _QUIET}, 1.02),
         "every=100, detect=False": ({"every": 100, "detect": False}, 1.03),
     }
     tmp = tempfile.mkdtemp(prefix="bench_run_")

@@ -233,6 +233,22 @@ def test_health_counts_scaled_arrays_by_their_values():
     assert float(scaled["nonfinite"]) == 0 and float(scaled["loss"]) == 0.5
 
 
+def test_a_spike_where_nothing_grew_names_the_largest_value():
+    """A loss that spikes while no op's abs-max grew since the last measured step (the
+    state itself changed, e.g. restarted): the op of largest abs-max, no crash."""
+    from scalescope.store.flight import describe_incident
+
+    w, x = _inputs()
+    table = ss.instrument(spiky, histograms=False).op_table(w, x, jnp.int32(0))
+    n = len(table.row_op)
+    stats = {k: np.ones(n) for k in ("frac_nonfinite", "absmax", "rms")}
+    stats["frac_nonfinite"] = np.zeros(n)
+    stats["absmax"] = np.linspace(1.0, 2.0, n)
+    found = describe_incident(table, stats, "loss_spike", dict(stats), ())
+    last = int(np.asarray(table.row_op)[-1])
+    assert found["op"] == last and "largest abs-max" in found["detail"]
+
+
 def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="on_nonfinite must be one of record, stop, skip"):
         ss.Run(tmp_path / "a", on_nonfinite="ignore")

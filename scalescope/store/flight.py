@@ -277,11 +277,11 @@ def describe_incident(
                 if o in before:
                     growth[o] = float(_log2(np.array(a)) - _log2(np.array(before[o])))
             growth = {o: g for o, g in growth.items() if math.isfinite(g)}
-        if growth:
+        top = max(growth, key=lambda o: (growth[o], -o)) if growth else None
+        if top is not None and growth[top] > 0:
             # downstream ops grow more (a gradient squares a jump): the first op, in
             # program order, whose growth is a good part of the largest is the origin
-            top = max(growth, key=lambda o: (growth[o], -o))
-            sharp = max(1.0, growth[top] / 4)
+            sharp = min(growth[top], max(1.0, growth[top] / 4))
             op = min(o for o, g in growth.items() if g >= sharp)
             why = (
                 "first op whose abs-max jumped since the last recorded step: "
