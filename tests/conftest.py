@@ -12,9 +12,15 @@ cut to `JAX_CACHE_MAX_BYTES`, least recently used entries first."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
+import sys
 import tempfile
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -214,3 +220,42 @@ def watch_offline(page, allowed: tuple[str, ...]) -> tuple[list[str], list[str],
     page.on("console", console)
     page.on("pageerror", lambda e: errors.append(str(e)))
     return blocked, errors, requests
+
+
+@contextlib.contextmanager
+def served_dashboard(path: Path):
+    """``scalescope serve PATH`` on a free port: yields its URL and a function giving
+    what the server printed so far (read in a thread, so a chatty server never blocks)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scalescope.cli", "serve", str(path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.time() + 90
+        while True:
+            if proc.poll() is not None:
+                reader.join(5)
+                raise AssertionError(f"serve exited {proc.returncode}: {''.join(lines)}")
+            try:
+                if urllib.request.urlopen(url, timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise AssertionError("the dashboard did not answer within 90 s")
+            time.sleep(0.3)
+        yield url, lambda: "".join(lines)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        reader.join(5)

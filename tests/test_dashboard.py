@@ -12,14 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import free_port, watch_offline
+from conftest import served_dashboard, watch_offline
 
 import scalescope as ss
 from scalescope import analysis as A
@@ -43,47 +42,8 @@ def _write(run: Path, *args: str, **kw) -> subprocess.Popen | None:
 
 @contextlib.contextmanager
 def _server(path: Path):
-    with _served(path) as (url, _):
+    with served_dashboard(path) as (url, _):
         yield url
-
-
-@contextlib.contextmanager
-def _served(path: Path):
-    """``scalescope serve PATH`` on a free port: yields its URL and a function giving
-    what the server printed so far (read in a thread, so a chatty server never blocks)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scalescope.cli", "serve", str(path), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.time() + 90
-        while True:
-            if proc.poll() is not None:
-                reader.join(5)
-                raise AssertionError(f"serve exited {proc.returncode}: {''.join(lines)}")
-            try:
-                if urllib.request.urlopen(url, timeout=5).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise AssertionError("the dashboard did not answer within 90 s")
-            time.sleep(0.3)
-        yield url, lambda: "".join(lines)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        reader.join(5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,7 +205,6 @@ def test_served_page_draws_the_overview_before_the_advisor_ends(runs, monkeypatc
     """A served page does not wait for the advisor: the Overview is drawn with what it
     has (loss, worst ops) and says the advisor is reading; the next poll after the advisor
     ends draws its summary and opens the worst ops on the worst finding's metric."""
-    import threading
 
     from scalescope.app import Dashboard, RunSet
     from scalescope.app import data as app_data

@@ -13,12 +13,11 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from conftest import free_port
+from conftest import served_dashboard
 
 import scalescope as ss
 from scalescope.cli import main
@@ -227,24 +226,9 @@ def _request(port: int, host: str, path: str = "/", **headers: str) -> int:
 def test_serve_refuses_a_page_that_names_another_host(intact, tmp_path):
     """A DNS-rebinding page at evil.example (rebound to 127.0.0.1) sends Host and Origin
     evil.example: the page and the WebSocket are refused; this server's names pass."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "scalescope.cli", "serve", str(intact), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        line = server.stdout.readline()
-        assert "scalescope dashboard on" in line, line
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                status = _request(port, f"127.0.0.1:{port}")
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.5)
+    with served_dashboard(intact) as (url, _):
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        status = _request(port, f"127.0.0.1:{port}")
         assert status == 200
         assert _request(port, f"localhost:{port}") == 200
         evil = f"evil.example:{port}"
@@ -260,6 +244,3 @@ def test_serve_refuses_a_page_that_names_another_host(intact, tmp_path):
         assert _request(port, evil, "/ws", Origin=f"http://{evil}", **same, **upgrade) == 403
         mine = f"127.0.0.1:{port}"
         assert _request(port, mine, "/ws", Origin=f"http://{mine}", **upgrade) == 101
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
