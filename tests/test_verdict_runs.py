@@ -188,9 +188,10 @@ def test_dashboard_page_opens_on_the_failing_run(served):
 @pytest.mark.browser
 @pytest.mark.data
 def test_served_dashboard_shows_the_failing_runs_verdict_first(browser, served):
-    from test_dashboard import _idle, _served
+    from conftest import served_dashboard
+    from test_dashboard import _idle
 
-    with _served(served) as (url, log):
+    with served_dashboard(served) as (url, log):
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         blocked, errors, _ = watch_offline(page, LOCAL)
         page.goto(url)
