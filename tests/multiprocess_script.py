@@ -1,7 +1,8 @@
 """One JAX process of a data-parallel training run recorded by scalescope, for
 ``test_multiprocess.py``: a tiny MLP trained for a few SGD steps on a global batch sharded
 along the batch axis over a mesh of every process's CPU devices, every step recorded into
-one run directory, the loss logged, and the scale graph recorded at the end.
+one run directory, the loss logged, and the scale graph recorded at the end; then, in
+RUN_DIR/../../incident/dp, one step that overflows on an example of the last process.
 
 Usage::
 
@@ -16,6 +17,7 @@ in one process on one device: the reference the test compares the statistics wit
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -94,6 +96,14 @@ def main() -> None:
             run.log(i, loss=loss)
         # The scale graph of the last parameters on the global batch: process 0 writes it.
         run.scale_graph(steps, lambda p: step(p, x, y)[1], params)
+    if mesh is not None:
+        # A step whose loss overflows on one example of process 1's rows: the incident
+        # (every process replays it) names the device of process 1.
+        params, x, y = global_data()
+        x[BATCH - 3, 0] = 1e30
+        incident_run = os.path.join(os.path.dirname(os.path.dirname(path)), "incident", "dp")
+        with ss.Run(incident_run, every=1000, process_index=claim) as run:
+            run.track(step)(*place(params, x, y, mesh))
     print(f"process {jax.process_index()} done", flush=True)
 
 

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import xla_flags_with
 
 import scalescope as ss
 
@@ -302,3 +307,25 @@ def test_the_dashboard_marks_incidents_and_opens_their_op(nan_run):
     dash._on_incident_click(SimpleNamespace(row=0))
     assert dash.tabs.active == TABS.index("Op detail")
     assert "fwd/tail/log" in dash.op_info.object
+
+
+SHARDED_INCIDENT = Path(__file__).with_name("sharded_incident_check.py")
+
+
+@pytest.mark.slow
+def test_a_sharded_incident_names_the_device_of_the_first_nonfinite_value():
+    """Issue 38 item 5, on 4 host devices (a process of its own): one bad example on the
+    third device; the incident names that device, for a jit-partitioned step, for one
+    whose op is inside a scan body, and for a shard_map step (the check asserts it)."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=4"))
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(SHARDED_INCIDENT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "incidents name the device" in proc.stdout
+    assert proc.stdout.count('"devices": [{"device": 2, "process": 0') == 3, proc.stdout

@@ -178,6 +178,19 @@ def test_statistics_equal_a_single_process_run_of_the_global_batch(recorded):
     assert (np.abs(ha - hb).sum(axis=1) <= 2).all()
 
 
+def test_an_incident_names_the_device_and_process_of_the_first_nonfinite_value(recorded):
+    """Issue 38 item 5: both processes replay the overflowing step; each incident names
+    the one device (of process 1) whose rows hold the first non-finite value."""
+    run, _, _ = recorded
+    frame = ss.open_run(run.parent.parent / "incident" / "dp").incidents()
+    assert sorted(frame["process"]) == [0, 1], frame
+    for _, row in frame.iterrows():
+        assert row["trigger"] == "nonfinite" and row["step"] == 0, row
+        assert [d["process"] for d in row["devices"]] == [1], row["devices"]
+        assert row["devices"][0]["nonfinite"] >= 1
+        assert f"(process 1) of {2 * DEVICES}" in row["detail"], row["detail"]
+
+
 def test_loss_of_both_processes_reads_as_one_curve(recorded):
     run, single, _ = recorded
     a, b = ss.open_run(run), ss.open_run(single)

@@ -266,7 +266,7 @@ def instrument(
             plans[key] = (Plan.build(plain.table_of(flat), policy), block_axes(closed.jaxpr))
         return Replacer(*plans[key])
 
-    def run(leaves, treedef, dyn, avals, key, mask=None, grouped=True):
+    def run(leaves, treedef, dyn, avals, key, mask=None, grouped=True, pluck=None):
         if not scalify and any(isinstance(x, ScaledArray) for x in dyn):
             raise TypeError(
                 "instrument(scalify=False) records a plain function, but an argument is a "
@@ -289,6 +289,7 @@ def instrument(
                 )
             group_size = weights[key] / n_groups
         recorder = Recorder.root(spec, pred, passes, n_groups, group_size, mask, jaxpr=closed.jaxpr)
+        recorder.shared.pluck = pluck
         if policy is not None:
             recorder.shared.replace = replacer((leaves, treedef, dyn, avals, key), closed)
         paths = _input_paths(fn, treedef, leaves)
@@ -312,6 +313,8 @@ def instrument(
             warnings.warn(
                 f"scalify: '{fb.primitive}' ran on unscaled values (at {fb.source})", stacklevel=3
             )
+        if pluck is not None:
+            instrumented.plucked = recorder.scope.pluck, recorder.shared.pluck_devices
         return jax.tree_util.tree_unflatten(out_tree, array_scales(outs)), stats, table
 
     @functools.wraps(fn)
@@ -354,7 +357,20 @@ def instrument(
         out, stats, _ = run(*flatten_args(args, kwargs), mask=jax.numpy.asarray(mask, bool))
         return out, stats
 
+    def nonfinite_where(seq: int, *args, **kwargs) -> Any:
+        """Where the value made ``seq``-th (`OpTable.sequence`; not one made inside a
+        while or cond body) holds NaN/Inf, as the function's only output: a bool array
+        of the value's shape (stacked per iteration inside scans) laid out over the
+        devices as the value is, or, inside a ``shard_map`` body, the count on each
+        device of its manual axes (``instrumented.plucked_in``, set while tracing, holds
+        that body's mesh and axes; None outside one). None when the value is not a
+        float. Under `jax.jit` it finds the device where a step's NaN/Inf appeared."""
+        run(*flatten_args(args, kwargs), grouped=False, pluck=seq)
+        where, instrumented.plucked_in = instrumented.plucked
+        return where
+
     instrumented.op_table = op_table
+    instrumented.nonfinite_where = nonfinite_where
     instrumented.table_of = table_of
     instrumented.trace = trace
     instrumented.masked = masked

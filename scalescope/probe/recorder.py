@@ -196,11 +196,14 @@ class _Block:
 
 @dataclass(eq=False)
 class _Scope:
-    """The values of one body: entries (records and adopted blocks) in order."""
+    """The values of one body: entries (records and adopted blocks) in order.
+    ``pluck``: where the plucked value (`_Shared.pluck`) is non-finite, when this body or
+    one it adopted made it."""
 
     entries: list[OpRecord | _Block] = field(default_factory=list)
     values: list[tuple[Any, Any]] = field(default_factory=list)
     recorded: list[OpRecord] = field(default_factory=list)
+    pluck: Any = None
 
     def records(self) -> list[OpRecord]:
         out = []
@@ -286,12 +289,23 @@ class _Shared:
     #: ``seq``-th, it returns what downstream ops read instead; ``reads(eqn, invals)``
     #: gives a matmul its rounded operands. None: values as computed.
     replace: Any = None
+    #: The creation index (`OpTable.sequence`) of a value whose NaN/Inf elements leave
+    #: the function whole (`instrument`'s ``nonfinite_where``), None: none. Loop and
+    #: branch bodies then hand out ``(raw, pluck or ())``.
+    pluck: int | None = None
+    #: The mesh and manual axes of the shard_map body the plucked value was made in.
+    pluck_devices: Any = None
 
     @property
     def at_once(self) -> bool:
         """Measure each value where it is produced, with the native kernel handing it
         back (`native.measure_through`): on CPU, exact, not masked by groups."""
-        return self.mask is None and self.spec.sample is None and native.use_native()
+        return (
+            self.mask is None
+            and self.spec.sample is None
+            and self.pluck is None  # a custom call GSPMD cannot split: it would gather
+            and native.use_native()
+        )
 
     @property
     def native_args(self) -> tuple[Any, Any]:
@@ -315,6 +329,7 @@ class _Devices:
 
     axes: tuple[str, ...]
     check_vma: bool
+    mesh: Any = None
 
 
 class Recorder(Observer):
@@ -369,16 +384,20 @@ class Recorder(Observer):
         mult = self.mult * (int(eqn.params.get("length", 1)) if kind == "scan" else 1)
         devices, reduce_devices = self.devices, False
         if kind == "shard_map":
-            devices = _Devices(manual_axes(eqn.params), check_vma_of(eqn.params))
+            devices = _Devices(
+                manual_axes(eqn.params), check_vma_of(eqn.params), eqn.params.get("mesh")
+            )
             reduce_devices = True
         optimizer = self.optimizer or in_optimizer(eqn.source_info)
         return Recorder(self.shared, scope, prefix, mult, devices, reduce_devices, optimizer)
 
-    def body_outputs(self) -> dict[str, Any]:
+    def body_outputs(self) -> Any:
         raw = self.scope.raw(self.shared.spec, self.shared.mask)
         if self.reduce_devices:
             raw = self._across_devices(raw)
-        return raw
+        if self.shared.pluck is None:
+            return raw
+        return raw, (() if self.scope.pluck is None else self.scope.pluck)
 
     def _across_devices(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Raw rows of this shard_map body, per device -> of the whole values: each
@@ -407,9 +426,16 @@ class Recorder(Observer):
             self.shared.remember(dst, info)
 
     def accumulate(self, acc: Any, new: Any) -> Any:
-        return kernel.accumulate(acc, new)
+        if self.shared.pluck is None:
+            return kernel.accumulate(acc, new)
+        # a plucked value is never inside a while body (`Tracked` does not ask for one)
+        return kernel.accumulate(acc[0], new[0]), new[1]
 
     def adopt(self, child: Observer, outputs: Any, kind: str) -> None:
+        if self.shared.pluck is not None:
+            outputs, plucked = outputs
+            if not isinstance(plucked, tuple):
+                self.scope.pluck = plucked
         block = _Block(child.scope, kind, outputs)
         for rec in child.scope.records():
             if kind == "scan":
@@ -515,6 +541,8 @@ class Recorder(Observer):
         rec = OpRecord(name, pass_, prim, shape, str(dtype), scaled, source)
         seq = len(self.shared.created)
         self.shared.created.append(rec)
+        if seq == self.shared.pluck and _is_float(dtype):
+            self.scope.pluck = self._nonfinite(data, value.scale if scaled else None)
         rec.gemm = var is not None and var in self.shared.gemm
         if self.devices is not None:
             rec.varying = self._varying(aval)
@@ -576,6 +604,21 @@ class Recorder(Observer):
             value = self.shared.replace(seq, value, var, prim)
         self.shared.remember(value, info)
         return value
+
+    def _nonfinite(self, data: Any, scale: Any) -> jax.Array:
+        """Where a value is NaN/Inf: a bool array of its shape (sharded as the value is,
+        so each device's piece says what that device holds); inside a shard_map body,
+        the count on each device of the manual axes (int32[devices], the same on all)."""
+        bad = jnp.logical_not(jnp.isfinite(data))
+        if scale is not None:
+            bad = jnp.logical_or(bad, jnp.logical_not(jnp.isfinite(scale)))
+        if self.devices is None:
+            return bad
+        axes = self.devices.axes
+        self.shared.pluck_devices = self.devices
+        n = lax.psum(1, axes)
+        mine = jnp.arange(n) == lax.axis_index(axes)
+        return lax.psum(jnp.where(mine, jnp.sum(bad, dtype=jnp.int32), 0), axes)
 
     def _varying(self, aval: Any) -> tuple[str, ...]:
         """Manual axes along which a value of the shard_map body differs between devices:

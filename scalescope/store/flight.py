@@ -335,6 +335,59 @@ def describe_incident(
     }
 
 
+def nonfinite_devices(where: Any, plucked_in: Any = None) -> list[dict[str, int]]:
+    """The devices holding NaN/Inf of an incident's op, from `instrument`'s
+    ``nonfinite_where``: ``[{"device", "process", "nonfinite"}]`` in device order (the
+    count of NaN/Inf elements each holds; a replicated value counts on every copy).
+    ``where`` is laid out as the op's value was (GSPMD), or holds per-device counts over
+    the manual axes of a shard_map body (``plucked_in``: its mesh and axes). Across
+    processes every process contributes its own devices (one collective)."""
+    if where is None:
+        return []
+    devices = jax.devices()
+    index = {d.id: i for i, d in enumerate(devices)}
+    counts = np.zeros(len(devices), np.int64)
+    mesh = getattr(plucked_in, "mesh", None)
+    if plucked_in is not None:
+        per = _local(where)[0]
+        per = per.reshape(-1, per.shape[-1]).sum(axis=0)
+        names = tuple(mesh.axis_names)
+        grid = np.asarray(mesh.devices)
+        sizes = [grid.shape[names.index(a)] for a in plucked_in.axes]
+        for flat, n in enumerate(per):
+            at = dict(zip(plucked_in.axes, np.unravel_index(flat, sizes), strict=True))
+            block = grid[tuple(at.get(a, slice(None)) for a in names)]
+            for d in np.ravel(block):
+                counts[index[d.id]] = max(counts[index[d.id]], int(n))
+    else:
+        for shard in where.addressable_shards:
+            counts[index[shard.device.id]] += int(np.count_nonzero(np.asarray(shard.data)))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            counts = (
+                np.asarray(multihost_utils.process_allgather(counts))
+                .reshape(-1, len(devices))
+                .sum(axis=0)
+            )
+    return [
+        {"device": int(d.id), "process": int(d.process_index), "nonfinite": int(n)}
+        for d, n in zip(devices, counts, strict=True)
+        if n > 0
+    ]
+
+
+def devices_text(found: Sequence[Mapping[str, int]], total: int) -> str:
+    """``found`` (`nonfinite_devices`) in words: which of ``total`` devices."""
+    if not found:
+        return "no device holds it"
+    if len(found) == total and total > 1:
+        return f"on all {total} devices"
+    named = ", ".join(f"{d['device']} (process {d['process']})" for d in found)
+    word = "device" if len(found) == 1 else "devices"
+    return f"on {word} {named} of {total}"
+
+
 def pct_text(fraction: float) -> str:
     if not math.isfinite(fraction):
         return "n/a"

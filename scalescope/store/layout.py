@@ -104,6 +104,7 @@ INCIDENT_COLUMNS = (
     "detail",
     "value",
     "formats",
+    "devices",
     "process",
 )
 

@@ -199,7 +199,9 @@ class RunReader:
         ``op`` (id, -1 when none was found), ``name`` (its label), ``source`` (file:line),
         ``detail`` (what was found: the share of non-finite elements, the op's and its
         inputs' statistics), ``value`` (non-finite elements, or the spiking loss/norm),
-        ``formats`` (the formats its finite values exceed), ``process``. Empty for a run
+        ``formats`` (the formats its finite values exceed), ``devices`` (on a step spread
+        over several devices: those holding the op's NaN/Inf, ``{"device", "process",
+        "nonfinite"}`` each; None otherwise), ``process``. Empty for a run
         without incidents. An unreadable incidents file is a `RunError` naming it."""
         rows: list[dict[str, Any]] = []
         for path in sorted(self.path.glob("incidents*.json")):

@@ -274,6 +274,11 @@ class Tracked:
             previous,
             self.run.formats + self.run.recipes,
         )
+        if trigger == "nonfinite" and found["op"] >= 0:
+            located = self._located(table, found["op"], args, kwargs)
+            if located is not None:
+                found["devices"], text = located
+                found["detail"] = f"{found['detail']}; {text}"
         incident = {
             "step": step,
             "trigger": trigger,
@@ -285,6 +290,32 @@ class Tracked:
         }
         self.run._incident(incident)
         return incident
+
+    def _located(
+        self, table: Any, op: int, args: tuple, kwargs: dict
+    ) -> tuple[list[dict[str, int]], str] | None:
+        """On a step spread over several devices: which of them hold the NaN/Inf of the
+        incident's op (`flight.nonfinite_devices`) and that in words, found by running
+        the step once more with that op's non-finite elements as its output (a program
+        of its own, compiled for the incident). None on one device; an op inside a
+        while or cond body is not located (the words say so)."""
+        rec = next(r for r in table.ops if r.id == op)
+        used = {d for x in jax.tree_util.tree_leaves((args, kwargs)) if isinstance(x, jax.Array)
+                for d in x.sharding.device_set}  # fmt: skip
+        if len(used) <= 1 and not rec.varying:
+            return None
+        if rec.in_while or rec.in_cond:
+            return [], "its device is not located (the op is inside a while or cond body)"
+        seq = table.sequence.index(op)
+        where = StaticLeafJit(functools.partial(self.instrumented.nonfinite_where, seq), _WHERE)
+        try:
+            found = flight.nonfinite_devices(where(*args, **kwargs), self.instrumented.plucked_in)
+        except Exception as err:  # an incident is kept even if this extra look fails
+            log.warning("incident at op %s: its device was not located: %s", rec.label, err)
+            return [], f"its device is not located ({type(err).__name__}: {err})"
+        mesh = getattr(self.instrumented.plucked_in, "mesh", None)
+        total = mesh.size if mesh is not None else len(used)
+        return found, flight.devices_text(found, total)
 
     def _keep_stats(self, stats: Any) -> None:
         """Remember a fully measured step's statistics (device arrays, a few per op):
