@@ -254,7 +254,9 @@ def _replay_latency(step, params, state, batch, path: str) -> float:
     times = []
     for i in range(5):
         t0 = time.perf_counter()
-        fn._incident(1 + i, (params, state, batch), {}, out, None, "nonfinite", 1.0, "bench")
+        fn._incident(
+            1 + i, (params, state, batch), {}, out, None, (None, None), "nonfinite", 1.0, "bench"
+        )
         times.append(time.perf_counter() - t0)
     run.close()
     return float(np.median(times))

@@ -1,5 +1,7 @@
 """The benchmark scripts: `bench_numerics.py` (the paper's table), `check_gpu_fp8.py`,
-`bench_scale_kernels.py` and `bench_scale_floor.py`."""
+`bench_scale_kernels.py` and `bench_scale_floor.py`; the speed benchmarks (`bench_probe`,
+`bench_scalify`, `bench_scale`, `bench_run`) run end to end on a tiny GPT, so that none
+of them rots (their figures come from full-size runs, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -230,3 +232,110 @@ def test_the_ideal_engine_refuses_loops_by_name():
 
     with pytest.raises(NotImplementedError, match="scan.* is not modelled"):
         floor.idealised(loop, traced=False, materialize=False)((jnp.ones(3),))
+
+
+# --- smoke runs of the speed benchmarks (tiny models: the scripts cannot rot) ----------
+
+TINY = ("--layers", "1", "--d-model", "16", "--seq", "8", "--batch", "2")
+
+
+def _ratios(line: str) -> list[float]:
+    """The numbers of a printed table row (ratios and times), as floats."""
+    out = []
+    for word in line.replace("(", " ").replace(")", " ").replace("x", " ").split():
+        try:
+            out.append(float(word))
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_bench_probe_runs_a_tiny_config():
+    proc = _run("bench_probe.py", *TINY, "--steps", "1", "--quick", "--kernel", "xla")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any("probe kernel xla (xla taken)" in line for line in lines), proc.stdout
+    for label in (
+        "scalified step (baseline)",
+        "all ops, histograms (default)",
+        "isolate=True (bit-identical out)",
+        "Run.track statistics program",
+    ):
+        row = next(line for line in lines if line.startswith(label))
+        numbers = _ratios(row[len(label) :])
+        assert len(numbers) == 9 and all(math.isfinite(v) and v >= 0 for v in numbers), row
+    goals = [line for line in lines if line.startswith("# goals")]
+    assert len(goals) == 2 and all("temporaries" in g and "compile" in g for g in goals)
+
+
+@pytest.mark.slow
+def test_bench_scalify_runs_a_tiny_config():
+    proc = _run(
+        "bench_scalify.py", "--models", "small", "--seq", "8", "--batch", "2", "--steps", "2"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line[:34].strip(): _ratios(line[34:]) for line in proc.stdout.splitlines()}
+    for label in ("trace+compile (s)", "step time (ms)"):
+        plain, scalified, ratio = rows[label][:3]
+        assert plain > 0 and scalified > 0, rows[label]
+        assert math.isclose(ratio, scalified / plain, rel_tol=0.02, abs_tol=0.01), rows[label]
+
+
+@pytest.mark.slow
+def test_bench_scale_runs_a_tiny_config(tmp_path):
+    proc = _run(
+        "bench_scale.py",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--records",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for label in (
+        "plain FP32 step",
+        "scalified FP8 step",
+        "jit(ss.instrument(step))",
+        "Run: recorded step",
+        "Run: size on disk",
+        "reader: open + wide frame",
+    ):
+        assert label in out, out
+    import scalescope as ss
+
+    reader = ss.open_run(tmp_path / "run")
+    assert list(reader.steps) == [0, 1] and reader.status == "closed"
+
+
+@pytest.mark.slow
+def test_bench_run_runs_a_tiny_config():
+    proc = _run("bench_run.py", *TINY, "--steps", "3", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for label in (
+        "untracked jit(scalify(step))",
+        "run.track every=10, exact",
+        "run.track every=100, exact",
+        "run.track budget=0.05, exact",
+        "run.track detection only (flight recorder)",
+        "run.track every=100, detect=False",
+        "untracked again",
+    ):
+        row = next((line for line in lines if line.startswith(label)), None)
+        assert row is not None, (label, proc.stdout)
+        ms, ratio = _ratios(row[len(label) :])[:2]
+        assert ms > 0 and ratio > 0, row
+    assert any(line.startswith("replay latency (an incident kept):") for line in lines)

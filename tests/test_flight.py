@@ -106,6 +106,23 @@ def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path):
     assert not np.isfinite(float(trail[BAD_STEP][1]))
 
 
+def test_a_step_is_judged_by_the_next_call_or_when_asked(tmp_path):
+    """With on_nonfinite="record" a step's health is read once it has run (a thread),
+    and its incident is taken in at the next call; `healthy` (what checkpoint code
+    asks) takes it in at once, so a bad last step is never missed."""
+    seen = []
+    run = ss.Run(tmp_path / "r", every=1000, on_incident=seen.append)
+    tracked = run.track(step, scalify=False)
+    w, x = _inputs()
+    for i in range(BAD_STEP + 1):  # the bad step is the last call
+        w, _ = tracked(w, x, jnp.int32(i))
+    assert seen == []  # not yet taken in: no call came after it
+    assert not run.healthy and [s["step"] for s in seen] == [BAD_STEP]
+    w, _ = tracked(w, x, jnp.int32(BAD_STEP + 1))
+    run.close()
+    assert [s["step"] for s in run.incidents] == [BAD_STEP]  # NaN spreads: one incident
+
+
 def masked_step(w, x, t):
     """`step` behind a causal attention whose mask is -inf: NaN/Inf by construction at
     every step, never an incident's start."""
@@ -193,10 +210,10 @@ def test_detection_off_keeps_the_plain_programs_and_records_nothing(tmp_path):
 
 def test_the_recorder_keeps_no_copy_of_the_training_state(tmp_path):
     """What the replay needs (the step's inputs) is what the caller holds during the
-    call; between steps the recorder keeps only the last measured statistics (a few
-    numbers per op). Live device memory after a run with detection (and with
-    ``skip``, which keeps the last healthy outputs: the caller's own arrays) equals the
-    run without it, up to those statistics."""
+    call; once a step has run and is judged healthy the recorder lets its inputs go and
+    keeps only the last measured statistics (a few numbers per op). Live device memory
+    after a run with detection (and with ``skip``, which keeps the last healthy outputs:
+    the caller's own arrays) equals the run without it, up to those statistics."""
 
     def live(detect: bool, mode: str, name: str) -> int:
         run = ss.Run(tmp_path / name, every=5, detect=detect, on_nonfinite=mode)
@@ -204,7 +221,7 @@ def test_the_recorder_keeps_no_copy_of_the_training_state(tmp_path):
         w, x = _inputs()
         for i in range(12):
             w, loss = tracked(w, x, jnp.int32(i))
-        jax.block_until_ready(w)
+        assert run.healthy  # every step judged (by the watcher thread, as each one ran)
         stats_bytes = sum(
             a.nbytes for a in jax.tree_util.tree_leaves(tracked._last_stats or {})
         ) + sum(a.nbytes for a in jax.tree_util.tree_leaves(tracked._prev_stats or {}))

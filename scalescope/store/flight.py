@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import queue
+import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ import numpy as np
 from ..core import formats as _formats
 from ..core.scaled_array import ScaledArray
 from . import layout as L
+from .processes import to_host
 
 #: What a trigger is called in an incident.
 TRIGGERS = ("nonfinite", "loss_spike", "norm_spike")
@@ -156,6 +159,83 @@ def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
 
 
 # -- on the host: the triggers ------------------------------------------------------------
+
+
+def read_health(health: Mapping[str, Any]) -> dict[str, float]:
+    """A step's health on the host (waits for the step)."""
+    return {k: float(to_host(v)) for k, v in health.items()}
+
+
+class Call(NamedTuple):
+    """One tracked call as the flight recorder judges it: its number, inputs, outputs,
+    health, statistics (None when not recorded) and the last two fully measured steps'
+    statistics as they were after it (what a spike is compared with)."""
+
+    step: int
+    args: tuple
+    kwargs: dict
+    out: Any
+    health: Any
+    stats: Any
+    kept: tuple[Any, Any]
+
+
+class Watcher:
+    """Judges calls in a thread of its own as their steps finish (`Detector.check` on
+    each health, in call order). A healthy call is dropped at once (its inputs are let
+    go); one that trips a trigger is kept with its judgement until `judged` hands it to
+    the caller's thread, which replays it."""
+
+    def __init__(self, detector: Detector) -> None:
+        self.detector = detector
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._last = -1  # the last step judged
+        self._tripped: list[tuple[Call, tuple]] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="scalescope-health", daemon=True)
+        self._thread.start()
+
+    def put(self, call: Call) -> None:
+        self._queue.put(call)
+
+    def judged(self, upto: int) -> list[tuple[Call, tuple]]:
+        """Wait until every call up to step ``upto`` is judged; the ones that tripped a
+        trigger, with what `Detector.check` found, in order. Raises what reading a
+        step's health raised (e.g. the step failed on the device)."""
+        with self._done:
+            self._done.wait_for(lambda: self._last >= upto or self._error is not None)
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            out = [t for t in self._tripped if t[0].step <= upto]
+            self._tripped = [t for t in self._tripped if t[0].step > upto]
+        return out
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            call = self._queue.get()
+            if call is None:
+                return
+            try:
+                found = self.detector.check(read_health(call.health))
+            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
+                with self._done:
+                    self._error, self._last = err, call.step
+                    self._done.notify_all()
+                continue
+            step, tripped = call.step, None if found is None else (call, found)
+            call = None  # a healthy call's inputs go now, before anyone is told
+            with self._done:
+                if tripped is not None:
+                    self._tripped.append(tripped)
+                self._last = step
+                self._done.notify_all()
+            tripped = None
 
 
 class Detector:

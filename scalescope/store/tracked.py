@@ -74,6 +74,8 @@ class Tracked:
         self.detect = run.detect
         self.detector = flight.Detector(run.triggers) if self.detect else None
         self._last_good: Any = None  # outputs of the last healthy call (on_nonfinite="skip")
+        self._watcher: flight.Watcher | None = None  # judges steps as they run ("record")
+        self._watched = -1  # the last step handed to the watcher
         self._last_stats: Any = None  # statistics of the last fully measured step
         self._prev_stats: Any = None  # and of the one before it
         self._recording = self._recording_fn(None)
@@ -198,7 +200,39 @@ class Tracked:
             self._keep_stats(stats)
         if health is None:
             return out
-        return self._judge(step, args, kwargs, out, health, stats)
+        call = flight.Call(
+            step, args, kwargs, out, health, stats, (self._last_stats, self._prev_stats)
+        )
+        if self.run.on_nonfinite != "record":
+            return self._judge(call)  # stop or skip act on this step: read it now
+        # Judged once the step has run, by a thread (`flight.Watcher`): reading a step's
+        # health waits for it, and waiting on the step just dispatched would leave the
+        # device idle while the host prepares the next one. This call then takes in the
+        # judgement of the previous call (at the same point in every process: a replay
+        # runs in all of them). A healthy step's inputs are let go as soon as it has run.
+        before, self._watched = self._watched, step
+        if self._watcher is None:
+            self._watcher = flight.Watcher(self.detector)
+        self._watcher.put(call)
+        self._take_judgements(before)
+        return out
+
+    def settle(self) -> None:
+        """Take in the judgement of every step called so far (`Run.healthy`,
+        `Run.incidents`, flush and close call it); it is otherwise taken in at the next
+        call."""
+        self._take_judgements(self._watched)
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+
+    def _take_judgements(self, upto: int) -> None:
+        """Act on the steps up to ``upto`` that tripped a trigger (waits until they ran)."""
+        if self._watcher is not None and upto >= 0:
+            for call, found in self._watcher.judged(upto):
+                self._act(call, found)
 
     def _plain_parts(self, parts: tuple) -> tuple[Any, Any]:
         """``(outputs, health)`` of the plain program (health None when not detecting)."""
@@ -211,11 +245,14 @@ class Tracked:
 
     # -- the flight recorder ---------------------------------------------------------------
 
-    def _judge(
-        self, step: int, args: tuple, kwargs: dict, out: Any, health: Any, stats: Any
-    ) -> Any:
-        """Read the step's health and act on a trigger (see `flight` and `Run`)."""
-        found = self.detector.check({k: float(to_host(v)) for k, v in health.items()})
+    def _judge(self, call: flight.Call) -> Any:
+        """Read the step's health now and act on it (on_nonfinite stop or skip)."""
+        return self._act(call, self.detector.check(flight.read_health(call.health)))
+
+    def _act(self, call: flight.Call, found: tuple | None) -> Any:
+        """Act on a step's judgement (see `flight` and `Run`); returns the outputs the
+        call gives back."""
+        step, args, kwargs, out, _, stats, kept = call
         if found is None:
             if self.run.on_nonfinite == "skip":
                 self._last_good = out
@@ -223,7 +260,7 @@ class Tracked:
         trigger, value, why, first = found
         incident = None
         if first:
-            incident = self._incident(step, args, kwargs, out, stats, trigger, value, why)
+            incident = self._incident(step, args, kwargs, out, stats, kept, trigger, value, why)
         if trigger != "nonfinite":
             return out
         if self.run.on_nonfinite == "stop":
@@ -251,13 +288,15 @@ class Tracked:
         kwargs: dict,
         out: Any,
         stats: Any,
+        kept: tuple[Any, Any],
         trigger: str,
         value: float,
         why: str,
     ) -> dict[str, Any]:
         """Replay the step with every op measured (unless it was, just now), keep its
         statistics as a recorded step, and hand the run the incident."""
-        full = stats is not None and stats is self._last_stats
+        last, prev = kept
+        full = stats is not None and stats is last
         replay_equal = True
         if not full:
             again, stats, _ = self._record(self._every_group(), args, kwargs)
@@ -265,7 +304,7 @@ class Tracked:
             if not self._submitted(step):
                 self.run._submit(step, stats)
         table = self.instrumented.op_table(*args, **kwargs)
-        before = self._prev_stats if full else self._last_stats
+        before = prev if full else last
         previous = None if before is None else jax.tree_util.tree_map(to_host, before)
         found = flight.describe_incident(
             table,

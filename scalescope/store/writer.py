@@ -426,7 +426,10 @@ class Run:
         self.on_nonfinite, self.detect = on_nonfinite, bool(detect)
         self.triggers = triggers if triggers is not None else flight.Triggers()
         self.on_incident = on_incident
-        self.incidents: list[dict[str, Any]] = []
+        self._incidents: list[dict[str, Any]] = []
+        # the steps tracked into this run, judged as they run (let go at close: a Tracked
+        # refers to its run)
+        self._tracked: list[Tracked] = []
         _check_int("flush_steps", flush_steps, 1)
         if not flush_seconds > 0:
             raise ValueError(f"Run: flush_seconds must be positive, got {flush_seconds!r}")
@@ -735,7 +738,9 @@ class Run:
             self._meta["policy"] = [[r.pattern, r.spec] for r in policy.rules]
             if self.process == 0 and not self._meta_pending:
                 L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
-        return Tracked(self, fn, scalify=scalify, every=every or self.every, policy=policy)
+        tracked = Tracked(self, fn, scalify=scalify, every=every or self.every, policy=policy)
+        self._tracked.append(tracked)
+        return tracked
 
     def log(self, step: int, **scalars: Any) -> None:
         """Record scalars (loss, learning rate, grad norm...) at ``step``. Device arrays are
@@ -790,14 +795,27 @@ class Run:
     @property
     def healthy(self) -> bool:
         """False once a step of this session was an incident (see the class docstring):
-        what checkpoint code can check before saving."""
+        what checkpoint code can check before saving. Reading it judges the last step
+        (which waits for it)."""
         return not self.incidents
+
+    @property
+    def incidents(self) -> list[dict[str, Any]]:
+        """The incidents of this session so far, the last step judged first."""
+        self._settle()
+        return self._incidents
+
+    def _settle(self) -> None:
+        """Take in every tracked step's judgements so far (see `Tracked.settle`)."""
+        if not self._closed:
+            for tracked in self._tracked:
+                tracked.settle()
 
     def _incident(self, incident: dict[str, Any]) -> None:
         """Keep an incident: in memory, in the run's incidents file (rewritten whole,
         atomically: a few incidents per run), then tell ``on_incident``."""
         incident = {**incident, "process": self.process, "time": flight.now()}
-        self.incidents.append(incident)
+        self._incidents.append(incident)
         path = self.path / L.incidents_name(self.process)
         kept = L.read_incidents_file(path) if path.is_file() else []
         L.write_json_atomic(path, [*kept, incident])
@@ -815,8 +833,10 @@ class Run:
             self.on_incident(incident)
 
     def flush(self) -> None:
-        """Block until everything recorded so far is written to parts on disk."""
+        """Block until everything recorded so far is written to parts on disk (the last
+        step judged first)."""
         self._check_open()
+        self._settle()
         self._writer.sync("flush")
 
     @property
@@ -827,6 +847,14 @@ class Run:
         """Write what is buffered, mark the run closed and release the directory."""
         if self._closed:
             return
+        unsettled = None
+        try:
+            self._settle()  # the last step's incident, if it is one, is kept
+        except Exception as err:  # raised once the run is closed: nothing is left open
+            unsettled = err
+        for tracked in self._tracked:
+            tracked.stop_watching()
+        self._tracked.clear()
         self._closed = True
         _OPEN_RUNS.discard(self)
         for thread in self._compiling:  # no compile may outlive the run (nor the process)
@@ -859,6 +887,8 @@ class Run:
             if self._lock_file is not None:
                 self._lock_file.close()
                 self._lock_file = None
+        if unsettled is not None:
+            raise unsettled
 
     def _check_open(self) -> None:
         if self._closed:
