@@ -294,9 +294,11 @@ class Detector:
 # -- what the replay found -----------------------------------------------------------------
 
 
-def _per_op(table: Any, values: np.ndarray, how: str) -> dict[int, float]:
-    """One value per recorded op from per-row ``values`` (``max`` over its rows)."""
+def _per_op(table: Any, values: Any) -> dict[int, float]:
+    """One value per recorded op from per-row ``values``: the largest over its rows (loop
+    iterations), NaN rows left out."""
     out: dict[int, float] = {}
+    values = np.asarray(values, np.float64)
     for op, v in zip(np.asarray(table.row_op).tolist(), values.tolist(), strict=True):
         if math.isnan(v):
             continue
@@ -328,9 +330,9 @@ def describe_incident(
     quarter of the largest growth (in log2) and by at least 2x: ops downstream of the
     jump grow more (a gradient squares it), the origin comes first."""
     ops = {rec.id: rec for rec in table.ops}
-    frac = _per_op(table, np.asarray(stats["frac_nonfinite"], np.float64), "max")
-    absmax = _per_op(table, np.asarray(stats["absmax"], np.float64), "max")
-    rms = _per_op(table, np.asarray(stats["rms"], np.float64), "max")
+    frac = _per_op(table, stats["frac_nonfinite"])
+    absmax = _per_op(table, stats["absmax"])
+    rms = _per_op(table, stats["rms"])
     op = None
     if trigger == "nonfinite":
         # NaN/Inf by construction (a causal mask's -inf, its softmax inputs) is no
@@ -338,7 +340,7 @@ def describe_incident(
         # fully measured step (the step was healthy then)
         expected = {rec.id for rec in table.ops if rec.origin == "fill"}
         if previous is not None:
-            before = _per_op(table, np.asarray(previous["frac_nonfinite"], np.float64), "max")
+            before = _per_op(table, previous["frac_nonfinite"])
             expected |= {o for o, f in before.items() if f > 0}
         bad = sorted(o for o, f in frac.items() if f > 0 and o not in expected)
         op = bad[0] if bad else None
@@ -352,7 +354,7 @@ def describe_incident(
     else:
         growth: dict[int, float] = {}
         if previous is not None:
-            before = _per_op(table, np.asarray(previous["absmax"], np.float64), "max")
+            before = _per_op(table, previous["absmax"])
             for o, a in absmax.items():
                 if o in before:
                     growth[o] = float(_log2(np.array(a)) - _log2(np.array(before[o])))
