@@ -403,28 +403,37 @@ def _verify(args, parser) -> int:
     return 0 if result.verdict == "safe" else 1
 
 
+def _add_report(sub) -> None:
+    from scalescope import report as _report  # its parser lives beside the report's code
+
+    _report.add_parser(sub)
+
+
+def _report(args, parser) -> int:
+    from scalescope import report as _report
+
+    return _report.main_report(args)
+
+
+#: The commands, in the order ``--help`` lists them: what adds each one's parser and what
+#: runs it (``(args, parser) -> exit code``).
+COMMANDS = {
+    "train": (_add_train, _train),
+    "serve": (_add_serve, _serve),
+    "report": (_add_report, _report),
+    "demo": (_add_demo, lambda args, parser: _demo(args)),
+    "verify": (_add_verify, _verify),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scalescope", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_train(sub)
-    _add_serve(sub)
-    from scalescope import report as _report
-
-    _report.add_parser(sub)
-    _add_demo(sub)
-    _add_verify(sub)
+    for name, (add, run) in COMMANDS.items():
+        add(sub)
+        sub.choices[name].set_defaults(handler=run)
     args = parser.parse_args(argv)
-    if args.command == "train":
-        return _train(args, parser)
-    if args.command == "serve":
-        return _serve(args, parser)
-    if args.command == "report":
-        return _report.main_report(args)
-    if args.command == "demo":
-        return _demo(args)
-    if args.command == "verify":
-        return _verify(args, parser)
-    return 0
+    return args.handler(args, parser)
 
 
 if __name__ == "__main__":
