@@ -12,8 +12,8 @@ error and the others still run):
 - ``throughput``: tokens/s of the plain BF16 step, the scalified FP8 step and the naive
   FP8 step (casts without scales), same model, same batch;
 - ``probe``: `ss.instrument`'s step time and temporaries against the scalified step, and
-  `Run(every=10)` / `Run(budget=0.05)` amortized over a loop, against the same loop
-  untracked;
+  `Run(every=10)` / `Run(budget=0.05)` / detection only (the flight recorder) amortized
+  over a loop, against the same loop untracked;
 - ``numerics``: the sample GPT (character level, the vendored Shakespeare) trained for
   300 steps scalified FP8 and BF16 from the same initial weights and batches: the gap of
   their final losses.
@@ -64,6 +64,7 @@ GOALS = {
     "instrument_temp": 1.1,
     "run_every10": 1.05,
     "run_budget": 1.02,
+    "run_detect": 1.02,
     "numerics_gap": 0.01,
 }
 BF16 = Precision("bf16", param_dtype=jnp.bfloat16)
@@ -320,11 +321,21 @@ class Suite:
             f"temporaries {out['instrument_temp_x']:.2f}x"
         )
         n = self.size.run_steps
-        for key, kw in (("run_every10", {"every": 10}), ("run_budget", {"budget": 0.05})):
+        variants = (
+            ("run_every10", {"every": 10}),
+            ("run_budget", {"budget": 0.05}),
+            # the flight recorder alone: every step checked, none recorded (numbered from
+            # 1, so that step 0 is not a recorded one: only the plain program compiles)
+            ("run_detect", {"every": 10**9, "start_step": 1}),
+        )
+        for key, kw in variants:
             with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
                 run = ss.Run(f"{tmp}/run", select=self.size.select, **kw)
                 fn = run.track(model.raw_step)
-                fn.warmup(*model.args)
+                if key == "run_detect":
+                    loop(fn, model.args, 2)  # compiles the plain program (and its check)
+                else:
+                    fn.warmup(*model.args)
                 loop(compiled, model.args, 2)
                 untracked = loop(compiled, model.args, n)
                 t0 = time.perf_counter()
@@ -458,7 +469,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"compile {p['instrument_compile_x']:.2f}x the scalified step.",
             f"Run(every=10): {p['run_every10']['ratio']:.3f}x "
             f"{goal(p['run_every10']['ratio'], 'run_every10')}; Run(budget=0.05): "
-            f"{p['run_budget']['ratio']:.3f}x {goal(p['run_budget']['ratio'], 'run_budget')}, "
+            f"{p['run_budget']['ratio']:.3f}x {goal(p['run_budget']['ratio'], 'run_budget')}; "
+            f"detection only (the flight recorder): {p['run_detect']['ratio']:.3f}x "
+            f"{goal(p['run_detect']['ratio'], 'run_detect')}, "
             f"over {p['run_every10']['steps']} steps each.",
             "",
         ]

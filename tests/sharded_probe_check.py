@@ -51,6 +51,10 @@ def main() -> None:
             assert np.all(moved <= 1e-3 * a.sum(axis=1) + 1), moved.max()
         elif a.dtype.kind == "i":
             np.testing.assert_array_equal(a, b, err_msg=name)
+        elif name == "dynamic_range":
+            # log2(abs-max / smallest non-zero magnitude): the smallest element of a
+            # gradient moves by its last bits with the all-reduce order (seen: 6.5e-5)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-3, err_msg=name)
         elif name.startswith("snr_"):
             # The sharded step's gradients differ from the single-device ones in the last
             # bits (another all-reduce order), which moves a high SNR by ~0.01 dB.

@@ -50,6 +50,7 @@ def test_gpu_suite_smoke_runs_every_section(tmp_path):
     for key in ("instrument_step_x", "instrument_temp_x"):
         assert math.isfinite(probe[key]) and probe[key] > 0
     assert probe["run_every10"]["every"] == 10 and probe["run_budget"]["budget"] == 0.05
+    assert probe["run_detect"]["ratio"] > 0 and probe["run_detect"]["start_step"] == 1
     numerics = results["numerics"]
     assert numerics["finite"] and math.isfinite(numerics["gap"])
     md = (tmp_path / "results.md").read_text()
