@@ -190,6 +190,8 @@ def main() -> None:
         "every=100, exact": ({"every": 100}, 1.03),
         f"budget={args.budget}, exact": ({"budget": args.budget}, 1 + args.budget),
         "detection only (flight recorder)": ({"every": 10**9}, 1.02),
+        # the same check judged before each call returns (what "stop" and "skip" need)
+        "detection only, judged in the call": ({"every": 10**9, "on_nonfinite": "stop"}, None),
         "every=100, detect=False": ({"every": 100, "detect": False}, 1.03),
     }
     tmp = tempfile.mkdtemp(prefix="bench_run_")

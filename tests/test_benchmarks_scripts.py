@@ -331,6 +331,7 @@ def test_bench_run_runs_a_tiny_config():
         "run.track every=100, exact",
         "run.track budget=0.05, exact",
         "run.track detection only (flight recorder)",
+        "run.track detection only, judged in the call",
         "run.track every=100, detect=False",
         "untracked again",
     ):
