@@ -264,7 +264,7 @@ def test_bench_probe_runs_a_tiny_config():
     ):
         row = next(line for line in lines if line.startswith(label))
         numbers = _ratios(row[len(label) :])
-        assert len(numbers) == 9 and all(math.isfinite(v) and v >= 0 for v in numbers), row
+        assert len(numbers) == 8 and all(math.isfinite(v) and v >= 0 for v in numbers), row
     goals = [line for line in lines if line.startswith("# goals")]
     assert len(goals) == 2 and all("temporaries" in g and "compile" in g for g in goals)
 
