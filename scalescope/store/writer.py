@@ -146,7 +146,9 @@ class Run:
 
     The flight recorder (``detect``, default on; see `flight`): every tracked step, recorded
     or not, also computes in its own program whether an output holds NaN/Inf, the loss
-    and an update norm; the host reads those three numbers after each step. A step that
+    and an update norm; the host reads those three numbers once the step has run (with
+    ``"record"``, in a thread, the next call acting on them; ``"stop"`` and ``"skip"``
+    read them before the call returns). A step that
     is non-finite, or whose loss or norm spikes (``triggers``: a `flight.Triggers`), is
     replayed fully instrumented from its own inputs and kept as an incident
     (`RunReader.incidents`): the first op whose output went non-finite, its source line,
@@ -154,7 +156,9 @@ class Run:
     then returns: ``"record"`` its outputs; ``"stop"`` raises `NonFiniteStep` naming the
     op; ``"skip"`` the outputs of the last healthy step (the update is skipped).
     ``healthy`` turns False at the first incident and ``on_incident(incident)`` is called
-    with each one (e.g. so that checkpoint code refuses to save).
+    with each one (e.g. so that checkpoint code refuses to save); reading ``healthy`` or
+    ``incidents`` first acts on every step called so far. On a step spread over several
+    devices the incident also names the devices (and processes) holding the NaN/Inf.
     """
 
     def __init__(
