@@ -161,9 +161,21 @@ def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
 # -- on the host: the triggers ------------------------------------------------------------
 
 
-def read_health(health: Mapping[str, Any]) -> dict[str, float]:
-    """A step's health on the host (waits for the step)."""
-    return {k: float(to_host(v)) for k, v in health.items()}
+#: The order of a step's health numbers in the one array a tracked program returns.
+HEALTH_KEYS = ("nonfinite", "loss", "norm")
+
+
+def packed_health(args: Sequence[Any], out: Any) -> jax.Array:
+    """`health` as one float32[3] array (`HEALTH_KEYS` order): what a tracked program
+    returns, so that the host reads it in one transfer."""
+    h = health(args, out)
+    return jnp.stack([jnp.asarray(h[k], jnp.float32) for k in HEALTH_KEYS])
+
+
+def read_health(packed: Any) -> dict[str, float]:
+    """A step's health on the host from `packed_health` (waits for the step)."""
+    values = np.asarray(to_host(packed), np.float64).reshape(-1)
+    return dict(zip(HEALTH_KEYS, values.tolist(), strict=True))
 
 
 class Call(NamedTuple):

@@ -106,7 +106,7 @@ class Tracked:
         def both(*a: Any, **k: Any) -> tuple[Any, ...]:
             out, stats = inst(*a, **k)
             if detect:  # the step's own arguments follow the budget's mask
-                return out, replicated(stats, mesh), flight.health(a[lead:], out)
+                return out, replicated(stats, mesh), flight.packed_health(a[lead:], out)
             return out, replicated(stats, mesh)
 
         return StaticLeafJit(both, _WHERE)
@@ -464,11 +464,11 @@ class Tracked:
 
 
 def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
-    """``plain`` returning ``(outputs, flight.health(args, outputs))``: the flight
+    """``plain`` returning ``(outputs, flight.packed_health(args, outputs))``: the flight
     recorder's check, computed inside the step's own program."""
 
     def checked(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         out = plain(*args, **kwargs)
-        return out, flight.health(args, out)
+        return out, flight.packed_health(args, out)
 
     return checked
