@@ -98,6 +98,8 @@ def main() -> None:
         help="compile time and memory only, no timed steps (large models on a small CPU)",
     )
     args = parser.parse_args()
+    # compile times are measured: the persistent compilation cache would hide them
+    jax.config.update("jax_enable_compilation_cache", False)
     os.environ["SCALESCOPE_PROBE_KERNEL"] = args.kernel
     n_steps = 0 if args.compile_only else args.steps
 

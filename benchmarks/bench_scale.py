@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--skip-instrument", action="store_true", help="no ss.instrument step")
     parser.add_argument("--out", default=None, help="keep the run here (default: a temp dir)")
     args = parser.parse_args()
+    # compile times are measured: the persistent compilation cache would hide them
+    jax.config.update("jax_enable_compilation_cache", False)
 
     cfg = GPTConfig(
         vocab_size=65,

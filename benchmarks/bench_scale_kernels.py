@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=120)
     parser.add_argument("--ops", default="4,24", help="scalar ops per layer, comma-separated")
     args = parser.parse_args()
+    # compile times are measured: the persistent compilation cache would hide them
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         op_counts = [int(k) for k in args.ops.split(",")]
     except ValueError:

@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
     parser.add_argument("--models", default="gpt,mlp,small", help="comma-separated subset")
     args = parser.parse_args()
+    # compile times are measured: the persistent compilation cache would hide them
+    jax.config.update("jax_enable_compilation_cache", False)
 
     builders = {
         "gpt": lambda: _gpt(args, args.layers, args.d_model),
