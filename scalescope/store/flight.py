@@ -4,14 +4,17 @@ goes wrong is replayed and kept as an incident.
 Inside the step's own program `health` computes three scalars from the outputs: how many
 float elements are NaN/Inf, the loss (the first scalar float output) and a norm (of the
 update ``out[0] - args[0]`` when the first output is the first argument's new value, as
-in ``step(params, ...) -> (params, ...)``; else of the non-scalar outputs). The host reads
-them after each step (a few bytes) and `Detector` judges them: non-finite, or a loss or
-norm spike (above the running median of recent healthy steps by ``k`` median absolute
-deviations and by a ratio). A step that trips one is run again fully instrumented from
-the same inputs, which the caller still holds, so nothing is kept between steps and no
-memory is added; `describe_incident` names the first op, in program order, whose output
-holds a NaN/Inf (for a spike: whose magnitude grew most since the last recorded step),
-its source line, its inputs' statistics and the formats its values exceed.
+in ``step(params, ...) -> (params, ...)``; else of the non-scalar outputs), returned as
+one array (`packed_health`). The host reads it once the step has run (a `Watcher`
+thread, or the call itself for ``on_nonfinite`` "stop"/"skip") and `Detector` judges
+it: non-finite, or a loss or norm spike (above the running median of recent healthy
+steps by ``k`` median absolute deviations and by a ratio). A step that trips one is run
+again fully instrumented from the same inputs, held by reference only until the step is
+judged, so no copy of the state is kept; `describe_incident` names the first op, in
+program order, whose output holds a NaN/Inf (for a spike: whose magnitude grew most
+since the last recorded step), its source line, its inputs' statistics and the formats
+its values exceed, and on a step spread over devices `nonfinite_devices` names the
+devices holding them.
 """
 
 from __future__ import annotations
