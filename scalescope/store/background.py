@@ -246,10 +246,6 @@ class Writer:
         return pa.table(cols)
 
 
-# ---------------------------------------------------------------------------------------
-# Run
-
-
 def _steps_text(steps: set[int]) -> str:
     """``step 7`` or ``5 steps (3..12)``."""
     if len(steps) == 1:

@@ -111,6 +111,10 @@ def _format_info(names: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+# ---------------------------------------------------------------------------------------
+# Run
+
+
 class Run:
     """A run directory being recorded (see docs/store.md).
 
