@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _compile_cache import add_option, apply  # (benchmarks/ is on the path)
 
 import scalescope as ss
 from scalescope.core.recipes import names as recipe_names
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--heads", type=int, default=None, help="default: max(4, d_model/64)")
     parser.add_argument("--scan", action="store_true", help="layers under lax.scan")
     parser.add_argument("--precision", default="fp8", choices=sorted(PRECISIONS))
     parser.add_argument("--quick", action="store_true", help="only the two main variants")
@@ -97,9 +99,9 @@ def main() -> None:
         action="store_true",
         help="compile time and memory only, no timed steps (large models on a small CPU)",
     )
+    add_option(parser)
     args = parser.parse_args()
-    # compile times are measured: the persistent compilation cache would hide them
-    jax.config.update("jax_enable_compilation_cache", False)
+    apply(args)
     os.environ["SCALESCOPE_PROBE_KERNEL"] = args.kernel
     n_steps = 0 if args.compile_only else args.steps
 
@@ -107,7 +109,7 @@ def main() -> None:
         vocab_size=65,
         seq_len=args.seq,
         d_model=args.d_model,
-        n_heads=max(4, args.d_model // 64),
+        n_heads=args.heads or max(4, args.d_model // 64),
         n_layers=args.layers,
         scan_layers=args.scan,
     )

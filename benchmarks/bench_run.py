@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--scan", action="store_true", help="layers under lax.scan")
     parser.add_argument("--precision", default="fp8", choices=("fp16", "fp8"))
     parser.add_argument("--budget", type=float, default=0.05)
     parser.add_argument(
@@ -171,7 +173,12 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = GPTConfig(
-        vocab_size=65, seq_len=args.seq, d_model=args.d_model, n_heads=4, n_layers=args.layers
+        vocab_size=65,
+        seq_len=args.seq,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_layers=args.layers,
+        scan_layers=args.scan,
     )
     step, params, state = _state(cfg, args.precision)
     if args.cold:

@@ -34,6 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _compile_cache import add_option, apply
 from bench_probe import _measure  # (run as a script: benchmarks/ is on the path)
 
 import scalescope as ss
@@ -82,9 +83,9 @@ def main() -> None:
     parser.add_argument("--unrolled", action="store_true", help="layers unrolled, not scanned")
     parser.add_argument("--skip-instrument", action="store_true", help="no ss.instrument step")
     parser.add_argument("--out", default=None, help="keep the run here (default: a temp dir)")
+    add_option(parser)
     args = parser.parse_args()
-    # compile times are measured: the persistent compilation cache would hide them
-    jax.config.update("jax_enable_compilation_cache", False)
+    apply(args)
 
     cfg = GPTConfig(
         vocab_size=65,

@@ -22,6 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _compile_cache import add_option, apply  # (benchmarks/ is on the path)
 
 import scalescope as ss
 from scalescope.sample_models.gpt import GPTConfig, gpt_loss, init_gpt
@@ -106,9 +107,9 @@ def main() -> None:
     parser.add_argument("--scan", action="store_true", help="layers under lax.scan")
     parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
     parser.add_argument("--models", default="gpt,mlp,small", help="comma-separated subset")
+    add_option(parser)
     args = parser.parse_args()
-    # compile times are measured: the persistent compilation cache would hide them
-    jax.config.update("jax_enable_compilation_cache", False)
+    apply(args)
 
     builders = {
         "gpt": lambda: _gpt(args, args.layers, args.d_model),

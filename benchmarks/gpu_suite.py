@@ -90,17 +90,19 @@ class Size:
 
 
 FULL = Size()
+#: The tiny GPT of the benchmarks' smoke tests (tests/test_benchmarks_scripts.py's
+#: TINY): the programs they share compile once per machine.
 SMOKE = Size(
     layers=1,
-    d_model=32,
+    d_model=16,
     heads=2,
-    seq=16,
+    seq=8,
     batch=2,
     vocab=65,
     steps=2,
     run_steps=11,
     numerics_steps=4,
-    numerics_gpt=(("n_layers", 1), ("d_model", 32), ("n_heads", 2), ("seq_len", 16)),
+    numerics_gpt=(("n_layers", 1), ("d_model", 16), ("n_heads", 2), ("seq_len", 8)),
     select="dot_general",
 )
 

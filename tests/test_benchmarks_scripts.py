@@ -236,7 +236,10 @@ def test_the_ideal_engine_refuses_loops_by_name():
 
 # --- smoke runs of the speed benchmarks (tiny models: the scripts cannot rot) ----------
 
-TINY = ("--layers", "1", "--d-model", "16", "--seq", "8", "--batch", "2")
+#: The tiny GPT of every smoke run (gpu_suite.py's SMOKE too): 1 layer, d=16, 2 heads,
+#: seq 8, batch 2, scanned. With ``--compile-cache`` the programs the scripts share (the
+#: scalified step, the default instrumented step) compile once per machine.
+TINY = ("--layers", "1", "--d-model", "16", "--heads", "2", "--seq", "8", "--batch", "2", "--scan")
 
 
 def _ratios(line: str) -> list[float]:
@@ -252,10 +255,12 @@ def _ratios(line: str) -> list[float]:
 
 @pytest.mark.slow
 def test_bench_probe_runs_a_tiny_config():
-    proc = _run("bench_probe.py", *TINY, "--steps", "1", "--quick", "--kernel", "xla")
+    # the native kernel: the pure-XLA one (a GPU's) runs in gpu_suite.py's smoke test
+    args = ("--steps", "1", "--quick", "--kernel", "native", "--compile-cache")
+    proc = _run("bench_probe.py", *TINY, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert any("probe kernel xla (xla taken)" in line for line in lines), proc.stdout
+    assert any("probe kernel native (native taken)" in line for line in lines), proc.stdout
     for label in (
         "scalified step (baseline)",
         "all ops, histograms (default)",
@@ -302,6 +307,7 @@ def test_bench_scale_runs_a_tiny_config(tmp_path):
         "2",
         "--out",
         str(tmp_path),
+        "--compile-cache",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
