@@ -353,6 +353,26 @@ def test_isolated_outputs_are_bit_identical_to_uninstrumented():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_instrument_of_a_scalified_step_records_the_step_not_its_scale_arithmetic():
+    """Handed ``scalify(step)``, the probe (and `emulate`) record ``step``'s own ops: not
+    the scale arithmetic scalify adds around each of them."""
+    step, w, x = _mlp_step()
+    sw, sx = ss.as_scaled_array(w, "rms"), ss.as_scaled_array(x, "rms")
+    want = [(op.name, op.primitive) for op in ss.instrument(step).op_table(sw, sx)]
+    wrapped = ss.instrument(ss.scalify(step))
+    got = [(op.name, op.primitive) for op in wrapped.op_table(sw, sx)]
+    assert got == want and not any(p == "bitcast_convert_type" for _, p in got)
+    out, stats = jax.jit(wrapped)(sw, sx)
+    ref = jax.jit(ss.scalify(step))(sw, sx)
+    for a, b in zip(jax.tree.leaves(ss.asarray(out)), jax.tree.leaves(ss.asarray(ref))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    assert stats["count"].shape[0] == len(wrapped.op_table(sw, sx).row_op)
+    # the fallback given to scalify carries over
+    assert ss.scalify(step, fallback="unscale").scalify_of[1] == "unscale"
+    emulated = ss.emulate(ss.scalify(step), {"^fwd/.*dot_general": "e4m3"}, scalify=True)
+    assert [(op.name, op.primitive) for op in emulated.op_table(sw, sx)] == want
+
+
 def test_default_outputs_equal_uninstrumented_up_to_float32_rounding():
     """Without isolation XLA fuses the step around the measured values: outputs stay
     those of the uninstrumented step within float32 rounding, and the statistics are

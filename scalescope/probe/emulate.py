@@ -33,6 +33,7 @@ from ..scalify.interpreter import (
     eval_jaxpr,
     flatten_args,
     normalize_inputs,
+    unwrap_scalified,
 )
 from ..scalify.registry import get_rule
 from . import blocking
@@ -88,6 +89,8 @@ def emulate(
         raise TypeError(f"emulate: fn must be callable, got {type(fn).__name__}")
     if fallback not in FALLBACK_POLICIES:
         raise ValueError(f"emulate: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}")
+    if scalify:  # emulate(scalify(step), scalify=True) emulates step
+        fn, fallback = unwrap_scalified(fn, fallback)
     policy = as_policy(policy)
     probe = instrument(fn, scalify=scalify, formats=(), histograms=False, fallback=fallback)
     plans: dict[Any, tuple[Plan, dict[Any, tuple[int, ...]]]] = {}

@@ -26,6 +26,7 @@ from ..scalify.interpreter import (
     is_array_like,
     normalize_inputs,
     trace_flat,
+    unwrap_scalified,
 )
 from .blocking import block_axes
 from .kernel import DEFAULT_BLOCK, StatSpec
@@ -235,6 +236,8 @@ def instrument(
         raise ValueError(
             f"instrument: fallback must be one of {FALLBACK_POLICIES}, got {fallback!r}"
         )
+    if scalify:  # instrument(scalify(step)) records step, not its scale arithmetic
+        fn, fallback = unwrap_scalified(fn, fallback)
     spec = _spec(formats, histograms, block, sample)
     pred = _predicate(select)
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:

@@ -575,4 +575,19 @@ def scalify(
 
     scalified.fallbacks = []
     scalified.cache_size = lambda: len(cache)
+    scalified.scalify_of = (fn, fallback)
     return scalified
+
+
+def unwrap_scalified(fn: Callable[..., Any], fallback: str) -> tuple[Callable[..., Any], str]:
+    """``(fn, fallback)``, or for a function `scalify` returned, the function it wraps and
+    the fallback it was given (when ``fallback`` is the default ``"raise"``).
+
+    The probe and `emulate` scalify what they are given: handed ``scalify(step)``, they
+    would otherwise interpret the scale arithmetic itself, op by op (the sample FP8 GPT,
+    1 layer, d=32: 5 706 measured values instead of 608, and a compile 14x as long).
+    """
+    inner = getattr(fn, "scalify_of", None)
+    if not (isinstance(inner, tuple) and len(inner) == 2 and callable(inner[0])):
+        return fn, fallback
+    return inner[0], inner[1] if fallback == "raise" else fallback
