@@ -202,11 +202,22 @@ def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any
     factor = as_f32(factor)
     exact = op(scale, factor)
     new = lax.clamp(np.float32(SCALE_MIN), exact, np.float32(SCALE_MAX))
-    # where ``rest`` matters, ``new`` is one of the bounds: powers of two
-    rest = op(lax.mul(scale, pow2_reciprocal(new)), factor)
+    # where ``rest`` matters, ``new`` is one of the bounds, whose exact reciprocals
+    # (`pow2_reciprocal`'s, in two ops instead of five) are constants
+    rest = op(lax.mul(scale, _bound_reciprocal(new)), factor)
     # in range: exactly 1 (also for scales that are not powers of two); NaN stays NaN
     rest = lax.select(lax.eq(exact, new), literal_like(rest, 1.0), rest)
     return new, rest
+
+
+def _bound_reciprocal(bound: jax.Array) -> jax.Array:
+    """``pow2_reciprocal(bound)`` for ``bound`` one of `SCALE_MIN`, `SCALE_MAX` (what
+    the clamp of a product returns out of range): ``2^126`` or ``2^-127``."""
+    return lax.select(lax.gt(bound, np.float32(1)), _RECIPROCAL_OF_MAX, _RECIPROCAL_OF_MIN)
+
+
+_RECIPROCAL_OF_MAX = np.float32(2.0**-127)  # pow2_reciprocal(SCALE_MAX), a subnormal
+_RECIPROCAL_OF_MIN = np.float32(2.0**126)
 
 
 def _product_by_constant(scale: jax.Array, c: float) -> tuple[jax.Array, jax.Array]:
