@@ -75,7 +75,7 @@ def _loop(fn, params, state, batches, read_loss: bool = False) -> float:
     for b in batches:
         params, state, loss = fn(params, state, b)
         if read_loss:
-            float(loss.to_array() if isinstance(loss, ss.ScaledArray) else loss)
+            float(ss.asarray(loss))
     jax.block_until_ready((params, state, loss))
     return time.perf_counter() - t0
 
