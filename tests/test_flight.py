@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -82,12 +83,16 @@ def _train(run, fn, steps, **track):
     return trail
 
 
-def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path):
+def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path, caplog):
     seen = []
     run = ss.Run(tmp_path / "r", every=1000, on_incident=seen.append)
-    trail = _train(run, step, 10)
+    with caplog.at_level(logging.WARNING, logger="scalescope"):
+        trail = _train(run, step, 10)
     run.close()
     assert not run.healthy and len(seen) == 1  # the NaN spreads: one incident, not three
+    (said,) = [r.getMessage() for r in caplog.records if "incident at step" in r.getMessage()]
+    where = f"incident at step {BAD_STEP} (nonfinite): fwd/tail/log at {__file__}:{LOG_LINE}; "
+    assert said.startswith(f"scalescope: {where}") and "all of its elements" in said
     reader = ss.open_run(tmp_path / "r")
     (row,) = reader.incidents().to_dict("records")
     assert row["step"] == BAD_STEP and row["trigger"] == "nonfinite"
@@ -104,6 +109,18 @@ def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path):
     # steps before it were healthy, and the run went on recording its losses
     assert all(np.isfinite(float(loss)) for _, loss in trail[:BAD_STEP])
     assert not np.isfinite(float(trail[BAD_STEP][1]))
+
+
+def test_an_incident_without_an_op_says_why_without_a_placeholder(tmp_path, caplog):
+    """The log line of an incident that names no op (the NaN is in an output the probe
+    does not record) gives the reason, not "no op at ?"."""
+    run = ss.Run(tmp_path / "r")
+    why = "no recorded op holds a NaN/Inf"
+    with caplog.at_level(logging.WARNING, logger="scalescope"):
+        run._incident({"step": 3, "trigger": "nonfinite", "name": "", "source": "", "detail": why})
+    run.close()
+    (said,) = [r.getMessage() for r in caplog.records if "incident at step" in r.getMessage()]
+    assert said == f"scalescope: incident at step 3 (nonfinite): {why}"
 
 
 def test_a_step_is_judged_by_the_next_call_or_when_asked(tmp_path):

@@ -596,13 +596,14 @@ class Run:
         L.write_json_atomic(path, [*kept, incident])
         if self.process == 0 and self._meta_pending:
             self._write_meta_if_pending()
+        where = incident.get("name")
+        if where and incident.get("source"):
+            where = f"{where} at {incident['source']}"
         log.warning(
-            "scalescope: incident at step %s (%s): %s at %s: %s",
+            "scalescope: incident at step %s (%s): %s",
             incident["step"],
             incident["trigger"],
-            incident.get("name") or "no op",
-            incident.get("source") or "?",
-            incident.get("detail", ""),
+            "; ".join(t for t in (where, incident.get("detail")) if t) or "no op named",
         )
         if self.on_incident is not None:
             self.on_incident(incident)
