@@ -13,6 +13,7 @@ cut to `JAX_CACHE_MAX_BYTES`, least recently used entries first."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -80,10 +81,32 @@ def prune_cache(cache: Path, max_bytes: int) -> None:
         total -= size
 
 
+#: The folder of the opt-in compile log (``SCALESCOPE_COMPILE_LOG=FOLDER make test``).
+COMPILE_LOG = Path(__file__).resolve().parent / "compile_log"
+
+
+def compile_log(folder: str | None) -> None:
+    """With ``SCALESCOPE_COMPILE_LOG=FOLDER``: this process and every one it starts log
+    their JAX traces, lowerings and compiles into FOLDER, each with its test
+    (tests/compile_log/sitecustomize.py; ``benchmarks/compile_profile.py FOLDER`` sums
+    them up). Off, it does nothing."""
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(COMPILE_LOG) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(COMPILE_LOG), *paths])
+    spec = importlib.util.spec_from_file_location("_compile_log", COMPILE_LOG / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install(folder)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Turn the persistent compilation cache on, for this process (jax.config, before
     anything compiles) and for every subprocess (environment), unless the caller chose
-    a cache directory already."""
+    a cache directory already; and the compile log when asked for (`compile_log`)."""
+    compile_log(os.environ.get("SCALESCOPE_COMPILE_LOG"))
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache_dir())
         if "PYTEST_XDIST_WORKER" not in os.environ:  # once per run, before workers start

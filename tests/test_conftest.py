@@ -1,10 +1,18 @@
-"""The test suite's own machinery: the compilation cache it shares between runs."""
+"""The test suite's own machinery: the compilation cache it shares between runs, and the
+opt-in compile log (`SCALESCOPE_COMPILE_LOG`) that says where a run's time goes."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
-from conftest import jax_cache_dir, prune_cache
+from conftest import COMPILE_LOG, jax_cache_dir, prune_cache
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_prune_cache_drops_least_recently_used_entries_first(tmp_path):
@@ -24,3 +32,49 @@ def test_cache_dir_follows_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert jax_cache_dir() == tmp_path / "scalescope" / "jax-cache"
     assert jax_cache_dir().is_dir()
+
+
+def _python(code: str, env: dict[str, str]) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_the_compile_log_follows_subprocesses_and_sums_up(tmp_path, capsys):
+    log = tmp_path / "log"
+    skip = ("SCALESCOPE_COMPILE_LOG", "_SCALESCOPE_COMPILE_LOG_PID")  # a logged run's own
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    env.update(PYTHONPATH=str(COMPILE_LOG), JAX_PLATFORMS="cpu")
+    env["PYTEST_CURRENT_TEST"] = "tests/test_x.py::test_y (call)"
+    # off (no variable): the hook is inert, JAX is not imported by it
+    assert _python("import sys; print('jax' in sys.modules)", env).strip() == "False"
+    env["SCALESCOPE_COMPILE_LOG"] = str(log)
+    log.mkdir()
+    # on, in a process that never imports JAX: nothing written, JAX still not imported
+    assert _python("import sys; print('jax' in sys.modules)", env).strip() == "False"
+    assert not list(log.iterdir())
+    # on, in a process that compiles: each compile logged with the test that caused it
+    code = "import jax, jax.numpy as jnp; jax.jit(lambda x: jnp.sin(x) * 3.0)(jnp.ones(7))"
+    _python(code, env)
+    (path,) = log.glob("*.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    mine = [r for r in rows if r.get("fun") == "jit(<lambda>)"]
+    assert {r["event"] for r in mine} >= {"backend_compile_duration"}
+    assert all(r["test"] == env["PYTEST_CURRENT_TEST"] and r["seconds"] >= 0 for r in mine)
+    path_ = ROOT / "benchmarks" / "compile_profile.py"
+    spec = importlib.util.spec_from_file_location("compile_profile", path_)
+    profile = importlib.util.module_from_spec(spec)
+    sys.modules["compile_profile"] = profile  # dataclasses look their module up
+    spec.loader.exec_module(profile)
+    assert profile.main([str(log), "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "## By test\n" in out and "tests/test_x.py::test_y" in out
+    assert "jit(<lambda>)" in out
+    # a torn last line (a killed process) is skipped, not fatal
+    with path.open("a") as f:
+        f.write('{"event": "backend_compile_dur')
+    assert profile.main([str(log)]) == 0
+    assert "unreadable line skipped" in capsys.readouterr().err
+    assert profile.main([str(tmp_path)]) == 2  # a folder without a log

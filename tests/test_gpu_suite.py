@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_suite_smoke_runs_every_section(tmp_path):
-    env = {**os.environ, "SCALESCOPE_PROBE_KERNEL": "xla", "PYTHONPATH": str(ROOT)}
+    # the checkout first (the suite imports sample_models as a folder, as on the GPU
+    # machine), then what the run already has (the opt-in compile log)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "SCALESCOPE_PROBE_KERNEL": "xla", "PYTHONPATH": path}
     proc = subprocess.run(
         [
             sys.executable,

@@ -1,0 +1,83 @@
+"""Where a test run's time goes to JAX: loaded by every Python process of the run when
+``SCALESCOPE_COMPILE_LOG`` names a folder (tests/conftest.py then puts this folder on
+``PYTHONPATH``, so the CLI, demo, notebook kernels and benchmark scripts the tests start
+load it too).
+
+Once the process imports JAX, each trace, lowering and XLA compile (a persistent-cache
+hit included, marked as one) is appended to ``FOLDER/<pid>.jsonl`` with the test that
+caused it (``PYTEST_CURRENT_TEST``, which subprocesses inherit). Nothing is imported
+and nothing changes when the variable is unset. ``benchmarks/compile_profile.py FOLDER``
+sums the log up (docs/benchmarks.md, "The test suite on a fresh machine").
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import json
+import os
+import sys
+
+ENV = "SCALESCOPE_COMPILE_LOG"
+_MARK = "_SCALESCOPE_COMPILE_LOG_PID"  # the process that installed the listener
+
+
+def install(folder: str) -> None:
+    """Log this process's JAX compile events into ``folder`` (once per process)."""
+    if os.environ.get(_MARK) == str(os.getpid()):
+        return
+    os.environ[_MARK] = str(os.getpid())
+    import jax.monitoring
+
+    path = os.path.join(folder, f"{os.getpid()}.jsonl")
+    argv = " ".join(sys.argv)[:200]
+
+    def write(row: dict) -> None:
+        row["test"] = os.environ.get("PYTEST_CURRENT_TEST", "")
+        row["argv"] = argv
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def on_duration(event: str, seconds: float, **kw) -> None:
+        if event.startswith("/jax/core/compile/"):
+            name = event.rsplit("/", 1)[-1]
+            write({"event": name, "fun": str(kw.get("fun_name", "")), "seconds": seconds})
+
+    def on_event(event: str, **kw) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            write({"event": "cache_hit"})
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+
+
+class _AfterJax(importlib.abc.MetaPathFinder):
+    """Installs the listener right after ``import jax`` completes (importing JAX here,
+    in every Python process, would slow down the ones that never use it)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def find_spec(self, name, path, target=None):
+        if name != "jax":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec("jax")
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            try:
+                install(self.folder)
+            except Exception as err:  # a log must never break the process it watches
+                print(f"compile log: not installed ({err})", file=sys.stderr)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get(ENV):
+    sys.meta_path.insert(0, _AfterJax(os.environ[ENV]))
