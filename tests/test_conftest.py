@@ -78,3 +78,10 @@ def test_the_compile_log_follows_subprocesses_and_sums_up(tmp_path, capsys):
     assert profile.main([str(log)]) == 0
     assert "unreadable line skipped" in capsys.readouterr().err
     assert profile.main([str(tmp_path)]) == 2  # a folder without a log
+    # a log that cannot be written says so once and lets the process run
+    env["SCALESCOPE_COMPILE_LOG"] = str(path)  # a file, not a folder
+    proc = subprocess.run(
+        [sys.executable, "-c", code + "; print('ran')"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr[-2000:]
+    assert proc.stderr.count("compile log: writing") == 1

@@ -31,11 +31,19 @@ def install(folder: str) -> None:
     path = os.path.join(folder, f"{os.getpid()}.jsonl")
     argv = " ".join(sys.argv)[:200]
 
+    failed = []
+
     def write(row: dict) -> None:
+        if failed:
+            return
         row["test"] = os.environ.get("PYTEST_CURRENT_TEST", "")
         row["argv"] = argv
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as err:  # a log must never break the process it watches
+            failed.append(err)
+            print(f"compile log: writing {path} failed ({err}); not logging", file=sys.stderr)
 
     def on_duration(event: str, seconds: float, **kw) -> None:
         if event.startswith("/jax/core/compile/"):
