@@ -128,12 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compile_profile: {err}", file=sys.stderr)
         return 2
     whole = summarize(rows, "all").get("all", Totals())
-    small = sum(1 for r in rows if r.get("event") == "backend_compile_duration"
-                and not r.get("hit") and float(r.get("seconds", 0)) < BIG_S)  # fmt: skip
+    big = len(whole.big)
     print(
         f"# compile profile of {args.folder}: {len(list(args.folder.glob('*.jsonl')))} "
         f"processes\n\nXLA compiles {whole.compile_s:.0f} s ({whole.compiles} programs, "
-        f"{len(whole.big)} of >= {BIG_S:g} s making {sum(whole.big):.0f} s, {small} "
+        f"{big} of >= {BIG_S:g} s making {sum(whole.big):.0f} s, {whole.compiles - big} "
         f"smaller); persistent-cache hits {whole.hit_s:.0f} s ({whole.hits}); tracing "
         f"{whole.trace_s:.0f} s; lowering {whole.lower_s:.0f} s.\n"
     )
