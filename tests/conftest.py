@@ -81,6 +81,17 @@ def prune_cache(cache: Path, max_bytes: int) -> None:
         total -= size
 
 
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` imported as a module (registered in ``sys.modules``:
+    dataclasses look their module up while the class is built)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 #: The folder of the opt-in compile log (``SCALESCOPE_COMPILE_LOG=FOLDER make test``).
 COMPILE_LOG = Path(__file__).resolve().parent / "compile_log"
 

@@ -5,7 +5,6 @@ of them rots (their figures come from full-size runs, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,17 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -75,7 +67,7 @@ ENTRY %main (p0: f16[64,128], p1: f16[128,32]) -> f16[64,32] {
 
 
 def test_check_gpu_fp8_parser_counts_fp8_and_other_gemms():
-    mod = _load("check_gpu_fp8")
+    mod = load_benchmark("check_gpu_fp8")
     summary = mod.parse_hlo(GPU_HLO)
     assert len(summary.gemms) == 4  # not the unrelated custom call
     assert {g.name for g in summary.fp8_gemms} == {"cublas-lt-matmul.3", "dot.7"}
@@ -112,7 +104,7 @@ def _fake(row: str, train: float, val: float) -> dict:
 
 
 def test_bench_numerics_gaps_table_and_goal():
-    mod = _load("bench_numerics")
+    mod = load_benchmark("bench_numerics")
     results = mod.add_gaps(
         [
             _fake("fp32", 1.80, 1.80),
@@ -142,7 +134,7 @@ def test_bench_numerics_gaps_table_and_goal():
 
 
 def test_bench_numerics_rejects_unknown_rows():
-    mod = _load("bench_numerics")
+    mod = load_benchmark("bench_numerics")
     with pytest.raises(SystemExit):
         mod.parse_args(["--rows", "fp32,fp4"])
     assert mod.parse_args(["--rows", "fp32, fp8"]).rows == ["fp32", "fp8"]
@@ -223,7 +215,7 @@ def test_bench_scale_floor_prints_every_variant_and_checks_the_ideal_engine():
 
 
 def test_the_ideal_engine_refuses_loops_by_name():
-    floor = _load("bench_scale_floor")
+    floor = load_benchmark("bench_scale_floor")
     import jax
     import jax.numpy as jnp
 

@@ -3,16 +3,12 @@ opt-in compile log (`SCALESCOPE_COMPILE_LOG`) that says where a run's time goes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-from conftest import COMPILE_LOG, jax_cache_dir, prune_cache
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import COMPILE_LOG, jax_cache_dir, load_benchmark, prune_cache
 
 
 def test_prune_cache_drops_least_recently_used_entries_first(tmp_path):
@@ -63,11 +59,7 @@ def test_the_compile_log_follows_subprocesses_and_sums_up(tmp_path, capsys):
     mine = [r for r in rows if r.get("fun") == "jit(<lambda>)"]
     assert {r["event"] for r in mine} >= {"backend_compile_duration"}
     assert all(r["test"] == env["PYTEST_CURRENT_TEST"] and r["seconds"] >= 0 for r in mine)
-    path_ = ROOT / "benchmarks" / "compile_profile.py"
-    spec = importlib.util.spec_from_file_location("compile_profile", path_)
-    profile = importlib.util.module_from_spec(spec)
-    sys.modules["compile_profile"] = profile  # dataclasses look their module up
-    spec.loader.exec_module(profile)
+    profile = load_benchmark("compile_profile")
     assert profile.main([str(log), "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert "## By test\n" in out and "tests/test_x.py::test_y" in out
