@@ -48,8 +48,7 @@ from scalescope.sample_models.train_step import make_optimizer, make_train_step
 
 #: No trigger fires in the timed loops, while the check still runs and is read every step:
 #: each round restarts from the same parameters (Adam's first update is ~20x the later
-#: ones, a true norm jump at each restart), and this FP8 GPT on random tokens goes NaN
-#: after ~36 steps (a real incident, which would be replayed in every round).
+#: ones, a true norm jump at each restart, which would be replayed in every round).
 _QUIET = ss.Triggers(nonfinite=False, loss_spike=None, norm_spike=None)
 
 

@@ -163,7 +163,13 @@ def causal_attention(p: Params, x: jax.Array, cfg: GPTConfig, precision: Precisi
     mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(batch, seq, d)
+    out = jnp.einsum("bhts,bshd->bthd", probs, v)
+    if precision.rescale:
+        # The same in the other product: the gradient reaching it from the projection
+        # grows spiky (data abs-max 2^10 on random tokens), and its product with v, the
+        # probabilities' gradient, then overflows FP16: re-centre it too.
+        out = dynamic_rescale_l2_grad(out)
+    out = out.reshape(batch, seq, d)
     return _dense_apply(p["proj"], out, precision)
 
 

@@ -345,6 +345,43 @@ def test_fp8_recipe_recentres_cast_inputs_that_static_propagation_lets_drift():
     assert not np.all(drift["fp8-static"] < 4), drift["fp8-static"]
 
 
+def test_fp8_recipe_recentres_the_gradient_entering_both_attention_products():
+    """Under the `fp8` recipe, each backward product of the two attention einsums takes
+    a re-centred gradient (`dynamic_rescale_l2_grad`): static propagation lets it grow
+    spiky, and its product with v (the probabilities' gradient, FP16 data) overflowed
+    to inf at step 36 of the 2x128 GPT on random tokens (an incident the flight
+    recorder named). Checked on the backward's jaxpr: the gradient operand of every
+    such product comes from a `dynamic_rescale`, through layout ops only."""
+    import functools
+
+    cfg = GPTConfig(vocab_size=65, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    prec = get_precision("fp8")
+    params = init_gpt(jax.random.key(0), cfg, prec.param_dtype)
+    batch = {"inputs": jnp.zeros((2, 8), jnp.int32), "targets": jnp.zeros((2, 8), jnp.int32)}
+    grad = jax.grad(functools.partial(gpt_loss, cfg=cfg, precision=prec))
+    eqns = jax.make_jaxpr(grad)(params, batch).jaxpr.eqns
+    producer = {id(v): e for e in eqns for v in e.outvars}
+    layout = {"reshape", "transpose", "convert_element_type", "copy"}
+
+    def source(var) -> str | None:
+        e = producer.get(id(var))
+        while e is not None and e.primitive.name in layout:
+            e = producer.get(id(e.invars[0]))
+        return None if e is None else e.primitive.name
+
+    products = {}
+    for e in eqns:
+        stack = str(e.source_info.name_stack)
+        spec = next((s for s in ("bhts,bshd->bthd", "bthd,bshd->bhts") if s in stack), None)
+        if e.primitive.name == "dot_general" and spec and stack.startswith("transpose("):
+            products.setdefault(spec, []).append([source(v) for v in e.invars])
+    assert sorted(products) == ["bhts,bshd->bthd", "bthd,bshd->bhts"], products
+    for spec, sources in products.items():
+        assert len(sources) == 2, (spec, sources)  # the gradient of each operand
+        for operands in sources:
+            assert "dynamic_rescale" in operands, (spec, operands)
+
+
 def test_with_state_dtype_keeps_fp32_adam_state_for_fp16_weights_under_scalify(mlp_batch):
     """FP8 recipe, FP16 master weights, FP32 optimizer state: the state is created and
     stays FP32 through scalified steps, the weights stay FP16, and the result stays close
