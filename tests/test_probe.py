@@ -318,6 +318,23 @@ def test_select_and_cost_controls():
     assert lean.op_table(w, x).hist_columns is None
 
 
+def test_formats_given_as_one_comma_separated_string(tmp_path):
+    """``formats="e4m3, nvfp4"`` (how the CLI's --formats reads) means both names, for
+    instrument and Run alike; an unknown one in it is named on its own."""
+    f = lambda x: x * 2.0
+    assert ss.instrument(f, formats="e4m3, nvfp4").formats == ("e4m3",)
+    assert ss.instrument(f, formats="e4m3, nvfp4").recipes == ("nvfp4",)
+    assert ss.instrument(f, formats="e5m2").formats == ("e5m2",)
+    with pytest.raises(KeyError, match=r"unknown format or recipe 'e9m9'; formats: "):
+        ss.instrument(f, formats="e4m3,e9m9")
+    with pytest.raises(ValueError, match=r"twice: \['e4m3', 'e4m3'\]"):
+        ss.instrument(f, formats="e4m3,e4m3")
+    with ss.Run(tmp_path / "r", formats="e4m3,e5m2, mxfp8_e4m3") as run:
+        assert run.formats == ("e4m3", "e5m2") and run.recipes == ("mxfp8_e4m3",)
+    with pytest.raises(KeyError, match=r"Run: formats: unknown format or recipe 'e4m4'"):
+        ss.Run(tmp_path / "s", formats="e4m3,e4m4")
+
+
 def test_bad_arguments_raise_clear_errors():
     f = lambda x: x
     with pytest.raises(ValueError, match="select"):

@@ -23,7 +23,9 @@ Products and quotients by a scale are exact, then rounded once to the element fo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 
@@ -117,9 +119,12 @@ def get(name: str) -> Recipe:
     return RECIPES[key]
 
 
-def split(names_: tuple[str, ...] | list[str]) -> tuple[tuple[Format, ...], tuple[Recipe, ...]]:
+def split(names_: str | Iterable[Any]) -> tuple[tuple[Format, ...], tuple[Recipe, ...]]:
     """Split ``formats=`` names into plain formats and recipes (in the given order),
-    with one error naming every unknown entry."""
+    with one error naming every unknown entry. A string is one name or several separated
+    by commas (``"e4m3,e5m2"``, as the CLI's ``--formats`` takes them)."""
+    if isinstance(names_, str):
+        names_ = [n.strip() for n in names_.split(",") if n.strip()]
     fmts, recs, bad = [], [], []
     for n in names_:
         if is_recipe(n) or isinstance(n, Recipe):

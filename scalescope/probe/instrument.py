@@ -102,15 +102,13 @@ def _predicate(select: Select) -> Callable[[OpRecord], bool] | None:
 
 
 def _spec(formats: Sequence[str], histograms: bool, block: int, sample: int | None) -> StatSpec:
-    if isinstance(formats, str):
-        formats = (formats,)
     try:
-        fmts, recs = _recipes.split(list(formats))
+        fmts, recs = _recipes.split(formats)
     except KeyError as err:
         raise KeyError(f"instrument: formats: {err.args[0]}") from None
     names = [f.name for f in fmts] + [r.name for r in recs]
     if len(set(names)) != len(names):
-        raise ValueError(f"instrument: formats lists a format twice: {list(formats)}")
+        raise ValueError(f"instrument: formats lists a format twice: {names}")
     if recs and sample is not None:
         raise ValueError(
             f"instrument: recipes ({', '.join(r.name for r in recs)}) quantise whole blocks "
@@ -200,7 +198,8 @@ def instrument(
     ``formats``: formats to audit (names of `scalescope.formats`) and block-scaled
     recipes (names of `scalescope.core.recipes`: ``"mxfp8_e4m3"``, ``"nvfp4"``...; each
     adds ``underflow_R``, ``overflow_R``, ``snr_R``, ``block_flush_R``,
-    ``scale_log2_min_R``, ``scale_log2_max_R``). ``histograms``: build
+    ``scale_log2_min_R``, ``scale_log2_max_R``); a sequence of names, or one string of
+    them separated by commas (``"e4m3,nvfp4"``). ``histograms``: build
     the exponent histogram (``stats["hist"]``). ``select``: a regex matched against
     ``pass/name`` of each op (``"^bwd/"``, ``"attn/dot_general"``) or a predicate on
     `OpRecord`; other ops get no statistics. ``passes``: top-level `jax.named_scope`

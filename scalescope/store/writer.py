@@ -220,12 +220,10 @@ class Run:
         _check_int("groups", groups, 1)
         self.budget = None if budget is None else float(budget)
         self.groups = groups
-        if isinstance(formats, str):
-            formats = (formats,)
         self.path = Path(path)
         self.every = every
         try:
-            fmts, recs = _recipes.split(list(formats))
+            fmts, recs = _recipes.split(formats)
         except KeyError as err:
             raise KeyError(f"Run: formats: {err.args[0]}") from None
         # Plain formats and block-scaled recipes are kept apart: views treat each list
