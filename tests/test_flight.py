@@ -98,6 +98,9 @@ def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path, caplog):
     assert row["step"] == BAD_STEP and row["trigger"] == "nonfinite"
     assert row["name"] == "fwd/tail/log" and row["source"] == f"{__file__}:{LOG_LINE}"
     assert "all of its elements" in row["detail"]
+    # log(0) of a finite zero: made at that op (float32: no format's range to quote)
+    assert "its inputs are finite: the NaN/Inf is made here;" in row["detail"], row["detail"]
+    assert "largest finite" not in row["detail"]
     # its input is the flushed value: finite, zero
     (inp,) = [i for i in row["inputs"] if "convert_element_type" in i["name"]]
     assert inp["absmax"] == 0.0 and inp["frac_nonfinite"] == 0.0
@@ -109,6 +112,43 @@ def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path, caplog):
     # steps before it were healthy, and the run went on recording its losses
     assert all(np.isfinite(float(loss)) for _, loss in trail[:BAD_STEP])
     assert not np.isfinite(float(trail[BAD_STEP][1]))
+
+
+def test_an_fp16_overflow_is_said_to_be_made_at_its_op_and_an_input_nan_is_not(tmp_path):
+    """A float16 product of finite inputs that overflows: the incident says the op made
+    the Inf and quotes float16's largest finite value; a NaN that comes in with the
+    batch is named at the input, with no such claim."""
+
+    def fp16_step(w, x):
+        with jax.named_scope("layer"):
+            h = (x.astype(jnp.float16) * w.astype(jnp.float16)).astype(jnp.float32)
+        return w - 1e-3 * jnp.sum(h), jnp.sum(h)
+
+    run = ss.Run(tmp_path / "r", every=1000)
+    tracked = run.track(fp16_step, scalify=False)
+    w = jnp.full((4,), 300.0, jnp.float32)
+    tracked(w, jnp.full((4,), 100.0, jnp.float32))  # 3e4: finite in float16
+    tracked(w, jnp.full((4,), 300.0, jnp.float32))  # 9e4: past 65504, inf
+    tracked(w, jnp.full((4,), np.nan, jnp.float32).at[0].set(1.0))
+    run.close()
+    rows = ss.open_run(tmp_path / "r").incidents().to_dict("records")
+    assert [r["step"] for r in rows] == [1], rows  # the NaN stretch goes on: one incident
+    (row,) = rows
+    assert row["name"].endswith("layer/mul"), row["name"]
+    assert row["detail"].startswith("5 non-finite element(s) in the step's outputs; ")
+    assert "first op with a NaN/Inf output: all of its elements" in row["detail"]
+    assert (
+        "its inputs are finite: the NaN/Inf is made here (float16 output: largest finite 65504)"
+        in row["detail"]
+    )
+
+    run = ss.Run(tmp_path / "s", every=1000)
+    tracked = run.track(fp16_step, scalify=False)
+    tracked(w, jnp.full((4,), np.nan, jnp.float32))
+    run.close()
+    (row,) = ss.open_run(tmp_path / "s").incidents().to_dict("records")
+    assert row["name"] == "input/x", row["name"]
+    assert "made here" not in row["detail"], row["detail"]
 
 
 def test_an_incident_without_an_op_says_why_without_a_placeholder(tmp_path, caplog):

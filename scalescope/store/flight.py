@@ -271,7 +271,11 @@ class Detector:
         nonfinite, loss, norm = float(h["nonfinite"]), float(h["loss"]), float(h["norm"])
         found = None
         if t.nonfinite and nonfinite > 0:
-            found = ("nonfinite", nonfinite, f"{nonfinite:.0f} non-finite output element(s)")
+            found = (
+                "nonfinite",
+                nonfinite,
+                f"{nonfinite:.0f} non-finite element(s) in the step's outputs",
+            )
         else:
             found = self._spike("loss", loss, self.losses, t.loss_spike, t.loss_ratio)
             found = found or self._spike("norm", norm, self.norms, t.norm_spike, t.norm_ratio)
@@ -385,7 +389,7 @@ def describe_incident(
                 f"x{2 ** growth[op]:.3g}"
             )
             if op != top:
-                why += f" (the largest jump, x{2 ** growth[top]:.3g}, at {ops[top].label})"
+                why += f" (the largest jump, x{2 ** growth[top]:.3g}, at {_shown(ops[top])})"
         elif absmax:
             op = max(absmax, key=lambda o: (absmax[o], -o))
             why = "largest abs-max of the step (no earlier recorded step to compare with)"
@@ -402,7 +406,7 @@ def describe_incident(
             inputs.append(
                 {
                     "op": int(i),
-                    "name": ops[i].label,
+                    "name": _shown(ops[i]),
                     "rms": rms.get(i, math.nan),
                     "absmax": absmax.get(i, math.nan),
                     "frac_nonfinite": frac.get(i, math.nan),
@@ -414,6 +418,8 @@ def describe_incident(
         parts.append(f"abs-max {finite}{top:.4g}, rms {rms.get(op, math.nan):.4g}")
     if exceeded:
         parts.append("beyond the range of " + ", ".join(exceeded))
+    if trigger == "nonfinite" and _made_here(rec, inputs):
+        parts.append("its inputs are finite: the NaN/Inf is made here" + _narrow_max(rec.dtype))
     if inputs:
         shown = "; ".join(
             f"{x['name']} (rms {x['rms']:.3g}, abs-max {x['absmax']:.3g}, "
@@ -423,13 +429,41 @@ def describe_incident(
         parts.append(f"inputs: {shown}")
     return {
         "op": int(op),
-        "name": rec.label,
+        "name": _shown(rec),
         "primitive": rec.primitive,
         "source": rec.source,
         "detail": "; ".join(parts),
         "formats": exceeded,
         "inputs": inputs,
     }
+
+
+def _shown(rec: Any) -> str:
+    """How an incident names an op: ``pass/name`` (``fwd/block_0/attn/dot_general``),
+    and an input by its name alone, which already starts with its pass (``input/x``)."""
+    return rec.name if rec.name.startswith(f"{rec.pass_}/") else rec.label
+
+
+def _made_here(rec: Any, inputs: list[dict[str, Any]]) -> bool:
+    """Every float input of the op is recorded and free of NaN/Inf: the op itself made
+    its non-finite values (an overflow, 0/0, log(0), ...), nothing upstream did."""
+    return (
+        bool(inputs)
+        and len(inputs) == len(rec.inputs)
+        and all(x["frac_nonfinite"] == 0 for x in inputs)
+    )
+
+
+def _narrow_max(dtype: str) -> str:
+    """`` (float16 output: largest finite 65504)`` for a float dtype with less range
+    than float32, where an overflow is the usual cause; "" otherwise."""
+    try:
+        info = jnp.finfo(dtype)
+    except (TypeError, ValueError):
+        return ""
+    if info.maxexp >= np.finfo(np.float32).maxexp:
+        return ""
+    return f" ({dtype} output: largest finite {float(info.max):.6g})"
 
 
 def nonfinite_devices(where: Any, plucked_in: Any = None) -> list[dict[str, int]]:
