@@ -393,6 +393,24 @@ def test_loss_curve_runs_dashes_and_first_nonfinite_step():
     assert single.name == "loss-1"
     assert list(single.select_one({"name": "nonfinite"}).data_source.data["step"]) == [3]
     assert viz.loss_curve(good).select_one({"name": "nonfinite"}) is None
+    assert viz.loss_curve(good).select_one({"name": "no-loss"}) is None
+
+
+def test_a_loss_curve_without_loss_says_so_and_bokeh_does_not_warn(caplog):
+    """A run that logged no loss: the figure says so in its plot area, and holds a
+    renderer, so Bokeh's empty-plot warning (W-1000) does not reach a report's stderr
+    or the server's log."""
+    import logging
+
+    from bokeh.embed import file_html
+    from bokeh.resources import INLINE
+
+    fig = viz.loss_curve({"run": pd.DataFrame({"lr": [1e-3, 1e-3]})})
+    (said,) = fig.select({"name": "no-loss"})
+    assert said.data_source.data["text"] == ["no loss or val_loss logged (run.log(step, loss=...))"]
+    with caplog.at_level(logging.WARNING):
+        file_html(fig, INLINE)
+    assert not [r for r in caplog.records if "W-1000" in r.getMessage()], caplog.text
 
 
 # --- standalone HTML ----------------------------------------------------------------------------

@@ -208,6 +208,16 @@ def loss_curve(
     if fig.renderers:
         fig.legend.click_policy = "hide"
         fig.legend.location = "top_right"
+    else:  # said in the plot (an empty figure is also one Bokeh warns about)
+        fig.text(
+            x=[0],
+            y=[0],
+            text=[f"no {' or '.join(columns)} logged (run.log(step, loss=...))"],
+            text_align="center",
+            text_baseline="middle",
+            text_color="#777777",
+            name="no-loss",
+        )
     return fig
 
 
