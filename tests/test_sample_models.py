@@ -338,7 +338,8 @@ def test_fp8_recipe_recentres_cast_inputs_that_static_propagation_lets_drift():
         cast = [op for op in table if op.recorded and op.cast_to in ("e4m3", "e5m2")]
         assert {op.cast_to for op in cast} == {"e4m3", "e5m2"}
         rms = np.concatenate([np.asarray(stats["rms"][table.rows(op)]) for op in cast])
-        drift[name] = np.abs(np.log2(rms))
+        with np.errstate(divide="ignore"):  # a flushed cast's RMS 0: infinitely far
+            drift[name] = np.abs(np.log2(rms))
     assert np.all(drift["fp8"] < 1.5), drift["fp8"]
     # Static propagation: the input cast sits 2^8 off unit scale (and past E4M3's 448
     # its values turn NaN, poisoning what follows).
