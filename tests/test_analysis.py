@@ -889,6 +889,8 @@ def test_format_whatif_reasons_and_last_steps():
     assert w.loc[3, ("e4m3", "snr")] == 30.0
     recent = A.format_whatif(stats, ops, "e4m3", last_steps=2)
     assert recent[("e4m3", "safe")].tolist() == [True, False, False, True]
+    both = A.format_whatif(stats, ops, "e4m3, fp16")  # one string, as formats= takes it
+    assert both.columns.get_level_values(0).unique().tolist() == ["e4m3", "fp16"]
     with pytest.raises(KeyError, match="formats"):
         A.format_whatif(stats, ops, ["fp12"])
     with pytest.raises(ValueError, match="last_steps"):

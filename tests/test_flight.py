@@ -151,6 +151,33 @@ def test_an_fp16_overflow_is_said_to_be_made_at_its_op_and_an_input_nan_is_not(t
     assert "made here" not in row["detail"], row["detail"]
 
 
+def test_no_made_here_claim_without_every_input_measured(tmp_path):
+    """The claim needs every float input measured exactly: not under ``sample=`` (an
+    input's NaN can be outside the sample), not for an op reading a value that has no
+    record of its own (a loop's output)."""
+
+    def fp16_step(w, x):
+        with jax.named_scope("layer"):
+            h = (x.astype(jnp.float16) * w.astype(jnp.float16)).astype(jnp.float32)
+        return w - 1e-3 * jnp.sum(h), jnp.sum(h)
+
+    run = ss.Run(tmp_path / "r", every=1000, sample=64)
+    tracked = run.track(fp16_step, scalify=False)
+    tracked(jnp.full((4,), 300.0), jnp.full((4,), 300.0))
+    run.close()
+    (row,) = ss.open_run(tmp_path / "r").incidents().to_dict("records")
+    assert row["name"] == "fwd/layer/mul" and "made here" not in row["detail"], row
+
+    def looped(x):
+        y = jax.lax.fori_loop(0, 2, lambda i, v: v * 2.0, x)
+        return jnp.sin(y) + jnp.cos(x)
+
+    table = ss.instrument(looped, scalify=False).op_table(jnp.ones(3))
+    by = {rec.name: rec for rec in table.ops}
+    assert not by["sin"].inputs_complete  # reads the loop's output, which has no record
+    assert by["cos"].inputs_complete and by["add"].inputs_complete
+
+
 def test_an_incident_without_an_op_says_why_without_a_placeholder(tmp_path, caplog):
     """The log line of an incident that names no op (the NaN is in an output the probe
     does not record) gives the reason, not "no op at ?"."""

@@ -329,6 +329,8 @@ def test_formats_given_as_one_comma_separated_string(tmp_path):
         ss.instrument(f, formats="e4m3,e9m9")
     with pytest.raises(ValueError, match=r"twice: \['e4m3', 'e4m3'\]"):
         ss.instrument(f, formats="e4m3,e4m3")
+    with pytest.raises(ValueError, match=r"no format or recipe named in ' , '"):
+        ss.instrument(f, formats=" , ")
     with ss.Run(tmp_path / "r", formats="e4m3,e5m2, mxfp8_e4m3") as run:
         assert run.formats == ("e4m3", "e5m2") and run.recipes == ("mxfp8_e4m3",)
     with pytest.raises(KeyError, match=r"Run: formats: unknown format or recipe 'e4m4'"):

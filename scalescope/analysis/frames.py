@@ -141,7 +141,10 @@ def format_list(
     recorded = recorded_recipes(stats) if recipes else []
     if formats is None:
         return known + recorded
-    names = [formats] if isinstance(formats, str) else list(formats)
+    if isinstance(formats, str):  # one name, or several separated by commas
+        names = [n.strip() for n in formats.split(",") if n.strip()] or [formats]
+    else:
+        names = list(formats)
     for name in names:
         if name not in known and name not in recorded:
             also = f"; recorded recipes: {', '.join(recorded) or 'none'}" if recipes else ""

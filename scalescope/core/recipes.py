@@ -124,7 +124,10 @@ def split(names_: str | Iterable[Any]) -> tuple[tuple[Format, ...], tuple[Recipe
     with one error naming every unknown entry. A string is one name or several separated
     by commas (``"e4m3,e5m2"``, as the CLI's ``--formats`` takes them)."""
     if isinstance(names_, str):
-        names_ = [n.strip() for n in names_.split(",") if n.strip()]
+        given = names_
+        names_ = [n.strip() for n in given.split(",") if n.strip()]
+        if not names_:
+            raise ValueError(f"formats: no format or recipe named in {given!r}")
     fmts, recs, bad = [], [], []
     for n in names_:
         if is_recipe(n) or isinstance(n, Recipe):

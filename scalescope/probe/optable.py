@@ -77,6 +77,9 @@ class OpRecord:
     #: Op ids whose statistics describe this op's float inputs (in memory only, not in
     #: the stored op table: what an incident quotes as the inputs of its op).
     inputs: tuple[int, ...] = field(default=(), repr=False)
+    #: every float input of the op is among ``inputs`` (none is a value without a record,
+    #: such as a loop's output): what an incident needs to say the op made a NaN/Inf
+    inputs_complete: bool = field(default=False, repr=False)
 
     @property
     def recorded(self) -> bool:

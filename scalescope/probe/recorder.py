@@ -285,6 +285,8 @@ class _Shared:
     created: list[OpRecord] = field(default_factory=list)  # every record, as made
     operands: dict[int, list[OpRecord | None]] = field(default_factory=dict)  # of GEMMs
     reads: dict[int, list[OpRecord]] = field(default_factory=dict)  # inputs of every op
+    #: ops some float input of which has no record (a loop's or call's output, ...)
+    unread: set[int] = field(default_factory=set)
     #: `emulate`'s `Replacer`: called ``(seq, value, var, primitive)`` on the value made
     #: ``seq``-th, it returns what downstream ops read instead; ``reads(eqn, invals)``
     #: gives a matmul its rounded operands. None: values as computed.
@@ -515,6 +517,12 @@ class Recorder(Observer):
             self.shared.reads[id(self.shared.created[first])] = [
                 i.record for i in ins if i is not None and i.record is not None
             ]
+            if not all(
+                isinstance(var, Literal) or (i is not None and i.record is not None)
+                for var, i in zip(eqn.invars, ins)
+                if jnp.issubdtype(getattr(var.aval, "dtype", np.int32), jnp.inexact)
+            ):
+                self.shared.unread.add(id(self.shared.created[first]))
         return outs
 
     # -- recording -----------------------------------------------------------------------
@@ -739,6 +747,7 @@ class Recorder(Observer):
             if reads is not None:
                 rec.operands = tuple(-1 if r is None else r.id for r in reads)
             rec.inputs = tuple(dict.fromkeys(r.id for r in shared.reads.get(id(rec), ())))
+            rec.inputs_complete = id(rec) not in shared.unread
             rec.stats_op = rec.id if rec.recorded else -1
             if rec.alias_of is not None and rec.alias_of.recorded:
                 rec.stats_op = rec.alias_of.id

@@ -336,6 +336,7 @@ def describe_incident(
     trigger: str,
     previous: Mapping[str, np.ndarray] | None,
     formats: Sequence[str],
+    exact: bool = True,
 ) -> dict[str, Any]:
     """The op an incident names and what is known of it, from the replayed step's
     statistics (host arrays, one value per row of ``table``). Non-finite: the first op,
@@ -347,7 +348,10 @@ def describe_incident(
 
     A spike's op is the first, in program order, whose abs-max grew by at least a
     quarter of the largest growth (in log2) and by at least 2x: ops downstream of the
-    jump grow more (a gradient squares it), the origin comes first."""
+    jump grow more (a gradient squares it), the origin comes first.
+
+    ``exact``: the statistics measured every element (no ``sample``); only then does a
+    non-finite incident say its op made the NaN/Inf from finite inputs."""
     ops = {rec.id: rec for rec in table.ops}
     frac = _per_op(table, stats["frac_nonfinite"])
     absmax = _per_op(table, stats["absmax"])
@@ -418,7 +422,7 @@ def describe_incident(
         parts.append(f"abs-max {finite}{top:.4g}, rms {rms.get(op, math.nan):.4g}")
     if exceeded:
         parts.append("beyond the range of " + ", ".join(exceeded))
-    if trigger == "nonfinite" and _made_here(rec, inputs):
+    if trigger == "nonfinite" and exact and _made_here(rec, inputs):
         parts.append("its inputs are finite: the NaN/Inf is made here" + _narrow_max(rec.dtype))
     if inputs:
         shown = "; ".join(
@@ -445,13 +449,11 @@ def _shown(rec: Any) -> str:
 
 
 def _made_here(rec: Any, inputs: list[dict[str, Any]]) -> bool:
-    """Every float input of the op is recorded and free of NaN/Inf: the op itself made
-    its non-finite values (an overflow, 0/0, log(0), ...), nothing upstream did."""
-    return (
-        bool(inputs)
-        and len(inputs) == len(rec.inputs)
-        and all(x["frac_nonfinite"] == 0 for x in inputs)
-    )
+    """Every float input of the op is measured and free of NaN/Inf: the op itself made
+    its non-finite values (an overflow, 0/0, log(0), ...), nothing upstream did. An
+    input left unmeasured (``select``) has a NaN fraction, and one with no record at all
+    (a loop's output) clears ``inputs_complete``: no claim is made then."""
+    return bool(inputs) and rec.inputs_complete and all(x["frac_nonfinite"] == 0 for x in inputs)
 
 
 def _narrow_max(dtype: str) -> str:

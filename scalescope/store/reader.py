@@ -196,9 +196,9 @@ class RunReader:
     def incidents(self) -> pd.DataFrame:
         """The flight recorder's incidents (`scalescope.Run`'s ``detect``), one row per
         incident, by step: ``step``, ``trigger`` (nonfinite, loss_spike, norm_spike),
-        ``op`` (id, -1 when none was found), ``name`` (its label), ``source`` (file:line),
-        ``detail`` (what was found: the share of non-finite elements, the op's and its
-        inputs' statistics), ``value`` (non-finite elements, or the spiking loss/norm),
+        ``op`` (id, -1 when none was found), ``name`` (``pass/name``; an input
+        ``input/x``), ``source`` (file:line), ``detail`` (what was found: the share of
+        non-finite elements, the op's and its inputs' statistics), ``value`` (non-finite elements, or the spiking loss/norm),
         ``formats`` (the formats its finite values exceed), ``devices`` (on a step spread
         over several devices: those holding the op's NaN/Inf, ``{"device", "process",
         "nonfinite"}`` each; None otherwise), ``process``. Empty for a run

@@ -312,6 +312,7 @@ class Tracked:
             trigger,
             previous,
             self.run.formats + self.run.recipes,
+            exact=self.run.sample is None,  # sampled statistics can miss an input's NaN
         )
         if trigger == "nonfinite" and found["op"] >= 0:
             located = self._located(table, found["op"], args, kwargs)

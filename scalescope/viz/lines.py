@@ -209,10 +209,11 @@ def loss_curve(
         fig.legend.click_policy = "hide"
         fig.legend.location = "top_right"
     else:  # said in the plot (an empty figure is also one Bokeh warns about)
+        first = columns[0] if columns else "loss"
         fig.text(
             x=[0],
-            y=[0],
-            text=[f"no {' or '.join(columns)} logged (run.log(step, loss=...))"],
+            y=[1 if log_y else 0],
+            text=[f"no {' or '.join(columns) or 'loss'} logged (run.log(step, {first}=...))"],
             text_align="center",
             text_baseline="middle",
             text_color="#777777",
