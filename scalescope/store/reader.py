@@ -198,7 +198,8 @@ class RunReader:
         incident, by step: ``step``, ``trigger`` (nonfinite, loss_spike, norm_spike),
         ``op`` (id, -1 when none was found), ``name`` (``pass/name``; an input
         ``input/x``), ``source`` (file:line), ``detail`` (what was found: the share of
-        non-finite elements, the op's and its inputs' statistics), ``value`` (non-finite elements, or the spiking loss/norm),
+        non-finite elements, the op's and its inputs' statistics), ``value`` (non-finite
+        elements, or the spiking loss/norm),
         ``formats`` (the formats its finite values exceed), ``devices`` (on a step spread
         over several devices: those holding the op's NaN/Inf, ``{"device", "process",
         "nonfinite"}`` each; None otherwise), ``process``. Empty for a run
