@@ -333,6 +333,9 @@ def test_formats_given_as_one_comma_separated_string(tmp_path):
         ss.instrument(f, formats=" , ")
     with ss.Run(tmp_path / "r", formats="e4m3,e5m2, mxfp8_e4m3") as run:
         assert run.formats == ("e4m3", "e5m2") and run.recipes == ("mxfp8_e4m3",)
+    with pytest.raises(ValueError, match=r"Run: formats lists a format twice: \['e4m3', 'e4m3'\]"):
+        ss.Run(tmp_path / "t", formats=("e4m3", "float8_e4m3fn"))
+    assert not (tmp_path / "t").exists()  # refused before anything is written
     with pytest.raises(KeyError, match=r"Run: formats: unknown format or recipe 'e4m4'"):
         ss.Run(tmp_path / "s", formats="e4m3,e4m4")
 

@@ -230,6 +230,9 @@ class Run:
         # with its own statistics.
         self.formats = tuple(f.name for f in fmts)
         self.recipes = tuple(r.name for r in recs)
+        names = [*self.formats, *self.recipes]
+        if len(set(names)) != len(names):  # said here, not at the first tracked step
+            raise ValueError(f"Run: formats lists a format twice: {names}")
         self.histograms = bool(histograms)
         self.select, self.sample, self.isolate, self.fallback = select, sample, isolate, fallback
         spec = StatSpec(fmts, self.histograms, recipes=recs)
