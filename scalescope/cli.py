@@ -148,6 +148,7 @@ def _check_formats(names: tuple[str, ...]) -> None:
 
 
 def _train(args, parser) -> int:
+    from scalescope.core import recipes
     from scalescope.sample_models.data import DatasetError
     from scalescope.sample_models.train import TrainConfig, train
 
@@ -159,7 +160,7 @@ def _train(args, parser) -> int:
         parser.error(f"--budget must be a fraction in (0, 1), e.g. 0.05; got {args.budget}")
     formats = None
     if args.formats is not None:
-        formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+        formats = tuple(recipes.format_names(args.formats))
         try:
             _check_formats(formats)
         except ValueError as err:

@@ -120,6 +120,7 @@ def test_train_reports_missing_fashion_mnist_with_the_install_command(tmp_path, 
         (["train", "mlp", "--precision", "fp4", "--run", "x"], "invalid choice: 'fp4'"),
         (["train", "mlp", "--formats", "e4m3,mxfp9", "--run", "x"], "unknown format or recipe"),
         (["train", "mlp", "--formats", " , ", "--run", "x"], "--formats: no format given"),
+        (["train", "mlp", "--formats", "e4m3,e4m3", "--run", "x"], "lists a format twice"),
         (["train", "gpt", "--heads", "5", "--run", "x"], "--heads 5 must be >= 1 and divide"),
     ],
 )

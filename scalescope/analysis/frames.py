@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.policy import unique_labels
+from ..core.recipes import format_names
 
 Direction = Literal["max", "min", "abs", "mean"]
 IterationsArg = Literal["max", "min", "mean", "worst", "all"]
@@ -141,10 +142,9 @@ def format_list(
     recorded = recorded_recipes(stats) if recipes else []
     if formats is None:
         return known + recorded
-    if isinstance(formats, str):  # one name, or several separated by commas
-        names = [n.strip() for n in formats.split(",") if n.strip()] or [formats]
-    else:
-        names = list(formats)
+    names = format_names(formats)
+    if isinstance(formats, str) and not names:
+        names = [formats]  # named in the error below
     for name in names:
         if name not in known and name not in recorded:
             also = f"; recorded recipes: {', '.join(recorded) or 'none'}" if recipes else ""

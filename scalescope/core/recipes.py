@@ -119,15 +119,23 @@ def get(name: str) -> Recipe:
     return RECIPES[key]
 
 
+def format_names(formats: str | Iterable[Any]) -> list[Any]:
+    """The entries of a ``formats=`` argument: a string is one name or several separated
+    by commas (``"e4m3, nvfp4"``, as the CLI's ``--formats`` takes them), stripped;
+    anything else is listed as it is."""
+    if isinstance(formats, str):
+        return [n.strip() for n in formats.split(",") if n.strip()]
+    return list(formats)
+
+
 def split(names_: str | Iterable[Any]) -> tuple[tuple[Format, ...], tuple[Recipe, ...]]:
-    """Split ``formats=`` names into plain formats and recipes (in the given order),
-    with one error naming every unknown entry. A string is one name or several separated
-    by commas (``"e4m3,e5m2"``, as the CLI's ``--formats`` takes them)."""
-    if isinstance(names_, str):
-        given = names_
-        names_ = [n.strip() for n in given.split(",") if n.strip()]
-        if not names_:
-            raise ValueError(f"formats: no format or recipe named in {given!r}")
+    """Split ``formats=`` names (see `format_names`) into plain formats and recipes (in
+    the given order), with one error naming every unknown entry (KeyError); a string
+    naming nothing, or a format given twice, is a ValueError."""
+    given = names_
+    names_ = format_names(given)
+    if isinstance(given, str) and not names_:
+        raise ValueError(f"formats: no format or recipe named in {given!r}")
     fmts, recs, bad = [], [], []
     for n in names_:
         if is_recipe(n) or isinstance(n, Recipe):
@@ -142,4 +150,7 @@ def split(names_: str | Iterable[Any]) -> tuple[tuple[Format, ...], tuple[Recipe
             f"unknown format or recipe {', '.join(map(repr, bad))}; formats: "
             f"{', '.join(_formats.names())}; recipes: {', '.join(RECIPES)}"
         )
+    canonical = [f.name for f in fmts] + [r.name for r in recs]
+    if len(set(canonical)) != len(canonical):
+        raise ValueError(f"formats lists a format twice: {canonical}")
     return tuple(fmts), tuple(recs)

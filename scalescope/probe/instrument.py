@@ -106,9 +106,8 @@ def _spec(formats: Sequence[str], histograms: bool, block: int, sample: int | No
         fmts, recs = _recipes.split(formats)
     except KeyError as err:
         raise KeyError(f"instrument: formats: {err.args[0]}") from None
-    names = [f.name for f in fmts] + [r.name for r in recs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"instrument: formats lists a format twice: {names}")
+    except ValueError as err:
+        raise ValueError(f"instrument: {err}") from None
     if recs and sample is not None:
         raise ValueError(
             f"instrument: recipes ({', '.join(r.name for r in recs)}) quantise whole blocks "

@@ -226,13 +226,12 @@ class Run:
             fmts, recs = _recipes.split(formats)
         except KeyError as err:
             raise KeyError(f"Run: formats: {err.args[0]}") from None
+        except ValueError as err:  # said here, not at the first tracked step
+            raise ValueError(f"Run: {err}") from None
         # Plain formats and block-scaled recipes are kept apart: views treat each list
         # with its own statistics.
         self.formats = tuple(f.name for f in fmts)
         self.recipes = tuple(r.name for r in recs)
-        names = [*self.formats, *self.recipes]
-        if len(set(names)) != len(names):  # said here, not at the first tracked step
-            raise ValueError(f"Run: formats lists a format twice: {names}")
         self.histograms = bool(histograms)
         self.select, self.sample, self.isolate, self.fallback = select, sample, isolate, fallback
         spec = StatSpec(fmts, self.histograms, recipes=recs)
