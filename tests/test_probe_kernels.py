@@ -69,6 +69,25 @@ needs_native = pytest.mark.skipif(
 )
 
 
+def test_a_single_element_has_no_spread():
+    """std of one element is 0 even where its mean square is a rounding off its squared
+    mean (the float32 square root of that difference read 1e-4 of the value)."""
+    x = jnp.asarray([0.9], jnp.float32)
+    raw = kernel.group_raw([(x, None)], SPEC)
+    mean = np.asarray(raw["sum"])[0, 0]
+    sums = np.asarray(raw["sum"]).copy()
+    sums[0, 1] = np.nextafter(np.float32(mean * mean), np.float32(np.inf))
+    stats = kernel.finalize({**raw, "sum": jnp.asarray(sums)}, SPEC)
+    assert float(stats["std"][0]) == 0.0
+    pair = kernel.finalize(kernel.group_raw([(jnp.asarray([1.0, 3.0]), None)], SPEC), SPEC)
+    assert float(pair["std"][0]) == 1.0
+    assert np.isnan(
+        float(
+            kernel.finalize(kernel.group_raw([(jnp.asarray([np.nan]), None)], SPEC), SPEC)["std"][0]
+        )
+    )
+
+
 @needs_native
 def test_native_kernel_builds():
     assert native.available(), "the native kernel must build on a machine with g++"

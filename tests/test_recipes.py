@@ -84,6 +84,24 @@ def test_rounding_matches_ml_dtypes_and_rationals(name):
     np.testing.assert_array_equal(exact, cast)
 
 
+@pytest.mark.parametrize("name", list(ELEMS))
+def test_the_xla_kernels_element_rounding_matches_ml_dtypes(name):
+    """The XLA kernel's element cast, compiled, rounds ties, their float32 neighbours and
+    the max like ml_dtypes (E2M1 is rounded in arithmetic: XLA's elemental CPU emitter
+    rounds 5.0002 to 4)."""
+    from scalescope.core import formats as F
+    from scalescope.core import recipes as R
+    from scalescope.probe.recipe_kernel import _cast
+
+    fmt, dtype = ELEMS[name]
+    el = R.E2M1 if name == "e2m1" else F.get(name)
+    v = np.abs(_ties_and_neighbours(dtype))
+    v = np.concatenate([v, F32(fmt.max) * F32([0.99, 1.0, 1.01, 3.0])])
+    want = np.minimum(v, F32(fmt.max)).astype(dtype).astype(F32)
+    got = np.asarray(jax.jit(lambda x: _cast(x, el))(v))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_rounding_of_rationals_ties_to_even():
     assert q_exact(Fraction(17, 16), E4M3) == 1  # 1 + ulp/2: tie, 1 is even
     assert q_exact(Fraction(19, 16), E4M3) == Fraction(5, 4)  # tie between 9/8 and 5/4

@@ -536,6 +536,13 @@ def _extremes(maxima: jax.Array, measured: jax.Array) -> dict[str, jax.Array]:
     }
 
 
+def _std_u(mean_u: jax.Array, meansq_u: jax.Array) -> jax.Array:
+    """Standard deviation from the mean and the mean square (in units). Callers give a
+    single element 0: there ``meansq - mean**2`` is the rounding of two products, and
+    its square root would read as a spread (1e-4 of the value, in float32)."""
+    return jnp.sqrt(jnp.maximum(meansq_u - mean_u * mean_u, 0.0))
+
+
 def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
     """Published statistics from raw rows (see docs/probe.md, "Two kernels, one definition").
 
@@ -561,7 +568,7 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
         "rms": jnp.sqrt(meansq_u) * unit,
         "absmax": jnp.where(ran & (finite_n > 0), raw["max"][:, 0], nan),
         "mean": mean_u * unit,
-        "std": jnp.sqrt(jnp.maximum(meansq_u - mean_u * mean_u, 0.0)) * unit,
+        "std": jnp.where(finite_n == 1, 0.0, _std_u(mean_u, meansq_u)) * unit,
         "frac_zero": frac(counts[:, col["zero"]]),
         "frac_nonfinite": frac(counts[:, col["nonfinite"]]),
         **_extremes(raw["max"], ran & (finite_n > 0)),

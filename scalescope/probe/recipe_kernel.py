@@ -136,8 +136,22 @@ def _div_rn(n: jax.Array, d: jax.Array) -> jax.Array:
 
 
 def _cast(y: jax.Array, el: Format) -> jax.Array:
-    """Round non-negative ``y`` to format ``el``, nearest even, saturating."""
-    return jnp.minimum(y, np.float32(el.max)).astype(el.dtype).astype(_F32)
+    """Round non-negative ``y`` to format ``el``, nearest even, saturating.
+
+    Byte formats go through XLA's convert. A sub-byte one (E2M1) is rounded here, on
+    its grid (``y / step`` is exact, `jnp.round` ties to even), because XLA does not
+    round it alike everywhere: its elemental CPU emitter rounds a float32 just above an
+    E2M1 tie down (5.0002 to 4, not 6; jaxlib 0.10.2), where ml_dtypes and the default
+    emitter give 6."""
+    y = jnp.minimum(y, np.float32(el.max))
+    if el.mantissa_bits + el.exponent_bits + 1 >= 8:
+        return y.astype(el.dtype).astype(_F32)
+    step = jnp.where(
+        y >= np.float32(el.min_normal),
+        _pow2(_exponent(jnp.maximum(y, _TINY)) - el.mantissa_bits),
+        np.float32(el.min_subnormal),
+    )
+    return jnp.round(y / step) * step
 
 
 def _cast_exact(p: jax.Array, r: jax.Array, el: Format) -> jax.Array:
