@@ -223,6 +223,41 @@ def test_the_step_is_interpreted_once_for_the_op_table_and_the_recording(tmp_pat
         assert len(ss.open_run(tmp_path / f"run{budget}").steps) >= 1
 
 
+def test_a_second_run_of_the_same_step_reuses_its_programs(tmp_path):
+    """`Run.track` of a step already tracked with the same options (a notebook cell run
+    again) traces and compiles nothing; each run still counts and records its own steps,
+    and other options, or a step function seen longer ago than the cache keeps, trace
+    anew."""
+    from scalescope.store import tracked as tracked_module
+
+    tracked_module._PROGRAMS.clear()
+    traced = []
+
+    def step(p, x):
+        traced.append(1)  # runs only while JAX traces the step
+        return p - 0.1 * jnp.tanh(x @ p), jnp.mean(p)
+
+    p, x = jnp.ones((3, 3)), jnp.eye(3)
+
+    def train(name: str, **kw) -> int:
+        before = len(traced)
+        with ss.Run(tmp_path / name, every=2, **kw) as run:
+            fn = run.track(step)
+            q = p
+            for _ in range(4):
+                q, _ = fn(q, x)
+        assert list(ss.open_run(tmp_path / name).steps) == [0, 2], name
+        return len(traced) - before
+
+    assert train("first") > 0
+    assert train("again") == 0  # same function, same options
+    assert train("fp16 only", formats="fp16") > 0  # other statistics: another program
+    for i in range(tracked_module._ProgramCache.SIZE):  # push `step` out of the cache
+        with ss.Run(tmp_path / f"other{i}", every=1) as run:
+            run.track(lambda q, y, i=i: (q * (i + 2), q.sum()))(p, x)
+    assert train("evicted") > 0
+
+
 def test_long_stats_filters_metric_ops_steps(tmp_path, data):
     _record(tmp_path / "r", mlp_step, data, 5, every=1)
     reader = ss.open_run(tmp_path / "r")

@@ -38,6 +38,46 @@ log = logging.getLogger("scalescope")
 _WHERE = "Run.track: the step's argument"
 
 
+class _ProgramCache:
+    """The programs of the last few tracked steps, by step function and options.
+
+    A second `Run.track` of the same function with the same options (a notebook cell run
+    again, the variants of a benchmark) reuses the jitted programs, with their traces and
+    compiled executables, instead of tracing and compiling them anew. The programs are
+    pure: everything a run owns (its step counter, writer, triggers, budget) stays in its
+    `Tracked`. Holding a step function here keeps it alive, so only `SIZE` are kept, the
+    least recently tracked dropped first; unhashable options (a policy given as a dict)
+    are not cached."""
+
+    SIZE = 4
+
+    def __init__(self) -> None:
+        self._entries: dict[Any, tuple[Any, ...]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, build: Callable[[], tuple[Any, ...]]) -> tuple[Any, ...]:
+        try:
+            hash(key)
+        except TypeError:
+            return build()
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is None:
+            entry = build()
+        with self._lock:
+            self._entries[key] = entry  # the most recent last
+            while len(self._entries) > self.SIZE:
+                del self._entries[next(iter(self._entries))]
+        return entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_PROGRAMS = _ProgramCache()
+
+
 class Tracked:
     """What `Run.track` returns: call it like the step function it wraps.
 
@@ -58,32 +98,28 @@ class Tracked:
         # they are bit for bit those of an unrecorded step, and the two programs never
         # hold their temporaries at once. isolate=False records inside one program that
         # also gives the outputs (cheaper; outputs may differ in the last bits).
-        self.instrumented = instrument(
-            fn,
+        self.separate = run.isolate
+        self.detect = run.detect
+        options = dict(
             scalify=scalify,
-            formats=run.formats + run.recipes,
+            formats=tuple(run.formats) + tuple(run.recipes),
             histograms=run.histograms,
             select=run.select,
             sample=run.sample,
-            isolate=False,
             fallback=run.fallback,
             groups=run.groups if self.budgeted else 0,
             policy=policy,
         )
-        self.separate = run.isolate
-        self.detect = run.detect
+        self.instrumented, self._plain, self._recording = _PROGRAMS.get(
+            (fn, self.separate, self.detect, self.budgeted, *sorted(options.items())),
+            lambda: self._programs(fn, options),
+        )
         self.detector = flight.Detector(run.triggers) if self.detect else None
         self._last_good: Any = None  # outputs of the last healthy call (on_nonfinite="skip")
         self._watcher: flight.Watcher | None = None  # judges steps as they run ("record")
         self._watched = -1  # the last step handed to the watcher
         self._last_stats: Any = None  # statistics of the last fully measured step
         self._prev_stats: Any = None  # and of the one before it
-        self._recording = self._recording_fn(None)
-        if policy is not None:
-            plain = emulate(fn, policy, scalify=scalify, fallback=run.fallback)
-        else:
-            plain = _scalify(fn, fallback=run.fallback) if scalify else fn
-        self._plain = StaticLeafJit(_with_health(plain) if self.detect else plain, _WHERE)
         self._registered = False
         self._signatures: dict[Any, bool] = {}  # call signature -> records (same graph)?
         self.controller: _budget.BudgetController | None = None
@@ -94,6 +130,18 @@ class Tracked:
         self._compile_thread: threading.Thread | None = None
         self._submitted_step = -1  # the last step whose statistics went to the writer
         functools.update_wrapper(self, fn)
+
+    def _programs(self, fn: Callable[..., Any], options: dict[str, Any]) -> tuple[Any, ...]:
+        """``(instrumented, plain, recording)``: the step instrumented, and the jitted
+        plain and recording programs (see `_PROGRAMS`)."""
+        self.instrumented = instrument(fn, isolate=False, **options)
+        scalify, fallback, policy = options["scalify"], options["fallback"], options["policy"]
+        if policy is not None:
+            plain = emulate(fn, policy, scalify=scalify, fallback=fallback)
+        else:
+            plain = _scalify(fn, fallback=fallback) if scalify else fn
+        plain_jit = StaticLeafJit(_with_health(plain) if self.detect else plain, _WHERE)
+        return self.instrumented, plain_jit, self._recording_fn(None)
 
     def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
         """The jitted recording variant; with ``mesh`` (a step jitted over devices of
