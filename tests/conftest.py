@@ -47,7 +47,7 @@ XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
 #: newer jaxlib may drop one): XLA's elemental CPU code generators instead of its MLIR
 #: fusion emitters. They compile a small program in about half the time (the eager
 #: per-primitive programs: 18 ms instead of 35 ms each) and the tests' scalified GPT steps
-#: in ~25 % less; the cold suite went from 19.8 to ~14.5 min (docs/benchmarks.md, "The
+#: in ~25 % less; the cold suite went from 19.8 to 15.3 min (docs/benchmarks.md, "The
 #: test suite on a fresh machine"). Their code is slower, which the tests' tiny models do
 #: not feel, and fuses differently, so float32 results may differ in the last bits from
 #: the default emitters' (what is computed is the same program). They round float32 to
