@@ -146,23 +146,24 @@ def _cast(y: jax.Array, el: Format) -> jax.Array:
     y = jnp.minimum(y, np.float32(el.max))
     if el.mantissa_bits + el.exponent_bits + 1 >= 8:
         return y.astype(el.dtype).astype(_F32)
-    step = jnp.where(
+    step = _grid_step(y, el)
+    return jnp.round(y / step) * step
+
+
+def _grid_step(y: jax.Array, el: Format) -> jax.Array:
+    """The spacing of format ``el``'s grid around non-negative ``y`` (a power of two)."""
+    return jnp.where(
         y >= np.float32(el.min_normal),
         _pow2(_exponent(jnp.maximum(y, _TINY)) - el.mantissa_bits),
         np.float32(el.min_subnormal),
     )
-    return jnp.round(y / step) * step
 
 
 def _cast_exact(p: jax.Array, r: jax.Array, el: Format) -> jax.Array:
     """Round ``p + r`` (``p`` float32 >= 0, ``r`` its residual, |r| below one float32
     step of ``p``) to the element format: like ``p`` unless ``p`` is a tie."""
     q = _cast(p, el)
-    step = jnp.where(
-        p >= np.float32(el.min_normal),
-        _pow2(_exponent(jnp.maximum(p, _TINY)) - el.mantissa_bits),
-        np.float32(el.min_subnormal),
-    )
+    step = _grid_step(p, el)
     t = p / step
     tie = (t - jnp.floor(t)) == 0.5
     half = step * 0.5
