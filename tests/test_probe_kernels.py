@@ -257,3 +257,48 @@ def test_values_measured_at_once_equal_values_measured_later():
         np.testing.assert_allclose(
             np.asarray(stats_a[name]), np.asarray(stats_b[name]), err_msg=name, **tol
         )
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32]
+)
+def test_hand_off_returns_every_value_bit_for_bit(dtype):
+    """`kernel.hand_off` (the pure-XLA pass-through) returns every bit pattern unchanged:
+    zeros of both signs, subnormals, the max, infinities, every NaN. Checked on the bits,
+    against the input itself."""
+    width = np.dtype(dtype).itemsize * 8
+    if width == 32:  # every exponent, a spread of mantissas, both signs, the specials
+        exp = np.arange(256, dtype=np.uint32) << 23
+        man = np.array([0, 1, 2, 3, 1 << 22, (1 << 23) - 1, 0x2AAAAA], np.uint32)
+        bits = (exp[:, None] | man[None, :]).ravel()
+        bits = np.concatenate([bits, bits | np.uint32(1 << 31)])
+    else:
+        bits = np.arange(1 << width, dtype=np.uint64).astype(f"uint{width}")
+    values = bits.view(np.dtype(dtype))
+    out = np.asarray(jax.jit(kernel.hand_off)(jnp.asarray(values)))
+    assert np.array_equal(out.view(bits.dtype), bits)
+
+
+def test_the_xla_kernel_reads_a_value_where_the_step_does(monkeypatch):
+    """On the pure-XLA path a measured value is computed once: its producer (a sine here)
+    is not recomputed inside the statistics' passes, so the instrumented program holds as
+    many sines as the plain one; its outputs are the plain program's."""
+    monkeypatch.setattr(native, "use_native", lambda: False)
+
+    def f(x):
+        h = jnp.sin(x) * 3.0
+        return jnp.cos(h) * h
+
+    x = jnp.linspace(-4.0, 4.0, 1 << 16, dtype=jnp.float32)
+    inst = ss.instrument(f)
+    plain = jax.jit(f).lower(x).compile().as_text()
+    text = jax.jit(inst).lower(x).compile().as_text()
+    assert plain.count(" sine(") == 1
+    assert text.count(" sine(") == 1, "the sine is recomputed by the statistics' passes"
+    out, stats = jax.jit(inst)(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(f)(x)))
+    table = inst.op_table(x)
+    (mul,) = [op for op in table.find("mul") if op.recorded and op.shape == x.shape][:1]
+    row = table.rows(mul).start
+    h = np.asarray(jax.jit(lambda x: jnp.sin(x) * 3.0)(x))
+    _check({k: np.asarray(v)[row] for k, v in stats.items()}, reference(h), "sin(x) * 3")

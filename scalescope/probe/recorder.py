@@ -310,6 +310,13 @@ class _Shared:
         )
 
     @property
+    def hands_off(self) -> bool:
+        """Hand each value to its consumers through `kernel.hand_off` (the pure-XLA
+        kernel, exact statistics of every element of every group): the value is
+        computed once, and the statistics read it where the step does."""
+        return self.mask is None and self.spec.sample is None and not native.use_native()
+
+    @property
     def native_args(self) -> tuple[Any, Any]:
         hist = (kernel.HIST_LO, kernel.HIST_HI) if self.spec.histograms else None
         return self.spec.formats, hist
@@ -603,6 +610,9 @@ class Recorder(Observer):
                 self.scope.values.append(measured)
                 value = ScaledArray(data, value.scale) if scaled else data
             else:
+                if not early and self.shared.hands_off:  # (`early`: as above)
+                    data = kernel.hand_off(data)
+                    value = ScaledArray(data, value.scale) if scaled else data
                 self.scope.values.append((data, scale, axes))
             self.scope.recorded.append(rec)
         if rec.note not in ("", "alias"):
