@@ -515,7 +515,8 @@ def _block_features(x: jax.Array, spec: StatSpec):
 
 
 #: `_block_features` traced and lowered once per buffer shape: groups of one size (a
-#: full buffer, a layer's activations) share them (nanoGPT size: 8.9 s -> s of tracing).
+#: full buffer, a layer's activations) share them (nanoGPT size, statistics program:
+#: tracing and lowering 13.3 s -> 10.3 s; XLA still compiles every group's passes).
 _block_passes = jax.jit(_block_features, static_argnums=1)
 
 
