@@ -61,11 +61,17 @@ FORMAT_STATS = ("underflow", "subnormal", "overflow", "snr")
 DEFAULT_BLOCK = 512
 #: Pure-XLA kernel: values are concatenated into buffers of at most this many elements
 #: (a value larger than that gets a buffer of its own), so the probe's extra memory stays
-#: bounded whatever the number of values. Each buffer's passes compile on their own: 2**23
-#: (32 MiB) halves the compile time of 2**22 for 8 % more memory (4-layer GPT, CPU:
-#: 3.3x / 1.67x the scalified step's compile and temporaries, 2**22 4.1x / 1.54x, 2**24
-#: 2.8x / 1.79x).
-GROUP_ELEMENTS = 1 << 23
+#: bounded whatever the number of values. XLA compiles each buffer's passes on their own,
+#: so the compile time grows with the number of buffers: 2**25 (at most 128 MiB, 64 MiB
+#: for 16-bit values) keeps nanoGPT's statistics program within 2.5x the step's compile
+#: and 1.25x its memory on CPU (docs/gpu.md, "The probe's GPU path, measured on CPU").
+GROUP_ELEMENTS = 1 << 25
+#: A scope whose values are fewer than `GROUPS_PER_SCOPE` full buffers gets smaller ones
+#: (an eighth of its elements, at least this many): a small model's probe holds a few
+#: MiB more, not a copy of a scope's values (sample GPT 2x128: 3.1x the step's memory
+#: with 2**23 buffers, 8.4x with 2**25).
+GROUP_MIN_ELEMENTS = 1 << 22
+GROUPS_PER_SCOPE = 8
 _F32 = jnp.float32
 
 
@@ -341,7 +347,8 @@ def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
 
     On CPU each value is read once by the native kernel (`native`), right where it is
     produced. Elsewhere (GPU, or no C++ compiler) values are grouped into buffers of at
-    most `GROUP_ELEMENTS` elements, each reduced by `group_raw`. Recipes (opt-in) are
+    most `GROUP_ELEMENTS` elements (fewer in a small scope: an eighth of its elements, at
+    least `GROUP_MIN_ELEMENTS`), each reduced by `group_raw`. Recipes (opt-in) are
     appended as columns of their own (per value natively, per group in XLA).
     """
     if not values:
@@ -349,11 +356,15 @@ def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
     if native.use_native():
         raw = _native_raw(values, spec)
         return _append_recipes(raw, _native_recipes(values, spec)) if spec.recipes else raw
+    sizes = [
+        int(np.size(v[0])) if spec.sample is None else min(int(np.size(v[0])), spec.sample)
+        for v in values
+    ]
+    limit = min(GROUP_ELEMENTS, max(GROUP_MIN_ELEMENTS, sum(sizes) // GROUPS_PER_SCOPE))
     groups: list[list[Any]] = [[]]
     size = 0
-    for value in values:
-        n = int(np.size(value[0])) if spec.sample is None else min(np.size(value[0]), spec.sample)
-        if groups[-1] and size + n > GROUP_ELEMENTS:
+    for value, n in zip(values, sizes, strict=True):
+        if groups[-1] and size + n > limit:
             groups.append([])
             size = 0
         groups[-1].append(value)
@@ -448,20 +459,35 @@ def _native_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
     return raw
 
 
+def _buffer_dtype(values: Sequence[Any]) -> Any:
+    """The type of a group's buffer: the values' own when they share one that can hold
+    the NaN padding (a group of float16 values takes half the memory of float32, one of
+    float8 a quarter; the passes widen each element as they read it), else float32."""
+    types = {np.dtype(v[0].dtype) for v in values}
+    if len(types) == 1:
+        (dtype,) = types
+        if jnp.issubdtype(dtype, jnp.floating) and np.isnan(
+            np.float32(np.asarray(np.nan, np.float32).astype(dtype))
+        ):
+            return dtype
+    return np.dtype(np.float32)
+
+
 def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
     """Raw statistics of ``values``, one row each, computed in a few fused passes over one
     buffer (the pure-XLA kernel)."""
     if not values:
         return empty_raw(spec)
     b = spec.block
+    dtype = _buffer_dtype(values)
     pieces, blocks_per_value, sizes, pads = [], [], [], []
     for value in values:
-        flat = _sample(jnp.ravel(value[0]), spec.sample).astype(_F32)
+        flat = _sample(jnp.ravel(value[0]), spec.sample).astype(dtype)
         n = int(flat.shape[0])
         nb = -(-n // b)
         pad = nb * b - n
         if pad:
-            flat = jnp.concatenate([flat, jnp.full((pad,), np.nan, _F32)])
+            flat = jnp.concatenate([flat, jnp.full((pad,), np.nan, dtype)])
         pieces.append(flat)
         blocks_per_value.append(nb)
         sizes.append(n)
@@ -508,6 +534,7 @@ _COUNTER_BITS = 10
 def _block_features(x: jax.Array, spec: StatSpec):
     """`_block_stats` of the blocks ``x``, and their histograms where blocks are short
     enough for packed counters (else None)."""
+    x = x.astype(_F32)
     hist = None
     if spec.histograms and x.shape[1] < 1 << _COUNTER_BITS:
         hist = _block_histograms(x)
@@ -533,7 +560,7 @@ def _histograms(
     # Blocks too long for packed counters: one scatter-add (its bin indices, an int32
     # per element, are held in memory on CPU, where a scatter's operands are not fused).
     h = len(HIST_COLUMNS)
-    index = (jnp.asarray(seg)[:, None] * h + _hist_bins(x)).reshape(-1)
+    index = (jnp.asarray(seg)[:, None] * h + _hist_bins(x.astype(_F32))).reshape(-1)
     hist = jnp.zeros((rows * h,), jnp.int32).at[index].add(1, mode="promise_in_bounds")
     return hist.reshape(rows, h)
 
