@@ -302,3 +302,62 @@ def test_the_xla_kernel_reads_a_value_where_the_step_does(monkeypatch):
     row = table.rows(mul).start
     h = np.asarray(jax.jit(lambda x: jnp.sin(x) * 3.0)(x))
     _check({k: np.asarray(v)[row] for k, v in stats.items()}, reference(h), "sin(x) * 3")
+
+
+def test_a_small_scope_gets_smaller_xla_buffers(monkeypatch):
+    """A scope whose values fill fewer than `GROUPS_PER_SCOPE` full buffers is split into
+    buffers of 1/`GROUPS_PER_SCOPE` of its elements (at least `GROUP_MIN_ELEMENTS`), so
+    a small model's probe does not hold a copy of every value of a scope."""
+    monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 10**6)
+    monkeypatch.setattr(kernel, "GROUP_MIN_ELEMENTS", 500)
+    monkeypatch.setattr(kernel, "GROUPS_PER_SCOPE", 4)
+    monkeypatch.setattr(native, "use_native", lambda: False)
+    seen = []
+    real = kernel.group_raw
+
+    def spy(values, spec):
+        seen.append(sum(int(np.size(d)) for d, _ in values))
+        return real(values, spec)
+
+    monkeypatch.setattr(kernel, "group_raw", spy)
+    rng = np.random.default_rng(3)
+    for sizes, groups in (
+        ([400] * 10, [800] * 5),  # 4000 elements: buffers of 1000
+        ([100] * 10, [500, 500]),  # 1000 elements: the minimum, 500
+    ):
+        seen.clear()
+        values = [rng.normal(size=n).astype(np.float32) for n in sizes]
+        out = jax.jit(
+            lambda *xs: kernel.finalize(kernel.values_raw([(x, None) for x in xs], SPEC), SPEC)
+        )(*values)
+        assert seen == groups
+        for i, v in enumerate(values):
+            _check({k: np.asarray(a)[i] for k, a in out.items()}, reference(v), f"value {i}")
+
+
+def test_xla_buffers_keep_the_values_type(monkeypatch):
+    """A buffer whose values share a type holds them in it (padded with that type's NaN)
+    and one of mixed types in float32; either way every value's statistics are the
+    reference's, for values that do not fill whole blocks."""
+    monkeypatch.setattr(native, "use_native", lambda: False)
+    rng = np.random.default_rng(11)
+    raw = [rng.normal(size=n) * s for n, s in ((700, 3.0), (1029, 0.01), (513, 200.0))]
+    for types in (
+        [jnp.float16] * 3,
+        [jnp.bfloat16] * 3,
+        [jnp.float8_e4m3fn] * 3,
+        [jnp.float8_e5m2] * 3,
+        [jnp.float16, jnp.bfloat16, jnp.float32],
+    ):
+        values = [jnp.asarray(v.astype(np.float32)).astype(t) for v, t in zip(raw, types)]
+        shared = len(set(types)) == 1
+        assert kernel._buffer_dtype([(v, None) for v in values]) == (
+            np.dtype(types[0]) if shared else np.float32
+        )
+        out = jax.jit(
+            lambda *xs: kernel.finalize(kernel.values_raw([(x, None) for x in xs], SPEC), SPEC)
+        )(*values)
+        for i, v in enumerate(values):
+            ref = reference(np.asarray(v).astype(np.float32))
+            _check({k: np.asarray(a)[i] for k, a in out.items()}, ref, f"{types[i]} {i}")
+            assert np.array_equal(np.asarray(out["hist"])[i], ref["hist"]), f"hist {i}"

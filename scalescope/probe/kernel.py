@@ -1,13 +1,16 @@
-"""On-device statistics of many values at once, in one fused pass.
+"""On-device statistics of many values at once, in a few fused passes.
 
-Compiling separate reductions for each of a thousand values of a training step costs
-minutes of XLA time (see the field notes), so the values of one scope (the step, or one
-loop body) are flattened, padded to whole blocks of ``block`` elements and concatenated
-into one ``[blocks, block]`` buffer. A few small variadic reductions compute the
-per-element features per block (moments, zeros and non-finite in one; the rounding error
-and range flags of each format in one each); segment sums fold blocks into values, and
-the exponent histogram is one scatter-add into ``[values, bins]``. The compiled code is
-the same whatever the number of values.
+Two kernels compute the same raw rows. On CPU a native custom call (`native`) measures
+each value where it is produced. Elsewhere (GPU), the pure-XLA kernel: each value is
+handed to its consumers through `hand_off` (computed once, read where the step reads
+it), and the values of one scope (the step, or one loop body) are flattened, padded to
+whole blocks of ``block`` elements and concatenated into buffers of at most
+`GROUP_ELEMENTS` elements, in the values' own type where they share one. A few small
+variadic reductions compute the per-element features per block (moments, zeros and
+non-finite in one; the rounding error and range flags of each format in one each; the
+exponent histogram in packed counters), traced once per buffer shape; segment sums fold
+blocks into values. XLA compiles each buffer's passes on their own, so fewer, larger
+buffers compile faster and hold more (docs/gpu.md).
 
 The result of a scope is *raw*: sums, counts, maxima and last values per row, which
 can be summed over while-loop iterations and stacked over scan iterations.
