@@ -178,13 +178,10 @@ def test_kernels_agree_on_wide_ranges():
             _check(g, r, f"{which}:{v.shape}")
 
 
-def test_xla_kernel_groups_stay_bounded(monkeypatch):
-    """The pure-XLA kernel never concatenates more than GROUP_ELEMENTS elements (plus one
-    value larger than that) into one buffer."""
-    monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 1000)
+def _buffer_sizes(monkeypatch) -> list[int]:
+    """Force the pure-XLA kernel; the list it fills with the elements of each buffer."""
     monkeypatch.setattr(native, "use_native", lambda: False)
-    sizes = [300, 300, 300, 300, 2500, 10, 990]
-    seen = []
+    seen: list[int] = []
     real = kernel.group_raw
 
     def spy(values, spec):
@@ -192,6 +189,15 @@ def test_xla_kernel_groups_stay_bounded(monkeypatch):
         return real(values, spec)
 
     monkeypatch.setattr(kernel, "group_raw", spy)
+    return seen
+
+
+def test_xla_kernel_groups_stay_bounded(monkeypatch):
+    """The pure-XLA kernel never concatenates more than GROUP_ELEMENTS elements (plus one
+    value larger than that) into one buffer."""
+    monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 1000)
+    sizes = [300, 300, 300, 300, 2500, 10, 990]
+    seen = _buffer_sizes(monkeypatch)
     rng = np.random.default_rng(7)
     values = [rng.normal(size=n).astype(np.float32) for n in sizes]
     out = jax.jit(
@@ -311,15 +317,7 @@ def test_a_small_scope_gets_smaller_xla_buffers(monkeypatch):
     monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 10**6)
     monkeypatch.setattr(kernel, "GROUP_MIN_ELEMENTS", 500)
     monkeypatch.setattr(kernel, "GROUPS_PER_SCOPE", 4)
-    monkeypatch.setattr(native, "use_native", lambda: False)
-    seen = []
-    real = kernel.group_raw
-
-    def spy(values, spec):
-        seen.append(sum(int(np.size(d)) for d, _ in values))
-        return real(values, spec)
-
-    monkeypatch.setattr(kernel, "group_raw", spy)
+    seen = _buffer_sizes(monkeypatch)
     rng = np.random.default_rng(3)
     for sizes, groups in (
         ([400] * 10, [800] * 5),  # 4000 elements: buffers of 1000

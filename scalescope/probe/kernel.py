@@ -65,14 +65,15 @@ DEFAULT_BLOCK = 512
 #: Pure-XLA kernel: values are concatenated into buffers of at most this many elements
 #: (a value larger than that gets a buffer of its own), so the probe's extra memory stays
 #: bounded whatever the number of values. XLA compiles each buffer's passes on their own,
-#: so the compile time grows with the number of buffers: 2**25 (at most 128 MiB, 64 MiB
-#: for 16-bit values) keeps nanoGPT's statistics program within 2.5x the step's compile
-#: and 1.25x its memory on CPU (docs/gpu.md, "The probe's GPU path, measured on CPU").
+#: so the compile time grows with the number of buffers, the memory with their size:
+#: 2**25 (at most 128 MiB, 64 MiB for 16-bit values) compiles nanoGPT's statistics
+#: program in 2.8x the step's time with 1.28x its temporaries on CPU (2**23: 4.0x and
+#: 1.08x; docs/gpu.md, "The probe's GPU path, measured on CPU").
 GROUP_ELEMENTS = 1 << 25
 #: A scope whose values are fewer than `GROUPS_PER_SCOPE` full buffers gets smaller ones
 #: (an eighth of its elements, at least this many): a small model's probe holds a few
-#: MiB more, not a copy of a scope's values (sample GPT 2x128: 3.1x the step's memory
-#: with 2**23 buffers, 8.4x with 2**25).
+#: MiB more, not a copy of a scope's values (sample GPT 2x128: 3.4x the step's memory,
+#: 3.1x with 2**23 buffers, 8.4x with 2**25 and no such floor).
 GROUP_MIN_ELEMENTS = 1 << 22
 GROUPS_PER_SCOPE = 8
 _F32 = jnp.float32
@@ -382,7 +383,7 @@ def hand_off(data: jax.Array) -> jax.Array:
     The pure-XLA twin of the native kernel's pass-through (`native.measure_through`).
     XLA fuses a cheap elementwise producer into each of its consumers, so a measured
     value's producer would be recomputed by the statistics' passes as well as by the step
-    (on the sample GPT: 1.4x the HLO, 1.3x the compile). A division is not cheap to XLA
+    (a 2-layer GPT, d=384: 1.4x the HLO, 1.3x the compile). A division is not cheap to XLA
     and is never duplicated into two consumers: the bits of ``data`` are divided, as
     integers, by a ``1`` XLA cannot fold (``(b | 1) & 1``). Integer division is exact for
     every pattern; a float division would flush float32 subnormals on CPU. Types whose
