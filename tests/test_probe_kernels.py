@@ -340,21 +340,28 @@ def test_xla_buffers_keep_the_values_type(monkeypatch):
     monkeypatch.setattr(native, "use_native", lambda: False)
     rng = np.random.default_rng(11)
     raw = [rng.normal(size=n) * s for n, s in ((700, 3.0), (1029, 0.01), (513, 200.0))]
-    for types in (
+    configs = (
         [jnp.float16] * 3,
         [jnp.bfloat16] * 3,
         [jnp.float8_e4m3fn] * 3,
         [jnp.float8_e5m2] * 3,
         [jnp.float16, jnp.bfloat16, jnp.float32],
-    ):
-        values = [jnp.asarray(v.astype(np.float32)).astype(t) for v, t in zip(raw, types)]
+    )
+    groups = [
+        [jnp.asarray(v.astype(np.float32)).astype(t) for v, t in zip(raw, types)]
+        for types in configs
+    ]
+    for types, values in zip(configs, groups):
         shared = len(set(types)) == 1
         assert kernel._buffer_dtype([(v, None) for v in values]) == (
             np.dtype(types[0]) if shared else np.float32
         )
-        out = jax.jit(
-            lambda *xs: kernel.finalize(kernel.values_raw([(x, None) for x in xs], SPEC), SPEC)
-        )(*values)
+    outs = jax.jit(  # one program, one scope per configuration
+        lambda gs: [
+            kernel.finalize(kernel.values_raw([(x, None) for x in g], SPEC), SPEC) for g in gs
+        ]
+    )(groups)
+    for types, values, out in zip(configs, groups, outs):
         for i, v in enumerate(values):
             ref = reference(np.asarray(v).astype(np.float32))
             _check({k: np.asarray(a)[i] for k, a in out.items()}, ref, f"{types[i]} {i}")
