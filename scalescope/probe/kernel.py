@@ -551,15 +551,11 @@ def _block_features(x: jax.Array, spec: StatSpec):
 _block_passes = jax.jit(_block_features, static_argnums=1)
 
 
-def _histograms(
-    x: jax.Array, seg: np.ndarray, rows: int, blocks: jax.Array | None = None
-) -> jax.Array:
+def _histograms(x: jax.Array, seg: np.ndarray, rows: int, blocks: jax.Array | None) -> jax.Array:
     """Exponent histograms ``[rows, HIST_COLUMNS]`` of the blocks ``x`` (``[blocks,
-    block]``), block ``i`` counted in row ``seg[i]``; ``blocks``: the per-block
-    histograms, when already computed."""
-    if x.shape[1] < 1 << _COUNTER_BITS:
-        if blocks is None:
-            blocks = _block_histograms(x)
+    block]``), block ``i`` counted in row ``seg[i]``, from ``blocks``, the per-block
+    histograms of `_block_features` (None: blocks too long for packed counters)."""
+    if blocks is not None:
         return jax.ops.segment_sum(blocks, seg, rows, indices_are_sorted=True)
     # Blocks too long for packed counters: one scatter-add (its bin indices, an int32
     # per element, are held in memory on CPU, where a scatter's operands are not fused).
