@@ -178,34 +178,103 @@ def test_kernels_agree_on_wide_ranges():
             _check(g, r, f"{which}:{v.shape}")
 
 
-def _buffer_sizes(monkeypatch) -> list[int]:
-    """Force the pure-XLA kernel; the list it fills with the elements of each buffer."""
+def _buffer_sizes(monkeypatch) -> list[list[int]]:
+    """Force the pure-XLA kernel; the list it fills with the elements of each buffer's
+    pieces (NaN padding not counted)."""
     monkeypatch.setattr(native, "use_native", lambda: False)
-    seen: list[int] = []
+    seen: list[list[int]] = []
     real = kernel.group_raw
 
-    def spy(values, spec):
-        seen.append(sum(int(np.size(d)) for d, _ in values))
-        return real(values, spec)
+    def spy(values, spec, pad_to_class=False):
+        seen.append([int(np.size(d)) for d, _ in values])
+        return real(values, spec, pad_to_class)
 
     monkeypatch.setattr(kernel, "group_raw", spy)
     return seen
 
 
-def test_xla_kernel_groups_stay_bounded(monkeypatch):
-    """The pure-XLA kernel never concatenates more than GROUP_ELEMENTS elements (plus one
-    value larger than that) into one buffer."""
-    monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 1000)
-    sizes = [300, 300, 300, 300, 2500, 10, 990]
+def _values_stats(values, spec=SPEC) -> dict:
+    return jax.jit(
+        lambda *xs: kernel.finalize(kernel.values_raw([(x, None) for x in xs], spec), spec)
+    )(*values)
+
+
+def test_pack_fills_buffers_exactly_and_gives_big_values_their_own():
+    """`kernel.pack`: values under half a buffer are packed in order into buffers of
+    exactly ``capacity`` blocks, a value split where one fills up (on a block of the
+    value); a value of half a buffer or more is a buffer of its own (read in place);
+    an empty value is a row of the open buffer."""
+    sizes = [150, 150, 190, 190, 600, 0, 10, 2000, 130, 50]
+    assert kernel.pack(sizes, capacity=8, block=64) == [
+        [(0, 0, 150), (1, 0, 150), (2, 0, 128)],  # 3 + 3 + 2 blocks
+        [(4, 0, 600)],
+        [(7, 0, 2000)],
+        [(2, 128, 190), (3, 0, 190), (5, 0, 0), (6, 0, 10), (8, 0, 130)],  # 1+3+0+1+3
+        [(9, 0, 50)],  # the last, partly filled
+    ]
+
+
+def test_xla_kernel_statistics_of_values_split_across_buffers(monkeypatch):
+    """Through `values_raw`: full buffers hold exactly their capacity, the last is
+    padded up to its `size_class`, and every value's statistics are the reference's,
+    also for a value split across two buffers whose pieces differ by 2**20 in magnitude
+    (sums re-expressed in the larger piece's units) and hold a zero, an inf and a NaN."""
+    monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 512)
+    monkeypatch.setattr(kernel, "GROUP_MIN_ELEMENTS", 512)
+    spec = kernel.StatSpec(SPEC.formats, histograms=True, block=64)
     seen = _buffer_sizes(monkeypatch)
     rng = np.random.default_rng(7)
+    sizes = [150, 150, 190, 190, 600, 0, 10, 2000, 130, 50]
     values = [rng.normal(size=n).astype(np.float32) for n in sizes]
-    out = jax.jit(
-        lambda *xs: kernel.finalize(kernel.values_raw([(x, None) for x in xs], SPEC), SPEC)
-    )(*values)
-    assert seen == [900, 300, 2500, 1000]
+    values[2][:128] *= 1e-3
+    values[2][128:] *= 1e3
+    values[2][[130, 140, 150]] = [0.0, np.inf, np.nan]
+    out = _values_stats(values, spec)
+    assert seen == [[150, 150, 128], [600], [2000], [62, 190, 0, 10, 130], [50]]
     for i, v in enumerate(values):
-        _check({k: np.asarray(a)[i] for k, a in out.items()}, reference(v), f"value {i}")
+        got = {k: np.asarray(a)[i] for k, a in out.items()}
+        if not v.size:  # the empty value: nothing counted, no statistic
+            assert got["count"] == 0 and np.isnan(got["rms"]) and not got["hist"].any()
+            continue
+        ref = reference(v)
+        _check(got, ref, f"value {i}")
+        assert np.array_equal(got["hist"], ref["hist"]), f"hist {i}"
+    classes = [kernel.size_class(n) for n in (1, 8, 9, 15, 17, 100, 65537)]
+    assert classes == [1, 8, 10, 16, 20, 112, 81920]  # four an octave: <= a quarter more
+
+
+def test_a_small_scope_gets_smaller_xla_buffers(monkeypatch):
+    """A scope whose values fill fewer than `GROUPS_PER_SCOPE` full buffers gets buffers
+    of 1/`GROUPS_PER_SCOPE` of its elements (at least `GROUP_MIN_ELEMENTS`), rounded down
+    to a power of two blocks, so a small model's probe does not hold a copy of every
+    value of a scope."""
+    monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 10**6)
+    monkeypatch.setattr(kernel, "GROUP_MIN_ELEMENTS", 500)
+    monkeypatch.setattr(kernel, "GROUPS_PER_SCOPE", 4)
+    spec = kernel.StatSpec(SPEC.formats, histograms=True, block=10)
+    seen = _buffer_sizes(monkeypatch)
+    rng = np.random.default_rng(3)
+    for sizes, buffers in (
+        (  # 4000 elements: 1000 a buffer, 64 blocks of 10
+            [100] * 40,
+            [
+                [100] * 6 + [40],
+                [60] + [100] * 5 + [80],
+                [20] + [100] * 6 + [20],
+                [80] + [100] * 5 + [60],
+                [40] + [100] * 6,
+                [100] * 6 + [40],
+                [60, 100],
+            ],
+        ),
+        ([30] * 20, [[30] * 10 + [20], [10] + [30] * 9]),  # 600: the minimum, 32 blocks
+    ):
+        seen.clear()
+        values = [rng.normal(size=n).astype(np.float32) for n in sizes]
+        out = _values_stats(values, spec)
+        assert seen == buffers
+        for i, v in enumerate(values):
+            _check({k: np.asarray(a)[i] for k, a in out.items()}, reference(v), f"value {i}")
 
 
 @needs_native
@@ -308,29 +377,6 @@ def test_the_xla_kernel_reads_a_value_where_the_step_does(monkeypatch):
     row = table.rows(mul).start
     h = np.asarray(jax.jit(lambda x: jnp.sin(x) * 3.0)(x))
     _check({k: np.asarray(v)[row] for k, v in stats.items()}, reference(h), "sin(x) * 3")
-
-
-def test_a_small_scope_gets_smaller_xla_buffers(monkeypatch):
-    """A scope whose values fill fewer than `GROUPS_PER_SCOPE` full buffers is split into
-    buffers of 1/`GROUPS_PER_SCOPE` of its elements (at least `GROUP_MIN_ELEMENTS`), so
-    a small model's probe does not hold a copy of every value of a scope."""
-    monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 10**6)
-    monkeypatch.setattr(kernel, "GROUP_MIN_ELEMENTS", 500)
-    monkeypatch.setattr(kernel, "GROUPS_PER_SCOPE", 4)
-    seen = _buffer_sizes(monkeypatch)
-    rng = np.random.default_rng(3)
-    for sizes, groups in (
-        ([400] * 10, [800] * 5),  # 4000 elements: buffers of 1000
-        ([100] * 10, [500, 500]),  # 1000 elements: the minimum, 500
-    ):
-        seen.clear()
-        values = [rng.normal(size=n).astype(np.float32) for n in sizes]
-        out = jax.jit(
-            lambda *xs: kernel.finalize(kernel.values_raw([(x, None) for x in xs], SPEC), SPEC)
-        )(*values)
-        assert seen == groups
-        for i, v in enumerate(values):
-            _check({k: np.asarray(a)[i] for k, a in out.items()}, reference(v), f"value {i}")
 
 
 def test_xla_buffers_keep_the_values_type(monkeypatch):

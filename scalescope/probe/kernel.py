@@ -9,8 +9,9 @@ whole blocks of ``block`` elements and concatenated into buffers of at most
 variadic reductions compute the per-element features per block (moments, zeros and
 non-finite in one; the rounding error and range flags of each format in one each; the
 exponent histogram in packed counters), traced once per buffer shape; segment sums fold
-blocks into values. XLA compiles each buffer's passes on their own, so fewer, larger
-buffers compile faster and hold more (docs/gpu.md).
+blocks into values. XLA compiles each distinct fusion once, so buffers are made to
+share shapes: filled exactly (a value split across two where one fills up), the last
+of a scope padded to one of a few sizes (docs/gpu.md).
 
 The result of a scope is *raw*: sums, counts, maxima and last values per row, which
 can be summed over while-loop iterations and stacked over scan iterations.
@@ -20,7 +21,7 @@ can be summed over while-loop iterations and stacked over scan iterations.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import jax
@@ -350,10 +351,12 @@ def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
     tuples, the scale ``None`` for a plain value, or `Measured`), one row each.
 
     On CPU each value is read once by the native kernel (`native`), right where it is
-    produced. Elsewhere (GPU, or no C++ compiler) values are grouped into buffers of at
-    most `GROUP_ELEMENTS` elements (fewer in a small scope: an eighth of its elements, at
-    least `GROUP_MIN_ELEMENTS`), each reduced by `group_raw`. Recipes (opt-in) are
-    appended as columns of their own (per value natively, per group in XLA).
+    produced. Elsewhere (GPU, or no C++ compiler) values are packed (`pack`) into buffers
+    of `GROUP_ELEMENTS` elements (fewer in a small scope: an eighth of its elements, at
+    least `GROUP_MIN_ELEMENTS`, rounded down to a power of two blocks), each reduced by
+    `group_raw`, the rows of a value split across two buffers merged (`merge_rows`).
+    Recipes (opt-in) are appended as columns of their own (per value natively; in XLA
+    per group of whole values, as block-scaled recipes read a value's blocks in place).
     """
     if not values:
         return empty_raw(spec)
@@ -364,7 +367,65 @@ def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
         int(np.size(v[0])) if spec.sample is None else min(int(np.size(v[0])), spec.sample)
         for v in values
     ]
+    b = spec.block
     limit = min(GROUP_ELEMENTS, max(GROUP_MIN_ELEMENTS, sum(sizes) // GROUPS_PER_SCOPE))
+    flats = [_sample(jnp.ravel(v[0]), spec.sample) for v in values]
+    plain = replace(spec, recipes=())
+    parts, owner = [], []
+    for buffer in pack(sizes, 1 << (max(1, limit // b).bit_length() - 1), b):
+        pieces = [(flats[i][start:stop], values[i][1]) for i, start, stop in buffer]
+        parts.append(group_raw(pieces, plain, pad_to_class=len(buffer) > 1))
+        owner += [i for i, _, _ in buffer]
+    raw = merge_rows(concat_raw(parts, plain), np.asarray(owner), len(values))
+    if spec.recipes:  # block-scaled recipes read whole values, in the same buffers' sizes
+        recipe_parts = [
+            recipe_kernel.recipe_group_raw([(v[0], _block_axes(v)) for v in group], spec.recipes)
+            for group in _whole_groups(values, sizes, limit)
+        ]
+        raw = _append_recipes(
+            raw, tuple(jnp.concatenate(c) for c in zip(*recipe_parts, strict=True))
+        )
+    return raw
+
+
+def pack(sizes: Sequence[int], capacity: int, block: int) -> list[list[tuple[int, int, int]]]:
+    """Buffers of a scope as lists of ``(value, start, stop)`` element ranges.
+
+    A value of at least half a buffer (``capacity`` blocks of ``block`` elements) is a
+    buffer of its own (read in place: no copy). The others are packed, in order, into
+    buffers of exactly ``capacity`` blocks, a value split across two buffers where one
+    fills up (each piece starts on a block of its value). All full buffers of a scope
+    then have one shape, and XLA compiles their passes once: it compiles each distinct
+    fusion once, and buffer sizes that differ by a block make every pass differ.
+    """
+    buffers: list[list[tuple[int, int, int]]] = []
+    open_: list[tuple[int, int, int]] = []
+    room = capacity
+    for i, n in enumerate(sizes):
+        blocks = -(-n // block)
+        if n == 0:  # a row with nothing counted, in whichever buffer is open
+            open_.append((i, 0, 0))
+            continue
+        if 2 * blocks >= capacity:
+            buffers.append([(i, 0, n)])
+            continue
+        start = 0
+        while start < n:
+            take = min(room, -(-(n - start) // block))
+            stop = min(n, start + take * block)
+            open_.append((i, start, stop))
+            start, room = stop, room - take
+            if room == 0:
+                buffers.append(open_)
+                open_, room = [], capacity
+    if open_:
+        buffers.append(open_)
+    return buffers
+
+
+def _whole_groups(values: Sequence[Any], sizes: Sequence[int], limit: int) -> list[list[Any]]:
+    """``values`` in order, in groups of at most ``limit`` elements (a larger value
+    alone): the buffers of the recipe kernel, which reads whole values."""
     groups: list[list[Any]] = [[]]
     size = 0
     for value, n in zip(values, sizes, strict=True):
@@ -373,7 +434,30 @@ def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
             size = 0
         groups[-1].append(value)
         size += n
-    return concat_raw([group_raw(g, spec) for g in groups], spec)
+    return groups
+
+
+def merge_rows(raw: dict[str, jax.Array], owner: np.ndarray, rows: int) -> dict[str, jax.Array]:
+    """Raw rows of pieces -> one row per value (``owner[i]``: the value of row ``i``):
+    counts and histograms add, maxima and scales take the largest, sums are re-expressed
+    in the units of the value's abs-max before adding. A value of one piece keeps its
+    row as it is."""
+    if len(owner) == rows:
+        order = np.argsort(owner, kind="stable")
+        return raw if np.array_equal(order, np.arange(rows)) else take_rows(raw, order)
+    seg_max = lambda v: jax.ops.segment_max(v, owner, rows)
+    seg_sum = lambda v: jax.ops.segment_sum(v, owner, rows)
+    top = seg_max(_ran_maxima(raw))
+    k_own, k_top = _row_exponent(raw["max"][:, 0]), _row_exponent(top[:, 0])
+    out = {
+        "sum": seg_sum(_rescale_sums(raw["sum"], k_own, k_top[owner])),
+        "cnt": seg_sum(raw["cnt"]),
+        "max": top,
+        "last": seg_max(raw["last"]),
+    }
+    if "hist" in raw:
+        out["hist"] = seg_sum(raw["hist"])
+    return out
 
 
 def hand_off(data: jax.Array) -> jax.Array:
@@ -477,9 +561,22 @@ def _buffer_dtype(values: Sequence[Any]) -> Any:
     return np.dtype(np.float32)
 
 
-def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, jax.Array]:
+def size_class(blocks: int) -> int:
+    """``blocks`` rounded up to one of four sizes per octave (``m * 2**k``, ``m`` in
+    4..7, at most a quarter more): a scope's last, partly filled buffer then often has
+    the shape of another one's (XLA compiles each distinct fusion once)."""
+    if blocks <= 8:
+        return blocks
+    unit = 1 << (blocks.bit_length() - 3)
+    return -(-blocks // unit) * unit
+
+
+def group_raw(
+    values: Sequence[tuple[Any, Any]], spec: StatSpec, pad_to_class: bool = False
+) -> dict[str, jax.Array]:
     """Raw statistics of ``values``, one row each, computed in a few fused passes over one
-    buffer (the pure-XLA kernel)."""
+    buffer (the pure-XLA kernel). ``pad_to_class``: NaN blocks after the last value fill
+    the buffer up to its `size_class` (counted with the last value, then taken off)."""
     if not values:
         return empty_raw(spec)
     b = spec.block
@@ -496,6 +593,11 @@ def group_raw(values: Sequence[tuple[Any, Any]], spec: StatSpec) -> dict[str, ja
         blocks_per_value.append(nb)
         sizes.append(n)
         pads.append(pad)
+    extra = size_class(sum(blocks_per_value)) - sum(blocks_per_value) if pad_to_class else 0
+    if extra:
+        pieces.append(jnp.full((extra * b,), np.nan, dtype))
+        blocks_per_value[-1] += extra
+        pads[-1] += extra * b
     x = (jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]).reshape(-1, b)
     rows = len(values)
     seg = np.repeat(np.arange(rows, dtype=np.int32), blocks_per_value)
