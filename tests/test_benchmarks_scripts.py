@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import load_benchmark
@@ -264,6 +265,26 @@ def test_bench_probe_runs_a_tiny_config():
         assert len(numbers) == 8 and all(math.isfinite(v) and v >= 0 for v in numbers), row
     goals = [line for line in lines if line.startswith("# goals")]
     assert len(goals) == 2 and all("temporaries" in g and "compile" in g for g in goals)
+
+
+def test_bench_probe_compile_repeats_count_the_fastest_fresh_compile(monkeypatch):
+    """``--compile-repeats N``: the program is traced and compiled N times from scratch
+    (a new function each time, so no cache answers) and the fastest time counts."""
+    import jax.numpy as jnp
+
+    monkeypatch.syspath_prepend(str(BENCH))  # its sibling `_compile_cache`, as a script
+    mod = load_benchmark("bench_probe")
+    traced = []
+
+    def fn(x):
+        traced.append(1)
+        return jnp.sin(x) * 2.0
+
+    clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 29.0])  # compiles of 5, 2 and 9 s
+    monkeypatch.setattr(mod, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    compile_s, step, temp, out = mod._measure(fn, (jnp.ones(8),), 0, repeats=3)
+    assert len(traced) == 3 and compile_s == 2.0 and math.isnan(step)
+    assert out == 8 * 4 and temp >= 0
 
 
 @pytest.mark.slow
