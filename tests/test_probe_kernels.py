@@ -239,6 +239,13 @@ def test_xla_kernel_statistics_of_values_split_across_buffers(monkeypatch):
         ref = reference(v)
         _check(got, ref, f"value {i}")
         assert np.array_equal(got["hist"], ref["hist"]), f"hist {i}"
+    # No value split, but rows come back in buffer order (the big value's buffer first).
+    seen.clear()
+    values = [rng.normal(size=n).astype(np.float32) * s for n, s in ((100, 1), (5000, 9), (99, 2))]
+    out = _values_stats(values, spec)
+    assert seen == [[5000], [100, 99]]
+    for i, v in enumerate(values):
+        _check({k: np.asarray(a)[i] for k, a in out.items()}, reference(v), f"in order {i}")
     classes = [kernel.size_class(n) for n in (1, 8, 9, 15, 17, 100, 65537)]
     assert classes == [1, 8, 10, 16, 20, 112, 81920]  # four an octave: <= a quarter more
 

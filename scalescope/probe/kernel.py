@@ -63,18 +63,17 @@ BASIC_MAXIMA = ("absmax", "max", "negmin", "negabsmin")
 FORMAT_STATS = ("underflow", "subnormal", "overflow", "snr")
 
 DEFAULT_BLOCK = 512
-#: Pure-XLA kernel: values are concatenated into buffers of at most this many elements
-#: (a value larger than that gets a buffer of its own), so the probe's extra memory stays
-#: bounded whatever the number of values. XLA compiles each buffer's passes on their own,
-#: so the compile time grows with the number of buffers, the memory with their size:
-#: 2**25 (at most 128 MiB, 64 MiB for 16-bit values) compiles nanoGPT's statistics
-#: program in 2.8x the step's time with 1.28x its temporaries on CPU (2**23: 4.0x and
-#: 1.08x; docs/gpu.md, "The probe's GPU path, measured on CPU").
+#: Pure-XLA kernel: values are packed into buffers of this many elements (`pack`; a value
+#: of half that or more is a buffer of its own), so the probe's extra memory stays bounded
+#: whatever the number of values. Buffers of one shape share their passes' compiled code;
+#: fewer, larger ones are fewer copies to compile: 2**25 (at most 128 MiB, 64 MiB for
+#: 16-bit values) compiles nanoGPT's statistics program in 2.5x the step's time with
+#: 1.25x its temporaries on CPU (docs/gpu.md, "The probe's GPU path, measured on CPU").
 GROUP_ELEMENTS = 1 << 25
 #: A scope whose values are fewer than `GROUPS_PER_SCOPE` full buffers gets smaller ones
-#: (an eighth of its elements, at least this many): a small model's probe holds a few
-#: MiB more, not a copy of a scope's values (sample GPT 2x128: 3.4x the step's memory,
-#: 3.1x with 2**23 buffers, 8.4x with 2**25 and no such floor).
+#: (an eighth of its elements, at least this many, rounded down to a power of two
+#: blocks): a small model's probe holds a few MiB more, not a copy of a scope's values
+#: (sample GPT 2x128: 3.2x the step's 36 MiB; 8.4x with 2**25 buffers and no such floor).
 GROUP_MIN_ELEMENTS = 1 << 22
 GROUPS_PER_SCOPE = 8
 _F32 = jnp.float32
@@ -377,7 +376,7 @@ def values_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
         parts.append(group_raw(pieces, plain, pad_to_class=len(buffer) > 1))
         owner += [i for i, _, _ in buffer]
     raw = merge_rows(concat_raw(parts, plain), np.asarray(owner), len(values))
-    if spec.recipes:  # block-scaled recipes read whole values, in the same buffers' sizes
+    if spec.recipes:  # block-scaled recipes read whole values: groups of at most `limit`
         recipe_parts = [
             recipe_kernel.recipe_group_raw([(v[0], _block_axes(v)) for v in group], spec.recipes)
             for group in _whole_groups(values, sizes, limit)
