@@ -215,8 +215,8 @@ def test_pack_fills_buffers_exactly_and_gives_big_values_their_own():
 
 
 def test_xla_kernel_statistics_of_values_split_across_buffers(monkeypatch):
-    """Through `values_raw`: full buffers hold exactly their capacity, the last is
-    padded up to its `size_class`, and every value's statistics are the reference's,
+    """Through `values_raw`: full buffers hold exactly their capacity, and every value's
+    statistics are the reference's,
     also for a value split across two buffers whose pieces differ by 2**20 in magnitude
     (sums re-expressed in the larger piece's units) and hold a zero, an inf and a NaN."""
     monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 512)
@@ -254,16 +254,22 @@ def test_a_small_scope_gets_smaller_xla_buffers(monkeypatch):
     """A scope whose values fill fewer than `GROUPS_PER_SCOPE` full buffers gets buffers
     of 1/`GROUPS_PER_SCOPE` of its elements (at least `GROUP_MIN_ELEMENTS`), rounded down
     to a power of two blocks, so a small model's probe does not hold a copy of every
-    value of a scope."""
+    value of a scope; the last buffer is padded with NaN blocks up to its `size_class`
+    and its values' statistics are still the reference's."""
     monkeypatch.setattr(kernel, "GROUP_ELEMENTS", 10**6)
     monkeypatch.setattr(kernel, "GROUP_MIN_ELEMENTS", 500)
     monkeypatch.setattr(kernel, "GROUPS_PER_SCOPE", 4)
     spec = kernel.StatSpec(SPEC.formats, histograms=True, block=10)
     seen = _buffer_sizes(monkeypatch)
+    shapes: list[int] = []  # blocks of each buffer as the passes read it, padding included
+    passes = kernel._block_passes
+    monkeypatch.setattr(
+        kernel, "_block_passes", lambda x, s: shapes.append(x.shape[0]) or passes(x, s)
+    )
     rng = np.random.default_rng(3)
-    for sizes, buffers in (
-        (  # 4000 elements: 1000 a buffer, 64 blocks of 10
-            [100] * 40,
+    for sizes, buffers, blocks in (
+        (  # 3970 elements: 992 a buffer, 64 blocks of 10; the last, 13 blocks, padded to 14
+            [100] * 39 + [70],
             [
                 [100] * 6 + [40],
                 [60] + [100] * 5 + [80],
@@ -271,15 +277,17 @@ def test_a_small_scope_gets_smaller_xla_buffers(monkeypatch):
                 [80] + [100] * 5 + [60],
                 [40] + [100] * 6,
                 [100] * 6 + [40],
-                [60, 100],
+                [60, 70],
             ],
+            [64] * 6 + [14],
         ),
-        ([30] * 20, [[30] * 10 + [20], [10] + [30] * 9]),  # 600: the minimum, 32 blocks
+        ([30] * 20, [[30] * 10 + [20], [10] + [30] * 9], [32, 28]),  # 600: the minimum
     ):
         seen.clear()
+        shapes.clear()
         values = [rng.normal(size=n).astype(np.float32) for n in sizes]
         out = _values_stats(values, spec)
-        assert seen == buffers
+        assert seen == buffers and shapes == blocks
         for i, v in enumerate(values):
             _check({k: np.asarray(a)[i] for k, a in out.items()}, reference(v), f"value {i}")
 
