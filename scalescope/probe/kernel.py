@@ -180,16 +180,24 @@ def across_devices(
     if keep is not None:
         k = keep[:, None]
         raw = {name: jnp.where(k, v, jnp.zeros_like(v)) for name, v in raw.items()}
-    top = lax.pmax(_ran_maxima(raw), axes)
-    k_own, k_top = _row_exponent(raw["max"][:, 0]), _row_exponent(top[:, 0])
+    return _fold(raw, lambda v: lax.pmax(v, axes), lambda v: lax.psum(v, axes))
+
+
+def _fold(raw: dict[str, jax.Array], top_of, sum_of, back=lambda v: v) -> dict[str, jax.Array]:
+    """Raw rows folded by ``top_of`` (a maximum) and ``sum_of`` (a sum) over devices or
+    over the pieces of a value: counts and histograms add, maxima and scales take the
+    largest, sums are re-expressed in the units of the folded abs-max before adding.
+    ``back`` maps folded rows onto the rows of ``raw``."""
+    top = top_of(_ran_maxima(raw))
+    k_own, k_top = _row_exponent(raw["max"][:, 0]), _row_exponent(back(top)[:, 0])
     out = {
-        "sum": lax.psum(_rescale_sums(raw["sum"], k_own, k_top), axes),
-        "cnt": lax.psum(raw["cnt"], axes),
+        "sum": sum_of(_rescale_sums(raw["sum"], k_own, k_top)),
+        "cnt": sum_of(raw["cnt"]),
         "max": top,
-        "last": lax.pmax(raw["last"], axes),
+        "last": top_of(raw["last"]),
     }
     if "hist" in raw:
-        out["hist"] = lax.psum(raw["hist"], axes)
+        out["hist"] = sum_of(raw["hist"])
     return out
 
 
@@ -437,26 +445,18 @@ def _whole_groups(values: Sequence[Any], sizes: Sequence[int], limit: int) -> li
 
 
 def merge_rows(raw: dict[str, jax.Array], owner: np.ndarray, rows: int) -> dict[str, jax.Array]:
-    """Raw rows of pieces -> one row per value (``owner[i]``: the value of row ``i``):
-    counts and histograms add, maxima and scales take the largest, sums are re-expressed
-    in the units of the value's abs-max before adding. A value of one piece keeps its
-    row as it is."""
+    """Raw rows of pieces -> one row per value (``owner[i]``: the value of row ``i``),
+    folded as `across_devices` folds devices. A value of one piece keeps its row as it
+    is."""
     if len(owner) == rows:
         order = np.argsort(owner, kind="stable")
         return raw if np.array_equal(order, np.arange(rows)) else take_rows(raw, order)
-    seg_max = lambda v: jax.ops.segment_max(v, owner, rows)
-    seg_sum = lambda v: jax.ops.segment_sum(v, owner, rows)
-    top = seg_max(_ran_maxima(raw))
-    k_own, k_top = _row_exponent(raw["max"][:, 0]), _row_exponent(top[:, 0])
-    out = {
-        "sum": seg_sum(_rescale_sums(raw["sum"], k_own, k_top[owner])),
-        "cnt": seg_sum(raw["cnt"]),
-        "max": top,
-        "last": seg_max(raw["last"]),
-    }
-    if "hist" in raw:
-        out["hist"] = seg_sum(raw["hist"])
-    return out
+    return _fold(
+        raw,
+        lambda v: jax.ops.segment_max(v, owner, rows),
+        lambda v: jax.ops.segment_sum(v, owner, rows),
+        back=lambda v: v[owner],
+    )
 
 
 def hand_off(data: jax.Array) -> jax.Array:
@@ -574,7 +574,8 @@ def group_raw(
     values: Sequence[tuple[Any, Any]], spec: StatSpec, pad_to_class: bool = False
 ) -> dict[str, jax.Array]:
     """Raw statistics of ``values``, one row each, computed in a few fused passes over one
-    buffer (the pure-XLA kernel). ``pad_to_class``: NaN blocks after the last value fill
+    buffer (the pure-XLA kernel); ``spec``'s recipes are not computed here (they read
+    whole values: `values_raw` appends them). ``pad_to_class``: NaN blocks after the last value fill
     the buffer up to its `size_class` (counted with the last value, then taken off)."""
     if not values:
         return empty_raw(spec)
@@ -623,11 +624,6 @@ def group_raw(
         fix = np.zeros((rows, h), np.int32)
         fix[:, -1] = -pads
         raw["hist"] = hist + fix
-    if spec.recipes:  # every value's blocks in one buffer per recipe
-        parts = recipe_kernel.recipe_group_raw(
-            [(v[0], _block_axes(v)) for v in values], spec.recipes
-        )
-        raw = _append_recipes(raw, parts)
     return raw
 
 
