@@ -301,6 +301,27 @@ def test_data_movement_aliases_and_constants_are_not_recorded():
     )
 
 
+def test_what_a_host_callback_returns_is_recorded():
+    """`jax.pure_callback` runs on the host on the unscaled value; its result is a value
+    of the step like any other: recorded, with the statistics of what it returned."""
+
+    def host(v):
+        return (np.asarray(v) ** 3).astype(np.float32)
+
+    def f(x):
+        y = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x * 8.0)
+        return jnp.sum(y)
+
+    x = jnp.asarray(CRAFTED["long"][:512])
+    inst = ss.instrument(f)
+    table = inst.op_table(ss.as_scaled_array(x))
+    (op,) = [op for op in table if op.primitive == "pure_callback"]
+    assert op.recorded and not op.scaled and op.pass_ == "fwd", op
+    _, stats = jax.jit(inst)(ss.as_scaled_array(x))
+    got = {k: np.asarray(v)[table.rows(op)] for k, v in stats.items()}
+    _check(got, reference(host(np.asarray(x) * 8.0)), "pure_callback")
+
+
 def test_select_and_cost_controls():
     step, w, x = _mlp_step()
     only_bwd = ss.instrument(step, scalify=False, select="^bwd/")

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.experimental import io_callback
 
 import scalescope as ss
 from scalescope.scalify import primitives_in, registered_primitives
@@ -92,6 +93,20 @@ _max_pool = _pool(-jnp.inf, lax.max, "VALID")
 
 def _grad(f):
     return jax.grad(lambda x: jnp.sum(f(x)))
+
+
+def _ragged_dot(x):
+    """Two experts' matmuls over the rows of ``x`` (a mixture-of-experts layer):
+    ``ragged_dot_general`` with ragged rows; its gradient contracts them."""
+    a = x.reshape(x.shape[0], -1)
+    m = a.shape[0]
+    experts = jnp.stack([a.T, jnp.sin(a.T)])  # [2, k, m]
+    return lax.ragged_dot(a, experts, jnp.array([m // 2, m - m // 2], jnp.int32))
+
+
+def _host(fn):
+    """A NumPy function run on the host (the callback returns float32, as declared)."""
+    return lambda v: np.asarray(fn(np.asarray(v)), np.float32)
 
 
 # name -> (function of one scaled float input, input domain, shapes)
@@ -195,6 +210,29 @@ UNARY = {
     "cumsum": (lambda x: jnp.cumsum(x, axis=0), "any"),
     # the callback receives the unscaled value (test_scalify checks what it sees)
     "debug_callback": (lambda x: (jax.debug.callback(lambda v: None, x), x)[1], "any"),
+    # host callbacks that return values: run on the unscaled value, plain outputs
+    "pure_callback": (
+        lambda x: jax.pure_callback(_host(np.sin), jax.ShapeDtypeStruct(x.shape, x.dtype), x),
+        "any",
+    ),
+    "io_callback": (
+        lambda x: io_callback(_host(np.cos), jax.ShapeDtypeStruct(x.shape, x.dtype), x * 2.0),
+        "any",
+    ),
+    # total-order comparisons: le_to (side="left"), lt_to (side="right", interp)
+    "searchsorted": (
+        lambda x: [
+            jnp.searchsorted(jnp.sort(x.reshape(-1)), x.reshape(-1) * 0.5, side=side)
+            for side in ("left", "right")
+        ],
+        "any",
+    ),
+    "interp": (
+        lambda x: jnp.interp(x * 0.5, jnp.sort(x.reshape(-1)), jnp.cos(x.reshape(-1))),
+        "any",
+    ),
+    "ragged_dot": (_ragged_dot, "any"),
+    "grad_ragged_dot": (_grad(lambda x: jnp.tanh(_ragged_dot(x))), "any"),
     "cumprod": (lambda x: jnp.cumprod(x, axis=0), "unit"),
     "cummax": (lambda x: lax.cummax(x, axis=0), "any"),
     "cummin": (lambda x: lax.cummin(x, axis=0), "any"),
@@ -268,6 +306,10 @@ BINARY = {
     "pow2": (jnp.power, "pos"),
     "atan2": (jnp.arctan2, "any"),
     "eq_lt": (lambda a, b: (a == b, a < b, a >= b), "any"),
+    "total_order": (
+        lambda a, b: [p.bind(a, b) for p in (lax.eq_to_p, lax.lt_to_p, lax.le_to_p)],
+        "any",
+    ),
     "where": (lambda a, b: jnp.where(a > b, a, b), "any"),
     "clamp": (lambda a, b: lax.clamp(-jnp.abs(b), a, jnp.abs(b)), "any"),
     "dot": (lambda a, b: jnp.einsum("...i,...i->...", a, b), "any"),

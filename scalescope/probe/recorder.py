@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Literal
+from jax.extend.core import Literal, jaxprs_in_params
 
 from ..core import formats as _formats
 from ..core.scaled_array import ScaledArray
@@ -461,9 +461,10 @@ class Recorder(Observer):
         ]
         grad_in = any(i is not None and i.grad for i in ins)
         parents = tuple(i for i in ins if i is not None)
-        if rule is not None and rule.higher_order:
+        if rule is not None and rule.higher_order and any(jaxprs_in_params(eqn.params)):
             # Outputs of calls are the body's own values; loop/branch outputs were recorded
-            # inside the body. Remember only what downstream passes need to know.
+            # inside the body. Remember only what downstream passes need to know. (A
+            # host callback has no body: what it returns is recorded like any op's.)
             for out in outvals:
                 if self.shared.lookup(out) is None:
                     self.shared.remember(out, _Info(None, grad=grad_in, parents=parents))

@@ -247,14 +247,17 @@ def scaled_cond(ctx, eqn, invals):
 
 def scaled_on_values(ctx, eqn, invals):
     """Bound as it is on the unscaled values: `jax.debug.print` / `jax.debug.callback`
-    (the callback sees what the user would see without scalify) and
-    `lax.custom_linear_solve` (``jnp.linalg.solve``: its matvec and solve bodies)."""
+    and `jax.pure_callback` / `io_callback` (the host function sees, and returns, what it
+    would without scalify) and `lax.custom_linear_solve` (``jnp.linalg.solve``: its
+    matvec and solve bodies)."""
     return bind_unscaled(eqn, invals)
 
 
 RULES = {
     "debug_callback": scaled_on_values,
     "debug_print": scaled_on_values,
+    "pure_callback": scaled_on_values,
+    "io_callback": scaled_on_values,
     "custom_linear_solve": scaled_on_values,
     "jit": scaled_jit,
     "pjit": scaled_jit,

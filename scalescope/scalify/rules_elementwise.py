@@ -334,6 +334,16 @@ RULES = {
     "rsqrt": scaled_rsqrt,
 }
 RULES.update({name: on_unscaled(getattr(lax, f"{name}_p")) for name in _NON_LINEAR})
+# Total-order comparisons (``jnp.searchsorted``, ``jnp.interp``): a positive power-of-two
+# scale keeps the order, signed zeros and NaNs included. (The set changes between JAX
+# releases.)
+RULES.update(
+    {
+        name: _aligned(getattr(lax, f"{name}_p"), scaled_out=False)
+        for name in ("eq_to", "lt_to", "le_to")
+        if hasattr(lax, f"{name}_p")
+    }
+)
 
 for _name, _rule in RULES.items():
     register_rule(_name, _rule)

@@ -28,6 +28,7 @@ from .common import (
     product_scaled,
     renormalized,
     unit_scale,
+    unscale,
 )
 from .registry import register_rule
 from .rules_elementwise import _before_power
@@ -152,6 +153,22 @@ def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
     return _sum_like(out, k, *_scales(lhs, rhs))
 
 
+def scaled_ragged_dot_general(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, **params):
+    """`lax.ragged_dot` (grouped matmuls of mixture-of-experts layers) and its
+    transposes: a `dot_general` per group. Where the ragged dimension is contracted (the
+    gradient of the experts' weights), each group sums its own rows: about ``K / groups``
+    terms each."""
+    dims = ragged_dot_dimension_numbers
+    (lhs_contract, _), _ = dims.dot_dimension_numbers
+    lhs_data = lhs.data if is_scaled(lhs) else lhs
+    rhs_data = rhs.data if is_scaled(rhs) else rhs
+    k = math.prod(lhs_data.shape[d] for d in lhs_contract)
+    if set(dims.lhs_ragged_dimensions) & set(lhs_contract):
+        k = max(1, k // max(1, group_sizes.shape[0]))
+    out = lax.ragged_dot_general(lhs_data, rhs_data, unscale(group_sizes), dims, **params)
+    return _sum_like(out, k, *_scales(lhs, rhs))
+
+
 def scaled_conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
     lhs_data = lhs.data if is_scaled(lhs) else lhs
     rhs_data = rhs.data if is_scaled(rhs) else rhs
@@ -175,6 +192,7 @@ RULES = {
     "cumprod": on_unscaled(lax.cumprod_p),
     "cumlogsumexp": on_unscaled(lax.cumlogsumexp_p),
     "dot_general": scaled_dot_general,
+    "ragged_dot_general": scaled_ragged_dot_general,
     "conv_general_dilated": scaled_conv_general_dilated,
 }
 
