@@ -9,8 +9,11 @@ and the flight recorder alone (``every`` beyond the run: each step only checked 
 NaN/Inf and spikes, the default of every tracked step), beside an untracked loop that
 reads its loss every step (what logging the loss costs alone). Goals: every=10 <= 1.3x,
 every=100 <= 1.03x, budget=0.05 <= 1.05x, detection only <= 1.02x the untracked step.
-Then the replay latency: the time from a step that trips a trigger to its incident kept
-(the step run again with every op measured, the statistics read, the op found).
+The check's own cost is also given by XLA's cost model of the compiled programs (bytes
+accessed and flops with the check over without it), which a shared machine's timing
+noise does not blur. Then the replay latency: the time from a step that trips a trigger
+to its incident kept (the step run again with every op measured, the statistics read,
+the op found).
 Every variant is compiled before its clock starts (`Tracked.warmup`). Each is timed in
 ``--repeats`` rounds, every round an untracked loop right before the tracked one; the ratio
 printed is the median of the rounds' ratios (paired: the slow drift of a shared VM cancels
@@ -19,6 +22,8 @@ not). The recording runs keep going, so each round records as many steps.
 
     python benchmarks/bench_run.py [--steps 300] [--layers 2] [--d-model 128]
     python benchmarks/bench_run.py --cold 600   # a budgeted run's first steps, no warmup()
+    python benchmarks/bench_run.py --check-cost --layers 12 --d-model 768 --heads 12 \
+        --seq 256 --batch 4   # the check's cost alone, by XLA's cost model
 
 ``--cold N`` times each of the first N steps of a ``Run(budget=...)`` started without
 ``warmup()``, the statistics program compiling in the background (the default) and, for
@@ -169,6 +174,12 @@ def main() -> None:
         metavar="N",
         help="instead: time each of a budgeted run's first N steps, no warmup()",
     )
+    parser.add_argument(
+        "--check-cost",
+        action="store_true",
+        help="instead: only the flight recorder's check by XLA's cost model (no timing; "
+        "leave out --scan, as XLA counts a scan body once)",
+    )
     args = parser.parse_args()
 
     cfg = GPTConfig(
@@ -182,6 +193,10 @@ def main() -> None:
     step, params, state = _state(cfg, args.precision)
     if args.cold:
         _cold(step, params, state, _batches(cfg, args.batch, args.cold), args.budget)
+        return
+    if args.check_cost:
+        check_bytes, check_flops = _check_cost(step, params, state, _batches(cfg, args.batch, 1)[0])
+        print(_check_cost_line(check_bytes, check_flops))
         return
     batches = _batches(cfg, args.batch, args.steps)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -254,6 +269,7 @@ def main() -> None:
         )
         rows.append(("untracked again", again, again / base, None, ""))
         replay = _replay_latency(step, params, state, batches[0], f"{tmp}/replay")
+        check_bytes, check_flops = _check_cost(step, params, state, batches[0])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -264,9 +280,35 @@ def main() -> None:
         print(f"{name:40s} {per_step:9.1f} {ratio:7.3f}  {g}")
         if note:
             print(f"    {note}")
+    print(_check_cost_line(check_bytes, check_flops))
     print(
         f"replay latency (an incident kept): {replay:.3f} s median of 5 = "
         f"{replay / (base / args.steps):.1f}x an untracked step"
+    )
+
+
+def _check_cost(step, params, state, batch) -> tuple[float, float]:
+    """``(bytes accessed, flops)`` of ``jit(scalify(step))`` with the flight recorder's
+    check (`flight.packed_health`) over the step without it, by XLA's cost model of the
+    compiled programs: what the check adds, free of a shared machine's timing noise (on
+    a bandwidth-bound device the bytes decide)."""
+    from scalescope.store.tracked import _with_health
+
+    plain = ss.scalify(step)
+    costs = []
+    for fn in (plain, _with_health(plain)):
+        analysis = jax.jit(fn).lower(params, state, batch).compile().cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list | tuple) else analysis
+        costs.append((float(analysis["bytes accessed"]), float(analysis["flops"])))
+    (b0, f0), (b1, f1) = costs
+    return b1 / b0, f1 / f0
+
+
+def _check_cost_line(check_bytes: float, check_flops: float) -> str:
+    return (
+        f"detection's check by XLA's cost model: bytes accessed {check_bytes:.4f}x, flops "
+        f"{check_flops:.4f}x the untracked step (goal <= 1.02x: "
+        f"{'met' if check_bytes <= 1.02 else 'MISSED'} by bytes)"
     )
 
 

@@ -359,3 +359,7 @@ def test_bench_run_runs_a_tiny_config():
         ms, ratio = _ratios(row[len(label) :])[:2]
         assert ms > 0 and ratio > 0, row
     assert any(line.startswith("replay latency (an incident kept):") for line in lines)
+    # the check costs something, by XLA's cost model, and is printed against its goal
+    cost = next(line for line in lines if line.startswith("detection's check by XLA's cost"))
+    bytes_x, flops_x = _ratios(cost.split(":", 1)[1])[:2]
+    assert 1.0 < bytes_x < 2.0 and 1.0 <= flops_x < 2.0, cost

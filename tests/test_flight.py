@@ -339,6 +339,36 @@ def test_health_counts_scaled_arrays_by_their_values():
     assert float(scaled["nonfinite"]) == 0 and float(scaled["loss"]) == 0.5
 
 
+def test_health_counts_every_nan_and_inf_of_every_output_leaf():
+    """NaNs and infinities anywhere in the outputs (the new parameters, the optimizer
+    state, a scaled leaf) are counted; the norm is the update's over its finite
+    elements (NumPy reference)."""
+    from scalescope.store.flight import health
+
+    rng = np.random.default_rng(1)
+    old = rng.normal(0, 1, (8, 16)).astype(np.float32)
+    new = old + rng.normal(0, 1e-2, (8, 16)).astype(np.float32)
+    new[2, 3], new[5, 1] = np.nan, np.inf
+    mu = rng.normal(0, 1, (300,)).astype(np.float32)
+    mu[[0, 7, 299]] = [np.inf, -np.inf, np.nan]
+    nu = np.abs(rng.normal(0, 1, (4, 5, 6))).astype(np.float16)
+    nu[1, 2, 3] = np.inf
+    scaled = ss.ScaledArray(jnp.asarray(nu), jnp.float32(2.0**-3))
+    state = {"mu": jnp.asarray(mu), "nu": scaled, "count": jnp.int32(3)}
+    out = jax.jit(health)((jnp.asarray(old), state), (jnp.asarray(new), state, jnp.float32(1.5)))
+    assert float(out["nonfinite"]) == 2 + 3 + 1
+    d = new.astype(np.float64) - old
+    want = np.sqrt(np.sum(d[np.isfinite(d)] ** 2))
+    assert float(out["norm"]) == pytest.approx(want, rel=1e-5)
+    assert float(out["loss"]) == 1.5
+    # without an update (first output not the first argument's layout): the norm of the
+    # non-scalar outputs' finite elements
+    out = jax.jit(health)((jnp.float32(0),), (jnp.asarray(mu), jnp.float32(2.0)))
+    assert float(out["nonfinite"]) == 3
+    m = mu.astype(np.float64)
+    assert float(out["norm"]) == pytest.approx(np.sqrt(np.sum(m[np.isfinite(m)] ** 2)), rel=1e-5)
+
+
 def test_a_spike_where_nothing_grew_names_the_largest_value():
     """A loss that spikes while no op's abs-max grew since the last measured step (the
     state itself changed, e.g. restarted): the op of largest abs-max, no crash."""

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ..core import formats as _formats
 from ..core.scaled_array import ScaledArray
@@ -133,31 +134,58 @@ def _values(tree: Any) -> Any:
     return jax.tree_util.tree_map(value, tree, is_leaf=lambda x: isinstance(x, ScaledArray))
 
 
+def _sums(operands: tuple[jax.Array, ...], dims: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """Sums of ``operands`` over ``dims`` in one variadic reduction."""
+    inits = tuple(np.zeros((), x.dtype) for x in operands)
+    return lax.reduce(
+        operands, inits, lambda a, b: tuple(p + q for p, q in zip(a, b, strict=True)), dims
+    )
+
+
+def _leaf_health(
+    x: jax.Array, old: jax.Array | None = None, square: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """``(non-finite elements of x, sum of squares)`` of one leaf, in one reduction that
+    reads it once (and ``old`` once): the squares of the finite elements of ``x - old``
+    (an update), of ``x`` itself with ``square``, else none (0).
+
+    Always two sums in one variadic reduction (NaNs and infinities counted apart where no
+    squares are wanted): XLA on CPU fuses that into one loop over the leaf, while a lone
+    sum of a mask went through a tree reduction that wrote the mask out first (the
+    check's own bytes on a 2-layer GPT, XLA's cost model: 17.7 MB -> 3.4 MB, for 3.4 MB
+    of parameters and outputs)."""
+    x = x.astype(jnp.float32)
+    dims = tuple(range(x.ndim))
+    if old is None and not square:
+        nans, infs = _sums((jnp.isnan(x).astype(jnp.int32), jnp.isinf(x).astype(jnp.int32)), dims)
+        return nans + infs, jnp.float32(0)
+    d = x if old is None else x - old.astype(jnp.float32)
+    bad = (~jnp.isfinite(x)).astype(jnp.int32)
+    return _sums((bad, jnp.where(jnp.isfinite(d), d * d, 0.0)), dims)
+
+
 def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
     """The step's health, computed inside its program (traced): ``nonfinite`` (float
     elements of the outputs that are NaN/Inf), ``loss`` (the first scalar float output,
     NaN when there is none) and ``norm`` (see `norm_kind`; non-finite elements left out,
-    they are counted above). Scaled arrays count by the values they represent."""
+    they are counted above). Scaled arrays count by the values they represent. Each
+    output leaf is read once (`_leaf_health`)."""
     args, out = _values(tuple(args)), _values(out)
     leaves = _float_leaves(out)
-    bad = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves]
-    nonfinite = sum(bad) if bad else jnp.float32(0)
     scalars = [x for x in leaves if x.size == 1]
     loss = scalars[0].reshape(()).astype(jnp.float32) if scalars else jnp.float32(jnp.nan)
-
-    def sq(x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
-        return jnp.sum(jnp.where(jnp.isfinite(x), x * x, 0.0))
-
     if norm_kind(args, out) == "update":
         new, old = jax.tree_util.tree_leaves(out[0]), jax.tree_util.tree_leaves(args[0])
-        pairs = [
-            (n, o) for n, o in zip(new, old, strict=True) if jnp.issubdtype(n.dtype, jnp.inexact)
+        parts = [
+            _leaf_health(n, o)
+            for n, o in zip(new, old, strict=True)
+            if jnp.issubdtype(n.dtype, jnp.inexact)
         ]
-        total = sum(sq(n.astype(jnp.float32) - o.astype(jnp.float32)) for n, o in pairs)
+        parts += [_leaf_health(x) for x in _float_leaves(tuple(out[1:]))]
     else:
-        big = [x for x in leaves if x.size > 1]
-        total = sum(sq(x) for x in big) if big else jnp.float32(0)
+        parts = [_leaf_health(x, square=x.size > 1) for x in leaves]
+    nonfinite = sum(p[0] for p in parts).astype(jnp.float32) if parts else jnp.float32(0)
+    total = sum(p[1] for p in parts) if parts else jnp.float32(0)
     return {"nonfinite": nonfinite, "loss": loss, "norm": jnp.sqrt(total)}
 
 
