@@ -367,6 +367,10 @@ def test_health_counts_every_nan_and_inf_of_every_output_leaf():
     assert float(out["nonfinite"]) == 3
     m = mu.astype(np.float64)
     assert float(out["norm"]) == pytest.approx(np.sqrt(np.sum(m[np.isfinite(m)] ** 2)), rel=1e-5)
+    # a complex leaf counts by its modulus
+    z = np.array([1 + 1j, np.nan + 0j, 2 - 1j], np.complex64)
+    out = jax.jit(health)((jnp.float32(0),), (jnp.asarray(z), jnp.float32(2.0)))
+    assert float(out["nonfinite"]) == 1 and float(out["norm"]) == pytest.approx(np.sqrt(7.0))
 
 
 def test_a_spike_where_nothing_grew_names_the_largest_value():
