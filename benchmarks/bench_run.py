@@ -9,11 +9,11 @@ and the flight recorder alone (``every`` beyond the run: each step only checked 
 NaN/Inf and spikes, the default of every tracked step), beside an untracked loop that
 reads its loss every step (what logging the loss costs alone). Goals: every=10 <= 1.3x,
 every=100 <= 1.03x, budget=0.05 <= 1.05x, detection only <= 1.02x the untracked step.
-The check's own cost is also given by XLA's cost model of the compiled programs (bytes
-accessed and flops with the check over without it), which a shared machine's timing
-noise does not blur. Then the replay latency: the time from a step that trips a trigger
+Then the replay latency: the time from a step that trips a trigger
 to its incident kept (the step run again with every op measured, the statistics read,
-the op found).
+the op found). ``--check-cost`` gives instead the check's own cost by XLA's cost model
+of the compiled programs (bytes accessed and flops with the check over without it),
+which a shared machine's timing noise does not blur.
 Every variant is compiled before its clock starts (`Tracked.warmup`). Each is timed in
 ``--repeats`` rounds, every round an untracked loop right before the tracked one; the ratio
 printed is the median of the rounds' ratios (paired: the slow drift of a shared VM cancels
@@ -269,7 +269,6 @@ def main() -> None:
         )
         rows.append(("untracked again", again, again / base, None, ""))
         replay = _replay_latency(step, params, state, batches[0], f"{tmp}/replay")
-        check_bytes, check_flops = _check_cost(step, params, state, batches[0])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -280,7 +279,6 @@ def main() -> None:
         print(f"{name:40s} {per_step:9.1f} {ratio:7.3f}  {g}")
         if note:
             print(f"    {note}")
-    print(_check_cost_line(check_bytes, check_flops))
     print(
         f"replay latency (an incident kept): {replay:.3f} s median of 5 = "
         f"{replay / (base / args.steps):.1f}x an untracked step"
