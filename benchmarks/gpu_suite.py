@@ -90,8 +90,8 @@ class Size:
 
 
 FULL = Size()
-#: A tiny GPT of the dimensions of the benchmarks' smoke tests
-#: (tests/test_benchmarks_scripts.py's TINY).
+#: The tiny GPT of the benchmarks' smoke tests (tests/test_benchmarks_scripts.py's
+#: TINY): the programs they share compile once per machine.
 SMOKE = Size(
     layers=1,
     d_model=16,
