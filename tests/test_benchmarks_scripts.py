@@ -230,12 +230,9 @@ def test_the_ideal_engine_refuses_loops_by_name():
 # --- smoke runs of the speed benchmarks (tiny models: the scripts cannot rot) ----------
 
 #: The tiny GPT of every smoke run (gpu_suite.py's SMOKE too): 1 layer, d=16, 2 heads,
-#: seq 8, batch 2. With ``--compile-cache`` the programs the scripts share (the
-#: scalified step, the default instrumented step) compile once per machine. Its one
-#: layer is not under `lax.scan` (``--scan`` only sets the model's `scan_layers`, which
-#: the probe's own tests cover): the bench_probe and bench_run smoke tests took 60 s and
-#: 62 s instead of 70 s and 72 s on an empty compilation cache (2-core VM).
-TINY = ("--layers", "1", "--d-model", "16", "--heads", "2", "--seq", "8", "--batch", "2")
+#: seq 8, batch 2, scanned. With ``--compile-cache`` the programs the scripts share (the
+#: scalified step, the default instrumented step) compile once per machine.
+TINY = ("--layers", "1", "--d-model", "16", "--heads", "2", "--seq", "8", "--batch", "2", "--scan")
 
 
 def _ratios(line: str) -> list[float]:
