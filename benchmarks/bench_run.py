@@ -9,9 +9,9 @@ and the flight recorder alone (``every`` beyond the run: each step only checked 
 NaN/Inf and spikes, the default of every tracked step), beside an untracked loop that
 reads its loss every step (what logging the loss costs alone). Goals: every=10 <= 1.3x,
 every=100 <= 1.03x, budget=0.05 <= 1.05x, detection only <= 1.02x the untracked step.
-Then the replay latency: the time from a step that trips a trigger
-to its incident kept (the step run again with every op measured, the statistics read,
-the op found). ``--check-cost`` gives instead the check's own cost by XLA's cost model
+Then the replay latency: the time from a step that trips a trigger to its incident kept
+(the step run again with every op measured, the statistics read, the op found).
+``--check-cost`` gives instead the check's own cost by XLA's cost model
 of the compiled programs (bytes accessed and flops with the check over without it),
 which a shared machine's timing noise does not blur.
 Every variant is compiled before its clock starts (`Tracked.warmup`). Each is timed in

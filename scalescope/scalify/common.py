@@ -36,6 +36,11 @@ def is_scaled(x: Any) -> bool:
     return isinstance(x, ScaledArray)
 
 
+def data_of(x: Any) -> Any:
+    """The data of a `ScaledArray`, or ``x`` itself when it is plain."""
+    return x.data if is_scaled(x) else x
+
+
 def static_scale(value: Any) -> np.ndarray:
     """A scale known at trace time: a NumPy float32 scalar."""
     return np.asarray(value, np.float32)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from . import traverse
 from .common import (
+    data_of,
     is_scaled,
     make_scaled,
     positive_or_one,
@@ -142,7 +143,7 @@ def scaled_scan(ctx, eqn, invals):
     re-attaches it); stacked scaled outputs share their largest iteration's scale."""
     _, where = traverse.locate(eqn, traverse.SCAN)
     consts, init, xs = traverse.split(where, invals)
-    xs_data = [x.data if is_scaled(x) else x for x in xs]
+    xs_data = [data_of(x) for x in xs]
     xs_scale = [x.scale if is_scaled(x) else None for x in xs]
     bodies = []  # the context of the latest body trace, whose observer outputs are kept
 

@@ -20,7 +20,7 @@ import jax.lax.linalg as lax_linalg
 import jax.numpy as jnp
 from jax import lax
 
-from .common import fit_to, is_scaled, wide_dtype
+from .common import data_of, fit_to, is_scaled, wide_dtype
 from .registry import register_rule
 
 
@@ -34,7 +34,7 @@ def _unscaled(x: Any) -> Any:
 
 
 def _abstract(x: Any) -> Any:
-    data = x.data if is_scaled(x) else x
+    data = data_of(x)
     return jax.ShapeDtypeStruct(jnp.shape(data), jnp.result_type(data))
 
 

@@ -21,6 +21,7 @@ from jax import lax
 from ..core.pow2 import is_static
 from .common import (
     data_absmax,
+    data_of,
     is_scaled,
     make_scaled,
     on_unscaled,
@@ -102,7 +103,7 @@ def _selects_by_operand(prim):
     the values' scale; the operand only decides positions."""
 
     def rule(values, operand, **params):
-        data = values.data if is_scaled(values) else values
+        data = data_of(values)
         out = prim.bind(data, _ordering_data(operand), **params)
         return make_scaled(out, values.scale) if is_scaled(values) else out
 
@@ -146,8 +147,8 @@ def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
         lhs = _before_power(lhs)
         rhs = lhs if same else _before_power(rhs)
     (lhs_contract, _), _ = dimension_numbers
-    lhs_data = lhs.data if is_scaled(lhs) else lhs
-    rhs_data = rhs.data if is_scaled(rhs) else rhs
+    lhs_data = data_of(lhs)
+    rhs_data = data_of(rhs)
     k = math.prod(lhs_data.shape[d] for d in lhs_contract)
     out = lax.dot_general_p.bind(lhs_data, rhs_data, dimension_numbers=dimension_numbers, **params)
     return _sum_like(out, k, *_scales(lhs, rhs))
@@ -160,8 +161,8 @@ def scaled_ragged_dot_general(lhs, rhs, group_sizes, *, ragged_dot_dimension_num
     terms each."""
     dims = ragged_dot_dimension_numbers
     (lhs_contract, _), _ = dims.dot_dimension_numbers
-    lhs_data = lhs.data if is_scaled(lhs) else lhs
-    rhs_data = rhs.data if is_scaled(rhs) else rhs
+    lhs_data = data_of(lhs)
+    rhs_data = data_of(rhs)
     k = math.prod(lhs_data.shape[d] for d in lhs_contract)
     if set(dims.lhs_ragged_dimensions) & set(lhs_contract):
         k = max(1, k // max(1, group_sizes.shape[0]))
@@ -170,8 +171,8 @@ def scaled_ragged_dot_general(lhs, rhs, group_sizes, *, ragged_dot_dimension_num
 
 
 def scaled_conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
-    lhs_data = lhs.data if is_scaled(lhs) else lhs
-    rhs_data = rhs.data if is_scaled(rhs) else rhs
+    lhs_data = data_of(lhs)
+    rhs_data = data_of(rhs)
     out_feature_dim = dimension_numbers.rhs_spec[0]
     k = math.prod(rhs_data.shape) // max(rhs_data.shape[out_feature_dim], 1)
     out = lax.conv_general_dilated_p.bind(

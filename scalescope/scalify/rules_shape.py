@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .common import align, is_scaled, make_scaled, unscale
+from .common import align, data_of, is_scaled, make_scaled, unscale
 from .registry import register_rule
 
 
@@ -81,7 +81,7 @@ def scaled_stop_gradient(x, **params):
 
 def scaled_sort(*operands, **params):
     # Sorting by a positive scale keeps the order; scaled operands keep their scale.
-    datas = [o.data if is_scaled(o) else o for o in operands]
+    datas = [data_of(o) for o in operands]
     outs = lax.sort_p.bind(*datas, **params)
     return [make_scaled(d, o.scale) if is_scaled(o) else d for d, o in zip(outs, operands)]
 
@@ -98,7 +98,7 @@ def _top_k(prim):
 
 def scaled_device_put(*xs, **params):
     """``jax.device_put`` inside a traced function: the data moves, each scale stays."""
-    outs = lax.device_put_p.bind(*[x.data if is_scaled(x) else x for x in xs], **params)
+    outs = lax.device_put_p.bind(*[data_of(x) for x in xs], **params)
     return [make_scaled(o, x.scale) if is_scaled(x) else o for o, x in zip(outs, xs)]
 
 
