@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import sys
@@ -160,10 +161,12 @@ def make_model(size: Size, precision: str) -> Model:
     return Model(precision, raw, raw_args, step, args, size.batch * size.seq)
 
 
-def compile_fn(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, float, dict]:
-    """(compiled, seconds to trace and compile, memory in bytes)."""
+def compile_fn(
+    fn: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any] | None = None
+) -> tuple[Any, float, dict]:
+    """(compiled, seconds to trace and compile, memory in bytes); ``options``: XLA's."""
     t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
+    compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     memory = {
@@ -209,9 +212,13 @@ def hlo_context(defs: dict[str, str], name: str, lines: int = 6) -> str:
     head = defs.get(name)
     if head is None:
         return f"{name}: not found in the HLO text"
-    operands = check_gpu_fp8._top_level(
-        check_gpu_fp8._split_operands(head, head.index("(", head.index("=")))
-    )
+    # the operands' parenthesis follows the op's name (a cuBLAS call's result type is a
+    # tuple, itself in parentheses)
+    rest = check_gpu_fp8._INSTR.match(head)["rest"]
+    op = check_gpu_fp8._OP.search(rest)
+    if op is None:
+        return head
+    operands = check_gpu_fp8._top_level(check_gpu_fp8._split_operands(rest, op.end() - 1))
     out = [head]
     for operand in operands[:lines]:
         line = defs.get(operand.split()[-1].lstrip("%"))
@@ -224,17 +231,46 @@ def hlo_context(defs: dict[str, str], name: str, lines: int = 6) -> str:
 
 
 class Suite:
-    """The sections, sharing the compiled scalified FP8 step."""
+    """The sections, sharing the compiled scalified FP8 step. A section that measures in
+    parts puts what it has in ``results`` and calls ``save`` after each part, so that a
+    suite killed at its time limit keeps them; no part starts after ``deadline_at``
+    (`time.perf_counter`)."""
 
-    def __init__(self, size: Size, out: Path):
+    def __init__(
+        self,
+        size: Size,
+        out: Path,
+        results: dict[str, Any] | None = None,
+        save: Callable[[], None] = lambda: None,
+        deadline_at: float = math.inf,
+    ):
         self.size, self.out = size, out
-        self._fp8: tuple[Model, Any, float, dict] | None = None
+        self.results = {} if results is None else results
+        self.save, self.deadline_at = save, deadline_at
+        self._fp8: tuple[Model, Any, float, dict] | BaseException | None = None
 
     def fp8(self) -> tuple[Model, Any, float, dict]:
+        """The scalified FP8 step, compiled once; a failure is kept and raised again (each
+        section that needs the step would otherwise compile it anew, to fail alike)."""
         if self._fp8 is None:
-            model = make_model(self.size, "fp8")
-            self._fp8 = (model, *compile_fn(model.step, model.args))
+            try:
+                model = make_model(self.size, "fp8")
+                self._fp8 = (model, *compile_fn(model.step, model.args))
+            except Exception as err:
+                self._fp8 = err
+                raise
+        if isinstance(self._fp8, BaseException):
+            raise RuntimeError(
+                "the scalified FP8 step failed to build (see the first section)"
+            ) from self._fp8
         return self._fp8
+
+    def _part(self, section: str, out: dict[str, Any]) -> None:
+        self.results[section] = out
+        self.save()
+
+    def _late(self) -> bool:
+        return time.perf_counter() > self.deadline_at
 
     def env(self) -> dict[str, Any]:
         versions = {"python": platform.python_version(), "platform": platform.platform()}
@@ -248,6 +284,17 @@ class Suite:
             model = make_model(self.size, precision)
             names = primitives_in(jax.make_jaxpr(model.raw_step)(*model.raw_args))
             missing[precision] = sorted(n for n in names if not has_rule(n))
+        # scalify and the probe traced on the tiny model (seconds): an engine that breaks
+        # on this JAX shows here, before the sections compile GPT-2 to fail alike
+        traces = {}
+        for what in ("scalify", "instrument"):
+            model = make_model(SMOKE, "fp8")
+            fn = model.step if what == "scalify" else ss.instrument(model.raw_step)
+            try:
+                jax.eval_shape(fn, *model.args)
+                traces[what] = "ok"
+            except Exception as err:  # noqa: BLE001 - a finding, the sections say more
+                traces[what] = f"{type(err).__name__}: {err}"[:500]
         dev = jax.devices()[0]
         return {
             "versions": versions,
@@ -259,17 +306,17 @@ class Suite:
             },
             "probe_kernel": "native" if native.use_native() else "xla",
             "missing_rules": missing,
+            "traces": traces,
         }
 
     def fp8_gemms(self) -> dict[str, Any]:
         model, compiled, seconds, memory = self.fp8()
         text = compiled.as_text()
         summary = check_gpu_fp8.parse_hlo(text)
-        dense = _dense_matmuls(self.size)
         defs = hlo_definitions(text)
         patterns = [hlo_context(defs, g.name) for g in summary.other_gemms]
         (self.out / "not_fp8_gemms.txt").write_text("\n\n".join(patterns) + "\n")
-        return {
+        out = {
             "compile_s": seconds,
             "temp_bytes": memory["temp"],
             "gemms": len(summary.gemms),
@@ -277,20 +324,52 @@ class Suite:
             "fp8_kinds": summary.counts(summary.fp8_gemms),
             "other_kinds": summary.counts(summary.other_gemms),
             "f8_converts": summary.f8_converts,
-            "fp8_cast_gemms": 3 * dense,
+            # the compiled program's GEMMs are counted in its text, where a scanned
+            # layer's are there once: so are these (3 per dense layer: forward, the
+            # gradients of its input and of its weight)
+            "fp8_cast_gemms": 3 * _dense_matmuls(self.size, scan=True),
+            "fp8_cast_gemms_per_step": 3 * _dense_matmuls(self.size, scan=False),
             "evidence": jax.devices()[0].platform == "gpu",
             "not_fp8_patterns": "not_fp8_gemms.txt",
         }
+        if out["fp8_gemms"] == 0 and not self._late():
+            # XLA may fold a cast to FP8 and back into its GEMM as excess precision (its
+            # default allows it), leaving the GEMM in 16 bits: compiled once more without
+            # that licence, the count says whether this is why
+            self._part("fp8_gemms", out)
+            strict, s_seconds, _ = compile_fn(
+                model.step, model.args, {"xla_allow_excess_precision": False}
+            )
+            s = check_gpu_fp8.parse_hlo(strict.as_text())
+            out["without_excess_precision"] = {
+                "compile_s": s_seconds,
+                "gemms": len(s.gemms),
+                "fp8_gemms": len(s.fp8_gemms),
+                "f8_converts": s.f8_converts,
+            }
+        return out
 
     def throughput(self) -> dict[str, Any]:
-        rows = {}
+        """One row per step; a row that fails (or would start past the deadline) is
+        recorded as such and the others are still measured."""
+        rows: dict[str, dict[str, Any]] = {}
+        out: dict[str, Any] = {"steps": rows}
         for name in ("bf16", "fp8", "fp8-naive"):
-            if name == "fp8":
-                model, compiled, seconds, memory = self.fp8()
-            else:
-                model = make_model(self.size, name)
-                compiled, seconds, memory = compile_fn(model.step, model.args)
-            t = time_steps(compiled, model.args, self.size.steps)
+            if self._late():
+                rows[name] = {"skipped": "deadline"}
+                continue
+            try:
+                if name == "fp8":
+                    model, compiled, seconds, memory = self.fp8()
+                else:
+                    model = make_model(self.size, name)
+                    compiled, seconds, memory = compile_fn(model.step, model.args)
+                t = time_steps(compiled, model.args, self.size.steps)
+            except Exception:  # noqa: BLE001 - recorded; the other rows still run
+                rows[name] = {"error": traceback.format_exc()}
+                log(f"  {name} FAILED:\n{rows[name]['error']}")
+                self._part("throughput", out)
+                continue
             rows[name] = {
                 "compile_s": seconds,
                 "step_ms": 1e3 * t,
@@ -298,8 +377,14 @@ class Suite:
                 "temp_bytes": memory["temp"],
             }
             log(f"  {name}: {model.tokens / t:,.0f} tokens/s")
-        ratio = rows["fp8"]["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
-        return {"steps": rows, "fp8_vs_bf16": ratio}
+            self._part("throughput", out)
+        measured = {k: r["tokens_per_s"] for k, r in rows.items() if "tokens_per_s" in r}
+        if "fp8" in measured and "bf16" in measured:
+            out["fp8_vs_bf16"] = measured["fp8"] / measured["bf16"]
+        failed = [k for k, r in rows.items() if "error" in r]
+        if failed:
+            raise RuntimeError(f"throughput rows failed: {failed} (the others are kept)")
+        return out
 
     def probe(self) -> dict[str, Any]:
         model, compiled, seconds, memory = self.fp8()
@@ -322,6 +407,7 @@ class Suite:
             f"  instrument: step {out['instrument_step_x']:.2f}x, "
             f"temporaries {out['instrument_temp_x']:.2f}x"
         )
+        self._part("probe", out)
         n = self.size.run_steps
         variants = (
             ("run_every10", {"every": 10}),
@@ -331,6 +417,10 @@ class Suite:
             ("run_detect", {"every": 10**9, "start_step": 1}),
         )
         for key, kw in variants:
+            if self._late():
+                out[key] = {"skipped": "deadline", **kw}
+                log(f"  {key} skipped: past the deadline")
+                continue
             with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
                 run = ss.Run(f"{tmp}/run", select=self.size.select, **kw)
                 fn = run.track(model.raw_step)
@@ -347,6 +437,7 @@ class Suite:
                 run.close()
             out[key] = {"steps": n, "ratio": tracked / untracked, **kw}
             log(f"  {key}: {tracked / untracked:.3f}x over {n} steps")
+            self._part("probe", out)
         return out
 
     def numerics(self) -> dict[str, Any]:
@@ -390,9 +481,11 @@ def _unscaled(x: Any) -> Any:
     return x.to_array() if hasattr(x, "to_array") else x
 
 
-def _dense_matmuls(size: Size) -> int:
-    """FP8-cast dense layers per forward of the GPT (each: three GEMMs per step)."""
-    cfg = gpt_config(size, scan=False)  # unrolled: a scanned layer is traced once
+def _dense_matmuls(size: Size, *, scan: bool) -> int:
+    """FP8-cast dense layers the GPT's forward traces (each: three GEMMs per step):
+    scanned, a layer's are traced once, as they stand in the compiled program's text;
+    unrolled, every layer's, as a step runs them."""
+    cfg = gpt_config(size, scan=scan)
     loss = functools.partial(gpt_loss, cfg=cfg, precision=PRECISIONS["fp8-naive"])
     params = jax.eval_shape(lambda: init_gpt(jax.random.key(0), cfg))  # shapes only
     return check_gpu_fp8.count_dense_matmuls(loss, params, make_batch(size))
@@ -428,6 +521,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"- primitives without a scalify rule ({prec} step): "
                 + (", ".join(names) if names else "none")
             )
+        for what, outcome in env.get("traces", {}).items():
+            lines.append(f"- {what} of the tiny GPT step traced: {outcome}")
         lines.append("")
     g = results.get("fp8_gemms", {})
     if "gemms" in g:
@@ -441,6 +536,14 @@ def markdown(results: dict[str, Any]) -> str:
             f"other: {g['other_kinds']} (patterns: {g['not_fp8_patterns']})",
             "",
         ]
+        strict = g.get("without_excess_precision")
+        if strict:
+            lines += [
+                f"Compiled without excess precision (`xla_allow_excess_precision=false`): "
+                f"{strict['fp8_gemms']} of {strict['gemms']} GEMMs in FP8, "
+                f"{strict['f8_converts']} converts to f8.",
+                "",
+            ]
     t = results.get("throughput", {})
     if "steps" in t:
         lines += [
@@ -450,16 +553,17 @@ def markdown(results: dict[str, Any]) -> str:
             "|---|---|---|---|",
         ]
         for name, row in t["steps"].items():
+            if "tokens_per_s" not in row:
+                why = row.get("skipped") or row.get("error", "?").strip().splitlines()[-1]
+                lines.append(f"| {name} | not measured: {why} | | |")
+                continue
             lines.append(
                 f"| {name} | {row['tokens_per_s']:,.0f} | {row['step_ms']:.1f} | "
                 f"{row['compile_s']:.1f} |"
             )
-        r = t["fp8_vs_bf16"]
-        lines += [
-            "",
-            f"Scalified FP8 / BF16: {r:.2f}x {goal(r, 'fp8_vs_bf16_tokens')}; stretch 1.3",
-            "",
-        ]
+        r = t.get("fp8_vs_bf16")
+        ratio = "not measured" if r is None else f"{r:.2f}x {goal(r, 'fp8_vs_bf16_tokens')}"
+        lines += ["", f"Scalified FP8 / BF16: {ratio}; stretch 1.3", ""]
     p = results.get("probe", {})
     if "instrument_step_x" in p:
         lines += [
@@ -469,12 +573,15 @@ def markdown(results: dict[str, Any]) -> str:
             f"{goal(p['instrument_step_x'], 'instrument_step')}, temporaries "
             f"{p['instrument_temp_x']:.2f}x {goal(p['instrument_temp_x'], 'instrument_temp')}, "
             f"compile {p['instrument_compile_x']:.2f}x the scalified step.",
-            f"Run(every=10): {p['run_every10']['ratio']:.3f}x "
-            f"{goal(p['run_every10']['ratio'], 'run_every10')}; Run(budget=0.05): "
-            f"{p['run_budget']['ratio']:.3f}x {goal(p['run_budget']['ratio'], 'run_budget')}; "
-            f"detection only (the flight recorder): {p['run_detect']['ratio']:.3f}x "
-            f"{goal(p['run_detect']['ratio'], 'run_detect')}, "
-            f"over {p['run_every10']['steps']} steps each.",
+            "; ".join(
+                f"{label}: {_run_ratio(p.get(key), key)}"
+                for key, label in (
+                    ("run_every10", "Run(every=10)"),
+                    ("run_budget", "Run(budget=0.05)"),
+                    ("run_detect", "detection only (the flight recorder)"),
+                )
+            )
+            + ", each against the same loop untracked.",
             "",
         ]
     n = results.get("numerics", {})
@@ -498,7 +605,15 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_ratio(row: dict[str, Any] | None, key: str) -> str:
+    if not row or "ratio" not in row:
+        return "not measured" + (f" ({row['skipped']})" if row and row.get("skipped") else "")
+    return f"{row['ratio']:.3f}x {goal(row['ratio'], key)} over {row['steps']} steps"
+
+
 def _section_time(name: str, section: dict[str, Any]) -> str:
+    if section.get("running"):
+        return f"{name} did not finish (started {section['started_s']:.0f} s into the suite)"
     if section.get("skipped"):
         return f"{name} skipped ({section['skipped']})"
     return f"{name} {section['seconds']:.0f} s"
@@ -513,18 +628,32 @@ def main(argv: list[str] | None = None) -> int:
         "--deadline",
         type=float,
         default=420.0,
-        help="seconds after which no further section starts (default 420: a 10-minute "
-        "device call keeps time to copy the results back)",
+        help="seconds after which no further section (or part of one) starts (default 420: "
+        "a 10-minute device call keeps time to copy the results back)",
+    )
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run the full-size suite even when JAX found no GPU (without it: exit 2)",
     )
     args = parser.parse_args(argv)
     only = SECTIONS if args.only is None else tuple(args.only.split(","))
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {unknown}; expected some of {SECTIONS}")
+    backend = jax.default_backend()
+    if backend == "cpu" and not (args.smoke or args.allow_cpu):
+        # JAX falls back to the CPU when CUDA does not start: GPT-2 on a CPU would run
+        # into the device call's time limit and say nothing about a GPU
+        print(
+            "gpu_suite: JAX found no GPU (backend: cpu; devices: "
+            f"{jax.devices()}); pass --smoke or --allow-cpu to run on the CPU",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = SMOKE if args.smoke else FULL
-    suite = Suite(size, out)
     results: dict[str, Any] = {
         "smoke": args.smoke,
         "model": f"GPT {size.layers}x{size.d_model}, {size.heads} heads, seq {size.seq}, "
@@ -533,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         "sections": {},
     }
     t_all = time.perf_counter()
-    _persistent_cache()
+    suite = Suite(size, out, results, lambda: _write(out, results), t_all + args.deadline)
+    results["compilation_cache"] = _persistent_cache()
     for name in only:
         if time.perf_counter() - t_all > args.deadline:
             log(f"section {name} skipped: past the {args.deadline:.0f} s deadline")
@@ -541,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         log(f"section {name}")
         t0 = time.perf_counter()
+        # marked as running until it ends: a suite killed at its time limit says where
+        results["sections"][name] = {"running": True, "started_s": t0 - t_all, "error": None}
+        _write(out, results)
         try:
             results[name] = getattr(suite, name)()
             error = None
@@ -559,16 +692,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(v.get("error") for v in results["sections"].values()) else 0
 
 
-def _persistent_cache() -> None:
+def _persistent_cache() -> str:
     """Programs the sections compile twice (the scalified step inside each `Run`) are
-    compiled once: JAX's persistent cache, in ``$JAX_COMPILATION_CACHE_DIR`` or a
-    temporary folder."""
+    compiled once: JAX's persistent cache, in ``$JAX_COMPILATION_CACHE_DIR`` or a new
+    temporary folder (a folder kept from an earlier run would turn the compile times
+    measured here into cache reads). Returns the folder."""
     if jax.config.jax_compilation_cache_dir:
-        return
-    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), "scalescope-gpu-suite-cache"
+        return jax.config.jax_compilation_cache_dir
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(
+        prefix="scalescope-gpu-suite-cache-"
     )
     jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
 
 
 def _write(out: Path, results: dict[str, Any]) -> None:

@@ -40,8 +40,12 @@ def test_gpu_suite_smoke_runs_every_section(tmp_path):
     assert env_["probe_kernel"] == "xla"
     # every primitive of the FP8 and FP16 GPT steps has a scalify rule
     assert env_["missing_rules"] == {"fp8": [], "fp16": []}
+    assert env_["traces"] == {"scalify": "ok", "instrument": "ok"}
     gemms = results["fp8_gemms"]
     assert gemms["gemms"] > 0 and gemms["fp8_cast_gemms"] > 0
+    assert gemms["fp8_cast_gemms"] <= gemms["fp8_cast_gemms_per_step"]
+    # on CPU no GEMM is FP8: the program compiled without excess precision is counted too
+    assert gemms["fp8_gemms"] == 0 and gemms["without_excess_precision"]["gemms"] > 0
     assert gemms["evidence"] is False  # on CPU: no claim about FP8 GEMMs
     assert (tmp_path / gemms["not_fp8_patterns"]).is_file()
     rows = results["throughput"]["steps"]
@@ -59,3 +63,80 @@ def test_gpu_suite_smoke_runs_every_section(tmp_path):
     md = (tmp_path / "results.md").read_text()
     for heading in ("## FP8 GEMMs", "## Throughput", "## The probe", "## Numerics"):
         assert heading in md
+    assert "did not finish" not in md and "not measured" not in md
+
+
+def _suite():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT))
+    import gpu_suite
+
+    return gpu_suite
+
+
+def test_fp8_cast_gemms_are_counted_as_the_compiled_text_holds_them():
+    """A scanned layer's dense GEMMs stand once in the program's text (the HLO's GEMM
+    count is compared with this), once per layer in a step."""
+    g = _suite()
+    size = g.Size(layers=3, d_model=16, heads=2, seq=8, batch=2, vocab=65)
+    scanned, unrolled = g._dense_matmuls(size, scan=True), g._dense_matmuls(size, scan=False)
+    per_layer = (unrolled - scanned) // 2
+    assert per_layer >= 4 and unrolled == scanned + 2 * per_layer
+
+
+def test_a_cublas_gemms_context_names_its_operands():
+    """cuBLAS calls return a tuple: the operands are found after the op's name, not in
+    the result type's parentheses."""
+    g = _suite()
+    hlo = """
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = f8e4m3fn[32,16]{1,0} parameter(1)
+  %cvt = f16[32,16]{1,0} convert(%p1)
+  %gemm = (f16[64,16]{1,0}, s8[1024]{0}) custom-call(%p0, %cvt), custom_call_target="__cublas$gemm"
+"""
+    text = g.hlo_context(g.hlo_definitions(hlo), "gemm")
+    lines = text.splitlines()
+    assert lines[0].startswith("%gemm") and len(lines) == 3, text
+    assert "parameter(0)" in lines[1] and "convert(%p1)" in lines[2]
+
+
+def test_a_suite_killed_or_past_its_deadline_says_what_it_did_not_measure():
+    g = _suite()
+    results = {
+        "model": "GPT",
+        "smoke": False,
+        "sections": {
+            "throughput": {"seconds": 9.0, "error": "Traceback\nRuntimeError: rows failed"},
+            "probe": {"running": True, "started_s": 401.0, "error": None},
+        },
+        "throughput": {
+            "steps": {
+                "bf16": {"compile_s": 1.0, "step_ms": 10.0, "tokens_per_s": 800.0},
+                "fp8": {"error": "Traceback\nKeyError: 'num_consts'"},
+                "fp8-naive": {"skipped": "deadline"},
+            }
+        },
+        "probe": {
+            "probe_kernel": "xla",
+            "instrument_step_x": 1.2,
+            "instrument_temp_x": 1.05,
+            "instrument_compile_x": 2.0,
+            "run_every10": {"steps": 100, "ratio": 1.01, "every": 10},
+            "run_budget": {"skipped": "deadline", "budget": 0.05},
+        },
+    }
+    md = g.markdown(results)
+    assert "| fp8 | not measured: KeyError: 'num_consts' |" in md
+    assert "| fp8-naive | not measured: deadline |" in md
+    assert "Scalified FP8 / BF16: not measured" in md
+    assert "Run(every=10): 1.010x (goal <= 1.05 met) over 100 steps" in md
+    assert "Run(budget=0.05): not measured (deadline)" in md
+    assert "detection only (the flight recorder): not measured" in md
+    assert "probe did not finish (started 401 s into the suite)" in md
+
+
+def test_without_a_gpu_the_full_suite_refuses_to_start(tmp_path, capsys):
+    g = _suite()
+    assert g.main(["--out", str(tmp_path)]) == 2
+    assert "JAX found no GPU" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()

@@ -381,6 +381,9 @@ def test_bad_arguments_raise_clear_errors():
     assert len(ss.stats_frame(table, stats)) == table.n_rows
     with pytest.raises(TypeError, match=r"the arguments are \(table, stats\)"):
         ss.stats_frame(stats, table)
+    # an instrumented function composes with jax.eval_shape like any other
+    shapes = jax.eval_shape(inst, x)
+    assert shapes[0].data.shape == (3,) and shapes[1]["rms"].shape == (table.n_rows,)
 
 
 def test_isolated_outputs_are_bit_identical_to_uninstrumented():

@@ -441,6 +441,7 @@ _ALIASES = {
     "custom_vjp_call_jaxpr",
     "closed_call",
     "core_call",
+    "eval_jaxpr",  # JAX 0.11's closed_call
     "sharding_constraint",
     "real",
     "expand_dims",

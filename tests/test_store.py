@@ -185,6 +185,11 @@ def test_non_array_arguments_are_static_as_with_static_argnums(tmp_path, scalify
                 assert "graph other than" in str(caught[0].message)
         with pytest.raises(TypeError, match=r"kwargs\['act'\] is a set.*hashable"):
             tracked(p, s, opt, mean_square, x, act={"tanh"})
+        # inside a transformation a step cannot be recorded: refused, nothing submitted
+        # (a tracer reaching the writer would fail the run at close)
+        for transform in (jax.jit, lambda f: lambda *a: jax.eval_shape(f, *a)):
+            with pytest.raises(TypeError, match="inside a JAX transformation"):
+                transform(lambda p, x: tracked(p, s, opt, mean_square, x))(p, x)
     reader = ss.open_run(tmp_path / "run")
     assert {"input/p", "input/x"} <= set(reader.ops["name"])
     assert not any("optimizer" in n or "loss_fn" in n for n in reader.ops["name"])

@@ -136,6 +136,43 @@ def test_bodies_say_where_they_sit():
     assert traverse.split(where, ["c", "x"]) == ([], ["c"], ["x"])
 
 
+class _FlatTree:
+    """JAX 0.11's ``ft_in`` of a scan, as far as `traverse` reads it: (consts, carry, xs)."""
+
+    def __init__(self, *groups):
+        self.groups = groups
+
+    def unpack(self):
+        return tuple([None] * n for n in self.groups)
+
+
+def test_a_scan_in_jax_0_11s_layout_is_taken_apart_alike():
+    """JAX 0.11 dropped a scan's ``num_consts``/``num_carry`` for a flat tree ``ft_in``
+    of its operands (CI runs 0.10, a GPU image 0.11): the same counts and result."""
+    w = _x(3, 1)
+
+    def f(c, xs):
+        return lax.scan(lambda c, x: (jnp.tanh(c @ w + x), c * 2.0), c, xs)
+
+    args = (jnp.ones(3), _x(5, 2))
+    closed = jax.make_jaxpr(f)(*args)
+    old = next(e for e in closed.jaxpr.eqns if e.primitive.name == "scan")
+    p = old.params
+    new_params = {k: v for k, v in p.items() if k not in ("num_consts", "num_carry", "linear")}
+    n_xs = len(old.invars) - p["num_consts"] - p["num_carry"]
+    new_params["ft_in"] = _FlatTree(p["num_consts"], p["num_carry"], n_xs)
+    new = old.replace(params=new_params)
+    assert traverse.scan_counts(new.params) == (p["num_consts"], p["num_carry"]) == (1, 1)
+    assert [w.carry for _, w in traverse.bodies(new)] == [1]
+    env = {**dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))}
+    env.update(zip(closed.jaxpr.invars, args, strict=True))
+    got = traverse.apply(new, [env[v] for v in new.invars], _identity)
+    for g, want in zip(got, jax.tree.leaves(f(*args)), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+    with pytest.raises(KeyError, match="scan without operand counts"):
+        traverse.scan_counts({"length": 3})
+
+
 def test_aux_is_stacked_carried_and_taken():
     """What bodies hand out beside their outputs: a scan stacks it, a while loop carries
     it, a cond returns the taken branch's."""

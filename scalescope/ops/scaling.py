@@ -35,7 +35,7 @@ def _identity_primitive(name: str) -> Primitive:
         return prim.bind(*primals, **params), tangents[0]
 
     def batch(args, dims, **params):
-        if any(d is not batching.not_mapped for d in dims[1:]):
+        if any(d is not None for d in dims[1:]):  # None: not batched
             raise ValueError(f"{name}: the scale argument cannot be batched")
         return prim.bind(*args, **params), dims[0]
 

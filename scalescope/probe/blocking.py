@@ -13,10 +13,11 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from ..scalify import traverse
+
 #: Parameters holding the body of a call whose inputs are the equation's inputs, in order.
 _CALL_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
-          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")  # fmt: skip
+_CALLS = traverse.CALLS | traverse.CHECKPOINTS | {"remat"}
 
 
 def _body(eqn: Any) -> Any | None:

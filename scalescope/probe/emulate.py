@@ -97,7 +97,7 @@ def emulate(
 
     def plan_of(flat: tuple) -> tuple[Plan, Any, Any]:
         leaves, treedef, _, avals, key = flat
-        closed, out_tree = probe.trace(leaves, treedef, avals, key)
+        closed, out_tree = probe.trace_flat(leaves, treedef, avals, key)
         if key not in plans:
             table = probe.table_of(flat)
             plans[key] = (Plan.build(table, policy), blocking.block_axes(closed.jaxpr))

@@ -273,7 +273,7 @@ def instrument(
                 "instrument(scalify=False) records a plain function, but an argument is a "
                 "ScaledArray; pass plain arrays or use scalify=True"
             )
-        closed, out_tree = instrumented.trace(leaves, treedef, avals, key)
+        closed, out_tree = instrumented.trace_flat(leaves, treedef, avals, key)
         outs = None
         if scalify:
             dyn = normalize_inputs(dyn)
@@ -373,7 +373,7 @@ def instrument(
     instrumented.op_table = op_table
     instrumented.nonfinite_where = nonfinite_where
     instrumented.table_of = table_of
-    instrumented.trace = trace
+    instrumented.trace_flat = trace
     instrumented.masked = masked
     instrumented.groups = groups
     instrumented.fallbacks = []

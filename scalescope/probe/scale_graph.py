@@ -22,13 +22,14 @@ import numpy as np
 import pandas as pd
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from ..scalify import traverse
 from ..scalify.interpreter import bind_plain
 from ..scalify.source import UNKNOWN, format_source
 from .modules import module_scopes
 from .names import Scope, op_name, parse
 
 #: Call primitives whose body is entered (the others are one op each).
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
+_CALLS = traverse.PLAIN_CALLS
 
 COLUMNS = ("name", "primitive", "shape", "dtype", "source", "fwd_log2_rms", "grad_log2_rms")
 

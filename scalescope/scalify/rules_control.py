@@ -269,6 +269,7 @@ RULES = {
     "checkpoint": scaled_remat,
     "closed_call": scaled_call,
     "core_call": scaled_call,
+    "eval_jaxpr": scaled_call,  # JAX 0.11's closed_call
     "scan": scaled_scan,
     "while": scaled_while,
     "cond": scaled_cond,

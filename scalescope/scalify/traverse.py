@@ -31,18 +31,12 @@ WHILE_COND = "while_cond"
 WHILE_BODY = "while_body"
 BRANCH = "branch"
 
-#: Primitives whose body is inlined: jit and the custom-derivative calls (their primal).
-CALLS = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-    }
-)
+#: Calls whose body takes the equation's operands in order (``eval_jaxpr`` is JAX 0.11's
+#: name for ``closed_call``).
+PLAIN_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_jaxpr"})
+#: Primitives whose body is inlined: the plain calls and the custom-derivative calls
+#: (their primal).
+CALLS = PLAIN_CALLS | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 CHECKPOINTS = frozenset({"checkpoint", "remat2"})
 #: Every higher-order primitive this module takes apart.
 PRIMITIVES = CALLS | CHECKPOINTS | {"scan", "while", "cond"}
@@ -93,6 +87,18 @@ def _call_jaxpr(params: dict) -> Any:
     raise KeyError(f"traverse: a call without a body (params: {sorted(params)})")
 
 
+def scan_counts(params: dict) -> tuple[int, int]:
+    """How many of a scan's operands are loop-invariant and how many carried (the rest
+    are scanned over). JAX <= 0.10 names the counts; JAX 0.11 groups the operands in a
+    flat tree ``ft_in`` of (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    if "ft_in" in params:
+        consts, carry, _ = (len(group) for group in params["ft_in"].unpack())
+        return consts, carry
+    raise KeyError(f"traverse: a scan without operand counts (params: {sorted(params)})")
+
+
 def bodies(eqn: Any) -> list[tuple[ClosedJaxpr, Where]]:
     """The bodies of the higher-order ``eqn``, each with where it sits (a while loop:
     its predicate, then its body; a cond: its branches in order)."""
@@ -102,7 +108,8 @@ def bodies(eqn: Any) -> list[tuple[ClosedJaxpr, Where]]:
     if name in CHECKPOINTS:
         return [(_closed(p["jaxpr"]), Where(eqn, CHECKPOINT))]
     if name == "scan":
-        return [(p["jaxpr"], Where(eqn, SCAN, consts=p["num_consts"], carry=p["num_carry"]))]
+        consts, carry = scan_counts(p)
+        return [(p["jaxpr"], Where(eqn, SCAN, consts=consts, carry=carry))]
     if name == "while":
         carry = len(eqn.invars) - p["cond_nconsts"] - p["body_nconsts"]
         return [

@@ -234,6 +234,13 @@ class Tracked:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.run._check_open()
         parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in parts[1]):
+            raise TypeError(
+                "a tracked step was called inside a JAX transformation (jax.jit, vmap, "
+                "grad, eval_shape, ...): it records and checks each step it runs, so call "
+                "it from Python; to transform the step, transform the function given to "
+                "run.track (or use ss.instrument, which returns the statistics)"
+            )
         if not self._records_signature(args, kwargs, parts):
             self.step += 1
             return self._plain_parts(parts)[0]  # another graph: neither recorded nor judged

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from ..scalify import traverse
+
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 _GELU_CUBIC = 0.044715
 _INV_SQRT_2 = 2**-0.5
@@ -32,7 +34,7 @@ _SHAPE_OPS = {
     "rev",
     "reduce_precision",
 }
-_CALL_PRIMS = {"jit", "pjit", "closed_call", "core_call"}
+_CALL_PRIMS = traverse.PLAIN_CALLS
 
 
 # -- graph helpers -----------------------------------------------------------------------
