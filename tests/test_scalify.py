@@ -185,6 +185,20 @@ def test_dynamic_rescale_restores_unit_rms():
     np.testing.assert_array_equal(ss.ops.set_scaling(v, 4.0), v)
 
 
+def test_scale_ops_under_vmap():
+    """vmap over the value (the scale argument not batched) keeps the ops identities;
+    a batched scale is refused by name."""
+    v = _rng((4, 3))
+    for op in (
+        ss.ops.dynamic_rescale_l2,
+        ss.ops.stop_scaling,
+        lambda x: ss.ops.set_scaling(x, 4.0),
+    ):
+        np.testing.assert_array_equal(jax.vmap(op)(v), v)
+    with pytest.raises(ValueError, match="set_scaling: the scale argument cannot be batched"):
+        jax.vmap(ss.ops.set_scaling)(v, jnp.ones(4))
+
+
 def test_dynamic_rescale_grad_rescales_only_the_gradient():
     def loss(x):
         return jnp.sum(ss.ops.dynamic_rescale_l2_grad(x) * 2.0**-20)
@@ -569,3 +583,66 @@ def test_products_of_a_value_with_itself_recentre_like_powers():
     w = ss.ScaledArray(x.T * 2.0**-30, jnp.float32(2.0**30))
     prod = ss.scalify(lambda v, w: v @ w, normalize=False)(far, w)
     assert float(np.max(np.abs(np.asarray(prod.data)))) < 2.0**-50
+
+
+def test_a_constant_selected_into_a_small_scale_keeps_its_value():
+    """A plain value that a select, max or concatenate puts in the output is expressed in
+    the common scale: that scale is raised where the value would overflow the data."""
+    f32max = np.finfo(np.float32).max
+    x = ss.ScaledArray(jnp.array([np.inf, 1.0, -np.inf, np.nan, -2.0]), jnp.float32(0.5))
+    want = np.nan_to_num(np.array([np.inf, 0.5, -np.inf, np.nan, -1.0], np.float32))
+    assert want[0] == f32max
+    for f in (ss.scalify(jnp.nan_to_num), jax.jit(ss.scalify(jnp.nan_to_num))):
+        np.testing.assert_array_equal(np.asarray(ss.asarray(f(x))), want)
+    # attention masked as Flax masks it (the dtype's min), one query row fully masked:
+    # the plain softmax is uniform there; a fill turned -inf would give NaN
+    v = _rng((2, 4, 4), seed=3)
+    mask = np.tril(np.ones((4, 4), bool))[None].repeat(2, 0)
+    mask[1, 0] = False
+    z = np.where(mask, np.asarray(v, np.float64), float(np.finfo(np.float32).min))
+    e = np.exp(z - z.max(-1, keepdims=True))
+    want = e / e.sum(-1, keepdims=True)
+    assert np.allclose(want[1, 0], 0.25)
+
+    def attend(s):
+        return jax.nn.softmax(jnp.where(mask, s, jnp.finfo(jnp.float32).min), axis=-1)
+
+    scores = ss.as_scaled_array(jnp.asarray(v), 2.0**-3)
+    for f in (ss.scalify(attend), jax.jit(ss.scalify(attend))):
+        np.testing.assert_allclose(np.asarray(ss.asarray(f(scores))), want, rtol=1e-5, atol=1e-7)
+    # FP16 data at a tiny scale: 1.0 selected in is 1.0 (2^20 in that scale: inf)
+    h = ss.ScaledArray(jnp.array([1.0, 2.0], jnp.float16), jnp.float32(2.0**-20))
+    got = ss.scalify(lambda a: jnp.where(jnp.array([True, False]), a, 1.0))(h)
+    np.testing.assert_array_equal(np.asarray(got.to_array(np.float32)), [2.0**-20, 1.0])
+    got = ss.scalify(lambda a: jnp.maximum(a, 3e38))(x)
+    np.testing.assert_array_equal(
+        np.asarray(ss.asarray(got))[[0, 1, 4]], np.float32([np.inf, 3e38, 3e38])
+    )
+
+
+def test_negative_integer_powers_divide_as_a_division_does():
+    zero = ss.as_scaled_array(jnp.zeros(3), scale="rms")  # scale 0: exactly zero
+    assert float(zero.scale) == 0.0
+    v = np.array([2.0, 0.5, -3.0], np.float32)
+    for y in (-1, -2, -3):
+        # 1/0 is inf, as for the plain array (the scale's reciprocal times 0 was NaN)
+        got = ss.scalify(lambda a, y=y: a**y)(zero)
+        with np.errstate(divide="ignore"):
+            want = np.zeros(3, np.float32) ** y
+        np.testing.assert_array_equal(np.asarray(ss.asarray(got)), want)
+        for scale in (2.0**-40, 3.0, 2.0**40):
+            x = ss.ScaledArray(jnp.asarray(v), jnp.float32(scale))
+            got = np.asarray(ss.asarray(ss.scalify(lambda a, y=y: a**y)(x)), np.float64)
+            np.testing.assert_allclose(got, (v.astype(np.float64) * scale) ** y, rtol=1e-6)
+
+
+def test_scaled_array_refuses_a_negative_scale_and_takes_lists():
+    for scale in (-2.0, np.float32(-1.0), jnp.float32(-0.5)):
+        with pytest.raises(ValueError, match="scale must not be negative"):
+            ss.ScaledArray(jnp.ones(3), scale)
+    x = ss.ScaledArray([[1.0, 2.0]], 4.0)
+    assert x.shape == (1, 2) and x.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(x), [[4.0, 8.0]])
+    # 0 (an exactly-zero tensor) and NaN (a poisoned scale) stay representable
+    assert float(ss.ScaledArray(jnp.ones(2), 0.0).scale) == 0.0
+    assert np.isnan(float(ss.ScaledArray(jnp.ones(2), np.nan).scale))

@@ -18,6 +18,23 @@ import numpy as np
 SCALE_DTYPE = jnp.float32
 
 
+def _check_sign(scale: Any) -> None:
+    """A scale known on the host must not be negative: every rule reads ``data * scale``
+    with a positive scale (max, argmax, sort, comparisons would be wrong). NaN and 0
+    (an exactly-zero tensor) are allowed; a traced scale is not checked."""
+    if isinstance(scale, jax.core.Tracer):
+        return
+    try:
+        value = np.asarray(scale)
+    except Exception:  # noqa: BLE001 - not an array (a pytree placeholder): no claim
+        return
+    if value.ndim == 0 and np.issubdtype(value.dtype, np.number) and value < 0:
+        raise ValueError(
+            f"ScaledArray: the scale must not be negative (got {value.item()}): the value "
+            "is data * scale with a positive scale, the sign belongs to the data"
+        )
+
+
 @jax.tree_util.register_pytree_node_class
 class ScaledArray:
     """A tensor represented as ``data * scale`` with a scalar ``scale``.
@@ -30,8 +47,19 @@ class ScaledArray:
     __array_priority__ = 1000
 
     def __init__(self, data: Any, scale: Any):
+        if isinstance(data, list | tuple):  # nested Python numbers, as np.asarray takes
+            data = jnp.asarray(data)
+        _check_sign(scale)
         self.data = data
         self.scale = scale
+
+    @classmethod
+    def trusted(cls, data: Any, scale: Any) -> ScaledArray:
+        """The engine's constructor: ``data`` and ``scale`` as they are, unchecked (a
+        concrete scale would otherwise be read back from the device once per op)."""
+        obj = object.__new__(cls)
+        obj.data, obj.scale = data, scale
+        return obj
 
     # -- pytree ------------------------------------------------------------------------
     def tree_flatten(self):

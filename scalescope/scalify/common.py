@@ -57,7 +57,7 @@ def as_scale(scale: Any) -> Any:
 
 def make_scaled(data: Any, scale: Any) -> ScaledArray:
     """A `ScaledArray` with a float32 scalar scale (NumPy when static, see `as_scale`)."""
-    return ScaledArray(data, as_scale(scale))
+    return ScaledArray.trusted(data, as_scale(scale))
 
 
 def unit_scale() -> np.ndarray:
@@ -135,6 +135,34 @@ def lift(x: Any, scale: Any, dtype: Any) -> jax.Array:
     return (x.astype(wide) * pow2_reciprocal(scale).astype(wide)).astype(dtype)
 
 
+def lift_floor(x: Any, dtype: Any) -> Any:
+    """The least scale at which the plain value ``x`` lifts into ``dtype`` data without
+    overflowing (twice the power of two of its largest finite magnitude over that of
+    ``dtype``'s max), or None where it cannot bind (0, ±inf, NaN known at trace time;
+    non-float data). One reduction for an array traced inside the step (a mask's fill,
+    ``jnp.finfo(dtype).min`` broadcast by ``jnp.where``): attention masked with it
+    would otherwise select -inf, and a fully masked row would give NaN."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    top = static_pow2_round_down(float(jnp.finfo(dtype).max))
+    c = concrete_scalar(x)
+    if c is not None:
+        if c == 0.0 or not math.isfinite(c):
+            return None
+        return static_scale(2.0 * static_pow2_round_down(abs(c)) / top)
+    arr = jnp.asarray(x)
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        return None
+    a = lax.abs(as_f32(arr))
+    if arr.size > 1:
+        a = lax.reduce_max(
+            lax.select(lax.is_finite(a), a, lax.full_like(a, 0)), tuple(range(a.ndim))
+        )
+    a = a.reshape(()) if a.shape != () else a
+    a = lax.select(lax.is_finite(a), a, np.float32(0))
+    return lax.mul(pow2_round_down(a), np.float32(2.0 / top))
+
+
 def common_scale(xs: list[Any]) -> jax.Array:
     """Largest scale among the scaled inputs (all inputs then have data <= their own)."""
     scales = [x.scale for x in xs if is_scaled(x)]
@@ -153,22 +181,31 @@ def scale_max(*scales: Any) -> Any:
     return out
 
 
-def align(xs: list[Any], dtype: Any = None, scale: Any = None) -> tuple[list[Any], jax.Array]:
+def align(
+    xs: list[Any], dtype: Any = None, scale: Any = None, *, fit: bool = True
+) -> tuple[list[Any], jax.Array]:
     """Express every input in one common power-of-two scale; returns the data list and
     the scale.
 
     The common scale is ``scale`` (a power of two) or the power of two of the largest
-    input scale. Scaled inputs are rescaled by the ratio of their scale to it (exact
-    for power-of-two scales, and computed without a divide); plain inputs are lifted.
-    ``dtype`` defaults to the first scaled input's data dtype and is used for lifted
-    plain values.
+    input scale, raised where a plain input would overflow ``dtype`` in it
+    (`lift_floor`; ``fit=False`` skips that, for comparisons, where a value beyond
+    every datum compares as inf does). Scaled inputs are rescaled by the ratio of their
+    scale to it (exact for power-of-two scales, and computed without a divide); plain
+    inputs are lifted. ``dtype`` defaults to the first scaled input's data dtype and is
+    used for lifted plain values.
     """
-    if scale is None:
-        scale = pow2_round_down(common_scale(xs))
-    # Scale 0 marks an exactly-zero tensor; if every input is one, express in scale 1.
-    scale = positive_or_one(scale)
     if dtype is None:
         dtype = next(x.dtype for x in xs if is_scaled(x))
+    if scale is None:
+        scale = common_scale(xs)
+        floors = [lift_floor(x, dtype) for x in xs if fit and not is_scaled(x)]
+        floors = [f for f in floors if f is not None]
+        if floors:
+            scale = scale_max(scale, *floors)
+        scale = pow2_round_down(scale)
+    # Scale 0 marks an exactly-zero tensor; if every input is one, express in scale 1.
+    scale = positive_or_one(scale)
     inverse = pow2_reciprocal(scale)
     datas = []
     for x in xs:

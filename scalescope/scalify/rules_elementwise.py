@@ -182,7 +182,7 @@ def _aligned(prim, *, scaled_out: bool = True):
     """Rule for ops that commute with a common positive scale (max, min, comparisons)."""
 
     def rule(*args, **params):
-        datas, s = align(list(args))
+        datas, s = align(list(args), fit=scaled_out)
         out = prim.bind(*datas, **params)
         return make_scaled(out, s) if scaled_out else out
 
@@ -257,15 +257,16 @@ def scaled_square(x, **params):
 
 
 def scaled_integer_pow(x, *, y, **params):
-    if abs(y) >= 2:
+    if y < 0:
+        # 1 / x**|y| by the division's rule: the reciprocal of a zero (scale 0, the
+        # exact-zero mark) is inf, as lax.integer_pow gives, not inf * 0
+        return scaled_div(jnp.ones((), x.dtype), scaled_integer_pow(x, y=-y, **params))
+    if y >= 2:
         x = _before_power(x)
     data = lax.integer_pow_p.bind(x.data, y=y, **params)
     if y == 0:
         return make_scaled(data, unit_scale())
-    scales = (x.scale,) * abs(y)
-    if y > 0:
-        return product_scaled(data, scales[0], *scales[1:])
-    return product_scaled(data, 1.0, divisors=scales)
+    return product_scaled(data, x.scale, *(x.scale,) * (y - 1))
 
 
 def _even_pow2_split(scale):
