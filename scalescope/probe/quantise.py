@@ -63,7 +63,7 @@ def quantise(x: Any, target: str, axes: Sequence[int] | None = None) -> Any:
     if not isinstance(target, str) or target not in targets():
         raise PolicyError(f"quantise: unknown format or recipe {target!r}")
     if isinstance(x, ScaledArray):
-        return ScaledArray(quantise(x.data, target, axes), x.scale)
+        return ScaledArray.trusted(quantise(x.data, target, axes), x.scale)
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or _is_identity(target, x):
         return x
     axes = None if axes is None else tuple(int(a) for a in axes)

@@ -609,11 +609,11 @@ class Recorder(Observer):
                 self.shared.measured[id(data)] = measured
                 self.shared.keep.append(data)
                 self.scope.values.append(measured)
-                value = ScaledArray(data, value.scale) if scaled else data
+                value = ScaledArray.trusted(data, value.scale) if scaled else data
             else:
                 if not early and self.shared.hands_off:  # (`early`: as above)
                     data = kernel.hand_off(data)
-                    value = ScaledArray(data, value.scale) if scaled else data
+                    value = ScaledArray.trusted(data, value.scale) if scaled else data
                 self.scope.values.append((data, scale, axes))
             self.scope.recorded.append(rec)
         if rec.note not in ("", "alias"):

@@ -221,7 +221,7 @@ def _materialize_scales(invals: Sequence[Any], outvals: list[Any]) -> list[Any]:
         if isinstance(x, ScaledArray) and id(x.scale) not in seen:
             scale = materialized(x.scale)
             seen.update((id(x.scale), id(scale)))
-            x = ScaledArray(x.data, scale)
+            x = ScaledArray.trusted(x.data, scale)
         out.append(x)
     return out
 
@@ -230,7 +230,7 @@ def array_scales(values: Sequence[Any]) -> list[Any]:
     """``values`` with every static (NumPy) scale made a JAX array: what a transformed
     function returns has JAX arrays as leaves, as its users expect."""
     return [
-        ScaledArray(v.data, jnp.asarray(v.scale, SCALE_DTYPE))
+        ScaledArray.trusted(v.data, jnp.asarray(v.scale, SCALE_DTYPE))
         if isinstance(v, ScaledArray) and not isinstance(v.scale, jax.Array)
         else v
         for v in values
