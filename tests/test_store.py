@@ -15,10 +15,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pandas as pd
 import pytest
 
 import scalescope as ss
+from scalescope import analysis as A
 from scalescope.store import layout as L
 
 HERE = Path(__file__).parent
@@ -195,6 +197,49 @@ def test_non_array_arguments_are_static_as_with_static_argnums(tmp_path, scalify
     assert not any("optimizer" in n or "loss_fn" in n for n in reader.ops["name"])
     assert "tanh" in set(reader.ops["primitive"]) and "sin" not in set(reader.ops["primitive"])
     assert 2 not in set(reader.steps) and len(reader.steps) >= 1
+
+
+def test_a_constant_state_leaf_that_scalify_returns_plain_keeps_every_step_recorded(tmp_path):
+    """optax.adafactor returns placeholder zeros for the leaves it does not factor: under
+    scalify they come back plain where the first call had ScaledArrays, and the second
+    call traced another graph (the run recorded its first step only, and said so in a
+    warning that printed the same op twice)."""
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+    p = {"w": jnp.linspace(-1.0, 1.0, 128).reshape(16, 8), "b": jnp.zeros(8)}
+    x = jnp.ones((4, 16))
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    p0, s0 = ss.as_scaled_array(p, "rms"), ss.as_scaled_array(tx.init(p), "rms")
+    want, got = (p0, s0), (p0, s0)
+    with ss.Run(tmp_path / "run", every=1) as run, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "graph other than" warning
+        tracked, plain = run.track(step), jax.jit(ss.scalify(step))
+        for _ in range(4):
+            *got, loss = tracked(*got, x)
+            *want, _ = plain(*want, x)
+    assert [type(leaf) for leaf in jax.tree.leaves(got[1], is_leaf=ss.is_scaled_array)].count(
+        ss.ScaledArray
+    ) < len(jax.tree.leaves(s0, is_leaf=ss.is_scaled_array))  # some came back plain
+    assert list(ss.open_run(tmp_path / "run").steps) == [0, 1, 2, 3]
+    for a, b in zip(jax.tree.leaves(ss.asarray(got)), jax.tree.leaves(ss.asarray(want))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a graph that does differ is still refused, and the warning names what differs
+    with ss.Run(tmp_path / "other", every=1) as run:
+        tracked = run.track(lambda v: jnp.sin(v) * 2.0)
+        tracked(jnp.ones(3))
+        with pytest.warns(UserWarning, match=r"graph other than.*\(shape \[3\] -> \[4\]"):
+            tracked(jnp.ones(4))
+        tracked(jnp.ones(4))
+    # and the views say that those calls ran unrecorded
+    reader = ss.open_run(tmp_path / "other")
+    assert list(reader.steps) == [0] and reader.unrecorded_calls == {"count": 2, "first_step": 1}
+    notes = A.measurement_notes(reader)
+    assert any("2 calls of the tracked step (the first at step 1)" in n for n in notes), notes
+    assert ss.open_run(tmp_path / "run").unrecorded_calls is None
 
 
 def test_the_step_is_interpreted_once_for_the_op_table_and_the_recording(tmp_path, monkeypatch):

@@ -76,7 +76,7 @@ from .groups import (
     max_depth,
     scope_key,
 )
-from .measured import budget_note, measurement_notes, sampled_note
+from .measured import budget_note, measurement_notes, sampled_note, unrecorded_note
 from .policies import (
     PREDICTION_COLUMNS,
     agreement,
@@ -182,6 +182,7 @@ __all__ = [
     "max_depth",
     "measured_matrix",
     "measurement_notes",
+    "unrecorded_note",
     "metric_direction",
     "metric_values",
     "module_of",

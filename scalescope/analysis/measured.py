@@ -32,13 +32,27 @@ def budget_note(budget: float | None, period: float | None = None) -> str:
     return head + how
 
 
+def unrecorded_note(unrecorded: dict[str, int] | None) -> str:
+    """The note for a run some of whose calls traced another graph and ran unrecorded
+    ("" when none did): its figures and verdict cover the recorded graph's steps only."""
+    if not unrecorded or not unrecorded.get("count"):
+        return ""
+    n = int(unrecorded["count"])
+    return (
+        f"{n:,} call{'s' if n != 1 else ''} of the tracked step (the first at step "
+        f"{int(unrecorded.get('first_step', 0)):,}) traced another graph than the run's "
+        "and ran unrecorded and unchecked: figures and verdict cover the other steps only"
+    )
+
+
 def measurement_notes(reader: Any) -> list[str]:
     """The notes a view shows next to figures computed from ``reader``'s statistics:
-    `sampled_note` and `budget_note`, those that apply (none for an exact run measured
-    in full)."""
+    `sampled_note`, `budget_note` and `unrecorded_note`, those that apply (none for an
+    exact run measured in full)."""
     budget = reader.budget
     notes = [
         sampled_note(reader.statistics, reader.sample),
         budget_note(budget, reader.measurement_period() if budget is not None else None),
+        unrecorded_note(getattr(reader, "unrecorded_calls", None)),
     ]
     return [n for n in notes if n]

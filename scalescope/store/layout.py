@@ -362,7 +362,13 @@ def first_difference(old: pd.DataFrame, new: pd.DataFrame) -> str:
         a = [_norm(old.iloc[op][k]) for k in _OP_FIELDS]
         b = [_norm(new.iloc[op][k]) for k in _OP_FIELDS]
         if a != b:
-            return f"{head}; op {op} was {_describe(old.iloc[op])}, now {_describe(new.iloc[op])}"
+            fields = ", ".join(
+                f"{k} {x!r} -> {y!r}" for k, x, y in zip(_OP_FIELDS, a, b, strict=True) if x != y
+            )
+            return (
+                f"{head}; op {op} was {_describe(old.iloc[op])}, now "
+                f"{_describe(new.iloc[op])} ({fields})"
+            )
     return head
 
 

@@ -139,6 +139,14 @@ class RunReader:
         return None if value is None else int(value)
 
     @property
+    def unrecorded_calls(self) -> dict[str, int] | None:
+        """``{"count", "first_step"}`` of the tracked calls that traced another graph than
+        the run's and ran unrecorded (and unchecked), or None when every call was the
+        run's graph (written when the run closes)."""
+        value = self.meta.get("unrecorded_calls")
+        return dict(value) if value else None
+
+    @property
     def budget(self) -> float | None:
         """The overhead budget the run was recorded under (e.g. 0.05: a rotating subset
         of ops measured per recorded step), or None (every op at every recorded step)."""

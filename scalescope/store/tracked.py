@@ -23,8 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from ..core.scaled_array import ScaledArray, is_scaled_array
 from ..probe import emulate, instrument
 from ..scalify import scalify as _scalify
 from . import budget as _budget
@@ -121,7 +123,10 @@ class Tracked:
         self._last_stats: Any = None  # statistics of the last fully measured step
         self._prev_stats: Any = None  # and of the one before it
         self._registered = False
-        self._signatures: dict[Any, bool] = {}  # call signature -> records (same graph)?
+        # call signature -> records (same graph)? or _ADAPT (the same once its constants
+        # are scaled like the registered call's leaves, `_kinds`)
+        self._signatures: dict[Any, Any] = {}
+        self._kinds: tuple[Any, list[bool]] | None = None
         self.controller: _budget.BudgetController | None = None
         self._warm: set[str] = set()  # variants already compiled (their first call is not timed)
         # Under a budget the statistics program compiles in a thread (`_compile_async`);
@@ -177,6 +182,7 @@ class Tracked:
         table = self.instrumented.op_table(*args, **kwargs)
         self.run._register(table, self.scalify)
         self._registered = True
+        self._kinds = _leaf_kinds(args, kwargs)
         if self.budgeted:
             self.controller = _budget.BudgetController(
                 self.run.budget,
@@ -241,7 +247,9 @@ class Tracked:
                 "it from Python; to transform the step, transform the function given to "
                 "run.track (or use ss.instrument, which returns the statistics)"
             )
-        if not self._records_signature(args, kwargs, parts):
+        recorded, args, kwargs, parts = self._matched(args, kwargs, parts)
+        if not recorded:
+            self.run._note_unrecorded(self.step)
             self.step += 1
             return self._plain_parts(parts)[0]  # another graph: neither recorded nor judged
         step, self.step = self.step, self.step + 1
@@ -422,7 +430,19 @@ class Tracked:
         that measured some groups: its rows are on their way; the replay adds none)."""
         return self._submitted_step == step
 
-    def _records_signature(self, args: tuple, kwargs: dict, parts: tuple) -> bool:
+    def _matched(self, args: tuple, kwargs: dict, parts: tuple) -> tuple[bool, tuple, dict, tuple]:
+        """``(recorded, args, kwargs, parts)`` of a call: `_records_signature`'s answer,
+        with the arguments adapted where a plain float leaf stands where the registered
+        call had a `ScaledArray` (scalify returns a value computed from constants plain:
+        ``optax.adafactor``'s placeholder zeros; fed back, the second call would trace
+        another graph and the run would record its first step only)."""
+        recorded = self._records_signature(args, kwargs, parts)
+        if recorded is _ADAPT:
+            args, kwargs = _scaled_like(args, kwargs, self._kinds)
+            return True, args, kwargs, partition(args, kwargs, where=_WHERE)
+        return recorded, args, kwargs, parts
+
+    def _records_signature(self, args: tuple, kwargs: dict, parts: tuple) -> Any:
         """Whether calls like this one are recorded: the first call registers the run's
         graph; a later call whose arguments trace differently (other shapes, dtypes or
         static values) is recorded if its graph is the same, and otherwise runs
@@ -435,6 +455,10 @@ class Tracked:
         if not self._registered:
             self._register(args, kwargs)
             known = True
+        elif (adapted := _scaled_like(args, kwargs, self._kinds)) is not None and (
+            self._records_signature(*adapted, partition(*adapted, where=_WHERE)) is True
+        ):
+            known = _ADAPT
         else:
             difference = self.run._graph_difference(self.instrumented.op_table(*args, **kwargs))
             known = difference is None
@@ -467,7 +491,8 @@ class Tracked:
         """Compile both variants now (each runs once on these arguments; nothing is
         recorded and the step counter does not move), so no training step pays for it."""
         self.run._check_open()
-        recorded = self._records_signature(args, kwargs, partition(args, kwargs, where=_WHERE))
+        parts = partition(args, kwargs, where=_WHERE)
+        recorded, args, kwargs, _ = self._matched(args, kwargs, parts)
         jax.block_until_ready(self._plain(*args, **kwargs))
         self._warm.add("plain")
         if self._compile_thread is not None:
@@ -528,3 +553,39 @@ def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
         return out, flight.packed_health(args, out)
 
     return checked
+
+
+#: `Tracked._records_signature`: recorded once adapted by `_scaled_like`.
+_ADAPT = object()
+
+
+def _leaf_kinds(args: tuple, kwargs: dict) -> tuple[Any, list[bool]]:
+    """The structure of a call's arguments with `ScaledArray` leaves, and which leaves
+    are scaled."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_scaled_array)
+    return treedef, [is_scaled_array(leaf) for leaf in leaves]
+
+
+def _scaled_like(args: tuple, kwargs: dict, kinds: Any) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` with each plain floating array that stands where ``kinds`` (the
+    registered call's `_leaf_kinds`) has a `ScaledArray` made one at scale 1 (the same
+    value); None when there is none or the structures differ otherwise."""
+    if kinds is None:
+        return None
+    ref_tree, ref_scaled = kinds
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_scaled_array)
+    if treedef != ref_tree:
+        return None
+    out, changed = [], False
+    for leaf, scaled in zip(leaves, ref_scaled, strict=True):
+        if scaled and not is_scaled_array(leaf) and _is_float_array(leaf):
+            leaf, changed = ScaledArray.trusted(leaf, jnp.ones((), jnp.float32)), True
+        out.append(leaf)
+    if not changed:
+        return None
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _is_float_array(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return hasattr(x, "shape") and dtype is not None and np.issubdtype(dtype, np.floating)

@@ -205,6 +205,9 @@ class Run:
         # the steps tracked into this run, judged as they run (let go at close: a Tracked
         # refers to its run)
         self._tracked: list[Tracked] = []
+        # calls that traced another graph than the run's and ran unrecorded, and the
+        # first of them (the views say so beside the verdict)
+        self._unrecorded: dict[str, int] = {}
         _check_int("flush_steps", flush_steps, 1)
         if not flush_seconds > 0:
             raise ValueError(f"Run: flush_seconds must be positive, got {flush_seconds!r}")
@@ -651,6 +654,12 @@ class Run:
             elif self.process == 0:
                 if damage is not None:
                     self._meta.setdefault("damage", []).append(damage)
+                if self._unrecorded:
+                    before = self._meta.get("unrecorded_calls") or {}
+                    self._meta["unrecorded_calls"] = {
+                        "count": before.get("count", 0) + self._unrecorded["count"],
+                        "first_step": before.get("first_step", self._unrecorded["first_step"]),
+                    }
                 # data lost once is lost for good: the run stays damaged
                 self._meta["status"] = "damaged" if self._meta.get("damage") else "closed"
                 self._meta["closed"] = _now()
@@ -665,6 +674,11 @@ class Run:
                 self._lock_file = None
         if unsettled is not None:
             raise unsettled
+
+    def _note_unrecorded(self, step: int) -> None:
+        """A tracked call at ``step`` traced another graph and ran unrecorded."""
+        self._unrecorded.setdefault("first_step", step)
+        self._unrecorded["count"] = self._unrecorded.get("count", 0) + 1
 
     def _check_open(self) -> None:
         if self._closed:
