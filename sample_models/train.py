@@ -27,6 +27,8 @@ import numpy as np
 import optax
 
 import scalescope as ss
+from scalescope.core.policy import as_policy
+from scalescope.store.writer import DEFAULT_FORMATS
 
 from . import data as D
 from .gpt import GPTConfig, gpt_loss, init_gpt
@@ -326,6 +328,10 @@ def train(
     done = 0
     t0 = time.perf_counter()
     extra = {} if formats is None else {"formats": tuple(formats)}
+    if policy is not None:  # what the policy rounds to is recorded, so it is judged
+        policy = as_policy(policy)
+        base = extra.get("formats", DEFAULT_FORMATS)
+        extra["formats"] = (*base, *(t for t in policy.targets() if t not in base))
     with ss.Run(
         run_dir,
         every=every,

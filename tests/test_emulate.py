@@ -253,3 +253,42 @@ def test_a_rule_may_choose_the_block_axis(operands):
         ss.Policy({"a": "nvfp4:x"})
     with pytest.raises(ss.PolicyError, match="has 2 axes; its rule blocks along axis 5"):
         ss.emulate(lambda x, w: x @ w, {"fwd/dot_general": "nvfp4:5"})(x, w)
+
+
+def test_a_tracked_policy_run_is_judged_in_the_formats_it_rounds_to(mlp_step, tmp_path):
+    """A run recorded under a policy marks each value a rule reaches as cast to the rule's
+    target (and records that recipe's statistics), so the advisor judges it as it judges a
+    real cast: before, the verdict of FP8 master weights whose values all flushed to zero
+    was "healthy", no format rule having anything to judge."""
+    step, (params, state, x, y) = mlp_step
+    params = {**params, "w2": params["w2"] * 1e-3}  # |w2| < E4M3's smallest subnormal
+    policy = {"input/p/w2": "e4m3", "input/p/w1": "mxfp8_e4m3@matmul"}
+    formats = ("e4m3", "e5m2", "fp16", "bf16", "mxfp8_e4m3")
+    readers = {}
+    for name, pol in (("plain", None), ("policy", policy)):
+        with ss.Run(tmp_path / name, every=1, formats=formats) as run:
+            tracked = run.track(step, scalify=False, policy=pol)
+            p, s = params, state
+            for i in range(3):
+                p, s, loss = tracked(p, s, x, y)
+                run.log(i, loss=float(loss))
+        readers[name] = ss.open_run(tmp_path / name)
+    ops = readers["policy"].ops.set_index("name")
+    assert ops.loc["input/p/w2", "cast_to"] == "e4m3"
+    assert ops.loc["input/p/w1", "cast_to"] == "mxfp8_e4m3"
+    assert set(ops["cast_to"]) == {"", "e4m3", "mxfp8_e4m3"}  # nothing else is marked
+    assert not (readers["plain"].ops["cast_to"] != "").any()
+
+    def w2_underflow(reader):
+        f = reader.advise()
+        return f[(f["rule"] == "underflow") & (f["name"] == "input/p/w2")]
+
+    found = w2_underflow(readers["policy"])
+    assert len(found) == 1 and found["format"].iloc[0] == "e4m3"
+    assert found["severity"].iloc[0] in ("high", "critical")
+    assert readers["policy"].verdict().status != "healthy"
+    assert w2_underflow(readers["plain"]).empty and readers["plain"].verdict().status == "healthy"
+    # a target the run does not record cannot be judged: said when the step is tracked
+    with ss.Run(tmp_path / "unjudged") as run:
+        with pytest.warns(UserWarning, match=r"rounds values to mxfp8_e4m3, which .* does not"):
+            run.track(step, scalify=False, policy=policy)

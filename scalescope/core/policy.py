@@ -271,6 +271,11 @@ class Policy:
         rule = self.rule_for(label)
         return None if rule is None else rule.target
 
+    def targets(self) -> tuple[str, ...]:
+        """The formats and recipes the rules round values to, in rule order (``fp32``
+        keeps a value as it is: not listed). A run that records them can judge them."""
+        return tuple(dict.fromkeys(r.target for r in self.rules if r.target != "fp32"))
+
     def describe(self, ops: Any, *, strict: bool = True) -> list[dict[str, Any]]:
         """Which ops each rule reaches (first match wins): one dict per rule with its
         ``pattern``, ``target`` and ``ops`` (labels). ``ops``: an `OpTable`, a run's op

@@ -293,6 +293,9 @@ def instrument(
         recorder.shared.pluck = pluck
         if policy is not None:
             recorder.shared.replace = replacer((leaves, treedef, dyn, avals, key), closed)
+            recorder.shared.judged = frozenset(
+                [f.name for f in spec.formats] + [r.name for r in spec.recipes]
+            )
         paths = _input_paths(fn, treedef, leaves)
         dyn_paths = [p for p, leaf in zip(paths, leaves) if _is_dynamic(leaf)]
         for path, value, var in zip(dyn_paths, observed, closed.jaxpr.invars, strict=True):

@@ -155,6 +155,12 @@ class Replacer:
         self._keep.append(value)
         return value
 
+    def target_of(self, seq: int) -> str | None:
+        """The format or recipe the ``seq``-th value is rounded to (None: kept as it is;
+        ``fp32`` keeps it too)."""
+        entry = self.plan.targets[seq] if seq < len(self.plan.targets) else None
+        return None if entry is None or entry[0] == "fp32" else entry[0]
+
     def next(self, value: Any, var: Any, primitive: str) -> Any:
         out = self(self.seq, value, var, primitive)
         self.seq += 1

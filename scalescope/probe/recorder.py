@@ -291,6 +291,9 @@ class _Shared:
     #: ``seq``-th, it returns what downstream ops read instead; ``reads(eqn, invals)``
     #: gives a matmul its rounded operands. None: values as computed.
     replace: Any = None
+    #: The formats and recipes this recording measures: a value a policy rounds to one
+    #: of them is marked cast to it (`OpRecord.cast_to`), so the advisor judges it.
+    judged: frozenset[str] = frozenset()
     #: The creation index (`OpTable.sequence`) of a value whose NaN/Inf elements leave
     #: the function whole (`instrument`'s ``nonfinite_where``), None: none. Loop and
     #: branch bodies then hand out ``(raw, pluck or ())``.
@@ -621,6 +624,11 @@ class Recorder(Observer):
         self.scope.entries.append(rec)
         if self.shared.replace is not None:
             value = self.shared.replace(seq, value, var, prim)
+            # the value measured above is the one the policy rounds: judged in that
+            # format (or recipe) as a value cast to it is
+            target = self.shared.replace.target_of(seq)
+            if target is not None and info.record is not None and target in self.shared.judged:
+                info.record.cast_to = target
         self.shared.remember(value, info)
         return value
 

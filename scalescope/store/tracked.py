@@ -102,9 +102,18 @@ class Tracked:
         # also gives the outputs (cheaper; outputs may differ in the last bits).
         self.separate = run.isolate
         self.detect = run.detect
+        formats = tuple(run.formats) + tuple(run.recipes)
+        unjudged = [] if policy is None else [t for t in policy.targets() if t not in formats]
+        if unjudged:
+            warnings.warn(
+                f"Run.track: the policy rounds values to {', '.join(unjudged)}, which "
+                f"{run.path} does not record: the verdict cannot judge those values. Pass "
+                f"Run(..., formats=(..., {', '.join(repr(t) for t in unjudged)})) to judge them.",
+                stacklevel=3,
+            )
         options = dict(
             scalify=scalify,
-            formats=tuple(run.formats) + tuple(run.recipes),
+            formats=formats,
             histograms=run.histograms,
             select=run.select,
             sample=run.sample,
