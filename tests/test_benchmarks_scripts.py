@@ -386,3 +386,44 @@ def test_bench_run_check_cost_compares_the_compiled_programs():
     assert 1.0 < bytes_x < 3.0 and 1.0 <= flops_x < 3.0, (bytes_x, flops_x)
     line = mod._check_cost_line(bytes_x, flops_x)
     assert line.startswith("detection's check by XLA's cost model") and "goal <= 1.02x" in line
+
+
+def test_bench_zoo_verdicts_labels_each_run_and_prints_the_table(capsys, tmp_path):
+    """bench_zoo_verdicts in-process on the optax zoo's MLP, 4 steps: FP8 master weights
+    held in place (w8) are judged (the parameters are marked cast to E4M3), the fp32 run
+    labels the others, and the table says whether verdict and label agree."""
+    mod = load_benchmark("bench_zoo_verdicts")
+    out = tmp_path / "rows.json"
+    rc = mod.main(
+        [
+            "--models",
+            "optax_adamw_masked",
+            "--variants",
+            "w8,recipe",
+            "--steps",
+            "4",
+            "--every",
+            "2",
+            "--json",
+            str(out),
+        ]  # fmt: skip
+    )
+    assert rc == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"fp32", "w8", "recipe"}  # fp32 added: the labels need it
+    assert rows["fp32"]["gap_pct"] == 0.0 and rows["fp32"]["label"] == "healthy"
+    for r in rows.values():
+        assert r["label"] in ("healthy", "broken") and r["verdict"] in (
+            "healthy",
+            "at risk",
+            "failing",
+        )
+        assert r["agree"] == ((r["verdict"] == "healthy") == (r["label"] == "healthy"))
+    text = capsys.readouterr().out
+    assert "| optax_adamw_masked | w8 |" in text and "runs under a policy" in text
+    # the recipe reaches the MLP's matmul operands (exact labels, forward and backward)
+    step, args, _ = mod.MODELS["optax_adamw_masked"]()
+    table = mod.ss.instrument(step, scalify=False).op_table(*args)
+    policy = mod.policy_of("recipe", table)
+    assert set(policy.values()) == {"mxfp8_e4m3@matmul", "mxfp8_e5m2@matmul"}
+    assert all(r["ops"] for r in mod.ss.Policy.from_dict(policy).describe(table))
