@@ -197,6 +197,23 @@ def _mlp_step():
     return step, w, x
 
 
+def test_a_value_made_inside_a_call_that_a_matmul_reads_is_a_gemm_operand():
+    """relu's max (inside a custom_jvp) and jnp.where's select_n (inside a jit) are
+    recorded inside their calls; what a matmul reads of them is a GEMM operand, which a
+    recommended policy rounds (it missed both)."""
+
+    def f(x, w, m):
+        a = jax.nn.relu(x @ w) @ w.T
+        b = jnp.sum(jnp.tanh(a))  # read by no matmul
+        return jnp.sum(jnp.where(m, a, 0.0) @ w) + b
+
+    x, w, m = jnp.ones((4, 8)), jnp.ones((8, 8)), jnp.ones((4, 8), bool)
+    ops = ss.instrument(f, scalify=False).op_table(x, w, m).ops
+    gemm = {o.primitive: o.gemm for o in ops if o.pass_ == "fwd" and o.primitive != "dot_general"}
+    assert gemm["max"] and gemm["select_n"] and gemm["transpose"]
+    assert not gemm["tanh"] and not gemm["reduce_sum"]
+
+
 def test_op_table_passes_inputs_outputs_and_sources():
     step, w, x = _mlp_step()
     inst = ss.instrument(step, scalify=False)

@@ -88,8 +88,29 @@ def gemm_operands(jaxpr: Any) -> set[Any]:
     as an operand, directly or as the argument of a call or scan body that does: the
     values a training in low precision quantises for its GEMMs."""
     out: set[Any] = set()
-    _visit_gemm(getattr(jaxpr, "jaxpr", jaxpr), out, set())
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    _visit_gemm(jaxpr, out, set())
+    _into_bodies(jaxpr, out, set())
     return out
+
+
+def _into_bodies(jaxpr: Any, out: set[Any], seen: set[int]) -> None:
+    """A call's output that a matmul reads is made inside its body: the body's output
+    variable is a GEMM operand too (``jax.nn.relu``'s ``max`` in a custom_jvp, the
+    ``select_n`` of ``jnp.where`` in a jit: values the probe records inside)."""
+    if id(jaxpr) in seen:
+        return
+    seen.add(id(jaxpr))
+    for eqn in jaxpr.eqns:
+        body = _body(eqn)
+        if body is None and eqn.primitive.name == "scan":  # (carry, ys) out in order
+            body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+        if body is None:
+            continue
+        for var, inner in zip(eqn.outvars, body.outvars):
+            if var in out and not isinstance(inner, jcore.Literal):
+                out.add(inner)
+        _into_bodies(body, out, seen)
 
 
 def _visit_gemm(jaxpr: Any, out: set[Any], seen: set[int]) -> None:
