@@ -30,6 +30,15 @@ def _body(eqn: Any) -> Any | None:
     return None
 
 
+def _body_or_scan(eqn: Any) -> Any | None:
+    """The body of a call, or of a scan (its inputs: consts, carry, xs; its outputs:
+    carry, ys, in the equation's order), else None."""
+    body = _body(eqn)
+    if body is None and eqn.primitive.name == "scan":
+        body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+    return body
+
+
 def _sub_jaxprs(eqn: Any):
     for value in eqn.params.values():
         items = value if isinstance(value, list | tuple) else (value,)
@@ -102,9 +111,7 @@ def _into_bodies(jaxpr: Any, out: set[Any], seen: set[int]) -> None:
         return
     seen.add(id(jaxpr))
     for eqn in jaxpr.eqns:
-        body = _body(eqn)
-        if body is None and eqn.primitive.name == "scan":  # (carry, ys) out in order
-            body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+        body = _body_or_scan(eqn)
         if body is None:
             continue
         for var, inner in zip(eqn.outvars, body.outvars):
@@ -124,9 +131,7 @@ def _visit_gemm(jaxpr: Any, out: set[Any], seen: set[int]) -> None:
         if eqn.primitive.name == "dot_general":
             out.update(v for v in eqn.invars[:2] if not isinstance(v, jcore.Literal))
             continue
-        body = _body(eqn)
-        if body is None and eqn.primitive.name == "scan":  # (consts, carry, xs) in order
-            body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+        body = _body_or_scan(eqn)
         if body is None:
             continue
         for var, inner in zip(eqn.invars, body.invars):
