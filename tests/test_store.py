@@ -227,6 +227,18 @@ def test_a_constant_state_leaf_that_scalify_returns_plain_keeps_every_step_recor
     assert list(ss.open_run(tmp_path / "run").steps) == [0, 1, 2, 3]
     for a, b in zip(jax.tree.leaves(ss.asarray(got)), jax.tree.leaves(ss.asarray(want))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # a bfloat16 constant too (NumPy does not count bfloat16 as floating)
+    def reset(p, s):
+        return p * 0.5, jnp.zeros(3, jnp.bfloat16)
+
+    b16 = ss.as_scaled_array(jnp.ones(3, jnp.bfloat16))
+    with ss.Run(tmp_path / "bf16", every=1) as run, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tracked, args = run.track(reset), (b16, b16)
+        for _ in range(3):
+            args = tracked(*args)
+    assert list(ss.open_run(tmp_path / "bf16").steps) == [0, 1, 2]
     # a graph that does differ is still refused, and the warning names what differs
     with ss.Run(tmp_path / "other", every=1) as run:
         tracked = run.track(lambda v: jnp.sin(v) * 2.0)

@@ -597,4 +597,5 @@ def _scaled_like(args: tuple, kwargs: dict, kinds: Any) -> tuple[tuple, dict] | 
 
 def _is_float_array(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return hasattr(x, "shape") and dtype is not None and np.issubdtype(dtype, np.floating)
+    # jnp's, not NumPy's: bfloat16 and the FP8 dtypes are not NumPy floating types
+    return hasattr(x, "shape") and dtype is not None and jnp.issubdtype(dtype, jnp.floating)
