@@ -153,13 +153,8 @@ def lift_floor(x: Any, dtype: Any) -> Any:
     arr = jnp.asarray(x)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         return None
-    a = lax.abs(as_f32(arr))
-    if arr.size > 1:
-        a = lax.reduce_max(
-            lax.select(lax.is_finite(a), a, lax.full_like(a, 0)), tuple(range(a.ndim))
-        )
-    a = a.reshape(()) if a.shape != () else a
-    a = lax.select(lax.is_finite(a), a, np.float32(0))
+    a = data_absmax(arr)
+    a = lax.select(lax.is_finite(a), a, np.float32(0))  # beyond float32 (x64 data)
     return lax.mul(pow2_round_down(a), np.float32(2.0 / top))
 
 
