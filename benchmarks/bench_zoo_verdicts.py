@@ -12,7 +12,9 @@ in these variants:
 - ``recipe``: matmul operands ``mxfp8_e4m3@matmul`` forward, ``mxfp8_e5m2@matmul``
   backward (the operands are the op table's GEMM operands);
 - ``naive``: every forward value E4M3, every backward value E5M2, no scaling;
-- ``w8``: the parameters held in E4M3 in place (FP8 master weights).
+- ``w8``: the parameters held in E4M3 in place (FP8 master weights);
+- ``w16``, ``wfp16``: the parameters held in BF16, in FP16 (16-bit master weights);
+- ``m16``: Adam's moments (``mu``, ``nu``) held in BF16.
 
 A run is labelled as in ``bench_verdicts.py``: broken when its final training loss (mean
 of the last 5 % of steps) is more than 2 % above its model's fp32 run, or NaN; healthy
@@ -47,7 +49,8 @@ import scalescope as ss  # noqa: E402
 from scalescope.probe.quantise import unique_labels  # noqa: E402
 
 GAP = 0.02
-VARIANTS = ("fp32", "control", "recipe", "naive", "w8")
+VARIANTS = ("fp32", "control", "recipe", "naive", "w8", "w16", "wfp16", "m16")
+HELD = {"w8": "e4m3", "w16": "bf16", "wfp16": "fp16"}
 DEFAULT_MODELS = ("decoder_lm", "gemma_nnx", "wmt_encoder_decoder", "lstm_sst2")
 FORMATS = ("e4m3", "e5m2", "fp16", "bf16", "mxfp8_e4m3", "mxfp8_e5m2")
 
@@ -69,8 +72,10 @@ def policy_of(variant: str, table) -> dict[str, str] | None:
         return None
     if variant == "naive":
         return {"fwd/**": "e4m3", "bwd/**": "e5m2"}
-    if variant == "w8":
-        return {"input/params/**": "e4m3"}
+    if variant in HELD:
+        return {"input/params/**": HELD[variant]}
+    if variant == "m16":
+        return {"input/**/mu/**": "bf16", "input/**/nu/**": "bf16"}
     rules = {}
     for label, pass_ in gemm_operands(table).items():
         if variant == "control":

@@ -292,3 +292,61 @@ def test_a_tracked_policy_run_is_judged_in_the_formats_it_rounds_to(mlp_step, tm
     with ss.Run(tmp_path / "unjudged") as run:
         with pytest.warns(UserWarning, match=r"rounds values to mxfp8_e4m3, which .* does not"):
             run.track(step, scalify=False, policy=policy)
+
+
+def test_held_weights_whose_updates_round_away_are_a_stall(mlp_step, tmp_path):
+    """Weights held in E4M3 (FP8 master weights) at |w| ~ 1 with AdamW's updates of 1e-2,
+    under half E4M3's spacing there: most updates round away and the weights stop
+    moving, while the weights' own statistics sit well inside E4M3. The run's held-update
+    figures match NumPy + ml_dtypes on the step's own inputs and outputs, the advisor
+    reports a high ``stall`` and the verdict is not healthy. Held in FP16 the same
+    updates are kept (no stall); held ``@matmul`` the weights are not held at all."""
+    step, (params, state, x, y) = mlp_step
+    params = {k: v * 10 for k, v in params.items()}
+    formats = ("e4m3", "fp16")
+    seen = {}
+    for name, pol in (
+        ("e4m3", {"input/p/**": "e4m3"}),
+        ("fp16", {"input/p/**": "fp16"}),
+        ("matmul", {"input/p/**": "e4m3@matmul"}),
+    ):
+        with ss.Run(tmp_path / name, every=1, formats=formats) as run:
+            tracked = run.track(step, scalify=False, policy=pol)
+            p, s = params, state
+            for i in range(3):
+                before = p
+                p, s, loss = tracked(p, s, x, y)
+                run.log(i, loss=float(loss))
+                if i == 0:
+                    seen[name] = (before, p)
+            with pytest.raises(ValueError, match="run's own figures"):
+                run.log(3, **{"scalescope.held_update/0/lost": 1.0})
+        seen[name] += (ss.open_run(tmp_path / name),)
+    before, after, reader = seen["e4m3"]
+    assert list(reader.scalars.columns) == ["loss"]  # the figures are not logged scalars
+    held = reader.held_updates()
+    ops = reader.ops["name"]
+    assert sorted(ops[held["op"].unique()]) == ["input/p/w1", "input/p/w2"]
+    assert held.groupby("op")["step"].apply(list).tolist() == [[0, 1, 2], [0, 1, 2]]
+    for op, leaf in ((held["op"][ops[held["op"]].to_numpy() == f"input/p/{k}"].iloc[0], k)
+                     for k in ("w1", "w2")):  # fmt: skip
+        old, new = np.asarray(before[leaf]), np.asarray(after[leaf])
+        base, kept = _format_ref(old, "e4m3"), _format_ref(new, "e4m3")
+        moved = (new - base) != 0
+        row = held[(held["op"] == op) & (held["step"] == 0)].iloc[0]
+        assert row["moved"] == moved.sum() and row["lost"] == (moved & (kept == base)).sum()
+        np.testing.assert_allclose(row["e2"], np.sum((kept - new) ** 2.0), rtol=1e-4)
+        assert row["lost"] > 0.5 * row["moved"]
+    found = reader.advise()
+    stall = found[found["rule"] == "stall"]
+    assert set(stall["name"]) == {"input/p/w1", "input/p/w2"}
+    assert set(stall["format"]) == {"e4m3"} and "high" in set(stall["severity"])
+    assert "e4m3@matmul" in stall["fix"].iloc[0]
+    assert reader.verdict().status != "healthy"
+    # the weights' own E4M3 statistics raise nothing high: only the update shows it
+    assert not found[(found["rule"] != "stall") & found["severity"].isin(["high", "critical"])]\
+        .shape[0]  # fmt: skip
+    fp16 = seen["fp16"][2]
+    assert len(fp16.held_updates()) == 6
+    assert not (fp16.advise()["rule"] == "stall").any()
+    assert seen["matmul"][2].held_updates().empty

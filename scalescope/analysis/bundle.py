@@ -31,6 +31,13 @@ from .verdict import Verdict, logged_loss, verdict
 from .whatif import format_whatif
 
 
+def held_updates(reader: Any) -> pd.DataFrame | None:
+    """The reader's held-update figures (`RunReader.held_updates`; None for a reader that
+    keeps none, e.g. a frame-backed one)."""
+    read = getattr(reader, "held_updates", None)
+    return read() if callable(read) else None
+
+
 def per_step_worst(
     stats: pd.DataFrame, formats: Sequence[str], recipes: Sequence[str] = ()
 ) -> pd.DataFrame:
@@ -161,7 +168,12 @@ class RunAnalysis:
     def findings(self) -> pd.DataFrame:
         """The advisor's findings (`advise`)."""
         return advise(
-            self.stats, self.ops, meta=self.meta, thresholds=self.thresholds, audit=self.audit
+            self.stats,
+            self.ops,
+            meta=self.meta,
+            thresholds=self.thresholds,
+            audit=self.audit,
+            updates=held_updates(self.reader),
         )
 
     @_part
@@ -249,6 +261,7 @@ def advise_run(reader: Any, **kwargs: Any) -> pd.DataFrame:
     if set(kwargs) <= _BUNDLED:
         return analyse(reader, **kwargs).findings.copy()
     kwargs.setdefault("meta", reader.meta)
+    kwargs.setdefault("updates", held_updates(reader))
     return advise(reader.stats(wide=True), reader.ops, **kwargs)
 
 

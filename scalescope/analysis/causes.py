@@ -56,6 +56,7 @@ _TITLES = {
     "drift": "scale drift",
     "trend": "scale trend",
     "delayed": "delayed-scaling clipping",
+    "stall": "updates rounded away",
 }
 
 
@@ -91,6 +92,8 @@ def worst_text(rule: str, value: float) -> str:
         return f"{100 * value:.3g}% flushed"
     if rule == "snr":
         return f"SNR {value:.1f} dB"
+    if rule == "stall":
+        return f"{100 * value:.3g}% of updates lost"
     if rule in ("drift", "trend"):
         return f"log2 rms {value:+.1f}"
     if rule == "delayed":

@@ -86,6 +86,7 @@ class Thresholds:
     recipe_overflow: float = 1.0
     recipe_underflow: float = 0.75
     recipe_snr_db: float = 13.5
+    stall: float = 0.05
 
     def __post_init__(self) -> None:
         names = (
@@ -98,12 +99,20 @@ class Thresholds:
             "recipe_overflow",
             "recipe_underflow",
             "recipe_snr_db",
+            "stall",
         )
         for name in names:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"Thresholds.{name}: expected a number >= 0, got {value!r}")
-        for name in ("underflow", "overflow", "nonfinite", "recipe_overflow", "recipe_underflow"):
+        for name in (
+            "underflow",
+            "overflow",
+            "nonfinite",
+            "recipe_overflow",
+            "recipe_underflow",
+            "stall",
+        ):
             if getattr(self, name) > 1:
                 raise ValueError(
                     f"Thresholds.{name}: a fraction in [0, 1], got {getattr(self, name)}"

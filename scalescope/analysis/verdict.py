@@ -60,6 +60,8 @@ class Reason:
     step: int | None
     fix: str
     evidence: str = ""
+    #: what the impact is a share of: the value, or for a stall its update
+    lost: str = "value"
 
     def as_dict(self) -> dict[str, Any]:
         impact = None if not math.isfinite(self.impact) else float(self.impact)
@@ -78,7 +80,7 @@ class Reason:
         where = f" ({self.source})" if self.source and not self.source.startswith("<") else ""
         since = f", from step {self.step}" if self.step is not None else ""
         impact = impact_text(self.impact)
-        impact = f", {impact} of the value lost" if impact != "-" else ""
+        impact = f", {impact} of the {self.lost} lost" if impact != "-" else ""
         example = f": e.g. {self.op}{where}" if self.op else ""
         return f"[{self.severity}] {self.cause}{impact}{since}{example}"
 
@@ -223,6 +225,7 @@ def verdict(
                 step=int(r["first_step"]),
                 fix=str(r["fix"]),
                 evidence=str(r["evidence"]),
+                lost="update" if r["rule"] == "stall" else "value",
             )
         )
     if status and deciding:

@@ -190,7 +190,7 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
       over every op (no op is cast to a recipe). Any recipe name parses; the report
       refuses a rule on a recipe the run does not record;
     * ``findings``, ``findings_<severity>`` (critical, high, medium, low),
-      ``findings_<rule>`` (nonfinite, overflow, underflow, snr, drift, trend, delayed):
+      ``findings_<rule>`` (nonfinite, overflow, underflow, snr, stall, drift, trend, delayed):
       number of advisor findings;
     * ``verdict``: the run's verdict (`scalescope.analysis.verdict`), compared with a
       verdict name: ``verdict>=at-risk`` trips on an at-risk or failing run,

@@ -83,7 +83,8 @@ def _heatmap_metrics(data: _RunData) -> list[str]:
     metrics = ["log2_rms"]
     if (data.per_step["frac_nonfinite"] > 0).any():
         metrics.append("frac_nonfinite")
-    fmt_rows = data.findings[data.findings["format"] != ""]
+    f = data.findings
+    fmt_rows = f[(f["format"] != "") & f["rule"].isin(["overflow", "underflow", "snr"])]
     chosen = None
     if len(fmt_rows):
         r = fmt_rows.iloc[0]

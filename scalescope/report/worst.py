@@ -47,7 +47,7 @@ def _worst_ops(data: _RunData, n: int) -> list[tuple[int, str, int | None]]:
         op = int(r["op"])
         if op in picks:
             continue
-        if r["rule"] in ("nonfinite", "delayed"):
+        if r["rule"] in ("nonfinite", "delayed", "stall"):
             step = int(r["first_step"])
         else:
             metric, how = _WORST_METRIC.get(

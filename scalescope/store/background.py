@@ -131,6 +131,8 @@ class Writer:
             self.lost_steps.add(int(item[1]))
         elif item[0] == "scalars":
             self.lost_scalars.update((int(item[1]), str(name)) for name in item[2])
+        elif item[0] == "figures":
+            self.lost_scalars.update((int(item[1]), str(name)) for name in item[2])
 
     def _lose_buffers(self) -> None:
         """Note what the buffers held as lost and empty them (a failed flush)."""
@@ -179,6 +181,12 @@ class Writer:
             _, step, values = item
             for name, value in values.items():
                 self.scalar_buf.append((step, name, float(to_host(value))))
+            if len(self.scalar_buf) >= _SCALAR_FLUSH_ROWS:
+                self._flush()
+        elif kind == "figures":
+            _, step, names, figures = item
+            values = np.asarray(to_host(figures), np.float64).reshape(-1)
+            self.scalar_buf.extend((step, n, float(v)) for n, v in zip(names, values, strict=True))
             if len(self.scalar_buf) >= _SCALAR_FLUSH_ROWS:
                 self._flush()
 

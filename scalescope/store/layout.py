@@ -47,6 +47,11 @@ PART_RE = re.compile(r"^part-(\d{6,})(?:-p(\d+))?\.parquet$")
 #: Leading columns of a stats part; then one column per statistic, then hist_00 ...
 KEY_COLUMNS = ("step", "op", "iteration", "process")
 SCALAR_COLUMNS = ("step", "name", "value", "process")
+#: Scalars a run writes itself beside the logged ones: what a held format kept of each
+#: update (`scalescope.store.updates`), named ``<prefix><op id>/<field>``; `Run.log`
+#: refuses the prefix and `RunReader.scalars` leaves them out.
+FIGURE_PREFIX = "scalescope.held_update/"
+FIGURE_FIELDS = ("moved", "lost", "d2", "e2")
 
 
 class RunError(Exception):

@@ -53,6 +53,7 @@ class RunReader:
         self._stats_cache: pd.DataFrame | None = None
         self._measured_cache: dict[Any, pd.DataFrame] = {}
         self._scalars_cache: pd.DataFrame | None = None
+        self._figure_parts: list[pd.DataFrame] = []  # `updates` figures (reserved names)
         self._ops: pd.DataFrame | None = None
         #: Parts that could not be read (path, reason): skipped with a warning, listed by
         #: the report and the dashboard, and a gate failure unless damage is allowed.
@@ -255,6 +256,10 @@ class RunReader:
             self._seen.add(str(part))
             frame = self._read_part(part, list(L.SCALAR_COLUMNS))
             if frame is not None:
+                own = frame["name"].astype(str).str.startswith(L.FIGURE_PREFIX).to_numpy()
+                if own.any():  # the run's own figures are not logged scalars
+                    self._figure_parts.append(frame[own])
+                    frame = frame[~own].reset_index(drop=True)
                 self._scalar_parts.append(frame)
                 self._scalars_cache = None
                 new += 1
@@ -492,6 +497,25 @@ class RunReader:
         if self._scalars_cache is None:
             self._scalars_cache = one_value_per_step(self.scalar_rows())
         return self._scalars_cache
+
+    def held_updates(self) -> pd.DataFrame:
+        """What the formats a precision policy holds the state in kept of each update
+        (`scalescope.store.updates`), one row per recorded step and held leaf: ``step``,
+        ``op`` (the leaf's input op), ``moved``, ``lost``, ``d2``, ``e2``. Empty for a
+        run without such a policy."""
+        cols = ["step", "op", *L.FIGURE_FIELDS]
+        if not self._figure_parts:
+            return pd.DataFrame({c: pd.Series(dtype="int64" if c in cols[:2] else "float64")
+                                 for c in cols})  # fmt: skip
+        long = pd.concat(self._figure_parts, ignore_index=True)
+        long = long[long["process"] == long["process"].min()]
+        parts = long["name"].astype(str).str.slice(len(L.FIGURE_PREFIX)).str.split("/")
+        long = long.assign(op=parts.str[0].astype(np.int64), field=parts.str[1])
+        wide = long.pivot_table(index=["step", "op"], columns="field", values="value",
+                                aggfunc="last")  # fmt: skip
+        wide = wide.reindex(columns=list(L.FIGURE_FIELDS)).reset_index()
+        wide.columns.name = None
+        return wide.astype({"step": np.int64, "op": np.int64})
 
     def scalar_rows(self, process: int | None = None) -> pd.DataFrame:
         """Logged scalars as written, one row per logged value: ``step, name, value,

@@ -30,7 +30,7 @@ from ..core.scaled_array import ScaledArray, is_scaled_array
 from ..probe import emulate, instrument
 from ..scalify import scalify as _scalify
 from . import budget as _budget
-from . import flight
+from . import flight, updates
 from .jitting import StaticLeafJit, partition, signature
 from .processes import global_mesh, replicated, to_host
 
@@ -143,6 +143,9 @@ class Tracked:
         self._compiled = threading.Event()
         self._compile_thread: threading.Thread | None = None
         self._submitted_step = -1  # the last step whose statistics went to the writer
+        # What the policy's held formats keep of each update (`updates`), measured at
+        # recorded steps; None without a policy holding the state (set at registration).
+        self._measure: updates.Measure | None = None
         functools.update_wrapper(self, fn)
 
     def _programs(self, fn: Callable[..., Any], options: dict[str, Any]) -> tuple[Any, ...]:
@@ -191,6 +194,9 @@ class Tracked:
         table = self.instrumented.op_table(*args, **kwargs)
         self.run._register(table, self.scalify)
         self._registered = True
+        if self.policy is not None:
+            held = updates.held_leaves(table, self.policy, args)
+            self._measure = updates.Measure(held) if held else None
         self._kinds = _leaf_kinds(args, kwargs)
         if self.budgeted:
             self.controller = _budget.BudgetController(
@@ -270,6 +276,8 @@ class Tracked:
             out, stats, health = self._record(None, args, kwargs)
             self.run._submit(step, stats)
             self._keep_stats(stats)
+        if stats is not None and self._measure is not None:
+            self._held_updates(step, args, out)
         if health is None:
             return out
         call = flight.Call(
@@ -428,6 +436,12 @@ class Tracked:
         mesh = getattr(self.instrumented.plucked_in, "mesh", None)
         total = mesh.size if mesh is not None else len(used)
         return found, flight.devices_text(found, total)
+
+    def _held_updates(self, step: int, args: tuple, out: Any) -> None:
+        """Hand the writer what the held formats kept of this step's update (`updates`)."""
+        measured = self._measure(args, out)
+        if measured is not None:
+            self.run._submit_figures(step, *measured)
 
     def _keep_stats(self, stats: Any) -> None:
         """Remember a fully measured step's statistics (device arrays, a few per op):

@@ -39,7 +39,7 @@ from ..core.policy import as_policy
 from ..core.scaled_array import ScaledArray, asarray
 from ..probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
 from ..probe.optable import OpTable
-from . import flight
+from . import flight, updates
 from . import layout as L
 from .background import Writer
 from .processes import (
@@ -538,6 +538,11 @@ class Run:
                 raise TypeError(
                     f"Run.log: {name!r} at step {step} must be a number, got {type(value).__name__}"
                 )
+            if updates.reserved(name):
+                raise ValueError(
+                    f"Run.log: {name!r} at step {step}: names starting with "
+                    f"{updates.NAME_PREFIX!r} are the run's own figures; choose another name"
+                )
             values[name] = value
         if values:
             start_copy(values)
@@ -569,6 +574,14 @@ class Run:
             return  # the same global statistics in every process: process 0 writes them
         start_copy(stats)
         self._writer.put(("stats", step, stats, mask))
+
+    def _submit_figures(self, step: int, names: list[str], figures: jax.Array) -> None:
+        """Scalars the run computes itself (`updates`), one per name, from one device
+        array: copied asynchronously and written with the logged scalars."""
+        if self.process != 0 and is_global(figures):
+            return
+        start_copy(figures)
+        self._writer.put(("figures", int(step), names, figures))
 
     @property
     def healthy(self) -> bool:

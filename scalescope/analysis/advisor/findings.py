@@ -33,6 +33,7 @@ from .detectors_delayed import _delayed_findings, _delayed_formats
 from .detectors_formats import _format_findings, _too_wide
 from .detectors_nonfinite import _nonfinite_findings, output_ops
 from .detectors_scales import _drift_band, _drift_findings, _trend_findings
+from .detectors_updates import _stall_findings
 from .severity import RULES, SEVERITY, SEVERITY_ORDER, _impact, severity_level, severity_of
 from .text import _LOW_PRECISION, delayed_fix_line, fix_line
 
@@ -101,6 +102,7 @@ def advise(
     audit: str | Sequence[str] = (),
     thresholds: Thresholds | None = None,
     horizon: int | float | None = None,
+    updates: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Findings of the advisor (see `scalescope.analysis.advisor` for the rules, their
     severity grades and fixes), one row per (op, rule, format), sorted by severity,
@@ -113,7 +115,9 @@ def advise(
     against (recorded block-scaled recipes too, with ``thresholds.recipe_overflow``,
     ``recipe_underflow`` and ``recipe_snr_db``; flushed blocks are the format what-if's
     business); ``horizon``: the step trends are projected
-    to (default ``config.steps``, else twice the last recorded step).
+    to (default ``config.steps``, else twice the last recorded step); ``updates``: what
+    the formats a precision policy holds the state in kept of each update
+    (`RunReader.held_updates`), judged by the ``stall`` rule.
 
     Columns: op, label, name, pass, primitive, source, rule, format ("" for nonfinite,
     drift, trend and delayed), first_step (first recorded step where the rule holds; for
@@ -214,6 +218,7 @@ def advise(
     if replay_delayed:
         replayed = _delayed_formats(table[judged], audit_formats)
         rows += _delayed_findings(cells, replayed, thresholds, exp_range)
+    rows += _stall_findings(updates, table, thresholds)
     if not rows:
         return _empty_findings()
     found = pd.DataFrame(rows)

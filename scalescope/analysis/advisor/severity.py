@@ -15,7 +15,7 @@ from ..frames import require_columns
 from ..thresholds import DEFAULT_SNR_DB, recipe_element
 from .cells import _Cells, _Dense
 
-RULES = ("nonfinite", "overflow", "underflow", "snr", "drift", "trend", "delayed")
+RULES = ("nonfinite", "overflow", "underflow", "snr", "stall", "drift", "trend", "delayed")
 #: The most severe grade each rule can reach (`severity_level` grades every finding by
 #: its magnitude: `SEVERITY_STEPS`).
 SEVERITY = {
@@ -23,6 +23,7 @@ SEVERITY = {
     "overflow": "critical",
     "underflow": "high",
     "snr": "high",
+    "stall": "high",
     "drift": "high",
     "trend": "medium",
     "delayed": "high",
@@ -42,6 +43,11 @@ SEVERITY_STEPS: dict[str, tuple[float, float, float]] = {
     # fp32 flushed up to 59 % of a backward value, broken ones 77 % and more
     "underflow": (0.05, 0.75, math.inf),
     "snr": (3.0, 12.0, math.inf),
+    # the share of the elements a step updates whose held value stays (the median over
+    # the recorded steps; the lower of the op's and the model's): in
+    # benchmarks/bench_zoo_verdicts.py, models whose held weights trained as well as
+    # fp32 lost up to 7 % of their updates, broken ones 16 % and more (docs/advisor.md)
+    "stall": (0.0625, 0.125, math.inf),
     "drift": (1.0, 4.0, math.inf),
     "trend": (4.0, math.inf, math.inf),
     "delayed": (2.0, 4.0, math.inf),
@@ -68,6 +74,9 @@ def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> 
     value = found["value"].to_numpy(np.float64)
     at = found["_at"].to_numpy() if "_at" in found else np.zeros(len(found))
     ops = found["op"].to_numpy(np.int64)
+    share = (
+        found["_share"].to_numpy(np.float64) if "_share" in found else np.full(len(found), np.nan)
+    )
     saturated, contained = (
         found[c].eq(True).to_numpy(bool) if c in found else np.zeros(len(found), bool)
         for c in ("_saturated", "_contained")
@@ -84,6 +93,8 @@ def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> 
                 out[i] = 1.0  # a plain cast turns them into inf (NaN in e4m3fn): step lost
             elif rule[i] == "snr":
                 out[i] = 10.0 ** (-value[i] / 10.0)
+            elif rule[i] == "stall":
+                out[i] = share[i]  # the share of the model's updates lost
             elif rule[i] == "underflow" and passes[i] not in ("fwd", "input"):
                 out[i] = value[i]  # a gradient or update element flushed is a step lost
             elif rule[i] == "underflow":
@@ -172,6 +183,11 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                 level = _band_level(graded, 0.0, SEVERITY_STEPS["snr"], 36.0)
                 low = np.clip(np.where(np.isnan(v), 0.0, t - v) / 36.0, 0.0, 0.999)
                 out[m] = np.where(graded > 0, level, low)
+            elif name == "stall":  # graded with the model's share lost (the impact)
+                if "impact" in findings.columns:
+                    v = np.fmin(v, findings["impact"].to_numpy(np.float64)[m])
+                steps = tuple(float(x) for x in SEVERITY_STEPS["stall"])
+                out[m] = _band_level(v, float(np.nanmin(t)), steps, 1.0)
             elif name in ("drift", "trend"):
                 beyond = np.abs(v) - np.abs(t)
                 out[m] = _band_level(beyond, 0.0, SEVERITY_STEPS[name], 16.0)

@@ -117,6 +117,13 @@ def fix_line(
         if origin is not None and origin["label"] != op["label"]:
             return f"fix the earliest op with NaN/inf first: {origin['label']} at {_where(origin)}"
         return f'jax.config.update("jax_debug_nans", True)  # stops at the first NaN: {where}'
+    if rule == "stall":
+        held = fmt or "its format"
+        return (
+            f"keep {op['name']} in fp32 and round it only for the matmuls that read it "
+            f"(policy target '{held}@matmul'), or hold it in a format with more mantissa "
+            f"than {held}"
+        )
     element = recipe_element(fmt) if fmt else None
     if element is not None:  # a block-scaled recipe's own failure
         if rule == "overflow":
