@@ -107,3 +107,33 @@ def test_the_stall_threshold_is_a_fraction():
         Thresholds(stall=1.5)
     with pytest.raises(ValueError, match="Thresholds.stall"):
         Thresholds(stall=-0.1)
+
+
+def test_the_weights_are_the_leaves_the_loss_depends_on():
+    """`loss_inputs`: the step's loss reads the weights (through a jitted call, a
+    custom_jvp and a scan over layers) and the batch, never the optimizer's moments; a
+    constant scalar output (adafactor's placeholders) adds nothing."""
+    import jax
+
+    @jax.jit
+    def loss(p, x):
+        def layer(h, w):
+            return jax.nn.relu(h @ w), None
+
+        h, _ = jax.lax.scan(layer, x @ p["w_in"], p["blocks"])
+        return jnp.mean(h**2)
+
+    def step(p, moments, x):
+        value, g = jax.value_and_grad(loss)(p, x)
+        mu = jax.tree.map(lambda m, gi: 0.9 * m + 0.1 * gi, moments, g)
+        new = jax.tree.map(lambda w, m: w - 1e-3 * m, p, mu)
+        return new, mu, jnp.zeros(()), value
+
+    p = {"blocks": jnp.ones((3, 4, 4)), "w_in": jnp.ones((2, 4))}
+    moments = jax.tree.map(jnp.zeros_like, p)
+    closed = jax.make_jaxpr(step)(p, moments, jnp.ones((5, 2)))
+    # flat arguments: the two weights, their two moments, the batch
+    assert updates.loss_inputs(closed.jaxpr) == {0, 1, 4}
+    # without a scalar output, or with constant ones only, nothing is known
+    no_loss = jax.make_jaxpr(lambda p, m, x: step(p, m, x)[:3])(p, moments, jnp.ones((5, 2)))
+    assert updates.loss_inputs(no_loss.jaxpr) is None

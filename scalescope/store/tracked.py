@@ -28,7 +28,9 @@ import numpy as np
 
 from ..core.scaled_array import ScaledArray, is_scaled_array
 from ..probe import emulate, instrument
+from ..probe.instrument import as_jit_passes
 from ..scalify import scalify as _scalify
+from ..scalify.interpreter import flatten_args
 from . import budget as _budget
 from . import flight, updates
 from .jitting import StaticLeafJit, partition, signature
@@ -195,8 +197,7 @@ class Tracked:
         self.run._register(table, self.scalify)
         self._registered = True
         if self.policy is not None:
-            held = updates.held_leaves(table, self.policy, args)
-            self._measure = updates.Measure(held) if held else None
+            self._measure = self._held_measure(table, args, kwargs)
         self._kinds = _leaf_kinds(args, kwargs)
         if self.budgeted:
             self.controller = _budget.BudgetController(
@@ -436,6 +437,17 @@ class Tracked:
         mesh = getattr(self.instrumented.plucked_in, "mesh", None)
         total = mesh.size if mesh is not None else len(used)
         return found, flight.devices_text(found, total)
+
+    def _held_measure(self, table: Any, args: tuple, kwargs: dict) -> updates.Measure | None:
+        """What `updates` measures of this step: the weights the policy holds (the
+        leaves the loss depends on), None when there are none."""
+        if not updates.held_leaves(table, self.policy, args):
+            return None  # the common case: no trace
+        flat = flatten_args(*as_jit_passes((args, kwargs)))
+        closed, _ = self.instrumented.trace_flat(flat[0], flat[1], flat[3], flat[4])
+        model = updates.loss_inputs(closed.jaxpr)
+        held = updates.held_leaves(table, self.policy, args, model)
+        return updates.Measure(held) if held else None
 
     def _held_updates(self, step: int, args: tuple, out: Any) -> None:
         """Hand the writer what the held formats kept of this step's update (`updates`)."""

@@ -36,11 +36,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from ..core.policy import Policy
 from ..core.scaled_array import ScaledArray
 from ..probe.optable import OpTable
 from ..probe.quantise import Plan, quantise
+from ..scalify import traverse
 from . import layout as L
 
 #: Scalar names of the figures: ``<prefix><op id>/<field>``. `Run.log` refuses the prefix.
@@ -65,13 +67,20 @@ def _leaves(tree: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ScaledArray))
 
 
-def held_leaves(table: OpTable, policy: Policy, args: Sequence[Any]) -> tuple[Held, ...]:
+def held_leaves(
+    table: OpTable, policy: Policy, args: Sequence[Any], model: set[int] | None = None
+) -> tuple[Held, ...]:
     """The leaves of the positional ``args`` that ``policy`` holds in a format or recipe
     read by every op (not ``@matmul``, which leaves the held value as it is; not
     ``fp32``), matched to their input ops in ``table`` (the first input ops, one per
     leaf, in order); () when there are none or the table does not match the arguments.
-    Which of them are state (an argument the step returns anew) is decided per call
-    (`Measure`)."""
+    ``model``: the flat positions of the leaves the step's loss depends on (`loss_inputs`),
+    when known: only those are held weights whose updates train the model. An optimizer's
+    moments are state too, but an EMA's step is a small part of its value by design
+    (Adam's ``nu`` moves by ``1 - b2`` = 0.1 % of itself), so a 16-bit format rounds most
+    of those steps away while the model trains as in fp32 (bf16 moments in
+    benchmarks/bench_zoo_verdicts.py: +0.0 %). Which of them are state (an argument the
+    step returns anew) is decided per call (`Measure`)."""
     per_arg = [_leaves(a) for a in args]
     n = sum(len(leaves) for leaves in per_arg)
     if not n:
@@ -88,6 +97,8 @@ def held_leaves(table: OpTable, policy: Policy, args: Sequence[Any]) -> tuple[He
             k += 1
             if entry is None or op.note or entry[1] != "all" or entry[0] == "fp32":
                 continue
+            if model is not None and k - 1 not in model:
+                continue
             if tuple(np.shape(leaf)) != tuple(op.shape):
                 return ()  # the op table and the arguments disagree: nothing is claimed
             target, _, axis = entry
@@ -97,6 +108,42 @@ def held_leaves(table: OpTable, policy: Policy, args: Sequence[Any]) -> tuple[He
                 axes = tuple(op.block_axes) or None
             found.append(Held(a, j, op.id, target, axes))
     return tuple(found)
+
+
+def loss_inputs(jaxpr: Any) -> set[int] | None:
+    """The positions of ``jaxpr``'s inputs (a step's flat arguments) that its scalar
+    float outputs (the loss and other metrics; an optimizer's constant placeholders
+    depend on nothing) depend on; None when there is no such output or they depend on no
+    input. Calls and checkpoints are followed into their bodies; a loop or branch counts
+    as depending on all its operands."""
+    outs = {
+        i
+        for i, v in enumerate(jaxpr.outvars)
+        if _is_float(v.aval) and int(np.prod(v.aval.shape)) == 1
+    }
+    found = _depends(jaxpr, outs) if outs else set()
+    return found or None
+
+
+def _is_float(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _depends(jaxpr: Any, wanted: set[int]) -> set[int]:
+    """Positions of ``jaxpr.invars`` that its outputs at ``wanted`` depend on."""
+    need = {v for i, v in enumerate(jaxpr.outvars) if i in wanted and not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        outs = {i for i, v in enumerate(eqn.outvars) if v in need}
+        if not outs:
+            continue
+        ins = range(len(eqn.invars))
+        if eqn.primitive.name in traverse.CALLS | traverse.CHECKPOINTS:
+            body = traverse.bodies(eqn)[0][0].jaxpr
+            if len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
+                ins = _depends(body, outs)
+        need |= {eqn.invars[i] for i in ins if not isinstance(eqn.invars[i], Literal)}
+    return {i for i, v in enumerate(jaxpr.invars) if v in need}
 
 
 def _value(x: Any, target: str, axes: tuple[int, ...] | None) -> tuple[jax.Array, jax.Array]:

@@ -21,7 +21,10 @@
   audited one), its amax lands a whole binade above the history's max
   (``clipped_min > 0``: elements clip for sure) and more than ``2**delayed_log2``
   times above it, at some recorded step once the history holds an amax (clipping at
-  the initial scale 1 is the overflow rule's business).
+  the initial scale 1 is the overflow rule's business);
+- ``stall``: a leaf of the state a precision policy holds in a format (``updates``:
+  `RunReader.held_updates`) whose share of updates that round away, the median over the
+  recorded steps, exceeds ``thresholds.stall``.
 
 Values constant by construction (`scalescope.analysis.relevance`: optimizer scalars from
 the step count, mask fills) raise no drift, trend or delayed finding.
@@ -41,6 +44,8 @@ the step count, mask fills) raise no drift, trend or delayed finding.
   25 %, high from 25 % (99 % of a backward value flushed in E5M2 is high);
 - ``snr``: low less than 3 dB under the threshold, medium less than 12 dB under it,
   high from 12 dB under it (two more bits lost);
+- ``stall``: by the lower of the leaf's share and the model's (every held leaf
+  together, the impact): low below 6.25 %, medium below 12.5 %, high from there;
 - ``drift``: low within 1 binade beyond ``±drift_log2``, medium within 4, high from 4
   binades beyond (``|log2 rms| >= 8`` by default: an FP8 value's headroom is gone);
 - ``trend`` (a projection, never high): low, medium when the fit's rate takes the value
@@ -72,6 +77,7 @@ The package, one idea per module (they import one another without a circle, neve
 
 - `cells`: the values the rules read, one row per (op, step), and where a rule holds;
 - `detectors_nonfinite`, `detectors_formats`, `detectors_scales` (drift, trend),
+  `detectors_updates` (stall: updates a held format rounds away),
   `detectors_delayed`: one function per rule (``_<rule>_findings``);
 - `severity`: impact and severity of a finding, the metric that shows it;
 - `text`: evidence numbers and the one-line fixes;
