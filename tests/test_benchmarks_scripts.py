@@ -427,3 +427,9 @@ def test_bench_zoo_verdicts_labels_each_run_and_prints_the_table(capsys, tmp_pat
     policy = mod.policy_of("recipe", table)
     assert set(policy.values()) == {"mxfp8_e4m3@matmul", "mxfp8_e5m2@matmul"}
     assert all(r["ops"] for r in mod.ss.Policy.from_dict(policy).describe(table))
+    # the held variants reach the parameters, m16 Adam's two moments of every leaf
+    for variant in ("w16", "wfp16", "m16"):
+        described = mod.ss.Policy.from_dict(mod.policy_of(variant, table)).describe(table)
+        assert all(r["ops"] for r in described), variant
+    moments = mod.ss.Policy.from_dict(mod.policy_of("m16", table)).describe(table)
+    assert sum(len(r["ops"]) for r in moments) == 2 * len(mod.jax.tree_util.tree_leaves(args[0]))
