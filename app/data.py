@@ -116,11 +116,11 @@ class Advice:
         return self._thread is not None
 
     def _run(self, snapshot: tuple[Any, ...]) -> None:
-        version, frames, columns, ops, meta, scalars = snapshot
+        version, frames, columns, ops, meta, scalars, held = snapshot
         t0 = time.monotonic()
         try:
             stats = advisor_frame(frames, columns)
-            bundle = analysis.RunAnalysis(_Snapshot(stats, ops, meta, scalars))
+            bundle = analysis.RunAnalysis(_Snapshot(stats, ops, meta, scalars, held))
             found = bundle.findings
             bundle.verdict  # noqa: B018 - computed here, off the page's thread
             step = int(stats["step"].max()) if len(stats) else None
@@ -167,14 +167,20 @@ class _Snapshot:
 
     version = None  # never cached by `scalescope.analysis.analyse`
 
-    def __init__(self, stats: pd.DataFrame, ops: pd.DataFrame, meta: Any, scalars: Any) -> None:
+    def __init__(
+        self, stats: pd.DataFrame, ops: pd.DataFrame, meta: Any, scalars: Any, held: Any = None
+    ) -> None:
         self._stats, self.ops, self.meta, self._scalars = stats, ops, meta, scalars
+        self._held = held
 
     def stats(self, wide: bool = True) -> pd.DataFrame:
         return self._stats
 
     def scalar_rows(self) -> pd.DataFrame:
         return self._scalars
+
+    def held_updates(self) -> pd.DataFrame | None:
+        return self._held
 
 
 def advisor_frame(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
@@ -435,10 +441,10 @@ class RunData:
 
     def advisor_snapshot(
         self,
-    ) -> tuple[int, list[pd.DataFrame], list[str], pd.DataFrame, Any, pd.DataFrame]:
+    ) -> tuple[int, list[pd.DataFrame], list[str], pd.DataFrame, Any, pd.DataFrame, Any]:
         """What a background advisor run reads, taken under the lock: the version, the
-        parts read so far, the columns the advisor needs, the op table, metadata and
-        logged scalars."""
+        parts read so far, the columns the advisor needs, the op table, metadata, logged
+        scalars and the held-update figures."""
         with self.lock:
             ops = self.ops
             columns = analysis.advisor_columns(
@@ -451,6 +457,7 @@ class RunData:
                 ops,
                 self.reader.meta,
                 self.reader.scalar_rows(),
+                self.reader.held_updates(),
             )
 
     def summary(self) -> pd.DataFrame:

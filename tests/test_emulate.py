@@ -346,6 +346,13 @@ def test_held_weights_whose_updates_round_away_are_a_stall(mlp_step, tmp_path):
     assert set(stall["format"]) == {"e4m3"} and "high" in set(stall["severity"])
     assert "e4m3@matmul" in stall["fix"].iloc[0]
     assert reader.verdict().status != "healthy"
+    # the dashboard's advisor (a snapshot of the run, in a thread) says the same
+    from scalescope.app.data import RunData
+
+    data = RunData(tmp_path / "e4m3")
+    shown = data.findings()
+    assert (shown["rule"] == "stall").sum() == len(stall)
+    assert data.verdict(shown).status == reader.verdict().status
     # the weights' own E4M3 statistics raise nothing high: only the update shows it
     assert not found[(found["rule"] != "stall") & found["severity"].isin(["high", "critical"])]\
         .shape[0]  # fmt: skip

@@ -137,3 +137,43 @@ def test_the_weights_are_the_leaves_the_loss_depends_on():
     # without a scalar output, or with constant ones only, nothing is known
     no_loss = jax.make_jaxpr(lambda p, m, x: step(p, m, x)[:3])(p, moments, jnp.ones((5, 2)))
     assert updates.loss_inputs(no_loss.jaxpr) is None
+
+
+def test_held_leaves_are_matched_past_static_leaves_and_keyword_arguments():
+    """A step whose first argument is static (a string) and whose batch comes by keyword:
+    the held weights are still matched to their input ops (the table has none for the
+    string), their new values found in the outputs by layout, and the figures are those
+    of the NumPy reference; the moments (state the loss does not read) are not held
+    weights."""
+    import jax
+
+    import scalescope as ss
+
+    def step(tag, p, m, *, x):
+        value, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(p)
+        m = 0.9 * m + g
+        return p - 1e-3 * jnp.sign(m), m, value
+
+    rng = np.random.default_rng(0)
+    p = jnp.asarray(rng.standard_normal((8, 4)) * 4, jnp.float32)
+    args, kwargs = ("tag", p, jnp.zeros_like(p)), {"x": jnp.ones((3, 8))}
+    policy = ss.Policy.from_dict({"input/p": "e4m3", "input/m": "bf16"})
+    table = ss.instrument(step, scalify=False).op_table(*args, **kwargs)
+    closed = jax.make_jaxpr(lambda *a: step(*a[:1], *a[1:3], x=a[3]), static_argnums=0)(
+        "tag", args[1], args[2], kwargs["x"]
+    )
+    model = updates.loss_inputs(closed.jaxpr)
+    assert model == {0, 2}  # p and x, not m
+    held = updates.held_leaves(table, policy, args, model)
+    assert [(h.arg, h.leaf, table.ops[h.op].name, h.target) for h in held] == [
+        (1, 0, "input/p", "e4m3")
+    ]
+    out = step(*args, **kwargs)
+    names, got = updates.Measure(held)(args, out)
+    assert names == [f"{updates.NAME_PREFIX}{held[0].op}/{f}" for f in updates.FIELDS]
+    want = _reference(np.asarray(p), np.asarray(out[0]), "e4m3")
+    assert np.asarray(got)[:2].tolist() == want[:2] and want[1] > 0
+    # the outputs in another order: the weights are the first output of their layout
+    names2, got2 = updates.Measure(held)(args, (out[2], out[0], out[1]))
+    assert names2 == names and np.asarray(got2).tolist() == np.asarray(got).tolist()
+    assert updates.Measure(held)(args, (out[2],)) is None  # not returned: not state

@@ -71,6 +71,9 @@ class Thresholds:
     than this many binades (default 0.5: x1.41). A stationary op whose amax sets a new
     record by a few percent across a power of two clips a handful of elements by a few
     percent; 0 flags that too.
+    ``stall``: largest tolerated share of the elements a step updates whose value, held
+    in a format by a precision policy, does not change (the median over the recorded
+    steps; the ``stall`` rule).
     """
 
     drift_log2: float = 4.0

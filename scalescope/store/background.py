@@ -46,6 +46,7 @@ class Writer:
         # what a failed write lost: steps whose statistics, (step, name) whose scalars
         self.lost_steps: set[int] = set()
         self.lost_scalars: set[tuple[int, str]] = set()
+        self.lost_figures: set[int] = set()  # steps whose held-update figures were lost
         self.thread = threading.Thread(target=self._loop, name="scalescope-writer", daemon=True)
         self.thread.start()
 
@@ -132,12 +133,16 @@ class Writer:
         elif item[0] == "scalars":
             self.lost_scalars.update((int(item[1]), str(name)) for name in item[2])
         elif item[0] == "figures":
-            self.lost_scalars.update((int(item[1]), str(name)) for name in item[2])
+            self.lost_figures.add(int(item[1]))
 
     def _lose_buffers(self) -> None:
         """Note what the buffers held as lost and empty them (a failed flush)."""
         self.lost_steps.update(int(step) for step, _, _ in self.stats_buf)
-        self.lost_scalars.update((int(step), str(name)) for step, name, _ in self.scalar_buf)
+        for step, name, _ in self.scalar_buf:
+            if L.is_figure(name):
+                self.lost_figures.add(int(step))
+            else:
+                self.lost_scalars.add((int(step), str(name)))
         self.stats_buf, self.scalar_buf, self.oldest = [], [], None
 
     def damage(self) -> str | None:
@@ -150,6 +155,8 @@ class Writer:
         if self.lost_scalars:
             steps = {step for step, _ in self.lost_scalars}
             lost.append(f"{len(self.lost_scalars)} logged scalars of {_steps_text(steps)}")
+        if self.lost_figures:
+            lost.append(f"the held-update figures of {_steps_text(self.lost_figures)}")
         what = " and ".join(lost) if lost else "nothing recorded so far"
         who = f"process {self.process}: " if self.process else ""
         if isinstance(self.error, L.RunWriteError):

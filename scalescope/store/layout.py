@@ -54,6 +54,11 @@ FIGURE_PREFIX = "scalescope.held_update/"
 FIGURE_FIELDS = ("moved", "lost", "d2", "e2")
 
 
+def is_figure(name: str) -> bool:
+    """Whether a scalar name is one of the run's own figures (`FIGURE_PREFIX`)."""
+    return str(name).startswith(FIGURE_PREFIX)
+
+
 class RunError(Exception):
     """A run directory cannot be read or written as asked."""
 

@@ -510,7 +510,9 @@ class RunReader:
         long = pd.concat(self._figure_parts, ignore_index=True)
         long = long[long["process"] == long["process"].min()]
         parts = long["name"].astype(str).str.slice(len(L.FIGURE_PREFIX)).str.split("/")
-        long = long.assign(op=parts.str[0].astype(np.int64), field=parts.str[1])
+        op = pd.to_numeric(parts.str[0], errors="coerce")
+        long = long.assign(op=op, field=parts.str[1])
+        long = long[op.notna().to_numpy() & long["field"].isin(L.FIGURE_FIELDS).to_numpy()]
         wide = long.pivot_table(index=["step", "op"], columns="field", values="value",
                                 aggfunc="last")  # fmt: skip
         wide = wide.reindex(columns=list(L.FIGURE_FIELDS)).reset_index()

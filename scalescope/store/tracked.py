@@ -197,7 +197,7 @@ class Tracked:
         self.run._register(table, self.scalify)
         self._registered = True
         if self.policy is not None:
-            self._measure = self._held_measure(table, args, kwargs)
+            self._measure = self._held_measure(table, args, kwargs, mesh)
         self._kinds = _leaf_kinds(args, kwargs)
         if self.budgeted:
             self.controller = _budget.BudgetController(
@@ -276,9 +276,8 @@ class Tracked:
         else:
             out, stats, health = self._record(None, args, kwargs)
             self.run._submit(step, stats)
-            self._keep_stats(stats)
-        if stats is not None and self._measure is not None:
             self._held_updates(step, args, out)
+            self._keep_stats(stats)
         if health is None:
             return out
         call = flight.Call(
@@ -438,7 +437,9 @@ class Tracked:
         total = mesh.size if mesh is not None else len(used)
         return found, flight.devices_text(found, total)
 
-    def _held_measure(self, table: Any, args: tuple, kwargs: dict) -> updates.Measure | None:
+    def _held_measure(
+        self, table: Any, args: tuple, kwargs: dict, mesh: Any
+    ) -> updates.Measure | None:
         """What `updates` measures of this step: the weights the policy holds (the
         leaves the loss depends on), None when there are none."""
         if not updates.held_leaves(table, self.policy, args):
@@ -446,14 +447,26 @@ class Tracked:
         flat = flatten_args(*as_jit_passes((args, kwargs)))
         closed, _ = self.instrumented.trace_flat(flat[0], flat[1], flat[3], flat[4])
         model = updates.loss_inputs(closed.jaxpr)
+        if model is None:
+            warnings.warn(
+                "Run.track: the policy holds part of the step's arguments in a narrow "
+                "format, but the step returns no scalar loss that depends on them, so its "
+                "weights cannot be told from other state (an optimizer's moments): what "
+                "the held formats keep of each update is not measured (the stall rule)",
+                stacklevel=4,
+            )
+            return None
         held = updates.held_leaves(table, self.policy, args, model)
-        return updates.Measure(held) if held else None
+        return updates.Measure(held, mesh) if held else None
 
-    def _held_updates(self, step: int, args: tuple, out: Any) -> None:
-        """Hand the writer what the held formats kept of this step's update (`updates`)."""
-        measured = self._measure(args, out)
-        if measured is not None:
-            self.run._submit_figures(step, *measured)
+    def _held_updates(self, step: int, args: tuple, out: Any) -> Any:
+        """Hand the writer what the held formats kept of this step's update (`updates`);
+        returns the figures (None when nothing is measured)."""
+        measured = self._measure(args, out) if self._measure is not None else None
+        if measured is None:
+            return None
+        self.run._submit_figures(step, *measured)
+        return measured[1]
 
     def _keep_stats(self, stats: Any) -> None:
         """Remember a fully measured step's statistics (device arrays, a few per op):
@@ -533,7 +546,9 @@ class Tracked:
         if self._compile_thread is not None:
             self._compile_thread.join()
         if recorded:
-            jax.block_until_ready(self._record(self._every_group(), args, kwargs))
+            out = jax.block_until_ready(self._record(self._every_group(), args, kwargs))[0]
+            if self._measure is not None:  # compiled now too (nothing is written)
+                jax.block_until_ready(self._measure(args, out))
             self._warm.add("recording")
 
     def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -567,9 +582,13 @@ class Tracked:
             if seconds is not None:
                 ctrl.observe_plain(seconds)
             return (*res, None)
-        (out, stats, health), seconds = self._timed(
-            "recording", lambda *a: self._record(mask, a, kwargs), *args
-        )
+
+        def recorded(*a: Any) -> tuple[Any, Any, Any]:
+            res = self._record(mask, a, kwargs)
+            jax.block_until_ready(self._held_updates(step, a, res[0]))  # timed with it
+            return res
+
+        (out, stats, health), seconds = self._timed("recording", recorded, *args)
         if seconds is not None:
             ctrl.observe_record(seconds - float(ctrl.t_plain), mask)
         self.run._submit(step, stats, mask)

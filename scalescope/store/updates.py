@@ -36,14 +36,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from ..core.policy import Policy
+from ..core.policy import UNREACHABLE, Policy
 from ..core.scaled_array import ScaledArray
+from ..probe.instrument import as_jit_passes
 from ..probe.optable import OpTable
 from ..probe.quantise import Plan, quantise
-from ..scalify import traverse
+from ..scalify.interpreter import is_array_like, normalize_input
 from . import layout as L
+from .processes import replicated
 
 #: Scalar names of the figures: ``<prefix><op id>/<field>``. `Run.log` refuses the prefix.
 NAME_PREFIX = L.FIGURE_PREFIX
@@ -67,37 +69,45 @@ def _leaves(tree: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ScaledArray))
 
 
+def _is_dynamic(leaf: Any) -> bool:
+    """A leaf the step traces (an array or a number), as opposed to a static one."""
+    return isinstance(leaf, ScaledArray) or is_array_like(leaf)
+
+
 def held_leaves(
     table: OpTable, policy: Policy, args: Sequence[Any], model: set[int] | None = None
 ) -> tuple[Held, ...]:
     """The leaves of the positional ``args`` that ``policy`` holds in a format or recipe
     read by every op (not ``@matmul``, which leaves the held value as it is; not
-    ``fp32``), matched to their input ops in ``table`` (the first input ops, one per
-    leaf, in order); () when there are none or the table does not match the arguments.
-    ``model``: the flat positions of the leaves the step's loss depends on (`loss_inputs`),
-    when known: only those are held weights whose updates train the model. An optimizer's
-    moments are state too, but an EMA's step is a small part of its value by design
-    (Adam's ``nu`` moves by ``1 - b2`` = 0.1 % of itself), so a 16-bit format rounds most
-    of those steps away while the model trains as in fp32 (bf16 moments in
-    benchmarks/bench_zoo_verdicts.py: +0.0 %). Which of them are state (an argument the
-    step returns anew) is decided per call (`Measure`)."""
-    per_arg = [_leaves(a) for a in args]
-    n = sum(len(leaves) for leaves in per_arg)
+    ``fp32``), matched to their input ops in ``table`` (one per array leaf of the call,
+    in order: a static leaf, a string or a callable, has none); () when there are none or
+    the table does not match the arguments. ``model``: the positions among the array
+    leaves of those the step's loss depends on (`loss_inputs`), when known: only those
+    are held weights whose updates train the model. An optimizer's moments are state
+    too, but an EMA's step is a small part of its value by design (Adam's ``nu`` moves
+    by ``1 - b2`` = 0.1 % of itself), so a 16-bit format rounds most of those steps away
+    while the model trains as in fp32 (bf16 moments in benchmarks/bench_zoo_verdicts.py:
+    +0.0 %). Which of them are state (an argument the step returns anew) is decided per
+    call (`Measure`)."""
+    per_arg = [_leaves(as_jit_passes(a)) for a in args]
+    n = sum(1 for leaves in per_arg for x in leaves if _is_dynamic(x))
     if not n:
         return ()
     plan = Plan.build(table, policy)
     ops = table.ops
     inputs = list(table.sequence[:n])
     if len(inputs) < n or any(i < 0 or ops[i].pass_ != "input" for i in inputs):
-        return ()  # a leaf without an input op of its own (not an array): not matched
+        return ()  # the op table does not start with these arguments' inputs
     found, k = [], 0
     for a, leaves in enumerate(per_arg):
         for j, leaf in enumerate(leaves):
-            entry, op = plan.targets[k], ops[inputs[k]]
-            k += 1
-            if entry is None or op.note or entry[1] != "all" or entry[0] == "fp32":
+            if not _is_dynamic(leaf):
                 continue
-            if model is not None and k - 1 not in model:
+            entry, op, position = plan.targets[k], ops[inputs[k]], k
+            k += 1
+            if entry is None or op.note in UNREACHABLE or entry[1] != "all":
+                continue
+            if entry[0] == "fp32" or (model is not None and position not in model):
                 continue
             if tuple(np.shape(leaf)) != tuple(op.shape):
                 return ()  # the op table and the arguments disagree: nothing is claimed
@@ -137,18 +147,34 @@ def _depends(jaxpr: Any, wanted: set[int]) -> set[int]:
         outs = {i for i, v in enumerate(eqn.outvars) if v in need}
         if not outs:
             continue
-        ins = range(len(eqn.invars))
-        if eqn.primitive.name in traverse.CALLS | traverse.CHECKPOINTS:
-            body = traverse.bodies(eqn)[0][0].jaxpr
-            if len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
-                ins = _depends(body, outs)
+        ins: Any = range(len(eqn.invars))
+        body = _call_body(eqn)
+        if body is not None:
+            ins = _depends(body, outs)
         need |= {eqn.invars[i] for i in ins if not isinstance(eqn.invars[i], Literal)}
     return {i for i, v in enumerate(jaxpr.invars) if v in need}
+
+
+def _call_body(eqn: Any) -> Any:
+    """The body of a call-like equation (jit, closed_call, custom_jvp/vjp, checkpoint,
+    shard_map: one jaxpr taking the operands and giving the outputs, each once), or
+    None (a loop or a branch runs its body many times or not at all)."""
+    if eqn.primitive.name in ("scan", "while", "cond"):
+        return None
+    bodies = [v for v in eqn.params.values() if isinstance(v, Jaxpr | ClosedJaxpr)]
+    if len(bodies) != 1:
+        return None
+    body = bodies[0].jaxpr if isinstance(bodies[0], ClosedJaxpr) else bodies[0]
+    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+        return None
+    return body
 
 
 def _value(x: Any, target: str, axes: tuple[int, ...] | None) -> tuple[jax.Array, jax.Array]:
     """``(x, held(x))`` as float32 values (a `ScaledArray` is held on its data, as the
     policy rounds it)."""
+    if isinstance(x, ScaledArray):
+        x = normalize_input(x)  # as the scalified step reads it
     held = quantise(x, target, axes)
     if isinstance(x, ScaledArray):
         return x.to_array(jnp.float32), held.to_array(jnp.float32)
@@ -181,32 +207,45 @@ def figures(held: Sequence[Held], old: Sequence[Any], new: Sequence[Any]) -> jax
 
 class Measure:
     """The held-update figures of a tracked step: call it with a recorded step's
-    arguments and outputs. A held leaf counts when its argument is state: the output at
-    the same position has the argument's structure, shapes and dtypes (``step(params,
-    opt_state, batch) -> (params, opt_state, loss)``: the first two). None when no held
-    leaf is."""
+    arguments and outputs. A held leaf counts when its argument is state: an output has
+    the argument's structure, shapes and dtypes (`_state_outputs`: ``step(params,
+    opt_state, batch) -> (params, opt_state, loss)``, ``step(config, params, batch) ->
+    (params, loss)``). None when no held leaf is."""
 
-    def __init__(self, held: Sequence[Held]) -> None:
-        self.held = tuple(held)
+    def __init__(self, held: Sequence[Held], mesh: Any = None) -> None:
+        self.held, self.mesh = tuple(held), mesh
         self._fns: dict[tuple[int, ...], tuple[list[str], Any]] = {}
 
     def __call__(self, args: Sequence[Any], out: Any) -> tuple[list[str], jax.Array] | None:
         """``(names, figures)``: the scalar names and a ``[len(names)]`` array."""
         outs = tuple(out) if isinstance(out, tuple | list) else (out,)
-        state = [a for a in sorted({h.arg for h in self.held})
-                 if a < len(outs) and _same_layout(args[a], outs[a])]  # fmt: skip
-        held = [h for h in self.held if h.arg in state]
+        where = _state_outputs(args, outs)
+        held = [h for h in self.held if h.arg in where]
         if not held:
             return None
-        key = tuple(state)
+        key = tuple(sorted(where.items()))
         if key not in self._fns:
             names = [f"{NAME_PREFIX}{h.op}/{f}" for h in held for f in FIELDS]
-            fn = jax.jit(lambda old, new: figures(held, old, new).reshape(-1))
+            mesh = self.mesh
+            fn = jax.jit(lambda old, new: replicated(figures(held, old, new).reshape(-1), mesh))
             self._fns[key] = (names, fn)
         names, fn = self._fns[key]
         old = [_leaves(args[h.arg])[h.leaf] for h in held]
-        new = [_leaves(outs[h.arg])[h.leaf] for h in held]
+        new = [_leaves(outs[where[h.arg]])[h.leaf] for h in held]
         return names, fn(old, new)
+
+
+def _state_outputs(args: Sequence[Any], outs: Sequence[Any]) -> dict[int, int]:
+    """``{argument: output}`` of the arguments the step returns anew: in order, each
+    argument takes the first output of its layout that no earlier argument took (a
+    static argument before them, ``step(config, params, opt_state)``, takes none)."""
+    found: dict[int, int] = {}
+    for a, arg in enumerate(args):
+        for i, out in enumerate(outs):
+            if i not in found.values() and _same_layout(arg, out):
+                found[a] = i
+                break
+    return found
 
 
 def _same_layout(a: Any, b: Any) -> bool:
@@ -226,6 +265,4 @@ def _dtype(x: Any) -> Any:
     return getattr(x, "dtype", type(x))
 
 
-def reserved(name: str) -> bool:
-    """Whether a scalar name is one of the held-update figures'."""
-    return name.startswith(NAME_PREFIX)
+reserved = L.is_figure

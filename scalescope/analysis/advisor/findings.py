@@ -116,8 +116,10 @@ def advise(
     ``recipe_underflow`` and ``recipe_snr_db``; flushed blocks are the format what-if's
     business); ``horizon``: the step trends are projected
     to (default ``config.steps``, else twice the last recorded step); ``updates``: what
-    the formats a precision policy holds the state in kept of each update
-    (`RunReader.held_updates`), judged by the ``stall`` rule.
+    the formats a precision policy holds the weights in kept of each update
+    (`RunReader.held_updates`), judged by the ``stall`` rule (its value is the median
+    share of updates lost over the recorded steps, its impact the same share over every
+    held weight together).
 
     Columns: op, label, name, pass, primitive, source, rule, format ("" for nonfinite,
     drift, trend and delayed), first_step (first recorded step where the rule holds; for

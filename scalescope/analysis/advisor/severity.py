@@ -139,8 +139,10 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
     within that severity's band, in [0, 1). The severity steps are `SEVERITY_STEPS`
     (`scalescope.analysis.advisor`'s docstring); the magnitude is the fraction (on a log
     scale) for overflow and underflow, the dB under the threshold for snr, the binades
-    beyond the bound for drift and trend, above the threshold for delayed; nonfinite is
-    critical. Needs the rule, format, value and threshold columns."""
+    beyond the bound for drift and trend, above the threshold for delayed, the share of
+    updates lost for stall (the lower of the value and the impact, the model's share:
+    without an impact column, the value alone); nonfinite is critical. Needs the rule,
+    format, value and threshold columns."""
     require_columns(findings, ("rule", "format", "value", "threshold"), "findings")
     n = len(findings)
     out = np.zeros(n)
