@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="zoo_verdicts_") as tmp:
         for model in models:
             for variant in variants:
-                rows.append(train(model, variant, args.steps, args.every, Path(tmp)))
+                try:
+                    rows.append(train(model, variant, args.steps, args.every, Path(tmp)))
+                except ss.PolicyError as err:  # e.g. m16 on an optimizer without moments
+                    print(f"  {model}/{variant}: skipped ({str(err).splitlines()[0]})")
+                    continue
                 r = rows[-1]
                 print(f"  {model}/{variant}: {r['verdict']} ({r['seconds']} s)", flush=True)
     label(rows)

@@ -1,30 +1,29 @@
-"""What a held format keeps of each update: the state a policy holds in a narrow format.
+"""What a held format keeps of each update: the weights a policy holds in a narrow format.
 
-A policy that holds a step's state in a format (``input/params/**: e4m3``, FP8 master
-weights; ``input/**/nu/**: bf16``, 16-bit Adam moments) rounds each leaf as the step
-reads it. The step then adds its update in full precision, and the next step reads the
-new value rounded again: an update smaller than half the format's spacing at the weight
-rounds away, and the weight never moves. Nothing in the value's own statistics shows
-it (the weights sit well inside the format, at a good SNR); what fails is the update
-against the spacing. At each recorded step a tracked step measures, per held leaf of its
-state:
+A policy that holds a step's weights in a format (``input/params/**: e4m3``, FP8 master
+weights) rounds each as the step reads it. The step then adds its update in full
+precision, and the next step reads the new value rounded again: an update smaller than
+half the format's spacing at the weight rounds away, and the weight never moves.
+Nothing in the value's own statistics shows it (the weights sit well inside the format,
+at a good SNR); what fails is the update against the spacing. At each recorded step a
+tracked step measures, per held weight:
 
 - ``moved``: elements the step changed (``new != held(old)``, finite);
 - ``lost``: of those, the elements whose held value did not change
   (``held(new) == held(old)``): the update rounded away;
 - ``d2``: the update's energy, ``sum (new - held(old))**2``;
-- ``e2``: what holding it costs, ``sum (held(new) - new)**2``; ``e2 / d2`` is the share
-  of the update lost (1 when every update rounds away).
+- ``e2``: what holding it costs, ``sum (held(new) - new)**2`` (``e2 / d2``: the share
+  of the update's energy lost, 1 when every update rounds away).
 
-The state is every argument the step returns anew at the same position (`Measure`);
-state held natively in a narrow dtype is not measured (the step rounds its update
-inside, where no caller sees the update it computed): hold an FP32 state by a policy to
-see what that dtype would keep. One small program of its own, compiled at the first
-recorded step, reads each held leaf's old and new values once; a run without such a
-policy never builds it. The
-figures go to the run's scalars under reserved names (`NAME_PREFIX`, hidden from
-`RunReader.scalars`); `RunReader.held_updates` reads them back and the advisor's
-``stall`` rule judges them.
+A held weight is a leaf of an argument the step returns anew (`Measure`) that the step's
+loss depends on (`held_leaves`, `loss_inputs`): an optimizer's moments are held state
+too, but not measured. State held natively in a narrow dtype is not measured either (the
+step rounds its update inside, where no caller sees the update it computed): hold an
+FP32 state by a policy to see what that dtype would keep. One small program of its own,
+compiled at the first recorded step, reads each held leaf's old and new values once; a
+run without such a policy never builds it. The figures go to the run's scalars under
+reserved names (`NAME_PREFIX`, hidden from `RunReader.scalars`);
+`RunReader.held_updates` reads them back and the advisor's ``stall`` rule judges them.
 """
 
 from __future__ import annotations
