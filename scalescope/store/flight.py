@@ -102,7 +102,7 @@ def _float_leaves(tree: Any) -> list[Any]:
     ]
 
 
-def _same_layout(a: Any, b: Any) -> bool:
+def same_layout(a: Any, b: Any) -> bool:
     """Whether two pytrees have the same structure, shapes and dtypes."""
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
@@ -119,7 +119,7 @@ def norm_kind(args: Sequence[Any], out: Any) -> str:
     """``"update"`` when the first output is the first argument's new value (its norm is
     that of the update), else ``"output"``. Scaled arrays: pass them through `_values`."""
     first = out[0] if isinstance(out, tuple | list) and out else None
-    if args and first is not None and _same_layout(args[0], first) and _float_leaves(first):
+    if args and first is not None and same_layout(args[0], first) and _float_leaves(first):
         return "update"
     return "output"
 

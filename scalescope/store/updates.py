@@ -44,6 +44,7 @@ from ..probe.optable import OpTable
 from ..probe.quantise import Plan, quantise
 from ..scalify.interpreter import is_array_like, normalize_input
 from . import layout as L
+from .flight import same_layout
 from .processes import replicated
 
 #: Scalar names of the figures: ``<prefix><op id>/<field>``. `Run.log` refuses the prefix.
@@ -241,27 +242,7 @@ def _state_outputs(args: Sequence[Any], outs: Sequence[Any]) -> dict[int, int]:
     found: dict[int, int] = {}
     for a, arg in enumerate(args):
         for i, out in enumerate(outs):
-            if i not in found.values() and _same_layout(arg, out):
+            if i not in found.values() and same_layout(arg, out):
                 found[a] = i
                 break
     return found
-
-
-def _same_layout(a: Any, b: Any) -> bool:
-    """Whether two pytrees have the same structure, shapes and dtypes (scaled leaves
-    compared by their data)."""
-    la, ta = jax.tree_util.tree_flatten(a, is_leaf=lambda x: isinstance(x, ScaledArray))
-    lb, tb = jax.tree_util.tree_flatten(b, is_leaf=lambda x: isinstance(x, ScaledArray))
-    if ta != tb:
-        return False
-    return all(
-        np.shape(x) == np.shape(y) and _dtype(x) == _dtype(y) for x, y in zip(la, lb, strict=True)
-    )
-
-
-def _dtype(x: Any) -> Any:
-    x = x.data if isinstance(x, ScaledArray) else x
-    return getattr(x, "dtype", type(x))
-
-
-reserved = L.is_figure

@@ -39,7 +39,7 @@ from ..core.policy import as_policy
 from ..core.scaled_array import ScaledArray, asarray
 from ..probe.kernel import HIST_COLUMNS, HIST_HI, HIST_LO, StatSpec
 from ..probe.optable import OpTable
-from . import flight, updates
+from . import flight
 from . import layout as L
 from .background import Writer
 from .processes import (
@@ -538,10 +538,10 @@ class Run:
                 raise TypeError(
                     f"Run.log: {name!r} at step {step} must be a number, got {type(value).__name__}"
                 )
-            if updates.reserved(name):
+            if L.is_figure(name):
                 raise ValueError(
                     f"Run.log: {name!r} at step {step}: names starting with "
-                    f"{updates.NAME_PREFIX!r} are the run's own figures; choose another name"
+                    f"{L.FIGURE_PREFIX!r} are the run's own figures; choose another name"
                 )
             values[name] = value
         if values:
