@@ -96,7 +96,9 @@ def _cold_start(step, params, state, batches, budget: float, background: bool, t
     """Per-step seconds of a budgeted run's first steps without warmup(), and the first
     recorded step (None if none)."""
     run = ss.Run(f"{tmp}/cold-{background}", budget=budget)
-    fn = run.track(step)
+    # a function of its own per variant: programs are cached per function, and each
+    # variant must compile its statistics program anew
+    fn = run.track(functools.wraps(step)(lambda *a: step(*a)))
     times, first_recorded = [], None
     for i, b in enumerate(batches):
         t0 = time.perf_counter()

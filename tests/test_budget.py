@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import scalescope as ss
-from scalescope.store.budget import TARGET, BudgetController, hot_groups
+from scalescope.store.budget import MAX_STEP_OVERHEAD, TARGET, BudgetController, hot_groups
 
 
 def _step(w, x):
@@ -130,6 +130,47 @@ def test_hot_groups_are_measured_more_often():
     assert others.min() > 0, "cold groups still come round"
 
 
+def test_no_recorded_step_is_planned_past_the_ceiling():
+    """Measuring every group at once would cost 3 plain steps on top of the fixed one:
+    once the costs are learned, each recorded step measures only what fits under
+    `MAX_STEP_OVERHEAD`, records come more often, and every group still comes round."""
+    elements = [1000] * 16
+    t = 0.1
+    ctrl = BudgetController(0.05, elements, fixed_share=1.0)
+    costs = []
+
+    def cost(mask):
+        costs.append(t + 3 * t * mask.sum() / 16)
+        return costs[-1]
+
+    recorded = _simulate(ctrl, 6000, t, cost)
+    assert len(recorded) > 10
+    learned = costs[3:]  # the first records teach the controller the two costs
+    assert max(learned) <= MAX_STEP_OVERHEAD * t * 1.001, max(learned)
+    assert ctrl.groups_per_record() > 1, "still several groups per record"
+    assert ctrl.first_full_cover is not None
+    assert ctrl.spent <= TARGET * 0.05 * 6000 * t + 1e-9
+
+
+def test_hot_groups_take_turns_when_they_do_not_fit_one_step():
+    elements = [1000] * 8
+    t = 0.1
+    ctrl = BudgetController(0.05, elements, fixed_share=1.0)
+    ctrl.observe_findings(set(range(8)))  # every group hot
+    counts = np.zeros(8, int)
+    sizes = []
+
+    def cost(mask):
+        counts[mask] += 1
+        sizes.append(int(mask.sum()))
+        return t + 2 * t * mask.sum() / 8  # all eight: 2 plain steps of measuring
+
+    _simulate(ctrl, 4000, t, cost)
+    room = ctrl.groups_per_step()
+    assert room < 8 and max(sizes[3:]) <= room
+    assert counts.min() > 0.5 * counts.max(), counts  # each hot group in turn
+
+
 def test_controller_rejects_bad_budgets():
     for bad in (0, 1, -0.1, 1.5, "5%"):
         with pytest.raises(ValueError, match="budget"):
@@ -227,13 +268,15 @@ def test_train_cli_budget(tmp_path, capsys):
     assert last.notna().any()
 
 
-def _held_compile(monkeypatch) -> tuple[threading.Event, list[float]]:
-    """Hold `Tracked`'s background compile until the returned event is set; the list gets
-    the time each compile finished."""
+def _held_compile(monkeypatch) -> tuple[threading.Event, list[float], list[int]]:
+    """Hold `Tracked`'s background compile until the returned event is set; the first
+    list gets the time each compile finished, the second the number of arrays handed to
+    each run of a compiled program in the thread."""
     from scalescope.store import writer
 
     release, done = threading.Event(), []
     real = writer.Tracked._compile_async
+    runs: list[int] = []  # arrays handed to each run of the compiled program in the thread
 
     class Held:
         def __init__(self, traced):
@@ -246,17 +289,24 @@ def _held_compile(monkeypatch) -> tuple[threading.Event, list[float]]:
             release.wait(timeout=60)  # a failed test must not hang in close()
             out = self.traced.lower().compile()
             done.append(time.perf_counter())
-            return out
 
-    monkeypatch.setattr(writer.Tracked, "_compile_async", lambda self, t: real(self, Held(t)))
-    return release, done
+            def counted(*args):
+                runs.append(len(jax.tree.leaves(args)))
+                return out(*args)
+
+            return counted
+
+    monkeypatch.setattr(
+        writer.Tracked, "_compile_async", lambda self, t, *rest: real(self, Held(t), *rest)
+    )
+    return release, done, runs
 
 
 def test_budget_steps_run_plain_while_the_statistics_program_compiles(tmp_path, monkeypatch):
     """Under a budget no step waits for the statistics program: it compiles in a thread,
     steps run plain (and give the plain outputs) meanwhile, and recording starts once it
     is ready."""
-    release, done = _held_compile(monkeypatch)
+    release, done, runs = _held_compile(monkeypatch)
     plain = jax.jit(_step)
     with ss.Run(tmp_path / "run", budget=0.5, groups=2) as run:
         step = run.track(_step, scalify=False)
@@ -266,11 +316,16 @@ def test_budget_steps_run_plain_while_the_statistics_program_compiles(tmp_path, 
             np.testing.assert_array_equal(np.asarray(w_next), np.asarray(plain(w, X)[0]))
             w = w_next
         assert not done and step._compile_thread.is_alive()
+        # steps that share the machine with the compile are not timed into the plans
+        assert step.controller.t_plain is None
         run.flush()
         assert len(ss.open_run(tmp_path / "run").steps) == 0, "nothing recorded before ready"
         release.set()
         step._compile_thread.join()
         assert done
+        # on CPU the program ran once in the thread, on the first call's arrays (XLA
+        # finishes preparing a program at its first run: not in a recorded step)
+        assert runs == [3]  # the mask, w and x
         for _ in range(MAX_STEPS):
             w, _ = step(w, X)
             if step.controller.slot:  # a recorded step
@@ -280,7 +335,7 @@ def test_budget_steps_run_plain_while_the_statistics_program_compiles(tmp_path, 
 
 
 def test_closing_while_compiling_warns_and_waits(tmp_path, monkeypatch, caplog):
-    release, done = _held_compile(monkeypatch)
+    release, done, _ = _held_compile(monkeypatch)
     run = ss.Run(tmp_path / "run", budget=0.05)
     step = run.track(_step, scalify=False)
     step(W, X)
@@ -293,7 +348,7 @@ def test_closing_while_compiling_warns_and_waits(tmp_path, monkeypatch, caplog):
 
 
 def test_warmup_waits_for_the_background_compile(tmp_path, monkeypatch):
-    release, done = _held_compile(monkeypatch)
+    release, done, _ = _held_compile(monkeypatch)
     threading.Timer(0.3, release.set).start()
     with ss.Run(tmp_path / "run", budget=0.5) as run:
         step = run.track(_step, scalify=False)

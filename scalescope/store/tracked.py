@@ -208,7 +208,10 @@ class Tracked:
             )
             self.run._writer.on_findings = self.controller.observe_findings
             self.run._writer.on_cost = self.controller.observe_writer
-            self._compile_async(traced)
+            warm = None
+            if jax.default_backend() == "cpu" and jax.process_count() == 1:  # `_compile_async`
+                warm = partition((mask, *args), kwargs, where=_WHERE)[1]
+            self._compile_async(traced, warm)
         else:
             self._compiled.set()
         log.info(
@@ -224,15 +227,24 @@ class Tracked:
             "in the background while steps run plain" if self.budgeted else "at its first use",
         )
 
-    def _compile_async(self, traced: Any) -> None:
+    def _compile_async(self, traced: Any, warm: list | None = None) -> None:
         """Compile the statistics program in a thread: under a budget, steps run plain
         until it is ready instead of the first recorded step waiting for it (the compile
-        fills jit's own cache, so the first recorded call runs at once)."""
+        fills jit's own cache, so the first recorded call runs at once). ``warm``: the
+        first call's arrays, to run the program on once there. XLA on CPU finishes
+        preparing a program at its first run (any program: +2.3 plain steps of the
+        sample GPT, 2-core VM), which would otherwise fall on the first recorded step;
+        the arrays are let go after that run. Not on other backends, where holding the
+        first call's state for the length of a compile would cost device memory, nor
+        across processes, whose collectives must run in the same order in each."""
 
         def compile_() -> None:
+            nonlocal warm
             t0 = time.perf_counter()
             try:
-                traced.lower().compile()
+                compiled = traced.lower().compile()
+                if warm is not None:
+                    jax.block_until_ready(compiled(warm))
             except Exception as err:  # noqa: BLE001 - the first recorded step compiles again
                 log.warning(
                     "scalescope: compiling the statistics program in the background failed "
@@ -246,6 +258,7 @@ class Tracked:
                     time.perf_counter() - t0,
                 )
             finally:
+                warm = None
                 self._compiled.set()
 
         thread = threading.Thread(target=compile_, name="scalescope-compile", daemon=True)
@@ -567,11 +580,10 @@ class Tracked:
         """``(outputs, health, statistics or None)`` of a call under a budget."""
         ctrl = self.controller
         if not self._compiled.is_set():  # the statistics program is still compiling
-            if ctrl.ready:
-                return (*self._plain_parts(parts), None)
-            res, seconds = self._timed("plain", lambda *a: self._plain_parts(parts), *args)
-            if seconds is not None:
-                ctrl.observe_plain(seconds)
+            # Untimed: the compile shares the machine, so a plain step timed now reads
+            # slow (2-2.5x on a 2-core VM) and would skew every plan made with it.
+            res = self._plain_parts(parts)
+            self._warm.add("plain")  # compiled by this call if it was the first
             return (*res, None)
         mask = ctrl.plan(step)
         if mask is None:
