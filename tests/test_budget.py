@@ -3,6 +3,7 @@ budgeted run whose rows are exact where measured and absent elsewhere."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -169,6 +170,30 @@ def test_hot_groups_take_turns_when_they_do_not_fit_one_step():
     room = ctrl.groups_per_step()
     assert room < 8 and max(sizes[3:]) <= room
     assert counts.min() > 0.5 * counts.max(), counts  # each hot group in turn
+
+
+def test_one_group_a_step_alternates_hot_and_cold_groups():
+    """A group costs most of what one step may spend: each recorded step measures one
+    group, a hot one and a cold one in turn, never two."""
+    elements = [1000] * 8
+    t = 0.1
+    ctrl = BudgetController(0.05, elements, fixed_share=1.0)
+    ctrl.observe_findings({1, 4, 6})
+    counts = np.zeros(8, int)
+    sizes = []
+
+    def cost(mask):
+        counts[mask] += 1
+        sizes.append(int(mask.sum()))
+        return t + 0.4 * t * mask.sum()  # fixed one step, 0.4 a group: one fits in 1.5
+
+    _simulate(ctrl, 20000, t, cost)
+    assert ctrl.groups_per_step() == 1
+    assert set(sizes[3:]) == {1}
+    hot, cold = counts[[1, 4, 6]], np.delete(counts, [1, 4, 6])
+    assert cold.min() > 0, "cold groups still come round"
+    assert hot.min() > 2 * cold.max(), counts
+    assert math.isfinite(ctrl.coverage_period())
 
 
 def test_controller_rejects_bad_budgets():

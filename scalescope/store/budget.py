@@ -172,10 +172,12 @@ class BudgetController:
         k = self.groups_per_record()
         room = self.groups_per_step()
         if len(hot) + k > room and hot:
-            n = min(len(hot), max(1, room - 1))
             start = self._hot_turn % len(hot)
-            hot = (hot[start:] + hot[:start])[:n]
-            k = max(1, room - n)
+            if room <= 1:  # one group a step: a hot one and a cold one in turn
+                hot, k = ([hot[start]], 0) if self.slot % 2 == 0 else ([], 1)
+            else:
+                n = min(len(hot), room - 1)
+                hot, k = (hot[start:] + hot[:start])[:n], room - n
         self._hot_taken = len(hot)
         mask = np.zeros(self.groups, bool)
         mask[hot] = True
@@ -207,15 +209,19 @@ class BudgetController:
         k = self.groups_per_record()
         with self._lock:
             hot = len(self._hot)
-        if hot + k > self.groups_per_step():  # hot groups take turns: k cold per step
-            hot = min(hot, max(1, self.groups_per_step() - 1))
-            k = max(1, self.groups_per_step() - hot)
+        room, turns = self.groups_per_step(), 1
+        if hot + k > room and hot:  # hot groups take turns (`_next_mask`)
+            if room <= 1:  # a cold group every other record
+                hot, k, turns = 0, 1, 2
+            else:
+                hot = min(hot, room - 1)
+                k = room - hot
         mask = np.zeros(self.groups, bool)
         mask[: min(self.groups, k + hot)] = True
         per_record = self.expected_cost(mask) / (TARGET * self.budget * float(self.t_plain))
         interval = max(self.every, per_record)
         cold = max(1, self.groups - hot)
-        return math.ceil(cold / k) * interval
+        return math.ceil(cold / k) * interval * turns
 
 
 def hot_groups(

@@ -100,7 +100,8 @@ class Tracked:
         # The recorded values come from a program of their own (the step evaluated again,
         # with statistics): a recorded step runs the plain program for its outputs, so
         # they are bit for bit those of an unrecorded step, and the two programs never
-        # hold their temporaries at once. isolate=False records inside one program that
+        # hold their temporaries at once (but for one first run of the statistics program
+        # beside the steps on CPU, `_compile_async`). isolate=False records inside one program that
         # also gives the outputs (cheaper; outputs may differ in the last bits).
         self.separate = run.isolate
         self.detect = run.detect
@@ -234,17 +235,17 @@ class Tracked:
         first call's arrays, to run the program on once there. XLA on CPU finishes
         preparing a program at its first run (any program: +2.3 plain steps of the
         sample GPT, 2-core VM), which would otherwise fall on the first recorded step;
-        the arrays are let go after that run. Not on other backends, where holding the
-        first call's state for the length of a compile would cost device memory, nor
-        across processes, whose collectives must run in the same order in each."""
+        the arrays are let go after that run (its temporaries are held beside those of
+        the plain steps that run meanwhile, in host memory). Not on other backends,
+        where holding the first call's state for the length of a compile would cost
+        device memory, nor across processes, whose collectives must run in the same
+        order in each."""
 
         def compile_() -> None:
             nonlocal warm
             t0 = time.perf_counter()
             try:
                 compiled = traced.lower().compile()
-                if warm is not None:
-                    jax.block_until_ready(compiled(warm))
             except Exception as err:  # noqa: BLE001 - the first recorded step compiles again
                 log.warning(
                     "scalescope: compiling the statistics program in the background failed "
@@ -253,6 +254,17 @@ class Tracked:
                     err,
                 )
             else:
+                if warm is not None:
+                    try:
+                        jax.block_until_ready(compiled(warm))
+                    except Exception as err:  # noqa: BLE001 - a first run, nothing else
+                        log.warning(
+                            "scalescope: the statistics program's first run in the "
+                            "background failed (%s: %s); the first recorded step runs it "
+                            "first instead",
+                            type(err).__name__,
+                            err,
+                        )
                 log.info(
                     "scalescope: statistics program compiled in %.1f s; recording starts",
                     time.perf_counter() - t0,
