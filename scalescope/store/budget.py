@@ -169,15 +169,12 @@ class BudgetController:
         group is measured at every recorded step, so every value comes round)."""
         with self._lock:
             hot = sorted(self._hot)
-        k = self.groups_per_record()
-        room = self.groups_per_step()
-        if len(hot) + k > room and hot:
+        n, k, alternate = self._shares(len(hot))
+        if n < len(hot):  # hot groups take turns
             start = self._hot_turn % len(hot)
-            if room <= 1:  # one group a step: a hot one and a cold one in turn
-                hot, k = ([hot[start]], 0) if self.slot % 2 == 0 else ([], 1)
-            else:
-                n = min(len(hot), room - 1)
-                hot, k = (hot[start:] + hot[:start])[:n], room - n
+            hot = (hot[start:] + hot[:start])[:n]
+        if alternate:
+            hot, k = (hot, 0) if self.slot % 2 == 0 else ([], k)
         self._hot_taken = len(hot)
         mask = np.zeros(self.groups, bool)
         mask[hot] = True
@@ -191,6 +188,19 @@ class BudgetController:
             i += 1
         self._advance = i
         return mask
+
+    def _shares(self, hot: int) -> tuple[int, int, bool]:
+        """``(hot, cold, alternate)``: how many of ``hot`` hot groups and how many cold
+        groups a recorded step measures within `groups_per_step`; ``alternate`` when one
+        group fills a step, and a hot record (one hot group) and a cold one (one cold
+        group) take turns."""
+        k, room = self.groups_per_record(), self.groups_per_step()
+        if not hot or hot + k <= room:
+            return hot, k, False
+        if room <= 1:
+            return 1, 1, True
+        n = min(hot, room - 1)
+        return n, room - n, False
 
     def _commit(self, step: int, mask: np.ndarray) -> None:
         self.next_group = (self.next_group + self._advance) % self.groups
@@ -206,16 +216,12 @@ class BudgetController:
         estimates (round-robin only; hot groups come round more often)."""
         if not self.ready:
             return math.inf
-        k = self.groups_per_record()
         with self._lock:
             hot = len(self._hot)
-        room, turns = self.groups_per_step(), 1
-        if hot + k > room and hot:  # hot groups take turns (`_next_mask`)
-            if room <= 1:  # a cold group every other record
-                hot, k, turns = 0, 1, 2
-            else:
-                hot = min(hot, room - 1)
-                k = room - hot
+        hot, k, alternate = self._shares(hot)
+        turns = 1
+        if alternate:  # one group a record, a cold one every other record
+            hot, turns = 0, 2
         mask = np.zeros(self.groups, bool)
         mask[: min(self.groups, k + hot)] = True
         per_record = self.expected_cost(mask) / (TARGET * self.budget * float(self.t_plain))

@@ -100,9 +100,10 @@ class Tracked:
         # The recorded values come from a program of their own (the step evaluated again,
         # with statistics): a recorded step runs the plain program for its outputs, so
         # they are bit for bit those of an unrecorded step, and the two programs never
-        # hold their temporaries at once (but for one first run of the statistics program
-        # beside the steps on CPU, `_compile_async`). isolate=False records inside one program that
-        # also gives the outputs (cheaper; outputs may differ in the last bits).
+        # hold their temporaries at once (but for one first run of the statistics
+        # program beside the steps on CPU, `_compile_async`). isolate=False records
+        # inside one program that also gives the outputs (cheaper; outputs may differ in
+        # the last bits).
         self.separate = run.isolate
         self.detect = run.detect
         formats = tuple(run.formats) + tuple(run.recipes)
