@@ -484,14 +484,16 @@ def _block_axes(value: Any) -> tuple[int, ...] | None:
 
 
 def _native_recipes(values: Sequence[Any], spec: StatSpec) -> tuple[Any, Any, Any]:
-    """Recipe columns of each value by the native kernel (measured at once, or now)."""
+    """Recipe columns of each value by the native kernel (measured at once, or now): the
+    raw rows stacked, then split into columns once for all values (`native.recipe_call`)."""
     parts = [
         value.recipes
         if isinstance(value, Measured) and value.recipes is not None
-        else native.recipe_raw(value[0], spec.recipes, _block_axes(value))
+        else native.recipe_call(value[0], spec.recipes, _block_axes(value))
         for value in values
     ]
-    return tuple(jnp.stack(p) for p in zip(*parts, strict=True))
+    floats, ints = (jnp.stack(p) for p in zip(*parts, strict=True))
+    return native.recipe_columns(floats, ints, len(spec.recipes))
 
 
 def _append_recipes(raw: dict[str, jax.Array], parts: tuple[Any, Any, Any]):
@@ -514,12 +516,12 @@ def _scales(values: Sequence[Any]) -> jax.Array:
 class Measured(NamedTuple):
     """A value the native kernel has already measured (`native.measure_through`): its
     raw row and its scale, standing in for ``(data, scale)`` in `values_raw`;
-    ``recipes``: its recipe columns (`native.recipe_raw`), when recipes are requested."""
+    ``recipes``: its raw recipe row (`native.recipe_call`), when recipes are requested."""
 
     floats: jax.Array
     ints: jax.Array
     scale: Any
-    recipes: tuple[Any, Any, Any] | None = None
+    recipes: tuple[Any, Any] | None = None
 
 
 def _native_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:

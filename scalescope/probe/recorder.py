@@ -605,7 +605,7 @@ class Recorder(Observer):
                 data, floats, ints = native.measure_through(data, *self.shared.native_args)
                 recipes = None
                 if self.shared.spec.recipes:
-                    recipes = native.recipe_raw(
+                    recipes = native.recipe_call(
                         data, self.shared.spec.recipes, axes, asynchronous=True
                     )
                 measured = kernel.Measured(floats, ints, scale, recipes)
