@@ -294,6 +294,30 @@ def test_a_tracked_policy_run_is_judged_in_the_formats_it_rounds_to(mlp_step, tm
             run.track(step, scalify=False, policy=policy)
 
 
+def test_a_tracked_policy_run_plans_its_two_programs_once(mlp_step, tmp_path):
+    """A run under a policy builds the policy's plan (the probe's op table of the step)
+    once for its recording program and its plain one: the step is traced once for each
+    program's jaxpr, not a third time for a second plan; and an emulated step's op table
+    (any policy) is that same table."""
+    step, (params, state, x, y) = mlp_step
+    traces = []
+
+    def counted(p, s, x, y):
+        traces.append(1)
+        return step(p, s, x, y)
+
+    policy = {"input/p/w1": "e4m3"}
+    with ss.Run(tmp_path / "run", every=1) as run:
+        tracked = run.track(counted, scalify=False, policy=policy)
+        p, s = params, state
+        for _ in range(2):
+            p, s, _ = tracked(p, s, x, y)
+    assert len(traces) == 2  # the recording program's jaxpr and the plain program's
+    table = ss.emulate(counted, policy).op_table(params, state, x, y)
+    assert ss.emulate(counted, {"input/p/w2": "e5m2"}).op_table(params, state, x, y) is table
+    assert len(traces) == 2  # the run's table: nothing traced again
+
+
 def test_held_weights_whose_updates_round_away_are_a_stall(mlp_step, tmp_path):
     """Weights held in E4M3 (FP8 master weights) at |w| ~ 1 with AdamW's updates of 1e-2,
     under half E4M3's spacing there: most updates round away and the weights stop

@@ -37,7 +37,7 @@ from ..scalify.interpreter import (
 )
 from ..scalify.registry import get_rule
 from . import blocking
-from .instrument import as_jit_passes, instrument
+from .instrument import as_jit_passes, instrument, plain_table
 from .optable import OpTable
 from .quantise import Plan, Replacer
 
@@ -99,7 +99,9 @@ def emulate(
         leaves, treedef, _, avals, key = flat
         closed, out_tree = probe.trace_flat(leaves, treedef, avals, key)
         if key not in plans:
-            table = probe.table_of(flat)
+            table = plain_table(
+                fn, flat, scalify=scalify, fallback=fallback, trace=probe.trace_flat
+            )
             plans[key] = (Plan.build(table, policy), blocking.block_axes(closed.jaxpr))
         plan, axes = plans[key]
         return plan, axes, (closed, out_tree)
@@ -128,7 +130,8 @@ def emulate(
         return policy.describe(op_table(*args, **kwargs))
 
     def op_table(*args: Any, **kwargs: Any) -> OpTable:
-        return probe.table_of(flatten_args(*as_jit_passes((args, kwargs))))
+        flat = flatten_args(*as_jit_passes((args, kwargs)))
+        return plain_table(fn, flat, scalify=scalify, fallback=fallback, trace=probe.trace_flat)
 
     emulated.policy = policy
     emulated.describe = describe

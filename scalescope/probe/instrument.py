@@ -6,6 +6,7 @@ import functools
 import inspect
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -170,6 +171,33 @@ def as_jit_passes(tree: Any) -> Any:
     return jax.tree_util.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, ScaledArray))
 
 
+#: The plain probe's op table of a function, per options and call signature: what a
+#: precision policy's plan is built on. A `Run` under a policy builds that plan twice,
+#: for its recording program (`instrument(policy=...)`) and for its plain one
+#: (`emulate`); each took an abstract pass of the probe over the whole step.
+_PLAIN_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plain_table(
+    fn: Callable[..., Any], flat: tuple, *, scalify: bool, fallback: str, trace: Any = None
+) -> OpTable:
+    """The op table of ``instrument(fn, scalify=scalify, formats=(), histograms=False,
+    fallback=fallback)`` for arguments already flattened (`flatten_args`), computed once
+    per function, options and call signature. ``trace``: the caller's own cached
+    `trace_flat` of ``fn`` (the same jaxpr, so the same values in the same order)."""
+    try:
+        per_fn = _PLAIN_TABLES.setdefault(fn, {})
+    except TypeError:  # not weakly referenceable: not shared
+        per_fn = {}
+    key = (scalify, fallback, flat[4])
+    if key not in per_fn:
+        probe = instrument(fn, scalify=scalify, formats=(), histograms=False, fallback=fallback)
+        if trace is not None:
+            probe.trace_flat = trace
+        per_fn[key] = probe.table_of(flat)
+    return per_fn[key]
+
+
 def instrument(
     fn: Callable[..., Any],
     *,
@@ -261,10 +289,8 @@ def instrument(
         quantisation), planned on the table of this function without the policy."""
         key = flat[4]
         if key not in plans:
-            plain = instrument(fn, scalify=scalify, formats=(), histograms=False,
-                               fallback=fallback)  # fmt: skip
-            plain.trace = trace  # the same jaxpr: the same values in the same order
-            plans[key] = (Plan.build(plain.table_of(flat), policy), block_axes(closed.jaxpr))
+            table = plain_table(fn, flat, scalify=scalify, fallback=fallback, trace=trace)
+            plans[key] = (Plan.build(table, policy), block_axes(closed.jaxpr))
         return Replacer(*plans[key])
 
     def run(leaves, treedef, dyn, avals, key, mask=None, grouped=True, pluck=None):
