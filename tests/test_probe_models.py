@@ -65,9 +65,9 @@ def test_gpt_instrumented_step_is_bit_identical_and_finite():
     step, params, opt_state, batch = _gpt(True)
     args = (ss.as_scaled_array(params, "rms"), ss.as_scaled_array(opt_state, "rms"), batch)
     inst = ss.instrument(step, isolate=True)
-    table = inst.op_table(*args)
     expected = jax.jit(ss.scalify(step))(*args)
     out, stats = jax.jit(inst)(*args)
+    table = inst.op_table(*args)  # the table of that trace: no abstract pass of its own
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(out)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert set(stats) >= set(table.stat_names) | {"hist"}
