@@ -7,7 +7,8 @@ The log holds one line per trace, lowering and XLA compile of every Python proce
 run started (tests/compile_log/sitecustomize.py), each with its test. This prints the
 totals, then the tests and the programs that cost most. A compile is a persistent-cache
 hit when the cache said so just before it: loading a big executable still costs seconds
-(docs/benchmarks.md, "The test suite on a fresh machine"), so hits are summed apart.
+(docs/benchmarks.md, "The test suite on a fresh machine"), so hits are summed apart. Last,
+the programs compiled more than once (the same cache key missed twice).
 """
 
 from __future__ import annotations
@@ -42,14 +43,16 @@ class Totals:
 
 def read_log(folder: Path) -> list[dict]:
     """Every row of every ``*.jsonl`` file in ``folder``, each with ``hit`` set on the
-    compiles the persistent cache served. A torn last line (a killed process) is skipped."""
+    compiles the persistent cache served, and ``key`` on the others (the cache key JAX
+    logged just before, None when it did not). A torn last line (a killed process) is
+    skipped."""
     rows = []
     files = sorted(folder.glob("*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.jsonl compile log (was the run started "
                                 "with SCALESCOPE_COMPILE_LOG set to it?)")  # fmt: skip
     for path in files:
-        hit = False
+        hit, key = False, None
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             try:
                 row = json.loads(line)
@@ -59,8 +62,12 @@ def read_log(folder: Path) -> list[dict]:
             if row.get("event") == "cache_hit":
                 hit = True
                 continue
+            if row.get("event") == "cache_miss":
+                key = row.get("key")
+                continue
             if row.get("event") == "backend_compile_duration":
                 row["hit"], hit = hit, False
+                row["key"], key = None if row["hit"] else key, None
             rows.append(row)
     return rows
 
@@ -97,6 +104,34 @@ def summarize(rows: list[dict], by: str) -> dict[str, Totals]:
         elif event == "jaxpr_to_mlir_module_duration":
             t.lower_s += seconds
     return dict(out)
+
+
+def compiled_twice(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Programs compiled more than once (the same cache key missed again: two processes
+    compiling it at once, or the cache off), most seconds first."""
+    by_key: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row.get("event") == "backend_compile_duration" and row.get("key"):
+            by_key[row["key"]].append(row)
+    twice = [(k, v) for k, v in by_key.items() if len(v) > 1]
+    return sorted(twice, key=lambda kv: -sum(float(r["seconds"]) for r in kv[1]))
+
+
+def _twice_text(rows: list[dict], top: int) -> str:
+    keyed = sum(1 for r in rows if r.get("key"))
+    if not keyed:
+        return "No cache keys in the log: programs compiled twice cannot be told."
+    twice = compiled_twice(rows)
+    extra = sum(sum(sorted(float(r["seconds"]) for r in v)[1:]) for _, v in twice)
+    lines = [
+        f"## Compiled more than once\n\n{len(twice)} of the programs with a logged key "
+        f"({keyed} compiles) compiled again: {extra:.1f} s beyond each one's first compile."
+    ]
+    for key, seen in twice[:top]:
+        tests = "; ".join(sorted({r.get("test", "").split(" ")[0] or "(no test)" for r in seen}))
+        total = sum(float(r["seconds"]) for r in seen)
+        lines.append(f"{total:8.1f} s  {len(seen)}x  {key[:60]}  {tests[:120]}")
+    return "\n".join(lines)
 
 
 def table(groups: dict[str, Totals], top: int, title: str) -> str:
@@ -138,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for by, title in (("module", "By test module"), ("test", "By test"), ("program", "By program")):
         print(table(summarize(rows, by), args.top, title) + "\n")
+    print(_twice_text(rows, args.top))
     return 0
 
 

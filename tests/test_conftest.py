@@ -70,6 +70,21 @@ def test_the_compile_log_follows_subprocesses_and_sums_up(tmp_path, capsys):
     assert profile.main([str(log)]) == 0
     assert "unreadable line skipped" in capsys.readouterr().err
     assert profile.main([str(tmp_path)]) == 2  # a folder without a log
+    # a program two processes compile (the cache never written): listed by its cache key
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    env2 = dict(env, SCALESCOPE_COMPILE_LOG=str(twice))
+    env2.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1e9")  # fmt: skip
+    for _ in range(2):
+        _python(code, env2)
+    rows = profile.read_log(twice)
+    compiles = [r for r in rows if r["event"] == "backend_compile_duration"]
+    keys = [r["key"] for r in compiles if r["fun"] == "jit(<lambda>)"]
+    assert len(keys) == 2 and keys[0] and keys[0] == keys[1]
+    assert keys[0] in [k for k, _ in profile.compiled_twice(rows)]
+    assert profile.main([str(twice)]) == 0
+    assert "## Compiled more than once" in capsys.readouterr().out
     # a log that cannot be written says so once and lets the process run
     env["SCALESCOPE_COMPILE_LOG"] = str(path)  # a file, not a folder
     proc = subprocess.run(

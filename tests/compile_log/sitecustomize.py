@@ -4,9 +4,10 @@
 load it too).
 
 Once the process imports JAX, each trace, lowering and XLA compile (a persistent-cache
-hit included, marked as one) is appended to ``FOLDER/<pid>.jsonl`` with the test that
-caused it (``PYTEST_CURRENT_TEST``, which subprocesses inherit). Nothing is imported
-and nothing changes when the variable is unset. ``benchmarks/compile_profile.py FOLDER``
+hit included, marked as one; a miss with its cache key, so a program compiled twice
+shows) is appended to ``FOLDER/<pid>.jsonl`` with the test that caused it
+(``PYTEST_CURRENT_TEST``, which subprocesses inherit). Nothing is imported and nothing
+changes when the variable is unset. ``benchmarks/compile_profile.py FOLDER``
 sums the log up (docs/benchmarks.md, "The test suite on a fresh machine").
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib.abc
 import json
+import logging
 import os
 import sys
 
@@ -54,6 +56,18 @@ def install(folder: str) -> None:
         if event == "/jax/compilation_cache/cache_hits":
             write({"event": "cache_hit"})
 
+    class _Misses(logging.Handler):
+        """The persistent cache's key of each program compiled, from JAX's own debug log
+        (a private logger and message: if they change, the keys are simply not logged)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if msg.startswith("PERSISTENT COMPILATION CACHE MISS") and " with key " in msg:
+                write({"event": "cache_miss", "key": msg.rsplit(" with key ", 1)[1].strip("'")})
+
+    compiler_log = logging.getLogger("jax._src.compiler")
+    compiler_log.setLevel(logging.DEBUG)
+    compiler_log.addHandler(_Misses())
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     jax.monitoring.register_event_listener(on_event)
 
