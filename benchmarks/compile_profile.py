@@ -19,6 +19,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 #: A compile of this many seconds or more is a "big program" in the summary.
 BIG_S = 1.0
@@ -52,22 +53,25 @@ def read_log(folder: Path) -> list[dict]:
         raise FileNotFoundError(f"{folder}: no *.jsonl compile log (was the run started "
                                 "with SCALESCOPE_COMPILE_LOG set to it?)")  # fmt: skip
     for path in files:
-        hit, key = False, None
+        hit: dict[Any, bool] = {}  # per thread: a budgeted run compiles in a thread of its own
+        key: dict[Any, str | None] = {}
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 print(f"{path.name}:{n}: unreadable line skipped", file=sys.stderr)
                 continue
+            thread = row.get("thread")
             if row.get("event") == "cache_hit":
-                hit = True
+                hit[thread] = True
                 continue
             if row.get("event") == "cache_miss":
-                key = row.get("key")
+                key[thread] = row.get("key")
                 continue
             if row.get("event") == "backend_compile_duration":
-                row["hit"], hit = hit, False
-                row["key"], key = None if row["hit"] else key, None
+                row["hit"] = hit.pop(thread, False)
+                row["key"] = None if row["hit"] else key.get(thread)
+            key.pop(thread, None)  # a key names the compile right after it, or none
             rows.append(row)
     return rows
 
@@ -125,7 +129,7 @@ def _twice_text(rows: list[dict], top: int) -> str:
     extra = sum(sum(sorted(float(r["seconds"]) for r in v)[1:]) for _, v in twice)
     lines = [
         f"## Compiled more than once\n\n{len(twice)} of the programs with a logged key "
-        f"({keyed} compiles) compiled again: {extra:.1f} s beyond each one's first compile."
+        f"({keyed} compiles) compiled again: {extra:.1f} s beyond each one's fastest compile."
     ]
     for key, seen in twice[:top]:
         tests = "; ".join(sorted({r.get("test", "").split(" ")[0] or "(no test)" for r in seen}))

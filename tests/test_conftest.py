@@ -92,3 +92,26 @@ def test_the_compile_log_follows_subprocesses_and_sums_up(tmp_path, capsys):
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr[-2000:]
     assert proc.stderr.count("compile log: writing") == 1
+
+
+def test_the_compile_profile_pairs_each_key_with_its_threads_compile(tmp_path):
+    """A budgeted run compiles its statistics program in a thread of its own while the
+    step compiles in the main one: each cache key or hit goes with its thread's compile."""
+    rows = [
+        {"event": "cache_miss", "key": "k-main", "thread": 1},
+        {"event": "cache_miss", "key": "k-bg", "thread": 2},
+        {"event": "cache_hit", "thread": 2},
+        {"event": "backend_compile_duration", "fun": "jit(a)", "seconds": 2.0, "thread": 1},
+        {"event": "backend_compile_duration", "fun": "jit(b)", "seconds": 0.1, "thread": 2},
+        {"event": "cache_miss", "key": "k-lost", "thread": 1},
+        {"event": "jaxpr_trace_duration", "fun": "c", "seconds": 0.1, "thread": 1},
+        {"event": "backend_compile_duration", "fun": "jit(c)", "seconds": 1.0, "thread": 1},
+    ]
+    (tmp_path / "1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    profile = load_benchmark("compile_profile")
+    compiles = [r for r in profile.read_log(tmp_path) if r["event"] == "backend_compile_duration"]
+    assert [(r["fun"], r["hit"], r["key"]) for r in compiles] == [
+        ("jit(a)", False, "k-main"),
+        ("jit(b)", True, None),
+        ("jit(c)", False, None),  # its key was not the one logged before another event
+    ]

@@ -5,6 +5,8 @@ cotangent; nothing else changes."""
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -294,28 +296,29 @@ def test_a_tracked_policy_run_is_judged_in_the_formats_it_rounds_to(mlp_step, tm
             run.track(step, scalify=False, policy=policy)
 
 
-def test_a_tracked_policy_run_plans_its_two_programs_once(mlp_step, tmp_path):
-    """A run under a policy builds the policy's plan (the probe's op table of the step)
-    once for its recording program and its plain one: the step is traced once for each
-    program's jaxpr, not a third time for a second plan; and an emulated step's op table
-    (any policy) is that same table."""
+def test_a_tracked_policy_run_plans_its_two_programs_once(mlp_step, tmp_path, monkeypatch):
+    """A run under a policy builds the policy's plan (the plain probe's op table of the
+    step) once for its recording program and its plain one, not once each; a standalone
+    `emulate` keeps a plan of its own."""
+    probe_instrument = sys.modules["scalescope.probe.instrument"]  # (the module)
     step, (params, state, x, y) = mlp_step
-    traces = []
+    plain_probes = []
+    build = probe_instrument.instrument
 
-    def counted(p, s, x, y):
-        traces.append(1)
-        return step(p, s, x, y)
+    def counted(*args, **kwargs):  # `plain_table` builds its probe through this name
+        plain_probes.append(kwargs)
+        return build(*args, **kwargs)
 
+    monkeypatch.setattr(probe_instrument, "instrument", counted)
     policy = {"input/p/w1": "e4m3"}
     with ss.Run(tmp_path / "run", every=1) as run:
-        tracked = run.track(counted, scalify=False, policy=policy)
+        tracked = run.track(step, scalify=False, policy=policy)
         p, s = params, state
         for _ in range(2):
             p, s, _ = tracked(p, s, x, y)
-    assert len(traces) == 2  # the recording program's jaxpr and the plain program's
-    table = ss.emulate(counted, policy).op_table(params, state, x, y)
-    assert ss.emulate(counted, {"input/p/w2": "e5m2"}).op_table(params, state, x, y) is table
-    assert len(traces) == 2  # the run's table: nothing traced again
+    assert len(plain_probes) == 1 and plain_probes[0]["formats"] == ()
+    ss.emulate(step, policy).op_table(params, state, x, y)
+    assert len(plain_probes) == 2
 
 
 def test_held_weights_whose_updates_round_away_are_a_stall(mlp_step, tmp_path):

@@ -100,8 +100,9 @@ def emulate(
         closed, out_tree = probe.trace_flat(leaves, treedef, avals, key)
         if key not in plans:
             table = plain_table(
-                fn, flat, scalify=scalify, fallback=fallback, trace=probe.trace_flat
-            )
+                fn, flat, emulated.plain_tables, scalify=scalify, fallback=fallback,
+                trace=probe.trace_flat,
+            )  # fmt: skip
             plans[key] = (Plan.build(table, policy), blocking.block_axes(closed.jaxpr))
         plan, axes = plans[key]
         return plan, axes, (closed, out_tree)
@@ -131,9 +132,13 @@ def emulate(
 
     def op_table(*args: Any, **kwargs: Any) -> OpTable:
         flat = flatten_args(*as_jit_passes((args, kwargs)))
-        return plain_table(fn, flat, scalify=scalify, fallback=fallback, trace=probe.trace_flat)
+        return plain_table(
+            fn, flat, emulated.plain_tables, scalify=scalify, fallback=fallback,
+            trace=probe.trace_flat,
+        )  # fmt: skip
 
     emulated.policy = policy
+    emulated.plain_tables = {}  # the plan's op tables (`plain_table`); a Run shares them
     emulated.describe = describe
     emulated.op_table = op_table
     return emulated

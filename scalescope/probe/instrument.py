@@ -6,7 +6,6 @@ import functools
 import inspect
 import re
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -171,31 +170,29 @@ def as_jit_passes(tree: Any) -> Any:
     return jax.tree_util.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, ScaledArray))
 
 
-#: The plain probe's op table of a function, per options and call signature: what a
-#: precision policy's plan is built on. A `Run` under a policy builds that plan twice,
-#: for its recording program (`instrument(policy=...)`) and for its plain one
-#: (`emulate`); each took an abstract pass of the probe over the whole step.
-_PLAIN_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def plain_table(
-    fn: Callable[..., Any], flat: tuple, *, scalify: bool, fallback: str, trace: Any = None
+    fn: Callable[..., Any],
+    flat: tuple,
+    tables: dict[Any, OpTable],
+    *,
+    scalify: bool,
+    fallback: str,
+    trace: Any = None,
 ) -> OpTable:
     """The op table of ``instrument(fn, scalify=scalify, formats=(), histograms=False,
-    fallback=fallback)`` for arguments already flattened (`flatten_args`), computed once
-    per function, options and call signature. ``trace``: the caller's own cached
-    `trace_flat` of ``fn`` (the same jaxpr, so the same values in the same order)."""
-    try:
-        per_fn = _PLAIN_TABLES.setdefault(fn, {})
-    except TypeError:  # not weakly referenceable: not shared
-        per_fn = {}
+    fallback=fallback)`` for arguments already flattened (`flatten_args`): what a
+    precision policy's plan is built on. Kept in ``tables`` per options and call
+    signature: a `Run` under a policy gives its recording program (``instrument(policy=)``)
+    and its plain one (`emulate`) the same dict, so the plan's abstract pass of the probe
+    over the step is made once. ``trace``: the caller's own cached `trace_flat` of ``fn``
+    (the same jaxpr, so the same values in the same order)."""
     key = (scalify, fallback, flat[4])
-    if key not in per_fn:
+    if key not in tables:
         probe = instrument(fn, scalify=scalify, formats=(), histograms=False, fallback=fallback)
         if trace is not None:
             probe.trace_flat = trace
-        per_fn[key] = probe.table_of(flat)
-    return per_fn[key]
+        tables[key] = probe.table_of(flat)
+    return tables[key]
 
 
 def instrument(
@@ -289,7 +286,10 @@ def instrument(
         quantisation), planned on the table of this function without the policy."""
         key = flat[4]
         if key not in plans:
-            table = plain_table(fn, flat, scalify=scalify, fallback=fallback, trace=trace)
+            table = plain_table(
+                fn, flat, instrumented.plain_tables, scalify=scalify, fallback=fallback,
+                trace=trace,
+            )  # fmt: skip
             plans[key] = (Plan.build(table, policy), block_axes(closed.jaxpr))
         return Replacer(*plans[key])
 
@@ -400,6 +400,7 @@ def instrument(
         return where
 
     instrumented.op_table = op_table
+    instrumented.plain_tables = {}  # a policy's plan tables (`plain_table`)
     instrumented.nonfinite_where = nonfinite_where
     instrumented.table_of = table_of
     instrumented.trace_flat = trace

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import threading
 
 ENV = "SCALESCOPE_COMPILE_LOG"
 _MARK = "_SCALESCOPE_COMPILE_LOG_PID"  # the process that installed the listener
@@ -39,6 +40,7 @@ def install(folder: str) -> None:
         if failed:
             return
         row["test"] = os.environ.get("PYTEST_CURRENT_TEST", "")
+        row["thread"] = threading.get_ident()  # a cache miss pairs with its thread's compile
         row["argv"] = argv
         try:
             with open(path, "a", encoding="utf-8") as f:
@@ -56,18 +58,21 @@ def install(folder: str) -> None:
         if event == "/jax/compilation_cache/cache_hits":
             write({"event": "cache_hit"})
 
-    class _Misses(logging.Handler):
-        """The persistent cache's key of each program compiled, from JAX's own debug log
-        (a private logger and message: if they change, the keys are simply not logged)."""
-
-        def emit(self, record: logging.LogRecord) -> None:
-            msg = record.getMessage()
-            if msg.startswith("PERSISTENT COMPILATION CACHE MISS") and " with key " in msg:
-                write({"event": "cache_miss", "key": msg.rsplit(" with key ", 1)[1].strip("'")})
-
     compiler_log = logging.getLogger("jax._src.compiler")
+    shown = compiler_log.getEffectiveLevel()
+
+    def misses(record: logging.LogRecord) -> bool:
+        """The persistent cache's key of each program compiled, from JAX's own debug log
+        (a private logger and message: if they change, the keys are simply not logged).
+        Records below the level the logger had are dropped here, so lowering it to DEBUG
+        shows nothing more to any handler."""
+        msg = record.getMessage()
+        if msg.startswith("PERSISTENT COMPILATION CACHE MISS") and " with key " in msg:
+            write({"event": "cache_miss", "key": msg.rsplit(" with key ", 1)[1].strip("'")})
+        return record.levelno >= shown
+
     compiler_log.setLevel(logging.DEBUG)
-    compiler_log.addHandler(_Misses())
+    compiler_log.addFilter(misses)
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     jax.monitoring.register_event_listener(on_event)
 
