@@ -300,16 +300,17 @@ def test_a_tracked_policy_run_plans_its_two_programs_once(mlp_step, tmp_path, mo
     """A run under a policy builds the policy's plan (the plain probe's op table of the
     step) once for its recording program and its plain one, not once each; a standalone
     `emulate` keeps a plan of its own."""
-    probe_instrument = sys.modules["scalescope.probe.instrument"]  # (the module)
     step, (params, state, x, y) = mlp_step
     plain_probes = []
-    build = probe_instrument.instrument
+    build = sys.modules["scalescope.probe.instrument"].instrument
 
-    def counted(*args, **kwargs):  # `plain_table` builds its probe through this name
-        plain_probes.append(kwargs)
+    def counted(*args, **kwargs):
+        if kwargs.get("formats") == ():  # a probe without statistics: a plan's
+            plain_probes.append(kwargs)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(probe_instrument, "instrument", counted)
+    for module in ("scalescope.probe.instrument", "scalescope.probe.emulate"):
+        monkeypatch.setattr(sys.modules[module], "instrument", counted)
     policy = {"input/p/w1": "e4m3"}
     with ss.Run(tmp_path / "run", every=1) as run:
         tracked = run.track(step, scalify=False, policy=policy)

@@ -37,7 +37,7 @@ from ..scalify.interpreter import (
 )
 from ..scalify.registry import get_rule
 from . import blocking
-from .instrument import as_jit_passes, instrument, plain_table
+from .instrument import as_jit_passes, instrument
 from .optable import OpTable
 from .quantise import Plan, Replacer
 
@@ -99,10 +99,7 @@ def emulate(
         leaves, treedef, _, avals, key = flat
         closed, out_tree = probe.trace_flat(leaves, treedef, avals, key)
         if key not in plans:
-            table = plain_table(
-                fn, flat, emulated.plain_tables, scalify=scalify, fallback=fallback,
-                trace=probe.trace_flat,
-            )  # fmt: skip
+            table = probe.table_of(flat)
             plans[key] = (Plan.build(table, policy), blocking.block_axes(closed.jaxpr))
         plan, axes = plans[key]
         return plan, axes, (closed, out_tree)
@@ -131,14 +128,10 @@ def emulate(
         return policy.describe(op_table(*args, **kwargs))
 
     def op_table(*args: Any, **kwargs: Any) -> OpTable:
-        flat = flatten_args(*as_jit_passes((args, kwargs)))
-        return plain_table(
-            fn, flat, emulated.plain_tables, scalify=scalify, fallback=fallback,
-            trace=probe.trace_flat,
-        )  # fmt: skip
+        return probe.table_of(flatten_args(*as_jit_passes((args, kwargs))))
 
     emulated.policy = policy
-    emulated.plain_tables = {}  # the plan's op tables (`plain_table`); a Run shares them
+    emulated.probe = probe  # its plan's op tables; a Run's recording program plans on it too
     emulated.describe = describe
     emulated.op_table = op_table
     return emulated

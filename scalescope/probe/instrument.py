@@ -170,31 +170,6 @@ def as_jit_passes(tree: Any) -> Any:
     return jax.tree_util.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, ScaledArray))
 
 
-def plain_table(
-    fn: Callable[..., Any],
-    flat: tuple,
-    tables: dict[Any, OpTable],
-    *,
-    scalify: bool,
-    fallback: str,
-    trace: Any = None,
-) -> OpTable:
-    """The op table of ``instrument(fn, scalify=scalify, formats=(), histograms=False,
-    fallback=fallback)`` for arguments already flattened (`flatten_args`): what a
-    precision policy's plan is built on. Kept in ``tables`` per options and call
-    signature: a `Run` under a policy gives its recording program (``instrument(policy=)``)
-    and its plain one (`emulate`) the same dict, so the plan's abstract pass of the probe
-    over the step is made once. ``trace``: the caller's own cached `trace_flat` of ``fn``
-    (the same jaxpr, so the same values in the same order)."""
-    key = (scalify, fallback, flat[4])
-    if key not in tables:
-        probe = instrument(fn, scalify=scalify, formats=(), histograms=False, fallback=fallback)
-        if trace is not None:
-            probe.trace_flat = trace
-        tables[key] = probe.table_of(flat)
-    return tables[key]
-
-
 def instrument(
     fn: Callable[..., Any],
     *,
@@ -286,10 +261,13 @@ def instrument(
         quantisation), planned on the table of this function without the policy."""
         key = flat[4]
         if key not in plans:
-            table = plain_table(
-                fn, flat, instrumented.plain_tables, scalify=scalify, fallback=fallback,
-                trace=trace,
-            )  # fmt: skip
+            if instrumented.plain_probe is None:
+                instrumented.plain_probe = instrument(
+                    fn, scalify=scalify, formats=(), histograms=False, fallback=fallback
+                )
+                # the same jaxpr: the same values in the same order
+                instrumented.plain_probe.trace_flat = trace
+            table = instrumented.plain_probe.table_of(flat)
             plans[key] = (Plan.build(table, policy), block_axes(closed.jaxpr))
         return Replacer(*plans[key])
 
@@ -400,7 +378,9 @@ def instrument(
         return where
 
     instrumented.op_table = op_table
-    instrumented.plain_tables = {}  # a policy's plan tables (`plain_table`)
+    # the probe without statistics a policy is planned on (its op table per signature);
+    # a Run hands it emulate's, so its two programs share one plan
+    instrumented.plain_probe = None
     instrumented.nonfinite_where = nonfinite_where
     instrumented.table_of = table_of
     instrumented.trace_flat = trace

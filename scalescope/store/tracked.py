@@ -160,7 +160,7 @@ class Tracked:
         if policy is not None:
             plain = emulate(fn, policy, scalify=scalify, fallback=fallback)
             # one plan for both programs: the probe's abstract pass over the step, once
-            plain.plain_tables = self.instrumented.plain_tables
+            self.instrumented.plain_probe = plain.probe
         else:
             plain = _scalify(fn, fallback=fallback) if scalify else fn
         plain_jit = StaticLeafJit(_with_health(plain) if self.detect else plain, _WHERE)
