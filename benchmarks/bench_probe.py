@@ -210,11 +210,11 @@ def main() -> None:
     for label, kw in variants:
         kw = dict(kw)
         stats_only = kw.pop("_stats_only", False)
-        inst = ss.instrument(step, **kw)
-        fn = (lambda *a, inst=inst: inst(*a)[1]) if stats_only else inst
         if label in measured:
             c, t, m, o = measured[label]
         else:
+            inst = ss.instrument(step, **kw)
+            fn = (lambda *a, inst=inst: inst(*a)[1]) if stats_only else inst
             c, t, m, o = _measure(fn, step_args, n_steps, args.compile_repeats)
         results[label] = (c, t, m, o)
         print(
