@@ -541,3 +541,69 @@ def test_cases_cover_every_registered_rule():
     covered |= _LINALG_SAME_RULE
     missing = set(registered_primitives()) - covered - _ALIASES - _MULTI_DEVICE
     assert not missing, f"rules without a value test: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_a_constant_times_a_scale_at_the_edge_of_float32_keeps_the_value(dtype):
+    """``x * c`` with ``c`` not a power of two multiplies the data by the mantissa of
+    ``c`` and the scale by its power of two; where that product leaves float32's normal
+    range, the excess joins the mantissa (one pass over the data). Checked against
+    NumPy + ml_dtypes at both edges of the range, and bit for bit inside it."""
+    data = np.array([1.5, -3.0, 0.25, 0.0, 2.0], dtype)
+    cases = [
+        (2.0**-124, 0.1, "low"),  # 0.1 = 0.8 * 2^-3: the scale would be 2^-127
+        (2.0**125, 12.0, "high"),  # 12 = 0.75 * 2^4: the scale would be 2^129
+        (2.0**-3, 0.1, "inside"),
+    ]
+    f = jax.jit(ss.scalify(lambda x, c: x * c[0]), static_argnums=1)
+    for scale, c, where in cases:
+        out = f(ss.ScaledArray(jnp.asarray(data), jnp.float32(scale)), (c,))
+        s = float(out.scale)
+        assert 2.0**-126 <= s <= 2.0**127, (where, s)
+        mant, _ = np.frexp(c)  # c = mant * 2^e, mant in [0.5, 1)
+        # the data times the mantissa as the data's dtype holds it, rounded to that
+        # dtype (as ml_dtypes computes it), then the exact power of two of scale * c
+        times_mant = (data * np.asarray(mant, dtype)).astype(dtype)
+        want = times_mant.astype(np.float64) * (scale * c / mant)
+        got = np.asarray(out.data).astype(np.float64) * s
+        np.testing.assert_array_equal(got, want)
+        if where == "inside":  # the scale takes the power of two; the data only the mantissa
+            assert s == scale * c / mant
+            np.testing.assert_array_equal(np.asarray(out.data), times_mant)
+
+
+@pytest.mark.parametrize("traced_constant", [False, True])
+def test_a_product_of_scales_beyond_float32_moves_the_excess_into_the_data(traced_constant):
+    """Scales are kept in float32's normal range: a product beyond it is clamped and the
+    exact remainder joins the data. Above the range that remainder was computed through
+    1 / 2^127, a subnormal that XLA's CPU code flushes to zero, so the value became 0.
+    Checked against NumPy (float64) for scaled x scaled and scaled x traced scalar, at
+    both edges."""
+    xd = np.array([1.5, -3.0, 0.25, 0.0, 2.0], np.float32)
+    yd = np.array([2.0, 0.5, -4.0, 1.0, -1.0], np.float32)
+    if traced_constant:  # a scalar computed in the step (a bias correction, say)
+        f = jax.jit(ss.scalify(lambda x, c: x * c))
+        cases = [(2.0**125, 12.0), (2.0**-124, 0.1), (2.0**100, 2.0**40)]
+    else:
+        f = jax.jit(ss.scalify(lambda x, y: x * y))
+        cases = [(2.0**120, 2.0**20), (2.0**-120, 2.0**-20), (2.0**127, 2.0**8)]
+    for sx, other in cases:
+        x = ss.ScaledArray(jnp.asarray(xd), jnp.float32(sx))
+        if traced_constant:
+            out = f(x, jnp.float32(other))
+            want = xd.astype(np.float64) * sx * float(np.float32(other))
+        else:
+            out = f(x, ss.ScaledArray(jnp.asarray(yd), jnp.float32(other)))
+            want = xd.astype(np.float64) * yd * sx * other
+        s = float(out.scale)
+        assert 2.0**-126 <= s <= 2.0**127, (sx, other, s)
+        got = np.asarray(out.data).astype(np.float64) * s
+        np.testing.assert_allclose(got, want, rtol=2e-7, atol=0, err_msg=f"{sx} * {other}")
+    # a clamped scale is one later rules can align on: at 2^127 its reciprocal was
+    # subnormal, and a sum of two such values came out 0
+    x = ss.ScaledArray(jnp.asarray(xd), jnp.float32(2.0**120))
+    y = jnp.float32(2.0**20) if traced_constant else ss.ScaledArray(jnp.asarray(yd), 2.0**20)
+    twice = jax.jit(ss.scalify(lambda x, y: x * y + x * y))(x, y)
+    want = 2 * xd.astype(np.float64) * (1.0 if traced_constant else yd) * 2.0**140
+    got = np.asarray(twice.data).astype(np.float64) * float(twice.scale)
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)

@@ -77,7 +77,13 @@ def concrete_scalar(x: Any) -> float | None:
         return None
     if isinstance(x, (int, float, np.number)):
         return float(x)
-    if isinstance(x, np.ndarray) and x.ndim == 0 and np.issubdtype(x.dtype, np.number):
+    # (jnp.issubdtype: the literals of a bfloat16 or FP8 program are ml_dtypes scalars,
+    # which NumPy does not count as numbers)
+    if (
+        isinstance(x, np.ndarray | np.generic)
+        and np.ndim(x) == 0
+        and jnp.issubdtype(x.dtype, jnp.number)
+    ):
         return float(x)
     return None
 
@@ -215,7 +221,10 @@ def align(
 # excess into the data (exact for powers of two), which is where float32 would have had
 # to hold the value anyway.
 SCALE_MIN = 2.0**-126
-SCALE_MAX = 2.0**127
+# 2^126, not float32's 2^127: the reciprocal of every scale a rule makes is then a normal
+# float32 (2^-127 is subnormal, and XLA's CPU code flushes it to zero: aligning a value at
+# scale 2^127 with `pow2_reciprocal` made its data 0).
+SCALE_MAX = 2.0**126
 
 
 def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any, Any]:
@@ -239,22 +248,34 @@ def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any
     factor = as_f32(factor)
     exact = op(scale, factor)
     new = lax.clamp(np.float32(SCALE_MIN), exact, np.float32(SCALE_MAX))
-    # where ``rest`` matters, ``new`` is one of the bounds, whose exact reciprocals
-    # (`pow2_reciprocal`'s, in two ops instead of five) are constants
-    rest = op(lax.mul(scale, _bound_reciprocal(new)), factor)
+    # where ``rest`` matters ``new`` is one of the bounds, and ``rest`` is the product
+    # over that bound, computed with every intermediate a normal float32 (a subnormal
+    # one would be flushed to zero by XLA's CPU code, and the value with it)
+    high = lax.gt(new, np.float32(1))
+    k_scale, k_factor = _bound_split(high, divide)
+    rest = op(lax.mul(scale, k_scale), lax.mul(factor, k_factor))
     # in range: exactly 1 (also for scales that are not powers of two); NaN stays NaN
     rest = lax.select(lax.eq(exact, new), literal_like(rest, 1.0), rest)
     return new, rest
 
 
-def _bound_reciprocal(bound: jax.Array) -> jax.Array:
-    """``pow2_reciprocal(bound)`` for ``bound`` one of `SCALE_MIN`, `SCALE_MAX` (what
-    the clamp of a product returns out of range): ``2^126`` or ``2^-127``."""
-    return lax.select(lax.gt(bound, np.float32(1)), _RECIPROCAL_OF_MAX, _RECIPROCAL_OF_MIN)
+def _bound_split(high: jax.Array, divide: bool) -> tuple[jax.Array, jax.Array]:
+    """Constants ``(a, b)`` with ``(scale * a) op (factor * b) == (scale op factor) /
+    bound``, ``bound`` SCALE_MAX (2^126) where ``high`` else SCALE_MIN (2^-126). Above
+    the range the product exceeds 2^126 while scales are at most 2^127 and factors below
+    2^128, so ``scale > 2^-2`` and ``factor > 2^-1`` (a divisor ``>= 2^-126``, the scale
+    then above 1): 2^-64 and 2^-62 (2^62 for a divisor) keep both halves and the result
+    normal. Below it ``scale < 2`` and 2^126 alone does."""
+    a = lax.select(high, _ABOVE_SCALE, _BELOW_SCALE)
+    b = lax.select(high, _ABOVE_DIVISOR if divide else _ABOVE_FACTOR, _ONE)
+    return a, b
 
 
-_RECIPROCAL_OF_MAX = np.float32(2.0**-127)  # pow2_reciprocal(SCALE_MAX), a subnormal
-_RECIPROCAL_OF_MIN = np.float32(2.0**126)
+_ABOVE_SCALE = np.float32(2.0**-64)
+_ABOVE_FACTOR = np.float32(2.0**-62)
+_ABOVE_DIVISOR = np.float32(2.0**62)
+_BELOW_SCALE = np.float32(2.0**126)
+_ONE = np.float32(1.0)
 
 
 def _product_by_constant(scale: jax.Array, c: float) -> tuple[jax.Array, jax.Array]:
@@ -284,13 +305,12 @@ def _static_product(scale: float, factor: float, divide: bool) -> tuple[Any, Any
         return static_scale(new32), static_scale(exact / new32)
 
 
-def product_scaled(
-    data: Any, scale: Any, *factors: Any, divisors: tuple = (), data_factor: float = 1.0
-) -> ScaledArray:
-    """``ScaledArray(data * data_factor, scale * prod(factors) / prod(divisors))`` with
-    the scale kept in float32's normal range (see `scale_product`): the data is also
-    multiplied by the remainder, which is exactly 1 unless the scale left the range.
-    One rescale of the data at most (``data_factor`` is static)."""
+def product_parts(scale: Any, *factors: Any, divisors: tuple = (), data_factor: float = 1.0):
+    """``(new_scale, data_factor)`` of `product_scaled`: the product of the scale by
+    ``factors`` over ``divisors``, kept in float32's normal range, and what the data
+    must be multiplied by (``data_factor`` times the remainder, which is exactly 1
+    unless the scale left the range). A rule that multiplies its data by a scalar
+    anyway folds this factor into that scalar instead of rescaling the data again."""
     # static factors first, folded into one (their product is exact in float64)
     steps = [(f, False) for f in factors] + [(d, True) for d in divisors]
     static = 1.0
@@ -312,6 +332,17 @@ def product_scaled(
             rest = rest * r
         else:
             rest = lax.mul(as_scale(rest), as_scale(r))
+    return scale, rest
+
+
+def product_scaled(
+    data: Any, scale: Any, *factors: Any, divisors: tuple = (), data_factor: float = 1.0
+) -> ScaledArray:
+    """``ScaledArray(data * data_factor, scale * prod(factors) / prod(divisors))`` with
+    the scale kept in float32's normal range (see `scale_product`): the data is also
+    multiplied by the remainder, which is exactly 1 unless the scale left the range.
+    One rescale of the data at most (``data_factor`` is static)."""
+    scale, rest = product_parts(scale, *factors, divisors=divisors, data_factor=data_factor)
     return make_scaled(rescale_data(data, rest), scale)
 
 

@@ -30,6 +30,7 @@ from .common import (
     on_unscaled,
     positive_or_one,
     pow2_norm_scale,
+    product_parts,
     product_scaled,
     renormalized,
     rescale_data,
@@ -143,8 +144,24 @@ def scaled_mul(a, b, **params):
         return product_scaled(lax.mul_p.bind(a.data, b.data, **params), a.scale, b.scale)
     x, c = (a, b) if is_scaled(a) else (b, a)
     mant, p2, _ = _split_plain(c, x.dtype, at_most_one=True)
-    data = x.data if mant is None else lax.mul_p.bind(x.data, mant, **params)
-    return product_scaled(data, x.scale, p2)
+    scale, rest = product_parts(x.scale, p2)
+    if mant is None:
+        return make_scaled(rescale_data(x.data, rest), scale)
+    if np.ndim(mant) == 0 and not is_static(rest):
+        # the scale's remainder (exactly 1 unless it left float32's range) joins the
+        # scalar the data is multiplied by anyway: one pass over the data, not two
+        mant, rest = _scalar_times(mant, rest), unit_scale()
+    return make_scaled(rescale_data(lax.mul_p.bind(x.data, mant, **params), rest), scale)
+
+
+def _scalar_times(mant, rest):
+    """The scalar ``mant`` (in the data's dtype) times the float32 ``rest``, computed in
+    at least float32 and returned in ``mant``'s dtype: ``mant`` itself, bit for bit,
+    when ``rest`` is 1."""
+    mant = jnp.asarray(mant)
+    wide = wide_dtype(mant.dtype)
+    product = lax.mul(lax.convert_element_type(mant, wide), lax.convert_element_type(rest, wide))
+    return lax.convert_element_type(product, mant.dtype)
 
 
 def _split_scale(scale):
