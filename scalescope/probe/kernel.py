@@ -697,11 +697,16 @@ def _extremes(maxima: jax.Array, measured: jax.Array) -> dict[str, jax.Array]:
     absmax, top, negmin, negabsmin = (maxima[:, i] for i in range(len(BASIC_MAXIMA)))
     nonzero = measured & (negabsmin > -np.inf)
     absmin = jnp.where(nonzero, -negabsmin, nan)
+    # exactly 0 where every non-zero magnitude is the same (a single element: the two
+    # log2 may be computed in different fusions, and their difference read -7e-8), and
+    # never below 0
+    spread = jnp.maximum(jnp.log2(absmax) - jnp.log2(absmin), np.float32(0))
+    spread = jnp.where(absmax > absmin, spread, np.float32(0))
     return {
         "min": jnp.where(measured, -negmin, nan),
         "max": jnp.where(measured, top, nan),
         "absmin": absmin,
-        "dynamic_range": jnp.where(nonzero, jnp.log2(absmax) - jnp.log2(absmin), nan),
+        "dynamic_range": jnp.where(nonzero, spread, nan),
     }
 
 
