@@ -607,3 +607,31 @@ def test_a_product_of_scales_beyond_float32_moves_the_excess_into_the_data(trace
     want = 2 * xd.astype(np.float64) * (1.0 if traced_constant else yd) * 2.0**140
     got = np.asarray(twice.data).astype(np.float64) * float(twice.scale)
     np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+
+
+def test_values_at_scale_2_127_align_and_divide_without_flushing_to_zero():
+    """float32 holds values up to 2^128, so a scale of 2^127 is a valid input; its
+    reciprocal (2^-127) is subnormal, and XLA's CPU code flushes it to zero: aligning
+    such a value (a sum, a max) or dividing by it gave 0. The common scale is now at most
+    2^126 (the data doubled, exactly). Checked against NumPy (float64)."""
+    xd = np.array([0.5, -0.25, 0.125, 0.0], np.float32)
+    yd = np.array([0.75, 0.5, -0.25, 1.0], np.float32)
+    x = ss.ScaledArray(jnp.asarray(xd), jnp.float32(2.0**127))
+    y = ss.ScaledArray(jnp.asarray(yd), jnp.float32(2.0**127))
+    xv, yv = xd.astype(np.float64) * 2.0**127, yd.astype(np.float64) * 2.0**127
+    cases = {
+        "x + x": (lambda x, y: x + x, 2 * xv),
+        "x - y": (lambda x, y: x - y, xv - yv),
+        "max(x, y)": (jnp.maximum, np.maximum(xv, yv)),
+        "x / y": (lambda x, y: x / y, xv / yv),
+        "x * 0.5 + y": (lambda x, y: x * 0.5 + y, xv * 0.5 + yv),
+    }
+    for name, (fn, want) in cases.items():
+        out = jax.jit(ss.scalify(fn, normalize=False))(x, y)
+        got = np.asarray(out.data).astype(np.float64) * float(out.scale)
+        np.testing.assert_allclose(got, want, rtol=2e-7, atol=0, err_msg=name)
+    # a quotient far from both: its divisor's reciprocal was 0, and the value NaN
+    small = ss.ScaledArray(jnp.asarray(xd), jnp.float32(2.0**100))
+    out = jax.jit(ss.scalify(lambda a, b: a / b, normalize=False))(small, y)
+    got = np.asarray(out.data).astype(np.float64) * float(out.scale)
+    np.testing.assert_allclose(got, xd.astype(np.float64) * 2.0**100 / yv, rtol=2e-7, atol=0)

@@ -206,7 +206,9 @@ def align(
             scale = scale_max(scale, *floors)
         scale = pow2_round_down(scale)
     # Scale 0 marks an exactly-zero tensor; if every input is one, express in scale 1.
-    scale = positive_or_one(scale)
+    # At most SCALE_MAX, whose reciprocal is a normal float32 (an input's 2^127 has a
+    # subnormal one, flushed to 0 by XLA's CPU code): such an input's data is doubled.
+    scale = at_most_max(positive_or_one(scale))
     inverse = pow2_reciprocal(scale)
     datas = []
     for x in xs:
@@ -225,6 +227,13 @@ SCALE_MIN = 2.0**-126
 # float32 (2^-127 is subnormal, and XLA's CPU code flushes it to zero: aligning a value at
 # scale 2^127 with `pow2_reciprocal` made its data 0).
 SCALE_MAX = 2.0**126
+
+
+def at_most_max(scale: Any) -> Any:
+    """``scale``, or `SCALE_MAX` where it is larger (NaN stays NaN)."""
+    if is_static(scale):
+        return static_scale(min(float(scale), SCALE_MAX)) if scale == scale else scale
+    return lax.min(scale, np.float32(SCALE_MAX))
 
 
 def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any, Any]:

@@ -23,6 +23,7 @@ from ..core.scaled_array import SCALE_DTYPE
 from .common import (
     align,
     as_scale,
+    at_most_max,
     concrete_scalar,
     data_absmax,
     is_scaled,
@@ -165,10 +166,11 @@ def _scalar_times(mant, rest):
 
 
 def _split_scale(scale):
-    """``scale == mantissa * p2`` with ``p2`` a positive power of two (1 for scale 0)
-    and the mantissa in [1, 2): dividing by a scale then needs only the exact
+    """``scale == mantissa * p2`` with ``p2`` a positive power of two (1 for scale 0),
+    at most `SCALE_MAX`, and the mantissa in [1, 2) (up to 4 for a scale of 2^127, whose
+    reciprocal would be subnormal): dividing by a scale then needs only the exact
     reciprocal of ``p2`` (see `pow2_reciprocal`), the mantissa going into the data."""
-    p2 = positive_or_one(pow2_round_down(scale))
+    p2 = at_most_max(positive_or_one(pow2_round_down(scale)))
     return scale * pow2_reciprocal(p2), p2
 
 
