@@ -314,7 +314,9 @@ def _static_product(scale: float, factor: float, divide: bool) -> tuple[Any, Any
         return static_scale(new32), static_scale(exact / new32)
 
 
-def product_parts(scale: Any, *factors: Any, divisors: tuple = (), data_factor: float = 1.0):
+def product_parts(
+    scale: Any, *factors: Any, divisors: tuple = (), data_factor: float = 1.0
+) -> tuple[Any, Any]:
     """``(new_scale, data_factor)`` of `product_scaled`: the product of the scale by
     ``factors`` over ``divisors``, kept in float32's normal range, and what the data
     must be multiplied by (``data_factor`` times the remainder, which is exactly 1

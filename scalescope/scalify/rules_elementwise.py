@@ -151,18 +151,9 @@ def scaled_mul(a, b, **params):
     if np.ndim(mant) == 0 and not is_static(rest):
         # the scale's remainder (exactly 1 unless it left float32's range) joins the
         # scalar the data is multiplied by anyway: one pass over the data, not two
-        mant, rest = _scalar_times(mant, rest), unit_scale()
+        # (mant itself, bit for bit, where rest is 1)
+        mant, rest = rescale_data(mant, rest), unit_scale()
     return make_scaled(rescale_data(lax.mul_p.bind(x.data, mant, **params), rest), scale)
-
-
-def _scalar_times(mant, rest):
-    """The scalar ``mant`` (in the data's dtype) times the float32 ``rest``, computed in
-    at least float32 and returned in ``mant``'s dtype: ``mant`` itself, bit for bit,
-    when ``rest`` is 1."""
-    mant = jnp.asarray(mant)
-    wide = wide_dtype(mant.dtype)
-    product = lax.mul(lax.convert_element_type(mant, wide), lax.convert_element_type(rest, wide))
-    return lax.convert_element_type(product, mant.dtype)
 
 
 def _split_scale(scale):
