@@ -16,6 +16,11 @@ For each training step:
 - ``instrument(step)`` runs under jit, with one statistics row per recorded op and a
   finite RMS for the loss.
 
+For the models the probe records, the scalified step is the one the instrumented program
+computes (``instrument(step)`` returns ``scalify(step)``'s outputs, by the same rules):
+one compiled program per model checks both, instead of two that differ only by the
+probe's reads (each model's scalified step costs 3-19 s of XLA compile on CPU).
+
 The default fallback ("raise") is used throughout: a primitive without a scaled rule fails.
 """
 
@@ -79,14 +84,36 @@ def _mismatches(got, expected) -> list[str]:
     return bad
 
 
+# The optimizer zoo shares one model: its forward ops, which the instrument test records,
+# are the same for every optimizer, so one of them stands for all. The transformers'
+# forward ops (attention, layer norms, embeddings) are recorded by the probe's own GPT
+# tests (test_probe_models.py); their compile is the module's largest, so they are left
+# out here.
+INSTRUMENTED = sorted(
+    name
+    for name in MODELS
+    if (not name.startswith("optax_") or name == "optax_adafactor")
+    and name not in ("wmt_encoder_decoder", "decoder_lm")
+)
+
+
 class Case:
-    """One model's step, its arguments, the plain jitted result and the jitted scalify."""
+    """One model's step, its arguments, the plain jitted result and the jitted scalify
+    (inside the instrumented program, for the models the probe records)."""
 
     def __init__(self, name: str):
         self.name = name
         self.step, self.args, self.loss_index = MODELS[name]()
         self.expected = jax.device_get(jax.jit(self.step)(*self.args))
-        self.scalified = jax.jit(ss.scalify(self.step))
+        if name in INSTRUMENTED:
+            # light: forward ops only, statistics read from the values themselves
+            self.probe = ss.instrument(
+                self.step, formats=(), histograms=False, select="^fwd/", isolate=False
+            )
+            self.instrumented = jax.jit(self.probe)
+            self.scalified = lambda *args: self.instrumented(*args)[0]
+        else:
+            self.scalified = jax.jit(ss.scalify(self.step))
 
     def check(self, k: int | None) -> None:
         got = ss.asarray(self.scalified(*_scaled(self.args, k)))
@@ -110,19 +137,6 @@ def case(request) -> Case:
     return _case(request.param)
 
 
-# The optimizer zoo shares one model: its forward ops, which the instrument test records,
-# are the same for every optimizer, so one of them stands for all. The transformers'
-# forward ops (attention, layer norms, embeddings) are recorded by the probe's own GPT
-# tests (test_probe_models.py); their compile is the module's largest, so they are left
-# out here.
-INSTRUMENTED = sorted(
-    name
-    for name in MODELS
-    if (not name.startswith("optax_") or name == "optax_adafactor")
-    and name not in ("wmt_encoder_decoder", "decoder_lm")
-)
-
-
 def test_plain_step_is_sane(case):
     loss = case.expected[case.loss_index]
     assert np.isfinite(loss) and loss > 0, loss
@@ -139,12 +153,10 @@ def test_scalify_at_scale_2k_matches_plain(case, k):
 
 @pytest.mark.parametrize("name", INSTRUMENTED)
 def test_instrument_records_every_op_and_the_loss(name):
-    # light: forward ops only, statistics read from the values themselves (no shadow copy)
     case = _case(name)
-    inst = ss.instrument(case.step, formats=(), histograms=False, select="^fwd/", isolate=False)
     args = _scaled(case.args, None)
-    out, stats = jax.jit(inst)(*args)
-    table = inst.op_table(*args)
+    out, stats = case.instrumented(*args)
+    table = case.probe.op_table(*args)
     assert table.n_rows > 0
     assert all(np.shape(v)[0] == table.n_rows for v in stats.values())
     assert sum(op.n_rows for op in table if op.recorded) == table.n_rows
