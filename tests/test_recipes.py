@@ -4,6 +4,7 @@ the reference."""
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -639,20 +640,31 @@ def _path_values() -> dict[str, np.ndarray]:
 PATH_VALUES = _path_values()
 
 
+@functools.cache
+def _xla_path_rows() -> dict[str, tuple[np.ndarray, ...]]:
+    """The XLA kernel's rows for every value of `PATH_VALUES`, from one program (the
+    kernel sums per value, so a value's row does not depend on the others'; one compile
+    instead of one per shape)."""
+    from scalescope.probe import recipe_kernel
+
+    recipes = _path_recipes()
+    values = [jax.numpy.asarray(v) for v in PATH_VALUES.values()]
+    fn = jax.jit(lambda *vs: recipe_kernel.recipe_group_raw([(v, None) for v in vs], recipes))
+    rows = [np.asarray(v) for v in fn(*values)]
+    return {name: tuple(r[i] for r in rows) for i, name in enumerate(PATH_VALUES)}
+
+
 @pytest.mark.parametrize("name", PATH_VALUES)
 def test_native_code_paths_match_the_xla_kernel(name):
     """Counts and scale ranges exactly as the XLA kernel computes them, error sums to
     float32 summation order, for every chunking path and custom block shapes (the XLA
     kernel's one-block-per-row design has no such paths)."""
-    from scalescope.probe import recipe_kernel
-
     if jax.default_backend() != "cpu" or not native.available():
         pytest.skip("the native kernel is the CPU path")
     recipes = _path_recipes()
     x = jax.numpy.asarray(PATH_VALUES[name])
     nf, ni, nm = (np.asarray(v) for v in native.recipe_raw(x, recipes, None))
-    xla = jax.jit(lambda v: recipe_kernel.recipe_group_raw([(v, None)], recipes))(x)
-    xf, xi, xm = (np.asarray(v)[0] for v in xla)
+    xf, xi, xm = _xla_path_rows()[name]
     for i, r in enumerate(recipes):
         label = f"{name}: {r.name}"
         np.testing.assert_array_equal(ni[4 * i : 4 * i + 4], xi[4 * i : 4 * i + 4], label)
