@@ -150,6 +150,27 @@ def test_python_number_arguments_are_traced_as_under_jit(tmp_path):
     assert set(stats["op"]) <= set(reader.ops.index) and len(stats)
 
 
+def test_a_tracked_steps_programs_carry_its_name(tmp_path):
+    """As ``jax.jit(step)`` names its program: profiles and XLA dumps show the step, and
+    the persistent compilation cache (keys begin with the name) serves the same
+    computation jitted elsewhere under it."""
+    from scalescope.store.jitting import StaticLeafJit
+
+    def my_train_step(p, x, n):
+        return p * n + x
+
+    args = (jnp.ones(3), jnp.ones(3), 2)
+    text = lambda j: j.trace(*args).lower().as_text()  # noqa: E731
+    assert "@jit_my_train_step" in text(StaticLeafJit(my_train_step, "where"))
+    named = StaticLeafJit(lambda p, x, n: p, "where", "other")
+    assert "@jit_other" in text(named)
+    with ss.Run(tmp_path / "run", every=1) as run:
+        tracked = run.track(my_train_step)
+        tracked(*args)
+        for program in (tracked._plain, tracked._recording):
+            assert "@jit_my_train_step" in text(program)
+
+
 @pytest.mark.parametrize("scalify", [True, False])
 @pytest.mark.parametrize("budget", [None, 0.5])
 def test_non_array_arguments_are_static_as_with_static_argnums(tmp_path, scalify, budget):

@@ -90,15 +90,21 @@ def _rebuild(static: Hashable, dynamic: list) -> tuple[tuple, dict]:
 
 class StaticLeafJit:
     """``jax.jit(fn)`` with non-array argument leaves made static; call it like ``fn``.
-    ``trace(*args, **kwargs)`` traces without compiling (as `jax.jit(...).trace`)."""
+    ``trace(*args, **kwargs)`` traces without compiling (as `jax.jit(...).trace`).
 
-    def __init__(self, fn: Callable[..., Any], where: str) -> None:
+    The program is named ``name`` (default: ``fn``'s name), as ``jax.jit(fn)`` would
+    name it: profiles and XLA dumps show the user's step, and the persistent
+    compilation cache, whose keys begin with that name, serves the same computation
+    jitted elsewhere under it."""
+
+    def __init__(self, fn: Callable[..., Any], where: str, name: str | None = None) -> None:
         self.where = where
 
         def core(static: Hashable, dynamic: list) -> Any:
             args, kwargs = _rebuild(static, dynamic)
             return fn(*args, **kwargs)
 
+        core.__name__ = core.__qualname__ = name or getattr(fn, "__name__", "core")
         self._jitted = jax.jit(core, static_argnums=0)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

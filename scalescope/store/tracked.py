@@ -42,6 +42,11 @@ log = logging.getLogger("scalescope")
 _WHERE = "Run.track: the step's argument"
 
 
+def _name_of(fn: Callable[..., Any]) -> str:
+    """The name a step's compiled programs carry (``jax.jit(fn)``'s)."""
+    return getattr(fn, "__name__", None) or "step"
+
+
 class _ProgramCache:
     """The programs of the last few tracked steps, by step function and options.
 
@@ -163,7 +168,8 @@ class Tracked:
             self.instrumented.plain_probe = plain.probe
         else:
             plain = _scalify(fn, fallback=fallback) if scalify else fn
-        plain_jit = StaticLeafJit(_with_health(plain) if self.detect else plain, _WHERE)
+        name = _name_of(fn)  # every program of the step is named after it
+        plain_jit = StaticLeafJit(_with_health(plain) if self.detect else plain, _WHERE, name)
         return self.instrumented, plain_jit, self._recording_fn(None)
 
     def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
@@ -171,7 +177,8 @@ class Tracked:
         several processes) its statistics are replicated on every device of the mesh."""
         inst = self.instrumented.masked if self.budgeted else self.instrumented
         if self.separate:
-            return StaticLeafJit(lambda *a, **k: replicated(inst(*a, **k)[1], mesh), _WHERE)
+            stats = lambda *a, **k: replicated(inst(*a, **k)[1], mesh)  # noqa: E731
+            return StaticLeafJit(stats, _WHERE, _name_of(self.instrumented))
         detect, lead = self.detect, 1 if self.budgeted else 0
 
         def both(*a: Any, **k: Any) -> tuple[Any, ...]:
@@ -180,7 +187,7 @@ class Tracked:
                 return out, replicated(stats, mesh), flight.packed_health(a[lead:], out)
             return out, replicated(stats, mesh)
 
-        return StaticLeafJit(both, _WHERE)
+        return StaticLeafJit(both, _WHERE, _name_of(self.instrumented))
 
     def records(self, step: int) -> bool:
         """Whether call number ``step`` records statistics (every-``every`` mode)."""
@@ -455,7 +462,11 @@ class Tracked:
         if rec.in_while or rec.in_cond:
             return [], "its device is not located (the op is inside a while or cond body)"
         seq = table.sequence.index(op)
-        where = StaticLeafJit(functools.partial(self.instrumented.nonfinite_where, seq), _WHERE)
+        where = StaticLeafJit(
+            functools.partial(self.instrumented.nonfinite_where, seq),
+            _WHERE,
+            _name_of(self.instrumented),
+        )
         try:
             found = flight.nonfinite_devices(where(*args, **kwargs), self.instrumented.plucked_in)
         except Exception as err:  # an incident is kept even if this extra look fails
