@@ -3,6 +3,7 @@ them, a clean stop on Ctrl-C, and clear errors for bad options."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -102,6 +103,38 @@ def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
     assert main([*argv, "--out", str(out)]) == 2
     assert "never overwrites" in capsys.readouterr().err
     assert len(naive.scalars["loss"]) == DEMO_STEPS  # untouched
+
+
+def test_train_gpt_fp8_writes_a_readable_run_with_formats_and_recipes(tmp_path):
+    """`scalescope train gpt --precision fp8 --formats ...` on the demo's model and
+    options (after the demo test in this module: its programs come from the compilation
+    cache, as the demo's second run does)."""
+    from scalescope.sample_models.demo import DEMO_FORMATS, DEMO_GPT
+
+    run = tmp_path / "gpt-fp8"
+    model = ["--layers", str(DEMO_GPT["n_layers"]), "--d-model", str(DEMO_GPT["d_model"])]
+    model += ["--seq-len", str(DEMO_GPT["seq_len"]), "--heads", str(DEMO_GPT["n_heads"])]
+    model += ["--scan"] if DEMO_GPT["scan_layers"] else []
+    argv = ["train", "gpt", "--precision", "fp8", *DEMO_ARGS, "--batch", "16"]
+    argv += [*model, "--data", "vendored", "--formats", ",".join(DEMO_FORMATS)]
+    assert main([*argv, "--run", str(run), "--quiet"]) == 0
+    reader = ss.open_run(run)
+    assert reader.status == "closed" and reader.config["precision"] == "fp8"
+    assert reader.config["scalify"] is True
+    assert list(reader.steps) == [0, 2] and list(reader.scalars.index) == [0, 1, 2, 3]
+    assert {"loss", "lr", "val_loss"} <= set(reader.scalars.columns)
+    assert {"fwd", "bwd", "opt"} <= set(reader.ops["pass"])
+    dots = reader.stats("rms", ops=r"^fwd/.*dot_general", steps=0)
+    assert len(dots) > 0 and np.isfinite(dots["value"]).all()
+    # --formats records the recipes next to the formats
+    assert reader.formats == ("e4m3", "e5m2", "fp16", "bf16")
+    assert reader.recipes == ("mxfp8_e4m3", "nvfp4")
+    flush = reader.stats("block_flush_nvfp4", ops=r"^fwd/.*dot_general", steps=0)
+    assert len(flush) > 0 and ((flush["value"] >= 0) & (flush["value"] <= 1)).all()
+    assert reader.config["vocab_size"] > 60 and reader.config["dataset"] == "shakespeare (vendored)"
+    assert any("attn" in name for name in reader.ops["name"])
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["every"] == 2 and meta["graph"]["n_ops"] == len(reader.ops)
 
 
 @pytest.mark.slow
