@@ -146,25 +146,6 @@ def test_scalified_mlp_step_equals_plain_step():
     assert max(_leaf_errors(ss.asarray(out), expected)) < 1e-5
 
 
-def test_fp8_gpt_step_runs_and_is_finite():
-    step, params, opt_state, batch = _gpt(scan=True, precision="fp8")
-    params16 = jax.tree.map(lambda a: a.astype(jnp.float16), params)
-    opt16 = jax.tree.map(
-        lambda a: a.astype(jnp.float16) if jnp.issubdtype(a.dtype, jnp.floating) else a,
-        make_optimizer().init(params16),
-    )
-    sp, so = ss.as_scaled_array(params16, "rms"), ss.as_scaled_array(opt16, "rms")
-    new_p, new_o, loss = jax.jit(ss.scalify(step))(sp, so, batch)
-    for leaf in jax.tree.leaves(ss.asarray((new_p, new_o, loss), jnp.float32)):
-        assert np.all(np.isfinite(np.asarray(leaf)))
-    assert new_p["wte"].dtype == np.float16
-    # FP8 rounding really happened: the loss differs from the FP32 step, but not by much.
-    step32, params32, opt32, _ = _gpt(scan=True)
-    ref = float(step32(params32, opt32, batch)[2])
-    got = float(ss.asarray(loss, jnp.float32))
-    assert got != ref and abs(got - ref) < 0.05 * ref
-
-
 def test_fp8_matmul_inputs_are_fp8_values_under_scalify():
     """Under scalify the e4m3 cast applies to the unit-scaled data: every value fed to
     the matmul is (an e4m3 number) x (a power-of-two scale)."""
@@ -215,7 +196,9 @@ def test_fp16_master_weights_and_optimizer_state_track_fp32():
 @pytest.mark.parametrize("precision", ["fp16", "fp8"])
 def test_scalified_gpt_with_a_warmup_cosine_schedule_tracks_fp32(precision):
     """The learning rate is a traced scalar computed from the step count, 0 at step 0;
-    FP16 weights and AdamW state under scalify stay finite and close to FP32."""
+    FP16 weights and AdamW state under scalify stay FP16, finite and close to FP32. (The
+    FP8 recipe's scanned layers run scalified in the demo and the benchmarks' smoke
+    tests.)"""
     import optax
 
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, n_layers=1)
@@ -238,3 +221,8 @@ def test_scalified_gpt_with_a_warmup_cosine_schedule_tracks_fp32(precision):
             params, state, loss = step(params, state, {"inputs": t[:, :-1], "targets": t[:, 1:]})
             losses[name].append(float(ss.asarray(loss, jnp.float32)))
     np.testing.assert_allclose(losses[precision], losses["fp32"], rtol=0.01)
+    assert params["wte"].dtype == np.float16
+    for leaf in jax.tree.leaves(ss.asarray((params, state), jnp.float32)):
+        assert np.all(np.isfinite(np.asarray(leaf)))
+    if precision == "fp8":  # FP8 rounding really happened (step 0: the same parameters)
+        assert losses["fp8"][0] != losses["fp32"][0]
