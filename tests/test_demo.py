@@ -105,6 +105,7 @@ def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
     assert len(naive.scalars["loss"]) == DEMO_STEPS  # untouched
 
 
+@pytest.mark.slow
 def test_train_gpt_fp8_writes_a_readable_run_with_formats_and_recipes(tmp_path):
     """`scalescope train gpt --precision fp8 --formats ...` on the demo's model and
     options (after the demo test in this module: its programs come from the compilation

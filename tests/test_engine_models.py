@@ -196,12 +196,13 @@ def test_fp16_master_weights_and_optimizer_state_track_fp32():
 @pytest.mark.parametrize("precision", ["fp16", "fp8"])
 def test_scalified_gpt_with_a_warmup_cosine_schedule_tracks_fp32(precision):
     """The learning rate is a traced scalar computed from the step count, 0 at step 0;
-    FP16 weights and AdamW state under scalify stay FP16, finite and close to FP32. (The
-    FP8 recipe's scanned layers run scalified in the demo and the benchmarks' smoke
-    tests.)"""
+    FP16 weights and AdamW state under scalify stay FP16, finite and close to FP32, with
+    the layers under `lax.scan`."""
     import optax
 
-    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, n_layers=1)
+    cfg = GPTConfig(
+        vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, n_layers=2, scan_layers=True
+    )
     sched = optax.warmup_cosine_decay_schedule(0.0, 2e-3, 3, 30)
     opt = optax.adamw(sched, eps=1e-6, weight_decay=0.01)
     rng = np.random.default_rng(0)

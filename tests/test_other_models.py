@@ -144,6 +144,12 @@ def test_plain_step_is_sane(case):
 
 def test_scalify_at_scale_one_matches_plain(case):
     case.check(None)
+    if case.name in INSTRUMENTED:  # scalify itself traced too (no compile): its outputs
+        scaled = _scaled(case.args, None)
+        got = jax.eval_shape(lambda *a: ss.asarray(ss.scalify(case.step)(*a)), *scaled)
+        expected = jax.eval_shape(case.step, *case.args)
+        layout = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+        assert layout(got) == layout(expected)
 
 
 @pytest.mark.parametrize("k", SCALES)

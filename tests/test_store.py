@@ -3,6 +3,7 @@ crash safety, incremental refresh, corrupt parts, append-or-refuse, clear errors
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -169,6 +170,12 @@ def test_a_tracked_steps_programs_carry_its_name(tmp_path):
         tracked(*args)
         for program in (tracked._plain, tracked._recording):
             assert "@jit_my_train_step" in text(program)
+    # a partial is named after its function, as jax.jit names it
+    with ss.Run(tmp_path / "partial", every=1) as run:
+        tracked = run.track(functools.partial(my_train_step, n=3))
+        tracked(*args[:2])
+        for program in (tracked._plain, tracked._recording):
+            assert "@jit_my_train_step" in program.trace(*args[:2]).lower().as_text()
 
 
 @pytest.mark.parametrize("scalify", [True, False])

@@ -246,6 +246,7 @@ def test_train_under_a_policy_file(tmp_path, capsys):
     assert main(argv) == 0
     assert ss.open_run(run).meta["policy"] == [["fwd/**/mlp/dot_general#1",
                                                 "mxfp8_e4m3_rceil"]]  # fmt: skip
+    assert ss.open_run(run).formats == ("e4m3",)  # --formats restricts the formats
     policy.write_text('{"fwd/nowhere": "nvfp4"}')
     argv[argv.index(str(run))] = str(tmp_path / "run2")
     assert main(argv) == 2

@@ -104,7 +104,9 @@ class StaticLeafJit:
             args, kwargs = _rebuild(static, dynamic)
             return fn(*args, **kwargs)
 
-        core.__name__ = core.__qualname__ = name or getattr(fn, "__name__", "core")
+        if not name:
+            name = getattr(fn, "__name__", None)
+        core.__name__ = core.__qualname__ = name if isinstance(name, str) and name else "core"
         self._jitted = jax.jit(core, static_argnums=0)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

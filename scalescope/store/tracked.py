@@ -43,8 +43,12 @@ _WHERE = "Run.track: the step's argument"
 
 
 def _name_of(fn: Callable[..., Any]) -> str:
-    """The name a step's compiled programs carry (``jax.jit(fn)``'s)."""
-    return getattr(fn, "__name__", None) or "step"
+    """The name a step's compiled programs carry: ``jax.jit(fn)``'s (a partial's
+    function's), or ``step`` for a callable without one."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) and name else "step"
 
 
 class _ProgramCache:
@@ -168,9 +172,13 @@ class Tracked:
             self.instrumented.plain_probe = plain.probe
         else:
             plain = _scalify(fn, fallback=fallback) if scalify else fn
-        name = _name_of(fn)  # every program of the step is named after it
-        plain_jit = StaticLeafJit(_with_health(plain) if self.detect else plain, _WHERE, name)
+        plain = _with_health(plain) if self.detect else plain
+        plain_jit = StaticLeafJit(plain, _WHERE, self._program_name())
         return self.instrumented, plain_jit, self._recording_fn(None)
+
+    def _program_name(self) -> str:
+        """Every program of the step is named after it (see `StaticLeafJit`)."""
+        return _name_of(getattr(self.instrumented, "__wrapped__", self.instrumented))
 
     def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
         """The jitted recording variant; with ``mesh`` (a step jitted over devices of
@@ -178,7 +186,7 @@ class Tracked:
         inst = self.instrumented.masked if self.budgeted else self.instrumented
         if self.separate:
             stats = lambda *a, **k: replicated(inst(*a, **k)[1], mesh)  # noqa: E731
-            return StaticLeafJit(stats, _WHERE, _name_of(self.instrumented))
+            return StaticLeafJit(stats, _WHERE, self._program_name())
         detect, lead = self.detect, 1 if self.budgeted else 0
 
         def both(*a: Any, **k: Any) -> tuple[Any, ...]:
@@ -187,7 +195,7 @@ class Tracked:
                 return out, replicated(stats, mesh), flight.packed_health(a[lead:], out)
             return out, replicated(stats, mesh)
 
-        return StaticLeafJit(both, _WHERE, _name_of(self.instrumented))
+        return StaticLeafJit(both, _WHERE, self._program_name())
 
     def records(self, step: int) -> bool:
         """Whether call number ``step`` records statistics (every-``every`` mode)."""
@@ -465,7 +473,7 @@ class Tracked:
         where = StaticLeafJit(
             functools.partial(self.instrumented.nonfinite_where, seq),
             _WHERE,
-            _name_of(self.instrumented),
+            self._program_name(),
         )
         try:
             found = flight.nonfinite_devices(where(*args, **kwargs), self.instrumented.plucked_in)
