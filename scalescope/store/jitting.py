@@ -12,6 +12,7 @@ if it had been listed in ``static_argnums``. Python numbers stay traced, as unde
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -88,6 +89,15 @@ def _rebuild(static: Hashable, dynamic: list) -> tuple[tuple, dict]:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def program_name(fn: Callable[..., Any], default: str) -> str:
+    """The name ``jax.jit(fn)`` gives its program: ``fn``'s (a partial's function's), or
+    ``default`` for a callable without one."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) and name else default
+
+
 class StaticLeafJit:
     """``jax.jit(fn)`` with non-array argument leaves made static; call it like ``fn``.
     ``trace(*args, **kwargs)`` traces without compiling (as `jax.jit(...).trace`).
@@ -104,9 +114,7 @@ class StaticLeafJit:
             args, kwargs = _rebuild(static, dynamic)
             return fn(*args, **kwargs)
 
-        if not name:
-            name = getattr(fn, "__name__", None)
-        core.__name__ = core.__qualname__ = name if isinstance(name, str) and name else "core"
+        core.__name__ = core.__qualname__ = name or program_name(fn, "core")
         self._jitted = jax.jit(core, static_argnums=0)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -33,22 +33,13 @@ from ..scalify import scalify as _scalify
 from ..scalify.interpreter import flatten_args
 from . import budget as _budget
 from . import flight, updates
-from .jitting import StaticLeafJit, partition, signature
+from .jitting import StaticLeafJit, partition, program_name, signature
 from .processes import global_mesh, replicated, to_host
 
 log = logging.getLogger("scalescope")
 
 #: How a tracked step's arguments are named in errors (see `jitting.partition`).
 _WHERE = "Run.track: the step's argument"
-
-
-def _name_of(fn: Callable[..., Any]) -> str:
-    """The name a step's compiled programs carry: ``jax.jit(fn)``'s (a partial's
-    function's), or ``step`` for a callable without one."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    name = getattr(fn, "__name__", None)
-    return name if isinstance(name, str) and name else "step"
 
 
 class _ProgramCache:
@@ -178,7 +169,7 @@ class Tracked:
 
     def _program_name(self) -> str:
         """Every program of the step is named after it (see `StaticLeafJit`)."""
-        return _name_of(getattr(self.instrumented, "__wrapped__", self.instrumented))
+        return program_name(getattr(self.instrumented, "__wrapped__", self.instrumented), "step")
 
     def _recording_fn(self, mesh: jax.sharding.Mesh | None) -> Callable[..., Any]:
         """The jitted recording variant; with ``mesh`` (a step jitted over devices of
