@@ -22,10 +22,10 @@ from scalescope.cli import main
 from scalescope.sample_models.demo import DEMO_RUNS, DemoError, demo_folder
 
 REPO = Path(__file__).resolve().parents[1]
-# The two tests that train and finish run the same demo (steps and every are compiled
-# into the step: the learning-rate schedule), one after the other (`make test` hands a
-# whole module to one xdist worker): the second reads the compiled steps from the
-# session's JAX compilation cache (conftest).
+# The demo trains once in this module (`served_demo`); the `train` test after it runs the
+# same model and options (steps and every are compiled into the step: the learning-rate
+# schedule), so it reads the compiled steps from the session's JAX compilation cache
+# (conftest; `make test` hands a whole module to one xdist worker).
 DEMO_STEPS = 4
 DEMO_ARGS = ["--steps", str(DEMO_STEPS), "--every", "2"]
 
@@ -69,26 +69,59 @@ def _check_runs(root: Path, steps: int) -> dict[str, ss.RunReader]:
     return readers
 
 
-@pytest.mark.slow
-def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
-    out = tmp_path / "demo"
-    argv = ["demo", *DEMO_ARGS, "--no-serve", "--data", "vendored"]
-    assert main([*argv, "--out", str(out)]) == 0
-    readers = _check_runs(out, DEMO_STEPS)
-    # recorded at steps 0 and 2, in both runs, with the same ops (same graph but scalify)
-    for reader in readers.values():
-        assert reader.steps.tolist() == [0, 2]
-    naive, scaled = readers["fp8-naive"], readers["fp8"]
-    assert np.isfinite(scaled.scalars["loss"].to_numpy(np.float64)).all()
-    assert set(scaled.ops["pass"]) >= {"fwd", "bwd", "opt"}
-    text = capsys.readouterr().out
-    # the verdicts first (the run that needs attention most on top), then the losses
+@pytest.fixture(scope="module")
+def served_demo(tmp_path_factory) -> dict:
+    """One whole demo, as a user starts it: `scalescope demo` in a process of its own,
+    the dashboard served live, the page fetched while it serves, then Ctrl-C. The tests
+    of its runs, its summary and its serving all read this one run (each demo run traces
+    and runs both GPT steps again, ~45 s)."""
+    cwd = tmp_path_factory.mktemp("served-demo")
+    port = free_port()
+    proc = _demo_process([*DEMO_ARGS, "--port", str(port)], cwd)
+    lines: list[str] = []
+    page: dict = {}
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "dashboard on both runs" in line:
+                break
+        if any("dashboard on both runs" in line for line in lines):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=60) as response:
+                page = {
+                    "status": response.status,
+                    "body": response.read().decode("utf-8", "replace"),
+                }
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    folders = list((cwd / "runs" / "demo").iterdir()) if (cwd / "runs" / "demo").is_dir() else []
+    return {
+        "port": port,
+        "lines": "".join(lines),
+        "rest": rest,
+        "returncode": proc.returncode,
+        "page": page,
+        "folders": folders,
+    }
+
+
+def _check_summary(text: str, readers: dict[str, ss.RunReader]) -> None:
+    """What the demo prints after training: the verdicts first (the run that needs
+    attention most on top), then the losses, then what NVFP4 would do."""
     assert text.index("verdicts:") < text.index("final losses")
     verdicts = text[text.index("verdicts:") :].splitlines()[1:3]
     assert verdicts[0].startswith("  fp8-naive  failing from step 0: e5m2 underflow"), text
     assert verdicts[1].startswith("  fp8        healthy"), text
     assert "why fp8-naive is failing:" in text and "fix: run.track(step, scalify=True)" in text
     # the demo audits two block-scaled recipes and says what NVFP4 would do; one op count
+    scaled = readers["fp8"]
     assert scaled.recipes == ("mxfp8_e4m3", "nvfp4")
     from scalescope import analysis as A
 
@@ -98,11 +131,64 @@ def test_demo_no_serve_leaves_two_readable_runs(tmp_path, capsys):
     assert "opt/opt/" not in text
     shown = [line for line in summary[1:] if line.startswith("  ")]
     assert len(shown) == len(set(shown))  # no line twice
-    assert f"scalescope serve {out}" in text
-    # an existing demo folder is never overwritten
+
+
+@pytest.mark.slow
+def test_demo_serves_the_runs_live_and_stops_on_ctrl_c(served_demo):
+    demo = served_demo
+    lines, port = demo["lines"], demo["port"]
+    assert "dashboard on both runs" in lines, lines + demo["rest"]
+    assert f"http://127.0.0.1:{port}/" in lines
+    assert demo["page"], "the page was not fetched: " + lines + demo["rest"]
+    assert demo["page"]["status"] == 200
+    assert "bokeh" in demo["page"]["body"].lower()
+    assert demo["returncode"] == 0, lines + demo["rest"]
+    assert "stopped" in demo["rest"] and "Traceback" not in lines + demo["rest"]
+    (root,) = demo["folders"]  # the default folder, runs/demo/<time>
+    readers = _check_runs(root, DEMO_STEPS)
+    # recorded at steps 0 and 2, in both runs, with the same ops (same graph but scalify)
+    for reader in readers.values():
+        assert reader.steps.tolist() == [0, 2]
+    scaled = readers["fp8"]
+    assert np.isfinite(scaled.scalars["loss"].to_numpy(np.float64)).all()
+    assert set(scaled.ops["pass"]) >= {"fwd", "bwd", "opt"}
+    _check_summary(lines, readers)
+
+
+@pytest.mark.slow
+def test_demo_no_serve_ends_with_the_runs_and_how_to_serve_them(
+    served_demo, tmp_path, capsys, monkeypatch
+):
+    """`--no-serve` on the served demo's runs: the training (the same code as the served
+    demo's, checked above) is replaced by a copy of those runs; the verdicts, the losses
+    and the recipe summary are computed from them as the demo computes its own."""
+    import shutil
+
+    from scalescope.sample_models import demo as demo_module
+
+    (served,) = served_demo["folders"]
+
+    def copied_runs(opts, root, **_):
+        summaries = {}
+        for name, _precision in DEMO_RUNS:
+            shutil.copytree(served / name, root / name)
+            loss = ss.open_run(root / name).scalars["loss"]
+            summaries[name] = {"train_loss": float(loss.iloc[-1])}
+        return summaries
+
+    monkeypatch.setattr(demo_module, "train_demo_runs", copied_runs)
+    out = tmp_path / "demo"
+    argv = ["demo", *DEMO_ARGS, "--no-serve", "--data", "vendored"]
+    assert main([*argv, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    readers = _check_runs(out, DEMO_STEPS)
+    _check_summary(text, readers)
+    assert text.rstrip().endswith(f"see them with: scalescope serve {out}")
+    # an existing demo folder is never overwritten: refused before anything is written
+    before = (out / "fp8-naive" / "run.json").read_bytes()
     assert main([*argv, "--out", str(out)]) == 2
     assert "never overwrites" in capsys.readouterr().err
-    assert len(naive.scalars["loss"]) == DEMO_STEPS  # untouched
+    assert (out / "fp8-naive" / "run.json").read_bytes() == before
 
 
 @pytest.mark.slow
@@ -136,36 +222,6 @@ def test_train_gpt_fp8_writes_a_readable_run_with_formats_and_recipes(tmp_path):
     assert any("attn" in name for name in reader.ops["name"])
     meta = json.loads((run / "run.json").read_text())
     assert meta["every"] == 2 and meta["graph"]["n_ops"] == len(reader.ops)
-
-
-@pytest.mark.slow
-def test_demo_serves_the_runs_live_and_stops_on_ctrl_c(tmp_path):
-    port = free_port()
-    proc = _demo_process([*DEMO_ARGS, "--port", str(port)], tmp_path)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "dashboard on both runs" in line:
-                break
-        assert any("dashboard on both runs" in line for line in lines), "".join(lines)
-        assert f"http://127.0.0.1:{port}/" in "".join(lines)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=60) as page:
-            assert page.status == 200
-            assert "bokeh" in page.read().decode("utf-8", "replace").lower()
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, "".join(lines) + rest
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    (root,) = list((tmp_path / "runs" / "demo").iterdir())  # the default folder
-    _check_runs(root, DEMO_STEPS)
 
 
 @pytest.mark.slow
