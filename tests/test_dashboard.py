@@ -74,46 +74,51 @@ def _add_scale_graphs(run: Path, steps) -> None:
             r.scale_graph(step, _scale_graph_loss, w, x)
 
 
-def test_serve_rejects_bad_paths_with_a_message(tmp_path):
+def _serve_process(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scalescope.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_serve_rejects_bad_paths_with_a_message(tmp_path, capsys):
+    """The first case as a user runs it (its own process: exit status 2, no traceback);
+    the others through the same `main` in this process (a process start costs ~4 s)."""
+    from scalescope.cli import main
+
     (tmp_path / "file.txt").write_text("x")
     (tmp_path / "empty").mkdir()
-    cases = {
-        tmp_path / "missing": "does not exist",
-        tmp_path / "file.txt": "is a file",
-        tmp_path / "empty": "no runs under",
-    }
-    for path, words in cases.items():
-        proc = subprocess.run(
-            [sys.executable, "-m", "scalescope.cli", "serve", str(path), "--port", "5"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 2, proc.stderr
-        assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = _serve_process(str(tmp_path / "missing"), "--port", "5")
+    assert proc.returncode == 2, proc.stderr
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    for name, words in (("file.txt", "is a file"), ("empty", "no runs under")):
+        assert main(["serve", str(tmp_path / name), "--port", "5"]) == 2
+        err = capsys.readouterr().err
+        assert words in err, err
 
 
-def test_serve_on_a_taken_port_or_a_foreign_address_exits_2(runs):
+def test_serve_on_a_taken_port_or_a_foreign_address_exits_2(runs, capsys):
     """The server binds in a thread: without a check first, a taken port printed a
-    traceback there while the command announced the other server's URL and never ended."""
+    traceback there while the command announced the other server's URL and never ended
+    (so that case runs in a process of its own, under a timeout)."""
+    from scalescope.cli import main
+
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for address, words in (
-            ("127.0.0.1", "the port is in use"),
-            ("192.0.2.1", "the address is not one of"),
-        ):
-            proc = subprocess.run(
-                [sys.executable, "-m", "scalescope.cli", "serve", str(runs), "--port", str(port)]
-                + ["--address", address],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert proc.returncode == 2, proc.stdout + proc.stderr
-            assert f"cannot listen on {address}:{port}: {words}" in proc.stderr, proc.stderr
-            assert "Traceback" not in proc.stderr and "dashboard on" not in proc.stdout
+        proc = _serve_process(str(runs), "--port", str(port), "--address", "127.0.0.1")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        words = f"cannot listen on 127.0.0.1:{port}: the port is in use"
+        assert words in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and "dashboard on" not in proc.stdout
+    address = "192.0.2.1"
+    assert main(["serve", str(runs), "--port", str(port), "--address", address]) == 2
+    out, err = capsys.readouterr()
+    assert f"cannot listen on {address}:{port}: the address is not one of" in err, err
+    assert "dashboard on" not in out
 
 
 def test_page_model_draws_every_view_and_follows_the_store(runs, tmp_path):
