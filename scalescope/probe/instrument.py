@@ -16,6 +16,7 @@ from jax import lax
 from ..core import recipes as _recipes
 from ..core.policy import Policy, as_policy
 from ..core.scaled_array import ScaledArray
+from ..scalify.common import materialized
 from ..scalify.interpreter import (
     FALLBACK_POLICIES,
     Context,
@@ -150,7 +151,10 @@ def _after(values: list[Any], outs: Any) -> list[Any]:
     for scale in out_scales:
         word = lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32).reshape(()), jnp.uint32)
         bits = bits | (lax.population_count(word) >> 6)
-    zero = bits.astype(jnp.float32)
+    # computed once: XLA would otherwise copy the whole chain (a few ops per output
+    # scale) into every fusion that reads an input scale (isolate=True's tiny FP8 GPT
+    # step: 105k lines of optimised HLO instead of 74k, compile 24.6 s instead of 21.0 s)
+    zero = materialized(bits.astype(jnp.float32))
     return [
         ScaledArray.trusted(v.data, v.scale + zero.astype(v.scale.dtype))
         if isinstance(v, ScaledArray)
