@@ -263,6 +263,17 @@ def node_binary() -> str:
     return node
 
 
+def cli_process(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m scalescope.cli *args`` in a process of its own, as a user runs it
+    (exit status, stdout and stderr as text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "scalescope.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as sock:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import served_dashboard, watch_offline
+from conftest import cli_process, served_dashboard, watch_offline
 
 import scalescope as ss
 from scalescope import analysis as A
@@ -75,12 +75,7 @@ def _add_scale_graphs(run: Path, steps) -> None:
 
 
 def _serve_process(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "scalescope.cli", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return cli_process("serve", *args, timeout=120)
 
 
 def test_serve_rejects_bad_paths_with_a_message(tmp_path, capsys):

@@ -55,6 +55,13 @@ def _demo_process(args: list[str], cwd: Path) -> subprocess.Popen:
     )
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` if it is still running (a test that failed before it stopped)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 def _check_runs(root: Path, steps: int) -> dict[str, ss.RunReader]:
     readers = {}
     for name, precision in DEMO_RUNS:
@@ -98,9 +105,7 @@ def served_demo(tmp_path_factory) -> dict:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _reap(proc)
     folders = list((cwd / "runs" / "demo").iterdir()) if (cwd / "runs" / "demo").is_dir() else []
     return {
         "port": port,
@@ -240,9 +245,7 @@ def test_ctrl_c_during_training_keeps_the_runs(tmp_path):
         proc.send_signal(signal.SIGINT)
         text, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _reap(proc)
     assert proc.returncode == 130, text
     assert "interrupted" in text and str(out) in text
     assert "Traceback" not in text

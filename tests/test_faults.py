@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from conftest import served_dashboard
+from conftest import cli_process, served_dashboard
 
 import scalescope as ss
 from scalescope.cli import main
@@ -51,12 +51,7 @@ def copy(intact, tmp_path) -> Path:
 
 
 def _report(run: Path, *args: str) -> tuple[int, str, str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "scalescope.cli", "report", str(run), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = cli_process("report", str(run), *args)
     return done.returncode, done.stdout, done.stderr
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import watch_offline
+from conftest import cli_process, watch_offline
 from synthetic_run import synthetic_run as _synthetic_run
 
 import scalescope as ss
@@ -48,12 +48,7 @@ GATE = "overflow_e4m3>0,underflow_e5m2>0.01,nonfinite>0"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "scalescope.cli", "report", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli_process("report", *args)
 
 
 @pytest.fixture(scope="module")
