@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Bytecode is written and reused, even where PYTHONDONTWRITEBYTECODE is set (as on some CI
 # machines): otherwise every process, the tests' many CLI subprocesses included, compiles
-# the sources it imports anew (4 s to import the CLI with bytecode, 10 s without), and
-# pytest rewrites every test module's asserts in each worker again (~7 s).
+# the sources it imports anew (4 s to import the CLI with bytecode, 10 s without), and a
+# second run cannot reuse pytest's rewritten test modules (~7 s of collection per worker).
 RUN := env -u PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv demo test lint bench bench-numerics bench-verdicts clean
