@@ -12,8 +12,9 @@ error and the others still run):
 - ``throughput``: tokens/s of the plain BF16 step, the scalified FP8 step and the naive
   FP8 step (casts without scales), same model, same batch;
 - ``probe``: `ss.instrument`'s step time and temporaries against the scalified step, and
-  `Run(every=10)` / `Run(budget=0.05)` / detection only (the flight recorder) amortized
-  over a loop, against the same loop untracked;
+  `Run(every=10)` / `Run(budget=0.05)` / detection only (the flight recorder, its check
+  inside the step as on a GPU and after it as on CPU) amortized over a loop, against the
+  same loop untracked;
 - ``numerics``: the sample GPT (character level, the vendored Shakespeare) trained for
   300 steps scalified FP8 and BF16 from the same initial weights and batches: the gap of
   their final losses.
@@ -56,6 +57,7 @@ from sample_models.precision import PRECISIONS, SCALIFIED, Precision  # noqa: E4
 from sample_models.train_step import make_optimizer, make_train_step  # noqa: E402
 from scalescope.probe import native  # noqa: E402
 from scalescope.scalify.registry import has_rule, primitives_in  # noqa: E402
+from scalescope.store import flight  # noqa: E402
 
 #: In the order run: the probe, the longest (four more compiled programs), last.
 SECTIONS = ("env", "fp8_gemms", "throughput", "numerics", "probe")
@@ -66,6 +68,7 @@ GOALS = {
     "run_every10": 1.05,
     "run_budget": 1.02,
     "run_detect": 1.02,
+    "run_detect_other": 1.02,
     "numerics_gap": 0.01,
 }
 BF16 = Precision("bf16", param_dtype=jnp.bfloat16)
@@ -409,33 +412,44 @@ class Suite:
         )
         self._part("probe", out)
         n = self.size.run_steps
+        default_in_step = flight.check_in_step()
+        detect = {"every": 10**9, "start_step": 1}
         variants = (
-            ("run_every10", {"every": 10}),
-            ("run_budget", {"budget": 0.05}),
+            ("run_every10", {"every": 10}, None),
+            ("run_budget", {"budget": 0.05}, None),
             # the flight recorder alone: every step checked, none recorded (numbered from
-            # 1, so that step 0 is not a recorded one: only the plain program compiles)
-            ("run_detect", {"every": 10**9, "start_step": 1}),
+            # 1, so that step 0 is not a recorded one: only the plain program compiles);
+            # the check where this backend puts it, then in the other place
+            # (`flight.check_in_step`: inside the step on a GPU, after it on CPU)
+            ("run_detect", detect, default_in_step),
+            ("run_detect_other", detect, not default_in_step),
         )
-        for key, kw in variants:
+        for key, kw, in_step in variants:
             if self._late():
                 out[key] = {"skipped": "deadline", **kw}
                 log(f"  {key} skipped: past the deadline")
                 continue
-            with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
-                run = ss.Run(f"{tmp}/run", select=self.size.select, **kw)
-                fn = run.track(model.raw_step)
-                if key == "run_detect":
-                    loop(fn, model.args, 2)  # compiles the plain program (and its check)
-                else:
-                    fn.warmup(*model.args)
-                loop(compiled, model.args, 2)
-                untracked = loop(compiled, model.args, n)
-                t0 = time.perf_counter()
-                loop(fn, model.args, n)
-                run.flush()
-                tracked = time.perf_counter() - t0
-                run.close()
+            flight.IN_STEP = in_step
+            try:
+                with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
+                    run = ss.Run(f"{tmp}/run", select=self.size.select, **kw)
+                    fn = run.track(model.raw_step)
+                    if in_step is not None:
+                        loop(fn, model.args, 2)  # compiles the plain program and its check
+                    else:
+                        fn.warmup(*model.args)
+                    loop(compiled, model.args, 2)
+                    untracked = loop(compiled, model.args, n)
+                    t0 = time.perf_counter()
+                    loop(fn, model.args, n)
+                    run.flush()
+                    tracked = time.perf_counter() - t0
+                    run.close()
+            finally:
+                flight.IN_STEP = None
             out[key] = {"steps": n, "ratio": tracked / untracked, **kw}
+            if in_step is not None:
+                out[key]["check"] = "in the step" if in_step else "after the step"
             log(f"  {key}: {tracked / untracked:.3f}x over {n} steps")
             self._part("probe", out)
         return out
@@ -579,6 +593,7 @@ def markdown(results: dict[str, Any]) -> str:
                     ("run_every10", "Run(every=10)"),
                     ("run_budget", "Run(budget=0.05)"),
                     ("run_detect", "detection only (the flight recorder)"),
+                    ("run_detect_other", "the same with the check placed otherwise"),
                 )
             )
             + ", each against the same loop untracked.",
@@ -608,7 +623,8 @@ def markdown(results: dict[str, Any]) -> str:
 def _run_ratio(row: dict[str, Any] | None, key: str) -> str:
     if not row or "ratio" not in row:
         return "not measured" + (f" ({row['skipped']})" if row and row.get("skipped") else "")
-    return f"{row['ratio']:.3f}x {goal(row['ratio'], key)} over {row['steps']} steps"
+    where = f", check {row['check']}" if "check" in row else ""
+    return f"{row['ratio']:.3f}x {goal(row['ratio'], key)} over {row['steps']} steps{where}"
 
 
 def _section_time(name: str, section: dict[str, Any]) -> str:

@@ -362,8 +362,9 @@ def test_bench_run_runs_a_tiny_config():
 
 
 def test_bench_run_check_cost_compares_the_compiled_programs():
-    """``--check-cost``: XLA's cost model of the step with the flight recorder's check
-    over the step without it (a small step: the same function the script calls)."""
+    """``--check-cost``: XLA's cost model of the step with the flight recorder's check,
+    after it or inside it, over the step without it (a small step: the same function the
+    script calls)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -381,11 +382,14 @@ def test_bench_run_check_cost_compares_the_compiled_programs():
         return optax.apply_updates(p, u), s, loss(p, x)
 
     params = {"w": jnp.ones((64, 64)) * 0.1}
-    bytes_x, flops_x = mod._check_cost(step, params, opt.init(params), jnp.ones((8, 64)))
-    # the check reads every output leaf and the old parameters once: more bytes, a little
-    assert 1.0 < bytes_x < 3.0 and 1.0 <= flops_x < 3.0, (bytes_x, flops_x)
-    line = mod._check_cost_line(bytes_x, flops_x)
-    assert line.startswith("detection's check by XLA's cost model") and "goal <= 1.02x" in line
+    args = (params, opt.init(params), jnp.ones((8, 64)))
+    for in_step in (False, True):  # a program of its own after the step (CPU), or inside
+        bytes_x, flops_x = mod._check_cost(step, *args, in_step=in_step)
+        # the check reads every output leaf and the old parameters: more bytes, a little
+        assert 1.0 < bytes_x < 3.0 and 1.0 <= flops_x < 3.0, (in_step, bytes_x, flops_x)
+    line = mod._check_cost_line(bytes_x, flops_x, "inside")
+    assert line.startswith("detection's check (inside the step) by XLA's cost model")
+    assert "goal <= 1.02x" in line
 
 
 def test_bench_zoo_verdicts_labels_each_run_and_prints_the_table(capsys, tmp_path):

@@ -190,13 +190,20 @@ def test_an_incident_without_an_op_says_why_without_a_placeholder(tmp_path, capl
     assert said == f"scalescope: incident at step 3 (nonfinite): {why}"
 
 
-def test_a_step_is_judged_by_the_next_call_or_when_asked(tmp_path):
+@pytest.mark.parametrize("in_step", [False, True], ids=["check_after_step", "check_in_step"])
+def test_a_step_is_judged_by_the_next_call_or_when_asked(tmp_path, monkeypatch, in_step):
     """With on_nonfinite="record" a step's health is read once it has run (a thread),
     and its incident is taken in at the next call; `healthy` (what checkpoint code
-    asks) takes it in at once, so a bad last step is never missed."""
+    asks) takes it in at once, so a bad last step is never missed. The check runs in a
+    program of its own after the step (CPU's default) or inside the step (GPU's)."""
+    from scalescope.store import flight
+
+    assert not flight.check_in_step()  # CPU: after the step
+    monkeypatch.setattr(flight, "IN_STEP", in_step)
     seen = []
     run = ss.Run(tmp_path / "r", every=1000, on_incident=seen.append)
     tracked = run.track(step, scalify=False)
+    assert tracked.in_step is in_step
     w, x = _inputs()
     for i in range(BAD_STEP + 1):  # the bad step is the last call
         w, _ = tracked(w, x, jnp.int32(i))
@@ -371,6 +378,34 @@ def test_health_counts_every_nan_and_inf_of_every_output_leaf():
     z = np.array([1 + 1j, np.nan + 0j, 2 - 1j], np.complex64)
     out = jax.jit(health)((jnp.float32(0),), (jnp.asarray(z), jnp.float32(2.0)))
     assert float(out["nonfinite"]) == 1 and float(out["norm"]) == pytest.approx(np.sqrt(7.0))
+
+
+def test_health_of_leaves_of_one_shape_read_together_matches_numpy():
+    """Leaves of one shape are reduced together (one kernel per shape): parameters,
+    their optimizer moments and updates sharing a shape, with NaN/Inf in some of them.
+    The count covers every leaf; the norm only the parameters' updates (NumPy)."""
+    from scalescope.store.flight import health
+
+    rng = np.random.default_rng(2)
+    shapes = {"w1": (16, 8), "w2": (16, 8), "b1": (8,), "b2": (8,), "g": (8,)}
+    old = {k: rng.normal(0, 1, s).astype(np.float32) for k, s in shapes.items()}
+    new = {k: v + rng.normal(0, 1e-2, v.shape).astype(np.float32) for k, v in old.items()}
+    new["w2"][0, 0], new["b1"][3], new["g"][0] = np.nan, -np.inf, np.inf
+    mu = {k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in old.items()}
+    mu["w1"][1, 1] = np.nan
+    nu = {k: np.abs(rng.normal(0, 1, v.shape)).astype(np.float16) for k, v in old.items()}
+    nu["b2"][5] = np.inf
+    state = {"mu": mu, "nu": nu}
+    tree = lambda t: jax.tree.map(jnp.asarray, t)  # noqa: E731
+    out = jax.jit(health)((tree(old), tree(state)), (tree(new), tree(state), jnp.float32(3.0)))
+    want_bad = sum(
+        int((~np.isfinite(x.astype(np.float64))).sum()) for x in jax.tree.leaves((new, state))
+    )
+    assert want_bad == 5 and float(out["nonfinite"]) == want_bad
+    d = np.concatenate([(new[k].astype(np.float64) - old[k]).ravel() for k in shapes])
+    want = np.sqrt(np.sum(d[np.isfinite(d)] ** 2))
+    assert float(out["norm"]) == pytest.approx(want, rel=1e-5)
+    assert float(out["loss"]) == 3.0
 
 
 def test_a_spike_where_nothing_grew_names_the_largest_value():

@@ -58,6 +58,10 @@ def test_gpu_suite_smoke_runs_every_section(tmp_path):
         assert math.isfinite(probe[key]) and probe[key] > 0
     assert probe["run_every10"]["every"] == 10 and probe["run_budget"]["budget"] == 0.05
     assert probe["run_detect"]["ratio"] > 0 and probe["run_detect"]["start_step"] == 1
+    # the flight recorder's check where CPU puts it (after the step), then inside it
+    assert probe["run_detect"]["check"] == "after the step"
+    assert probe["run_detect_other"]["check"] == "in the step"
+    assert probe["run_detect_other"]["ratio"] > 0
     numerics = results["numerics"]
     assert numerics["finite"] and math.isfinite(numerics["gap"])
     md = (tmp_path / "results.md").read_text()

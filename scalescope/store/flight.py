@@ -1,7 +1,8 @@
 """The flight recorder: every tracked step is checked, recorded or not, and a step that
 goes wrong is replayed and kept as an incident.
 
-Inside the step's own program `health` computes three scalars from the outputs: how many
+Inside the step's own program, or in a small one right after it (`check_in_step`),
+`health` computes three scalars from the outputs: how many
 float elements are NaN/Inf, the loss (the first scalar float output) and a norm (of the
 update ``out[0] - args[0]`` when the first output is the first argument's new value, as
 in ``step(params, ...) -> (params, ...)``; else of the non-scalar outputs), returned as
@@ -20,6 +21,7 @@ devices holding them.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import math
 import queue
 import threading
@@ -142,26 +144,27 @@ def _sums(operands: tuple[jax.Array, ...], dims: tuple[int, ...]) -> tuple[jax.A
     )
 
 
-def _leaf_health(
-    x: jax.Array, old: jax.Array | None = None, square: bool = False
+def _shape_health(
+    counted: Sequence[jax.Array], squared: Sequence[jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
-    """``(non-finite elements of x, sum of squares)`` of one leaf, in one reduction that
-    reads it once (and ``old`` once): the squares of the finite elements of ``x - old``
-    (an update), of ``x`` itself with ``square``, else none (0).
+    """``(non-finite elements of counted, sum of the finite squares of squared)`` for
+    leaves of one shape (float32), in one reduction that reads each of them once.
 
-    Always two sums in one variadic reduction (NaNs and infinities counted apart where no
-    squares are wanted): XLA on CPU fuses that into one loop over the leaf, while a lone
-    sum of a mask went through a tree reduction that wrote the mask out first (the
-    check's own bytes on a 2-layer GPT, XLA's cost model: 17.7 MB -> 3.4 MB, for 3.4 MB
-    of parameters and outputs)."""
-    dims = tuple(range(x.ndim))
-    v = _real(x)
-    if old is None and not square:
-        nans, infs = _sums((jnp.isnan(v).astype(jnp.int32), jnp.isinf(v).astype(jnp.int32)), dims)
-        return nans + infs, jnp.float32(0)
-    d = v if old is None else _real(x - old)
-    bad = (~jnp.isfinite(v)).astype(jnp.int32)
-    return _sums((bad, jnp.where(jnp.isfinite(d), d * d, 0.0)), dims)
+    Leaves of one shape are added element by element before the reduction, which XLA
+    fuses into its loop: one kernel per shape rather than per leaf (a model's biases and
+    norms, their optimizer moments and the updates of each). The per-element sums are
+    always two in one variadic reduction (NaNs and infinities counted apart where no
+    squares are wanted): XLA on CPU fuses that into one loop, while a lone sum of a mask
+    went through a tree reduction that wrote the mask out first."""
+    dims = tuple(range(counted[0].ndim))
+    if not squared:
+        nans = functools.reduce(jnp.add, [jnp.isnan(v).astype(jnp.int32) for v in counted])
+        infs = functools.reduce(jnp.add, [jnp.isinf(v).astype(jnp.int32) for v in counted])
+        a, b = _sums((nans, infs), dims)
+        return a + b, jnp.float32(0)
+    bad = functools.reduce(jnp.add, [(~jnp.isfinite(v)).astype(jnp.int32) for v in counted])
+    sq = functools.reduce(jnp.add, [jnp.where(jnp.isfinite(d), d * d, 0.0) for d in squared])
+    return _sums((bad, sq), dims)
 
 
 def _real(v: jax.Array) -> jax.Array:
@@ -170,28 +173,40 @@ def _real(v: jax.Array) -> jax.Array:
 
 
 def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
-    """The step's health, computed inside its program (traced): ``nonfinite`` (float
+    """The step's health, computed on the device (traced): ``nonfinite`` (float
     elements of the outputs that are NaN/Inf), ``loss`` (the first scalar float output,
     NaN when there is none) and ``norm`` (see `norm_kind`; non-finite elements left out,
     they are counted above). Scaled arrays count by the values they represent. Each
-    output leaf is read once (`_leaf_health`)."""
+    output leaf (and, for an update, each old parameter) is read once, the leaves of one
+    shape by one reduction (`_shape_health`)."""
     args, out = _values(tuple(args)), _values(out)
     leaves = _float_leaves(out)
     scalars = [x for x in leaves if x.size == 1]
     loss = scalars[0].reshape(()).astype(jnp.float32) if scalars else jnp.float32(jnp.nan)
+    # shape -> (leaves counted for NaN/Inf, leaves whose finite squares are summed)
+    groups: dict[tuple[int, ...], tuple[list, list]] = {}
+
+    def add(x: jax.Array, square: jax.Array | None = None) -> None:
+        counted, squared = groups.setdefault(tuple(x.shape), ([], []))
+        counted.append(_real(x))
+        if square is not None:
+            squared.append(square)
+
     if norm_kind(args, out) == "update":
         new, old = jax.tree_util.tree_leaves(out[0]), jax.tree_util.tree_leaves(args[0])
-        parts = [
-            _leaf_health(n, o)
-            for n, o in zip(new, old, strict=True)
-            if jnp.issubdtype(n.dtype, jnp.inexact)
-        ]
-        parts += [_leaf_health(x) for x in _float_leaves(tuple(out[1:]))]
+        for n, o in zip(new, old, strict=True):
+            if jnp.issubdtype(n.dtype, jnp.inexact):
+                add(n, _real(n - o) if jnp.iscomplexobj(n) else _real(n) - _real(o))
+        for x in _float_leaves(tuple(out[1:])):
+            add(x)
     else:
-        parts = [_leaf_health(x, square=x.size > 1) for x in leaves]
-    nonfinite = sum(p[0] for p in parts).astype(jnp.float32) if parts else jnp.float32(0)
+        for x in leaves:
+            add(x, _real(x) if x.size > 1 else None)
+    parts = [_shape_health(counted, squared) for counted, squared in groups.values()]
+    # each shape's count in float32 before they are added: a sum of counts cannot wrap
+    nonfinite = sum(p[0].astype(jnp.float32) for p in parts) if parts else jnp.float32(0)
     total = sum(p[1] for p in parts) if parts else jnp.float32(0)
-    return {"nonfinite": nonfinite, "loss": loss, "norm": jnp.sqrt(total)}
+    return {"nonfinite": jnp.asarray(nonfinite, jnp.float32), "loss": loss, "norm": jnp.sqrt(total)}
 
 
 # -- on the host: the triggers ------------------------------------------------------------
@@ -199,6 +214,23 @@ def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
 
 #: The order of a step's health numbers in the one array a tracked program returns.
 HEALTH_KEYS = ("nonfinite", "loss", "norm")
+
+#: Where a tracked step's check runs (`check_in_step`); None: the backend decides.
+IN_STEP: bool | None = None
+
+
+def check_in_step() -> bool:
+    """Whether the check runs inside the step's own program (GPU, TPU) or in a program
+    of its own dispatched right after it (CPU).
+
+    Inside the step, XLA's GPU compiler can fuse each reduction into the kernel that
+    produces the output it reads (a multi-output fusion), so the check reads nothing
+    again. XLA's CPU compiler instead fuses the producer (the optimizer's update, with
+    its scale arithmetic) into the reduction as well, computing it twice: the sample
+    GPT's FP8 step (2 x 128) ran 4-6 % slower with the check inside and 2 % with it after,
+    which reads the outputs and the old parameters once more (docs/flight.md). `IN_STEP`
+    overrides the choice (the GPU suite measures both)."""
+    return IN_STEP if IN_STEP is not None else jax.default_backend() != "cpu"
 
 
 def packed_health(args: Sequence[Any], out: Any) -> jax.Array:

@@ -7,9 +7,11 @@ outputs are bit for bit those of an unrecorded step) and hands the statistics to
 run's background writer. Under a budget the recording program compiles in a background
 thread while the steps run plain.
 
-With the flight recorder on (`Run`'s ``detect``), both programs also return the step's
-health (`flight.health`); every call reads it and a step that trips a trigger is replayed
-with every op measured and kept as an incident (see `flight`).
+With the flight recorder on (`Run`'s ``detect``), each step's health (`flight.health`)
+is computed inside the programs that give the outputs, or on CPU by a small program
+of its own right after the step (`flight.check_in_step`, `_HEALTH`); every call reads
+it and a step that trips a trigger is replayed with every op measured and kept as an
+incident (see `flight`).
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class Tracked:
         # the last bits).
         self.separate = run.isolate
         self.detect = run.detect
+        # the check inside the plain program, or after it (`flight.check_in_step`)
+        self.in_step = self.detect and flight.check_in_step()
         formats = tuple(run.formats) + tuple(run.recipes)
         unjudged = [] if policy is None else [t for t in policy.targets() if t not in formats]
         if unjudged:
@@ -126,7 +130,7 @@ class Tracked:
             policy=policy,
         )
         self.instrumented, self._plain, self._recording = _PROGRAMS.get(
-            (fn, self.separate, self.detect, self.budgeted, *sorted(options.items())),
+            (fn, self.separate, self.detect, self.in_step, self.budgeted, *sorted(options.items())),
             lambda: self._programs(fn, options),
         )
         self.detector = flight.Detector(run.triggers) if self.detect else None
@@ -163,7 +167,7 @@ class Tracked:
             self.instrumented.plain_probe = plain.probe
         else:
             plain = _scalify(fn, fallback=fallback) if scalify else fn
-        plain = _with_health(plain) if self.detect else plain
+        plain = _with_health(plain) if self.in_step else plain
         plain_jit = StaticLeafJit(plain, _WHERE, self._program_name())
         return self.instrumented, plain_jit, self._recording_fn(None)
 
@@ -301,12 +305,13 @@ class Tracked:
         if not recorded:
             self.run._note_unrecorded(self.step)
             self.step += 1
-            return self._plain_parts(parts)[0]  # another graph: neither recorded nor judged
+            out = self._plain.call_parts(parts)  # another graph: neither recorded nor judged
+            return out[0] if self.in_step else out
         step, self.step = self.step, self.step + 1
         if self.budgeted:
             out, health, stats = self._budgeted_call(step, args, kwargs, parts)
         elif not self.records(step):
-            (out, health), stats = self._plain_parts(parts), None
+            (out, health), stats = self._plain_parts(parts, args), None
         else:
             out, stats, health = self._record(None, args, kwargs)
             self.run._submit(step, stats)
@@ -348,14 +353,21 @@ class Tracked:
             for call, found in self._watcher.judged(upto):
                 self._act(call, found)
 
-    def _plain_parts(self, parts: tuple) -> tuple[Any, Any]:
-        """``(outputs, health)`` of the plain program (health None when not detecting)."""
-        res = self._plain.call_parts(parts)
-        return res if self.detect else (res, None)
+    def _plain_parts(self, parts: tuple, args: tuple) -> tuple[Any, Any]:
+        """``(outputs, health)`` of the plain program (health None when not detecting);
+        ``parts``: ``args`` (and the call's keywords) split by `partition`."""
+        return self._checked(args, self._plain.call_parts(parts))
 
     def _plain_call(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        res = self._plain(*args, **kwargs)
-        return res if self.detect else (res, None)
+        return self._checked(args, self._plain(*args, **kwargs))
+
+    def _checked(self, args: tuple, res: Any) -> tuple[Any, Any]:
+        """``(outputs, health)`` from what the plain program returned for ``args``: its
+        own health (the check inside it), or that of `_HEALTH` dispatched after it, or
+        None when not detecting."""
+        if self.in_step:
+            return res
+        return res, (_HEALTH(args[:1], res) if self.detect else None)
 
     # -- the flight recorder ---------------------------------------------------------------
 
@@ -579,7 +591,7 @@ class Tracked:
         self.run._check_open()
         parts = partition(args, kwargs, where=_WHERE)
         recorded, args, kwargs, _ = self._matched(args, kwargs, parts)
-        jax.block_until_ready(self._plain(*args, **kwargs))
+        jax.block_until_ready(self._plain_call(args, kwargs))
         self._warm.add("plain")
         if self._compile_thread is not None:
             self._compile_thread.join()
@@ -607,15 +619,15 @@ class Tracked:
         if not self._compiled.is_set():  # the statistics program is still compiling
             # Untimed: the compile shares the machine, so a plain step timed now reads
             # slow (2-2.5x on a 2-core VM) and would skew every plan made with it.
-            res = self._plain_parts(parts)
+            res = self._plain_parts(parts, args)
             self._warm.add("plain")  # compiled by this call if it was the first
             return (*res, None)
         mask = ctrl.plan(step)
         if mask is None:
             if ctrl.ready and ctrl.steps % 32:
-                return (*self._plain_parts(parts), None)
+                return (*self._plain_parts(parts, args), None)
             # Time a plain step now and then: the budget is a fraction of it.
-            res, seconds = self._timed("plain", lambda *a: self._plain_parts(parts), *args)
+            res, seconds = self._timed("plain", lambda *a: self._plain_parts(parts, a), *args)
             if seconds is not None:
                 ctrl.observe_plain(seconds)
             return (*res, None)
@@ -635,6 +647,12 @@ class Tracked:
         return out, health, stats
 
 
+def _step_health(lead: tuple, out: Any) -> jax.Array:
+    """`flight.packed_health` of a step from its first argument (in ``lead``) and its
+    outputs."""
+    return flight.packed_health(lead, out)
+
+
 def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
     """``plain`` returning ``(outputs, flight.packed_health(args, outputs))``: the flight
     recorder's check, computed inside the step's own program."""
@@ -644,6 +662,12 @@ def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
         return out, flight.packed_health(args, out)
 
     return checked
+
+
+#: The flight recorder's check as a program of its own, run right after the step on its
+#: first argument and outputs where it is not inside the step (`flight.check_in_step`:
+#: on CPU). Shared by every tracked step (jit traces it once per layout of the arguments).
+_HEALTH = StaticLeafJit(_step_health, _WHERE, "health")
 
 
 #: `Tracked._records_signature`: recorded once adapted by `_scaled_like`.
