@@ -114,6 +114,29 @@ def test_controller_keeps_the_overhead_within_budget_and_covers_every_group():
     assert ctrl.groups_per_record() > 1
 
 
+def test_the_flight_recorders_check_is_paid_from_the_budget_first():
+    """On CPU the check is a program of its own after every step: the budget pays it
+    first and recording gets the rest, so recording and checking together stay within
+    the budget; a check that takes the whole budget leaves nothing to record."""
+    elements = [1000] * 8
+    t, check = 0.1, 0.02 * 0.1  # the check costs 2 % of a step
+    cost = lambda m: t + t * np.asarray(elements)[m].sum() / 4000  # noqa: E731
+    plain = BudgetController(0.05, elements, fixed_share=1.0)
+    _simulate(plain, 3000, t, cost)
+    checked = BudgetController(0.05, elements, fixed_share=1.0)
+    checked.observe_check(check)
+    _simulate(checked, 3000, t, cost)
+    assert checked.t_step == pytest.approx(t + check)
+    total = checked.spent + 3000 * check
+    assert total <= TARGET * 0.05 * 3000 * t + 1e-9
+    assert checked.spent < plain.spent and checked.spent >= 0.02 * 3000 * t
+    assert checked.coverage_period() > plain.coverage_period()
+    starved = BudgetController(0.05, elements, fixed_share=1.0)
+    starved.observe_check(0.05 * t)
+    assert _simulate(starved, 3000, t, cost) == [] and starved.starved
+    assert starved.coverage_period() == math.inf
+
+
 def test_hot_groups_are_measured_more_often():
     elements = [1000] * 8
     ctrl = BudgetController(0.05, elements, fixed_share=0.1)
@@ -245,6 +268,9 @@ def test_budgeted_run_writes_only_measured_rows(tmp_path):
                 break
         ctrl = step.controller
     assert ctrl.first_full_cover is not None, f"every group measured within {MAX_STEPS} steps"
+    # the flight recorder's check (a program of its own on CPU) is timed apart: the
+    # budget pays it first
+    assert not step.in_step and ctrl.t_check > 0 and ctrl.t_step > ctrl.t_check
     reader = ss.open_run(path)
     assert reader.budget == 0.9 and reader.statistics == "exact"
     stats = reader.stats(wide=True)
@@ -379,3 +405,17 @@ def test_warmup_waits_for_the_background_compile(tmp_path, monkeypatch):
         step = run.track(_step, scalify=False)
         step.warmup(W, X)
         assert done, "warmup returned before the statistics program compiled"
+
+
+def test_a_check_that_takes_the_whole_budget_is_said_once(tmp_path):
+    """Where checking each step costs the whole budget, nothing can record: the run
+    says so once, naming the share and the ways out."""
+    with ss.Run(tmp_path / "run", budget=0.01, groups=2) as run:
+        step = run.track(_step, scalify=False)
+        step(W, X)  # registers the run's graph (the controller)
+        ctrl = step.controller
+        ctrl.observe_plain(0.1)
+        ctrl.observe_check(0.005)  # 5 % of a step
+        with pytest.warns(UserWarning, match=r"takes 5\.0% of a step.*detect=False"):
+            step._warn_if_starved()
+        step._warn_if_starved()  # once

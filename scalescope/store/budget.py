@@ -1,7 +1,8 @@
 """The overhead budget: which steps record, and which value groups they measure.
 
-`Run(path, budget=0.05)` keeps the time spent recording at or under 5 % of the time spent
-training. The recorded values are split into groups of about equal cost
+`Run(path, budget=0.05)` keeps the time spent recording, and checking each step for the
+flight recorder where that check is a program of its own (CPU), at or under 5 % of the
+time spent training. The recorded values are split into groups of about equal cost
 (`instrument`'s ``groups``); each recorded step measures a few groups, switched by a
 runtime mask in one compiled program. This module only decides; `writer.Tracked` times
 the steps and runs them.
@@ -68,6 +69,7 @@ class BudgetController:
             raise ValueError("Run: the budget needs at least one recorded value")
         self.every = every
         self.t_plain: float | None = None  # seconds per plain step (smoothed)
+        self.t_check = 0.0  # seconds of the flight recorder's check per step (smoothed)
         self.fixed: float | None = None  # fixed seconds per recorded step (prior: shares)
         self.fixed_share = fixed_share  # prior for fixed cost, in plain steps
         self.per_element: float | None = None
@@ -91,6 +93,27 @@ class BudgetController:
         self.t_plain = seconds if self.t_plain is None else 0.7 * self.t_plain + 0.3 * seconds
         if self.fixed is None:
             self.fixed = self.fixed_share * self.t_plain
+
+    def observe_check(self, seconds: float) -> None:
+        """The flight recorder's check of a step took ``seconds``, as a program of its
+        own after the step (`flight.check_in_step`): every step pays it, so the budget
+        pays it first, and recording gets the rest."""
+        seen = self.t_check > 0
+        self.t_check = 0.7 * self.t_check + 0.3 * seconds if seen else seconds
+
+    @property
+    def t_step(self) -> float:
+        """Seconds per unrecorded step: the plain step and its check."""
+        return float(self.t_plain or 0.0) + self.t_check
+
+    def _room(self) -> float:
+        """Seconds of recording the budget allows per step, the check paid."""
+        return TARGET * self.budget * float(self.t_plain) - self.t_check
+
+    @property
+    def starved(self) -> bool:
+        """Whether the check alone takes the whole budget (nothing can record)."""
+        return self.ready and self._room() <= 0
 
     def observe_record(self, overhead: float, mask: np.ndarray) -> None:
         """A recorded step measuring ``mask`` cost ``overhead`` seconds more than a plain
@@ -157,7 +180,7 @@ class BudgetController:
         if not self.ready or step - self.last_record < self.every:
             return None
         mask = self._next_mask()
-        allowed = TARGET * self.budget * self.steps * float(self.t_plain)
+        allowed = self.steps * self._room()
         if self.spent + self.expected_cost(mask) > allowed:
             return None
         self._commit(step, mask)
@@ -224,7 +247,10 @@ class BudgetController:
             hot, turns = 0, 2
         mask = np.zeros(self.groups, bool)
         mask[: min(self.groups, k + hot)] = True
-        per_record = self.expected_cost(mask) / (TARGET * self.budget * float(self.t_plain))
+        room = self._room()
+        if room <= 0:
+            return math.inf
+        per_record = self.expected_cost(mask) / room
         interval = max(self.every, per_record)
         cold = max(1, self.groups - hot)
         return math.ceil(cold / k) * interval * turns

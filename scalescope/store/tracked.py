@@ -146,6 +146,7 @@ class Tracked:
         self._kinds: tuple[Any, list[bool]] | None = None
         self.controller: _budget.BudgetController | None = None
         self._warm: set[str] = set()  # variants already compiled (their first call is not timed)
+        self._starved_warned = False  # the check takes the whole budget (warned once)
         # Under a budget the statistics program compiles in a thread (`_compile_async`);
         # set once it has (or has failed: the first recorded step then compiles it again).
         self._compiled = threading.Event()
@@ -611,6 +612,20 @@ class Tracked:
         self._warm.add(variant)
         return out, (None if first else elapsed)
 
+    def _warn_if_starved(self) -> None:
+        """Warn once when the flight recorder's check alone takes the whole budget."""
+        ctrl = self.controller
+        if ctrl is None or not ctrl.starved or self._starved_warned:
+            return
+        self._starved_warned = True
+        warnings.warn(
+            f"Run(budget={ctrl.budget:g}): checking each step for NaN/Inf and spikes "
+            f"takes {ctrl.t_check / float(ctrl.t_plain):.1%} of a step, the whole budget: "
+            "no step records statistics (a larger budget records some; detect=False "
+            "turns the check off)",
+            stacklevel=4,
+        )
+
     def _budgeted_call(
         self, step: int, args: tuple, kwargs: dict, parts: tuple
     ) -> tuple[Any, Any, Any]:
@@ -626,11 +641,21 @@ class Tracked:
         if mask is None:
             if ctrl.ready and ctrl.steps % 32:
                 return (*self._plain_parts(parts, args), None)
-            # Time a plain step now and then: the budget is a fraction of it.
-            res, seconds = self._timed("plain", lambda *a: self._plain_parts(parts, a), *args)
+            # Time a plain step now and then: the budget is a fraction of it. A check
+            # of its own (CPU) is timed apart: the budget pays for it first.
+            if not self.detect or self.in_step:
+                res, seconds = self._timed("plain", lambda *a: self._plain_parts(parts, a), *args)
+                if seconds is not None:
+                    ctrl.observe_plain(seconds)
+                return (*res, None)
+            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
+            health, check = self._timed("check", lambda *a: _HEALTH(a[:1], out), *args)
             if seconds is not None:
                 ctrl.observe_plain(seconds)
-            return (*res, None)
+            if check is not None:
+                ctrl.observe_check(check)
+                self._warn_if_starved()
+            return out, health, None
 
         def recorded(*a: Any) -> tuple[Any, Any, Any]:
             res = self._record(mask, a, kwargs)
@@ -639,7 +664,7 @@ class Tracked:
 
         (out, stats, health), seconds = self._timed("recording", recorded, *args)
         if seconds is not None:
-            ctrl.observe_record(seconds - float(ctrl.t_plain), mask)
+            ctrl.observe_record(seconds - ctrl.t_step, mask)
         self.run._submit(step, stats, mask)
         self._submitted_step = step
         if bool(np.all(mask)):

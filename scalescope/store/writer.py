@@ -119,24 +119,23 @@ class Run:
     """A run directory being recorded (see docs/store.md).
 
     ``every``: tracked functions record every ``every``-th call (steps 0, every, 2·every…).
-    ``budget``: instead, keep the time spent recording at or under this fraction of the
-    training time (0.05: 5 %): each recorded step measures a rotating subset of the
-    values, split into ``groups`` groups of about equal cost, and values with findings
-    are measured more often (see `budget`); ``every`` is then the shortest gap between
-    two recorded steps. Statistics stay exact; a value simply has no row at the steps
-    that did not measure it. ``formats``, ``histograms``, ``select``, ``sample``,
-    ``fallback``: passed to `instrument`. ``isolate`` means what it means for `instrument`
-    (a recorded step's outputs are bit for bit those of the plain step) and `Run` gets it
-    more cheaply: True (default) runs the plain program for the outputs, then the
-    statistics as a program of their own; False records inside one program that also
-    gives the outputs (cheaper; outputs may differ in the last bits). ``config``: any
-    JSON-able dict kept in the metadata (model sizes, precision, seed). ``flush_steps`` /
-    ``flush_seconds``: when the writer writes a part (see the module docstring for the
-    crash bound).
-    ``start_step``: the first step number of tracked functions; by default 0, or one past
-    the last step already in the run when appending. ``process_index``: this writer's JAX
-    process (default `jax.process_index()`); only process 0 writes the metadata and the op
-    table.
+    ``budget``: instead, keep the time spent recording (and, on CPU, checking each step for
+    the flight recorder) at or under this fraction of the training time (0.05: 5 %): each
+    recorded step measures a rotating subset of the values, split into ``groups`` groups of
+    about equal cost, and values with findings are measured more often (see `budget`);
+    ``every`` is then the shortest gap between two recorded steps. Statistics stay exact; a
+    value simply has no row at the steps that did not measure it. ``formats``,
+    ``histograms``, ``select``, ``sample``, ``fallback``: passed to `instrument`.
+    ``isolate`` means what it means for `instrument` (a recorded step's outputs are bit for
+    bit those of the plain step) and `Run` gets it more cheaply: True (default) runs the
+    plain program for the outputs, then the statistics as a program of their own; False
+    records inside one program that also gives the outputs (cheaper; outputs may differ in
+    the last bits). ``config``: any JSON-able dict kept in the metadata (model sizes,
+    precision, seed). ``flush_steps`` / ``flush_seconds``: when the writer writes a part
+    (see the module docstring for the crash bound). ``start_step``: the first step number of
+    tracked functions; by default 0, or one past the last step already in the run when
+    appending. ``process_index``: this writer's JAX process (default `jax.process_index()`);
+    only process 0 writes the metadata and the op table.
 
     Several JAX processes (``jax.distributed``) record one run into one directory: every
     process creates its `Run` at the same point of the program (the constructor checks
