@@ -672,12 +672,6 @@ class Tracked:
         return out, health, stats
 
 
-def _step_health(lead: tuple, out: Any) -> jax.Array:
-    """`flight.packed_health` of a step from its first argument (in ``lead``) and its
-    outputs."""
-    return flight.packed_health(lead, out)
-
-
 def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
     """``plain`` returning ``(outputs, flight.packed_health(args, outputs))``: the flight
     recorder's check, computed inside the step's own program."""
@@ -692,7 +686,7 @@ def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
 #: The flight recorder's check as a program of its own, run right after the step on its
 #: first argument and outputs where it is not inside the step (`flight.check_in_step`:
 #: on CPU). Shared by every tracked step (jit traces it once per layout of the arguments).
-_HEALTH = StaticLeafJit(_step_health, _WHERE, "health")
+_HEALTH = StaticLeafJit(flight.packed_health, _WHERE, "health")
 
 
 #: `Tracked._records_signature`: recorded once adapted by `_scaled_like`.
