@@ -197,10 +197,9 @@ def main() -> None:
         _cold(step, params, state, _batches(cfg, args.batch, args.cold), args.budget)
         return
     if args.check_cost:
-        batch = _batches(cfg, args.batch, 1)[0]
-        for where, in_step in (("after", False), ("inside", True)):
-            check_bytes, check_flops = _check_cost(step, params, state, batch, in_step)
-            print(_check_cost_line(check_bytes, check_flops, where), flush=True)
+        costs = _check_cost(step, params, state, _batches(cfg, args.batch, 1)[0])
+        for where, (check_bytes, check_flops) in costs.items():
+            print(_check_cost_line(check_bytes, check_flops, where))
         return
     batches = _batches(cfg, args.batch, args.steps)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -289,12 +288,13 @@ def main() -> None:
     )
 
 
-def _check_cost(step, params, state, batch, in_step: bool = False) -> tuple[float, float]:
-    """``(bytes accessed, flops)`` of ``jit(scalify(step))`` with the flight recorder's
-    check over the step alone, by XLA's cost model of the compiled programs: what the
-    check adds, free of a shared machine's timing noise (on a bandwidth-bound device the
-    bytes decide). The check as a program of its own after the step (`tracked._HEALTH`,
-    what a CPU runs), or with ``in_step`` inside the step's program (GPU)."""
+def _check_cost(step, params, state, batch) -> dict[str, tuple[float, float]]:
+    """``{"after": (bytes, flops), "inside": (bytes, flops)}``: what ``jit(scalify(step))``
+    accesses and computes with the flight recorder's check, over the step alone, by XLA's
+    cost model of the compiled programs: what the check adds, free of a shared machine's
+    timing noise (on a bandwidth-bound device the bytes decide). "after": the check as a
+    program of its own after the step (`tracked._HEALTH`, what a CPU runs); "inside": in
+    the step's program (GPU). The step alone is compiled once."""
     from scalescope.store import flight
     from scalescope.store.tracked import _with_health
 
@@ -305,12 +305,10 @@ def _check_cost(step, params, state, batch, in_step: bool = False) -> tuple[floa
 
     plain = ss.scalify(step)
     b0, f0 = cost(plain, params, state, batch)
-    if in_step:
-        b1, f1 = cost(_with_health(plain), params, state, batch)
-        return b1 / b0, f1 / f0
     out = jax.eval_shape(plain, params, state, batch)
-    b1, f1 = cost(flight.packed_health, (params,), out)
-    return (b0 + b1) / b0, (f0 + f1) / f0
+    ba, fa = cost(flight.packed_health, (params,), out)
+    bi, fi = cost(_with_health(plain), params, state, batch)
+    return {"after": ((b0 + ba) / b0, (f0 + fa) / f0), "inside": (bi / b0, fi / f0)}
 
 
 def _check_cost_line(check_bytes: float, check_flops: float, where: str = "after") -> str:

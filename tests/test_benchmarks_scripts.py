@@ -382,12 +382,13 @@ def test_bench_run_check_cost_compares_the_compiled_programs():
         return optax.apply_updates(p, u), s, loss(p, x)
 
     params = {"w": jnp.ones((64, 64)) * 0.1}
-    args = (params, opt.init(params), jnp.ones((8, 64)))
-    for in_step in (False, True):  # a program of its own after the step (CPU), or inside
-        bytes_x, flops_x = mod._check_cost(step, *args, in_step=in_step)
+    costs = mod._check_cost(step, params, opt.init(params), jnp.ones((8, 64)))
+    # a program of its own after the step (CPU), and inside the step (GPU)
+    assert set(costs) == {"after", "inside"}
+    for where, (bytes_x, flops_x) in costs.items():
         # the check reads every output leaf and the old parameters: more bytes, a little
-        assert 1.0 < bytes_x < 3.0 and 1.0 <= flops_x < 3.0, (in_step, bytes_x, flops_x)
-    line = mod._check_cost_line(bytes_x, flops_x, "inside")
+        assert 1.0 < bytes_x < 3.0 and 1.0 <= flops_x < 3.0, (where, bytes_x, flops_x)
+    line = mod._check_cost_line(*costs["inside"], "inside")
     assert line.startswith("detection's check (inside the step) by XLA's cost model")
     assert "goal <= 1.02x" in line
 

@@ -643,19 +643,16 @@ class Tracked:
                 return (*self._plain_parts(parts, args), None)
             # Time a plain step now and then: the budget is a fraction of it. A check
             # of its own (CPU) is timed apart: the budget pays for it first.
-            if not self.detect or self.in_step:
-                res, seconds = self._timed("plain", lambda *a: self._plain_parts(parts, a), *args)
-                if seconds is not None:
-                    ctrl.observe_plain(seconds)
-                return (*res, None)
-            out, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
-            health, check = self._timed("check", lambda *a: _HEALTH(a[:1], out), *args)
+            res, seconds = self._timed("plain", lambda *a: self._plain.call_parts(parts), *args)
             if seconds is not None:
                 ctrl.observe_plain(seconds)
+            if not self.detect or self.in_step:
+                return (*self._checked(args, res), None)
+            health, check = self._timed("check", lambda *a: _HEALTH(a[:1], res), *args)
             if check is not None:
                 ctrl.observe_check(check)
                 self._warn_if_starved()
-            return out, health, None
+            return res, health, None
 
         def recorded(*a: Any) -> tuple[Any, Any, Any]:
             res = self._record(mask, a, kwargs)
