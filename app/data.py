@@ -619,7 +619,7 @@ class RunSet:
 
     def rescan(self) -> bool:
         """Look for runs that appeared under the root; True when one did."""
-        found = list_runs(self.root)
+        found = list_runs(self.root, unreadable=True)  # an unreadable run is listed as such
         added = False
         with self.lock:
             for path in found:

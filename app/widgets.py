@@ -138,6 +138,8 @@ def verdict_html(v: analysis.Verdict) -> str:
     """A verdict as the dashboard shows it above every view: the headline in the
     verdict's colour, then each reason (cause, op, source line, fix)."""
     style = _VERDICT_STYLE[v.status]
+    if v.unjudged and v.status == "healthy":  # nothing measured: not a green light
+        style = "background:#e0e0e0;color:#333"
     cls = "ss-verdict ss-verdict-" + v.status.replace(" ", "-")
     out = (
         f"<div class='{cls}' style='{style};font-size:1.2em;font-weight:bold;"

@@ -363,11 +363,15 @@ def train(
                     run.log(i, **last_val)
                 if bar is not None and (bar.due() or last):
                     bar.update(done, loss=_to_float(loss), **last_val)
-                if stop_on_nan and (done % 25 == 0 or last) and nan_step is None:
-                    values = [_to_float(x) for x in losses[-25:]]
-                    bad = [k for k, v in enumerate(values) if not math.isfinite(v)]
-                    if bad:
-                        nan_step = i - len(values) + 1 + bad[0]
+                if stop_on_nan and nan_step is None:
+                    # the previous step's loss: that step ran while this one was
+                    # dispatched, so reading it leaves the device no idle time (at the
+                    # end, the last step's too): training stops one step after a NaN
+                    for k in [*([done - 2] if done >= 2 else []), *([done - 1] if last else [])]:
+                        if not math.isfinite(_to_float(losses[k])):
+                            nan_step = first + k
+                            break
+                    if nan_step is not None:
                         break
         finally:
             if bar is not None:

@@ -10,6 +10,7 @@ re-trains a recorded run under a precision policy and measures what it costs.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -385,6 +386,11 @@ def _verify(args, parser) -> int:
 
     if args.steps < 1:
         parser.error(f"--steps must be positive, got {args.steps}")
+    if args.threshold is not None and not (math.isfinite(args.threshold) and args.threshold > 0):
+        parser.error(
+            "--threshold must be a positive relative loss gap (0.005 is 0.5 %), "
+            f"got {args.threshold}"
+        )
     try:
         if args.policy == "recommend":
             policy = ss.open_run(args.run).recommend_policy()
@@ -397,7 +403,7 @@ def _verify(args, parser) -> int:
         result = verify_run(
             args.run, policy, steps=args.steps, threshold=threshold, control=not args.no_control
         )
-    except (ss.PolicyError, ss.RunError, DatasetError, ValueError) as err:
+    except (ss.PolicyError, ss.RunError, DatasetError, ValueError, OSError) as err:
         print(f"scalescope verify: error: {err}", file=sys.stderr)
         return 2
     print(result.summary())

@@ -4,8 +4,8 @@
 
 ``--fsize``: RLIMIT_FSIZE for this process from step ``--after`` on (a write past it
 fails with "File too large", as on a full disk). Prints ``step i`` per step,
-``error: ...`` when the run raised, and ``closed`` once ``close()`` returned (or
-``close error: ...``).
+``error: TYPE: ...`` when the run raised, and ``closed`` once ``close()`` returned (or
+``close error: TYPE: ...``); TYPE is the error's class, ``+OSError`` when it is one.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ def step(w, x):
 
     loss, g = jax.value_and_grad(loss_fn)(w)
     return w - 0.1 * g, loss
+
+
+def _kind(err: BaseException) -> str:
+    return type(err).__name__ + ("+OSError" if isinstance(err, OSError) else "")
 
 
 def main() -> None:
@@ -48,12 +52,12 @@ def main() -> None:
             run.log(i, loss=loss)
             print(f"step {i}", flush=True)
     except ss.RunError as err:
-        print(f"error: {err}", flush=True)
+        print(f"error: {_kind(err)}: {err}", flush=True)
     try:
         run.close()
         print("closed", flush=True)
     except ss.RunError as err:
-        print(f"close error: {err}", flush=True)
+        print(f"close error: {_kind(err)}: {err}", flush=True)
 
 
 if __name__ == "__main__":

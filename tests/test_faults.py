@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import pandas as pd
 import pytest
 from conftest import cli_process, served_dashboard
 
@@ -71,6 +73,8 @@ def test_a_failed_write_marks_the_run_damaged_and_the_gate_fails_closed(damaged,
     part = Path(found.group(1))  # the first part after step 10: the error names it
     assert part.parent == run / L.STATS_DIR and not part.exists()  # nothing half-written
     assert all(f"{part} failed: File too large" in e for e in errors), errors
+    # the loop and close() both get the documented RunWriteError, an OSError too
+    assert all(e.split(": ")[1] == "RunWriteError+OSError" for e in errors), errors
     meta = json.loads((run / L.RUN_FILE).read_text())
     assert meta["status"] == "damaged", meta["status"]
     (note,) = meta["damage"]
@@ -239,3 +243,98 @@ def test_serve_refuses_a_page_that_names_another_host(intact, tmp_path):
         assert _request(port, evil, "/ws", Origin=f"http://{evil}", **same, **upgrade) == 403
         mine = f"127.0.0.1:{port}"
         assert _request(port, mine, "/ws", Origin=f"http://{mine}", **upgrade) == 101
+
+
+# -- found by a careful-user sweep (2026-11-30) -------------------------------------------
+
+
+def test_a_part_deleted_from_a_closed_run_is_damage_the_gate_sees(copy, tmp_path):
+    """run.json keeps how many parts the run wrote: one deleted later is named as lost
+    (it used to read as an intact run that began at step 5)."""
+    parts = L.list_parts(copy / L.STATS_DIR)
+    assert len(parts) == 4
+    parts[0].unlink()
+    reader = ss.open_run(copy)
+    assert reader.status == "damaged"
+    (note,) = reader.damage
+    assert "1 of the 4 stats/ parts" in note and "lost" in note, note
+    code, _, err = _report(copy, "--fail-on", "findings>1000")
+    assert code == 1 and "1 of the 4 stats/ parts" in err, err
+    assert _report(copy, "--fail-on", "findings>1000", "--allow-damaged")[0] == 0
+
+
+def _refuse(constant: str) -> None:
+    raise AssertionError(f"{constant} in a JSON file: not strict JSON")
+
+
+def test_a_verification_with_undefined_numbers_is_strict_json_and_reported(copy, tmp_path):
+    """A verification of two steps has no step-time ratio and, without a control, no
+    noise floor: null on disk, NaN in memory, null in the report's JSON (the report
+    used to crash on it, after writing its HTML)."""
+    from scalescope.verification import Verification
+
+    record = Verification(
+        policy=[["fwd/**", "bf16"]], steps=2, tail=1, loss_plain=[1.0, 0.9],
+        loss_policy=[1.0, 0.9], gap=0.0, threshold=0.005, verdict="safe", step_ratio=math.nan,
+    ).to_dict()  # fmt: skip
+    path = L.write_verification(copy, record)
+    on_disk = json.loads(path.read_text(), parse_constant=_refuse)
+    assert on_disk["noise"] is None and on_disk["step_ratio"] is None
+    (back,) = ss.open_run(copy).verifications()
+    assert math.isnan(back["noise"]) and math.isnan(back["step_ratio"]) and back["gap"] == 0.0
+    code, _, err = _report(copy, "-o", str(tmp_path / "r.html"), "--json", str(tmp_path / "j"))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "j").read_text(), parse_constant=_refuse)
+    (shown,) = doc["verified"]
+    assert shown["noise"] is None and shown["step_ratio"] is None and shown["gap"] == 0.0
+
+
+def test_verify_refuses_bad_input_with_exit_2_and_no_traceback(copy, tmp_path, capsys):
+    policy = tmp_path / "p.json"
+    policy.write_text(json.dumps({"fwd/**": "bf16"}))
+    assert main(["verify", str(tmp_path / "missing"), "--policy", str(policy)]) == 2
+    (tmp_path / "afile").write_text("")
+    under_a_file = str(tmp_path / "afile" / "p.json")
+    assert main(["verify", str(copy), "--policy", str(policy), "--write-policy", under_a_file]) == 2
+    err = capsys.readouterr().err
+    assert "no run at" in err and "Not a directory" in err and "Traceback" not in err
+    for threshold in ("nan", "-1", "0", "inf"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["verify", str(copy), "--policy", str(policy), "--threshold", threshold])
+        assert exit_.value.code == 2
+        assert "--threshold must be a positive relative loss gap" in capsys.readouterr().err
+
+
+def test_the_report_blames_audit_only_for_what_audit_asked(copy, tmp_path, capsys):
+    out = str(tmp_path / "j.json")
+    assert main(["report", str(copy), "--json", out, "--audit", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "--audit: format 'bogus' is not audited" in err and "audit: audit" not in err
+    part = L.list_parts(copy / L.STATS_DIR)[1]
+    frame = pd.read_parquet(part)
+    frame.loc[frame.index[:3], "op"] = 99999  # statistics of an op the table lacks
+    frame.to_parquet(part)
+    assert main(["report", str(copy), "--json", out]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be analysed" in err and "99999" in err and "--audit" not in err, err
+
+
+def test_the_report_names_a_folder_that_is_a_file_and_leaves_nothing_half_written(
+    copy, tmp_path, capsys
+):
+    (tmp_path / "afile").write_text("")
+    html = tmp_path / "afile" / "r.html"
+    assert main(["report", str(copy), "-o", str(html)]) == 2
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main(["report", str(copy), "-o", str(out / "r.html"), "--json", str(out / "j")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["j", "r.html"]  # no temporary left
+
+
+def test_serve_lists_a_run_with_unreadable_metadata_with_the_reason(copy):
+    from scalescope.app.data import RunSet
+
+    meta = copy / L.RUN_FILE
+    meta.write_text(meta.read_text()[:40])  # cut short
+    runs = RunSet(copy.parent)  # it used to say "no runs under" the folder
+    assert runs.names == [] and "unreadable run metadata" in runs.broken["run"]

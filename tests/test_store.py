@@ -605,13 +605,19 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
     n_rows = reader.meta["graph"]["n_rows"]
     counts = reader.stats("rms").groupby("step").size()
     assert (counts == n_rows).all()  # no step half written
-    assert reader.status == "recording"  # killed, never closed
+    # killed, never closed: the run says so, naming the writer, and a gate fails closed
+    assert reader.status == "damaged"
+    assert any(f"pid {proc.pid} " in note and "without closing" in note for note in reader.damage)
     assert 0 < seen_early < len(steps)
     follower.refresh()
     assert list(follower.steps) == steps
     # what the killed writer left behind is appendable
     with ss.Run(path, every=1) as run:
         assert run.start_step == max(steps[-1], int(reader.scalars.index.max())) + 1
+        live = ss.open_run(path)  # a writer records it again: not abandoned
+        assert live.status == "recording" and live.damage == []
+    # an append that recorded nothing leaves run.json as the killed writer left it
+    assert ss.open_run(path).status == "damaged"
 
 
 def test_stats_frame_matches_reader_wide_rows(tmp_path, data):
@@ -709,3 +715,42 @@ def test_store_reader_is_pure_storage_and_open_run_adds_the_views(tmp_path, data
     assert replay.attrs["op"] == op and replay.attrs["label"].endswith(pure.ops.loc[op, "name"])
 
     pd.testing.assert_frame_equal(pd.DataFrame(view.advise()), analysis.advise_run(pure))
+
+
+def test_a_step_tracked_again_continues_the_runs_steps(tmp_path, data):
+    """A second `track` of the run (a notebook cell run twice) numbers its calls after
+    the first one's: it used to restart at 0 and write a second set of rows for step 0.
+    Negative steps count from the last recorded one, as `hist` counts them; a step may
+    be a device integer (a Flax ``TrainState.step``)."""
+    w, x = data
+    with ss.Run(tmp_path / "r", every=1) as run:
+        first = run.track(mlp_step, scalify=False)
+        for i in range(3):
+            w, loss = first(w, x)
+            run.log(i, loss=loss)
+        again = run.track(mlp_step, scalify=False)
+        w, loss = again(w, x)
+        run.log(jnp.int32(3), loss=loss)
+    reader = ss.open_run(tmp_path / "r")
+    assert list(reader.steps) == [0, 1, 2, 3] and list(reader.scalars.index) == [0, 1, 2, 3]
+    rows = reader.stats("rms").groupby("step").size()
+    assert (rows == reader.meta["graph"]["n_rows"]).all(), rows
+    assert set(reader.stats("rms", steps=-1)["step"]) == {3}
+    assert set(reader.stats("rms", steps=slice(-2, None))["step"]) == {2, 3}
+    assert set(reader.stats("rms", steps=slice(None, -2))["step"]) == {0, 1}
+    assert set(reader.stats("rms", steps=[0, -1])["step"]) == {0, 3}
+    assert set(reader.stats("rms", steps=slice(-9, None))["step"]) == {0, 1, 2, 3}
+    with pytest.raises(KeyError, match="steps=-5: only 4 steps are recorded"):
+        reader.stats("rms", steps=-5)
+
+
+def test_a_run_with_no_recorded_step_is_not_judged_healthy(tmp_path):
+    with ss.Run(tmp_path / "r") as run:
+        run.log(0, loss=1.0)
+    v = ss.open_run(tmp_path / "r").verdict()
+    assert v.status == "healthy" and v.unjudged == "no step recorded"
+    assert v.headline.startswith("verdict: not judged (no step recorded")
+    assert v.as_dict()["unjudged"] == "no step recorded"
+    with ss.Run(tmp_path / "nan") as run:
+        run.log(0, loss=float("nan"))
+    assert ss.open_run(tmp_path / "nan").verdict().status == "failing"  # judged by the loss

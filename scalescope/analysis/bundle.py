@@ -11,6 +11,7 @@ them as read-only (the ``*_run`` functions hand out copies).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import weakref
@@ -178,8 +179,10 @@ class RunAnalysis:
 
     @_part
     def verdict(self) -> Verdict:
-        """The run's verdict: its findings and its logged loss (`verdict`)."""
-        return verdict(self.findings, logged_loss(self.reader.scalar_rows(), self.loss))
+        """The run's verdict: its findings and its logged loss (`verdict`); a run with
+        no recorded step is not judged by statistics (`Verdict.unjudged`)."""
+        v = verdict(self.findings, logged_loss(self.reader.scalar_rows(), self.loss))
+        return _unjudged_if_unrecorded(v, self.reader)
 
     @_part
     def causes(self) -> pd.DataFrame:
@@ -280,7 +283,17 @@ def verdict_run(
         return analyse(reader, loss=loss, **advise_kwargs).verdict
     if findings is None:
         findings = advise_run(reader, **advise_kwargs)
-    return verdict(findings, logged_loss(reader.scalar_rows(), loss), thresholds=thresholds)
+    v = verdict(findings, logged_loss(reader.scalar_rows(), loss), thresholds=thresholds)
+    return _unjudged_if_unrecorded(v, reader)
+
+
+def _unjudged_if_unrecorded(v: Verdict, reader: Any) -> Verdict:
+    """``v``, marked unjudged when ``reader`` holds no recorded step: no finding can be
+    made without statistics, so "healthy" would claim what nothing measured."""
+    steps = getattr(reader, "steps", None)
+    if steps is not None and len(steps) == 0 and not v.unjudged:
+        return dataclasses.replace(v, unjudged="no step recorded")
+    return v
 
 
 def format_whatif_run(

@@ -89,12 +89,15 @@ class Reason:
 class Verdict:
     """A run's verdict (``status``: one of `STATUSES`), up to three ``reasons`` (the
     causes that decide it, worst first), the ``step`` where it turned (None when
-    healthy), and the number of causes per severity (``counts``)."""
+    healthy), and the number of causes per severity (``counts``). ``unjudged``: why no
+    recorded statistics judged the run (``"no step recorded"``), "" when they did: a
+    healthy status then only says that the logged loss is finite."""
 
     status: str
     reasons: tuple[Reason, ...] = ()
     step: int | None = None
     counts: Mapping[str, int] = field(default_factory=dict)
+    unjudged: str = ""
 
     @property
     def rank(self) -> int:
@@ -104,6 +107,8 @@ class Verdict:
     @property
     def headline(self) -> str:
         """One line: ``verdict: failing (from step 10): e5m2 underflow in 4 bwd ops...``."""
+        if self.status == "healthy" and self.unjudged:
+            return f"verdict: not judged ({self.unjudged}; the logged loss is finite)"
         if self.status == "healthy":
             warn = sum(self.counts.get(s, 0) for s in ("medium", "low"))
             tail = f" ({warn} minor finding{'s' if warn != 1 else ''})" if warn else ""
@@ -124,6 +129,7 @@ class Verdict:
             "headline": self.headline,
             "counts": dict(self.counts),
             "reasons": [r.as_dict() for r in self.reasons],
+            "unjudged": self.unjudged,
         }
 
 

@@ -43,6 +43,9 @@ def _collect(reader: Any, thresholds: A.Thresholds, audit: Sequence[str] = ()) -
     bundle = A.analyse(reader, thresholds=thresholds, audit=tuple(audit))
     try:
         bundle.findings  # noqa: B018 - computed here, where a bad --audit is reported
-    except (KeyError, ValueError) as err:  # an audited format the run does not record
-        raise ReportError(f"--audit: {err.args[0] if err.args else err}") from None
+    except (KeyError, ValueError) as err:
+        message = str(err.args[0] if err.args else err)
+        if audit and message.startswith("audit: "):  # a format the run does not record
+            raise ReportError(f"--audit: {message.removeprefix('audit: ')}") from None
+        raise ReportError(f"{reader.path}: its statistics cannot be analysed: {message}") from None
     return _RunData(bundle)

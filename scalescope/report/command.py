@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import analysis as A
+from ..store.layout import write_bytes_atomic
 from .collect import ReportError
 from .gate import FAIL_ON_HELP, Rule, _as_rules, damage_notes, parse_fail_on
 from .page import DEFAULT_MAX_OPS, DEFAULT_MAX_STEPS, DEFAULT_WORST, _build
@@ -70,16 +71,20 @@ def write_report(
     say(verdicts["verdict"]["headline"])
     for note in damage_notes(reader):
         print(f"scalescope report: warning: the run is damaged: {note}", file=sys.stderr)
+    # both texts first, then each file whole (a temporary file renamed): a failure
+    # leaves no half-written report and no report without its JSON
+    outputs = []
     if html_path is not None:
-        path = Path(html_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(page, encoding="utf-8")
-        say(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+        outputs.append((Path(html_path), page.encode("utf-8")))
     if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(verdicts, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-        say(f"wrote {path}")
+        text = json.dumps(verdicts, indent=1, allow_nan=False) + "\n"
+        outputs.append((Path(json_path), text.encode("utf-8")))
+    for path, _ in outputs:
+        _check_folder(path)
+    for path, data in outputs:
+        write_bytes_atomic(path, data)
+        size = f" ({len(data) / 1e6:.1f} MB)" if path.suffix.lower() in (".html", ".htm") else ""
+        say(f"wrote {path}{size}")
     f = verdicts["summary"]["findings"]
     by_sev = ", ".join(f"{v} {k}" for k, v in f["by_severity"].items() if v)
     say(f"{f['total']} finding(s){f' ({by_sev})' if by_sev else ''}")
@@ -96,6 +101,18 @@ def write_report(
             )
         return 1
     return 0
+
+
+def _check_folder(path: Path) -> None:
+    """A clear error when ``path`` cannot be a file: its folder, or a folder above it, is
+    a file (``mkdir`` would say only "File exists"), or ``path`` is a folder."""
+    if path.is_dir():
+        raise ReportError(f"cannot write {path}: it is a folder")
+    for above in path.parents:
+        if above.exists():
+            if not above.is_dir():
+                raise ReportError(f"cannot write {path}: {above} is a file, not a folder")
+            return
 
 
 def add_parser(subparsers: Any) -> Any:

@@ -220,6 +220,12 @@ def _run_json(reader: Any, data: _RunData) -> dict[str, Any]:
     return _plain(out)
 
 
+def _verified(record: dict[str, Any]) -> dict[str, Any]:
+    """A kept verification without its loss curves (the report shows the gap)."""
+    curves = ("loss_plain", "loss_policy", "loss_control")
+    return {k: v for k, v in record.items() if k not in curves}
+
+
 def _verdicts(
     reader: Any,
     data: _RunData,
@@ -257,11 +263,8 @@ def _verdicts(
         "findings": _plain(f.to_dict("records")),
         "incidents": _plain(data.incidents.to_dict("records")),
         "fail_on": _plain([{k: v for k, v in r.items() if k != "text"} for r in results]),
-        "compare": cmp,
-        "policy": reader.meta.get("policy"),
-        "verified": [
-            {k: v for k, v in r.items() if k not in ("loss_plain", "loss_policy", "loss_control")}
-            for r in reader.verifications()
-        ],
+        "compare": _plain(cmp),
+        "policy": _plain(reader.meta.get("policy")),
+        "verified": _plain([_verified(r) for r in reader.verifications()]),
     }
     return verdicts

@@ -42,6 +42,9 @@ class Writer:
         self.scalar_buf: list[tuple[int, str, float]] = []
         self.oldest: float | None = None
         self.parts = 0
+        #: parts written per directory (stats/, scalars/): `Run.close` keeps the count in
+        #: run.json, so a reader notices parts deleted later
+        self.written = {L.STATS_DIR: 0, L.SCALARS_DIR: 0}
         self.last_flushed_step = -1
         # what a failed write lost: steps whose statistics, (step, name) whose scalars
         self.lost_steps: set[int] = set()
@@ -83,10 +86,15 @@ class Writer:
         self.raise_error()
 
     def raise_error(self) -> None:
-        if self.error is not None:
-            raise L.RunError(f"writing the run at {self.path} failed: {self.error}") from (
-                self.error
-            )
+        """Raise the writer thread's failure in the caller's thread: a `RunWriteError`
+        (also an `OSError`) when a file could not be written, else a `RunError`."""
+        err = self.error
+        if err is None:
+            return
+        message = f"writing the run at {self.path} failed: {err}"
+        if isinstance(err, OSError):
+            raise L.RunWriteError(message, getattr(err, "path", None) or self.path) from err
+        raise L.RunError(message) from err
 
     # -- the thread -----------------------------------------------------------------
 
@@ -212,6 +220,7 @@ class Writer:
         if self.stats_buf:
             table = self._stats_table()
             L.write_parquet_atomic(self._part_path(L.STATS_DIR), table)
+            self.written[L.STATS_DIR] += 1
             self.last_flushed_step = max(self.last_flushed_step, self.stats_buf[-1][0])
         if self.scalar_buf:
             steps, names, values = zip(*self.scalar_buf, strict=True)
@@ -224,6 +233,7 @@ class Writer:
                 }
             )
             L.write_parquet_atomic(self._part_path(L.SCALARS_DIR), table)
+            self.written[L.SCALARS_DIR] += 1
         if self.stats_buf or self.scalar_buf:
             self.seq += 1
             self.parts += 1

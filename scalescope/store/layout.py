@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
+import socket
 import tempfile
 import warnings
 from pathlib import Path
@@ -31,6 +33,11 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+try:  # advisory locks (`Run`'s writer lock); absent on Windows
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
 
 FORMAT_NAME = "scalescope-run"
 FORMAT_VERSION = 1
@@ -170,8 +177,24 @@ def write_verification(run: Path, record: dict[str, Any]) -> Path:
     """Keep a verification's outcome in run ``run`` (written whole or not at all)."""
     path = run / VERIFIED_DIR / verification_name(record["policy"], int(record["steps"]))
     path.parent.mkdir(exist_ok=True)
-    write_json_atomic(path, record)
+    write_json_atomic(path, _finite(record))
     return path
+
+
+#: A verification's numbers that may be undefined (NaN in memory, null on disk).
+_VERIFICATION_FLOATS = ("gap", "noise", "step_ratio", "threshold")
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float made None: strict JSON, which other tools
+    (jq, a browser's JSON.parse) read, where Python's NaN literal is not."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float | np.floating) and not math.isfinite(float(obj)):
+        return None
+    return obj
 
 
 def read_verifications(run: Path) -> list[dict[str, Any]]:
@@ -187,6 +210,9 @@ def read_verifications(run: Path) -> list[dict[str, Any]]:
         except (OSError, ValueError) as err:
             warnings.warn(f"{path}: unreadable verification skipped ({err})", stacklevel=2)
             continue
+        for key in _VERIFICATION_FLOATS:  # undefined: null on disk, NaN in memory
+            if key in record and record[key] is None:
+                record[key] = math.nan
         out.append(record)
     return sorted(out, key=lambda r: str(r.get("meta", {}).get("time", "")))
 
@@ -248,6 +274,11 @@ def _atomic(path: Path, write) -> None:
         raise
 
 
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """``data`` into ``path``, whole or not at all (a temporary file renamed over it)."""
+    _atomic(path, lambda f: f.write(data))
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     data = (json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n").encode()
     _atomic(path, lambda f: f.write(data))
@@ -265,6 +296,42 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return repr(obj)
+
+
+# ---------------------------------------------------------------------------------------
+# The writer's lock
+
+
+def lock_name(process: int) -> str:
+    """The lock file a `Run` holds while process ``process`` records (its text: ``pid N
+    on HOST``)."""
+    return f".writer-p{process}.lock"
+
+
+def abandoned_writer(path: Path, process: int = 0) -> str | None:
+    """Who last recorded run ``path`` as process ``process`` and is gone without closing
+    it (killed, out of memory): its lock's text. None when a writer holds the lock, when
+    none left one, or when it ran on another host (its lock may not be visible here, as
+    on a file system mounted with local locks), so a live run is never called abandoned.
+    The lock is taken shared for an instant only; `Run` retries its own lock briefly."""
+    if fcntl is None:  # pragma: no cover
+        return None
+    try:
+        fd = os.open(Path(path) / lock_name(process), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        holder = os.read(fd, 256).decode(errors="replace").strip()
+        if not holder.endswith(f" on {socket.gethostname()}"):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return None  # held: the writer is alive
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return holder
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,10 +369,17 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
-def is_run(path: Path) -> bool:
+def is_run(path: Path, *, unreadable: bool = False) -> bool:
+    """Whether ``path`` holds a run's metadata; ``unreadable``: also when its
+    ``run.json`` is scalescope's but cannot be read (truncated, too new), so that a
+    view can list the run with the reason rather than pass over it."""
     try:
         read_metadata(path)
-    except (RunError, OSError):
+    except NotARunError:
+        return False
+    except RunError:
+        return unreadable and (path / RUN_FILE).is_file()
+    except OSError:
         return False
     return True
 

@@ -58,6 +58,7 @@ class RunReader:
         #: Parts that could not be read (path, reason): skipped with a warning, listed by
         #: the report and the dashboard, and a gate failure unless damage is allowed.
         self.skipped: list[tuple[Path, str]] = []
+        self._found: dict[str, int] = {}  # parts of process 0 on disk, per directory
         #: Counts the changes `refresh` has read (new parts, the op table, new metadata):
         #: what a cache of results computed from this reader is keyed by.
         self.version = 0
@@ -83,14 +84,42 @@ class RunReader:
             markers = (self.path / L.closed_marker_name(k) for k in range(1, processes))
             if not all(m.is_file() for m in markers):
                 return "recording"
+        if status == "recording" and self._abandoned() is not None:
+            return "damaged"
         return "damaged" if status == "closed" and self.damage else status
+
+    def _abandoned(self) -> str | None:
+        """The writer of a ``recording`` run that is gone without closing it (killed),
+        as `layout.abandoned_writer` sees it on this host; None while it records."""
+        holder = L.abandoned_writer(self.path)
+        if holder is None:
+            return None
+        try:  # it may have closed the run since this reader read its metadata
+            if L.read_metadata(self.path).get("status") != "recording":
+                return None
+        except (OSError, ValueError, L.RunError):
+            return None
+        return holder
 
     @property
     def damage(self) -> list[str]:
         """What the run lost, one note per failed writer session (`Run` marks a run
-        ``damaged`` when a write failed: disk full, file size limit, ...); the closed
-        markers of other processes count too. Empty for an intact run."""
+        ``damaged`` when a write failed: disk full, file size limit, ...), and a writer
+        that ended without closing the run (killed: what it had not written is lost);
+        the closed markers of other processes count too. Empty for an intact run."""
         notes = [str(n) for n in self.meta.get("damage") or []]
+        for directory, written in (self.meta.get("parts") or {}).items():
+            missing = int(written) - self._found.get(directory, 0)
+            if missing > 0:
+                notes.append(
+                    f"{missing} of the {written} {directory}/ parts process 0 wrote are "
+                    "missing (deleted or moved): the steps they held are lost"
+                )
+        if self.meta.get("status") == "recording" and (holder := self._abandoned()):
+            notes.append(
+                f"the writer ({holder}) ended without closing the run: the steps it had "
+                "not yet written are lost"
+            )
         sessions = self.meta.get("sessions") or [{}]
         for k in range(1, int(sessions[-1].get("processes", 1))):
             try:
@@ -240,6 +269,10 @@ class RunReader:
             if self._ops is not None:
                 self._measured_cache.clear()
         new = 0
+        self._found = {
+            d: sum(L.parse_part_name(p.name)[1] == 0 for p in L.list_parts(self.path / d))
+            for d in (L.STATS_DIR, L.SCALARS_DIR)
+        }
         for part in L.list_parts(self.path / L.STATS_DIR):
             if str(part) in self._seen:
                 continue
@@ -453,7 +486,9 @@ class RunReader:
 
         ``metric``: names from ``stat_names`` (default all). ``ops``: see `resolve_ops`.
         ``steps``: a step, a list of steps, or a slice of step numbers (``slice(100,
-        None)``). ``process``: rows written by that JAX process (None: all).
+        None)``); a negative number counts from the last recorded step, as in `hist`
+        (``-1``: the last; ``slice(-3, None)``: the last three). ``process``: rows
+        written by that JAX process (None: all).
         """
         names = self._metrics(metric)
         frame = self._frame()
@@ -463,6 +498,7 @@ class RunReader:
         if ops is not None:
             mask &= np.isin(frame["op"].to_numpy(), self.resolve_ops(ops))
         if steps is not None:
+            steps = _from_the_end(steps, np.asarray(self.steps, np.int64))
             mask &= _step_mask(frame["step"].to_numpy(), steps)
         keys = ["step", "op", "iteration"] + ([] if process is not None else ["process"])
         sub = frame.loc[mask, keys + names].reset_index(drop=True)
@@ -656,6 +692,30 @@ def one_value_per_step(long: pd.DataFrame) -> pd.DataFrame:
     return wide.sort_index()
 
 
+def _from_the_end(steps: StepsArg, recorded: np.ndarray) -> StepsArg:
+    """``steps`` with each negative number made the recorded step it counts back to
+    (-1: the last of ``recorded``, sorted); a slice's bounds clamp as Python's do."""
+
+    def one(k: Any) -> int:
+        k = int(k)
+        if k >= 0:
+            return k
+        if -k > len(recorded):
+            raise KeyError(f"steps={k}: only {len(recorded)} steps are recorded")
+        return int(recorded[k])
+
+    def bound(k: Any, past: float) -> Any:
+        if k is None or int(k) >= 0:
+            return k
+        return int(recorded[int(k)]) if -int(k) <= len(recorded) else past
+
+    if isinstance(steps, slice):
+        return slice(bound(steps.start, -np.inf), bound(steps.stop, -np.inf), steps.step)
+    if isinstance(steps, int | np.integer):
+        return one(steps)
+    return [one(k) for k in steps]
+
+
 def _step_mask(values: np.ndarray, steps: StepsArg) -> np.ndarray:
     if isinstance(steps, slice):
         if steps.step not in (None, 1):
@@ -690,9 +750,12 @@ def open_run(path: str | os.PathLike) -> RunReader:
     return RunReader(path)
 
 
-def list_runs(directory: str | os.PathLike, max_depth: int = 3) -> list[Path]:
+def list_runs(
+    directory: str | os.PathLike, max_depth: int = 3, *, unreadable: bool = False
+) -> list[Path]:
     """Run directories under ``directory`` (itself included when it is a run), sorted.
-    Does not descend into runs."""
+    Does not descend into runs. ``unreadable``: include runs whose ``run.json`` cannot
+    be read (`layout.is_run`), for a view that reports them."""
     root = Path(directory)
     if not root.exists():
         raise FileNotFoundError(f"list_runs: {root} does not exist")
@@ -701,7 +764,7 @@ def list_runs(directory: str | os.PathLike, max_depth: int = 3) -> list[Path]:
     found: list[Path] = []
 
     def walk(path: Path, depth: int) -> None:
-        if (path / L.RUN_FILE).is_file() and L.is_run(path):
+        if (path / L.RUN_FILE).is_file() and L.is_run(path, unreadable=unreadable):
             found.append(path)
             return
         if depth >= max_depth:

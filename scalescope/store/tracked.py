@@ -97,7 +97,9 @@ class Tracked:
         self, run: Any, fn: Callable[..., Any], *, scalify: bool, every: int, policy: Any = None
     ) -> None:
         self.run, self.every, self.scalify, self.policy = run, every, scalify, policy
-        self.step = run.start_step
+        # numbered after every call of the run's earlier trackers: a step tracked again
+        # (a notebook cell run twice) continues the run's steps instead of restarting them
+        self.step = max([run.start_step, *(t.step for t in run._tracked)])
         self.budgeted = run.budget is not None
         # The recorded values come from a program of their own (the step evaluated again,
         # with statistics): a recorded step runs the plain program for its outputs, so

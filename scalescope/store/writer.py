@@ -23,6 +23,7 @@ import os
 import platform
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -380,11 +381,16 @@ class Run:
     def _lock(self) -> None:
         if fcntl is None:  # pragma: no cover
             return
-        lock_path = self.path / f".writer-p{self.process}.lock"
+        lock_path = self.path / L.lock_name(self.process)
         f = open(lock_path, "a+")  # noqa: SIM115 - held open for the life of the Run
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        for attempt in range(20):  # a reader takes it for an instant (`abandoned_writer`)
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if attempt < 19:
+                    time.sleep(0.05)
+        else:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
@@ -503,7 +509,9 @@ class Run:
         those of the emulated step, and the run's metadata keeps the policy. The plain
         and the recording variants are compiled separately, the recording one at the
         first recorded call; under a budget, in the background from the first call (steps
-        run plain until it is ready; ``warmup`` compiles both at once).
+        run plain until it is ready; ``warmup`` compiles both at once). Calls are numbered
+        from the run's ``start_step``; a function tracked after another one continues
+        after the calls made so far, so no step is recorded twice.
         """
         self._check_open()
         if not callable(fn):
@@ -521,8 +529,10 @@ class Run:
 
     def log(self, step: int, **scalars: Any) -> None:
         """Record scalars (loss, learning rate, grad norm...) at ``step``. Device arrays are
-        copied asynchronously; nothing here waits for the device."""
+        copied asynchronously; nothing here waits for the device (but for a ``step`` given
+        as a device array, which is read)."""
         self._check_open()
+        step = _step_number(step)
         _check_int("step", step, 0)
         values = {}
         for name, value in scalars.items():
@@ -672,6 +682,10 @@ class Run:
                         "count": before.get("count", 0) + self._unrecorded["count"],
                         "first_step": before.get("first_step", self._unrecorded["first_step"]),
                     }
+                parts = dict(self._meta.get("parts") or {})
+                for directory, n in self._writer.written.items():
+                    parts[directory] = int(parts.get(directory, 0)) + n
+                self._meta["parts"] = parts  # process 0's, over every session
                 # data lost once is lost for good: the run stays damaged
                 self._meta["status"] = "damaged" if self._meta.get("damage") else "closed"
                 self._meta["closed"] = _now()
@@ -712,6 +726,18 @@ def _graph_of(table: OpTable) -> tuple[list, str]:
     """An op table's records and the fingerprint that identifies its graph in a run."""
     records = table.to_records()
     return records, L.graph_fingerprint(records, table.stat_names, table.hist_columns)
+
+
+def _step_number(step: Any) -> Any:
+    """``step`` as a Python int when it is a 0-d integer array (a Flax ``TrainState.step``:
+    reading a device array waits for it); anything else as it is, for `_check_int`."""
+    if (
+        isinstance(step, jax.Array | np.ndarray)
+        and step.ndim == 0
+        and np.issubdtype(step.dtype, np.integer)
+    ):
+        return int(step)
+    return step
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
