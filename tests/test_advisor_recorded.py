@@ -142,3 +142,18 @@ def test_input_scale_is_for_the_mlp_only():
     TrainConfig(model="mlp", input_scale=255.0).check()
     with pytest.raises(ValueError, match="mlp only"):
         TrainConfig(model="gpt", input_scale=2.0).check()
+
+
+@pytest.mark.data
+def test_train_stops_one_step_after_the_loss_turns_nan(fashion_slice, tmp_path, capsys):
+    """Raw 0..255 pixels cast to E4M3 without scaling overflow into NaN at once: training
+    stops one step later (it read the losses 25 at a time and trained up to 24 more)."""
+    run = tmp_path / "r"
+    argv = ["train", "mlp", "--precision", "fp8-naive", "--input-scale", "255", "--steps", "30"]
+    argv += ["--every", "1000", "--hidden", "16", "--batch", "32", "--no-histograms", "--quiet"]
+    argv += ["--data-dir", str(fashion_slice), "--run", str(run)]
+    main(argv)
+    loss = ss.open_run(run).scalars["loss"].to_numpy(np.float64)
+    bad = np.flatnonzero(~np.isfinite(loss))
+    assert bad.size and len(loss) <= bad[0] + 2, loss
+    assert f"non-finite at step {bad[0]}" in capsys.readouterr().out
