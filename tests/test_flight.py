@@ -271,6 +271,56 @@ def test_a_loss_spike_is_caught_at_its_step_and_op(tmp_path):
     assert "jumped" in incident["detail"] and "x100 " in incident["detail"]
 
 
+def _scanned(reverse: bool):
+    """A step whose scan body is ``log(tanh(h @ w))``: the log of a negative tanh is NaN
+    in the first iteration that runs (the last one for a reversed scan), and every later
+    iteration's matmul reads that NaN from the carry."""
+
+    def step(ws, x):
+        def body(h, w):
+            h = jnp.tanh(h @ w)
+            return jnp.log(h), None
+
+        h, _ = jax.lax.scan(body, x, ws, reverse=reverse)
+        return ws, jnp.mean(h**2)
+
+    return step
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_inside_a_scan_the_incident_names_the_op_and_iteration_that_ran_first(tmp_path, reverse):
+    """The first row computed, not the lowest op id: the body's matmul comes first in
+    program order but only reads the NaN one iteration after the log made it."""
+    ws = jax.random.normal(jax.random.key(0), (3, 8, 8)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    first = 2 if reverse else 0  # the iteration that runs first
+    h = np.tanh(np.asarray(x, np.float64) @ np.asarray(ws[first], np.float64))
+    assert (h < 0).any() and (h > 0).any()  # the reference: NaN made there, from finite
+    with ss.Run(tmp_path / "r", every=1000) as run:
+        run.track(_scanned(reverse))(ws, x)
+    (row,) = ss.open_run(tmp_path / "r").incidents().to_dict("records")
+    assert row["name"] == "fwd/log", row
+    assert f"in iteration {first} of 3: {100 * (h < 0).mean():.1f} %" in row["detail"], row
+    assert "its inputs are finite: the NaN/Inf is made here" in row["detail"]
+
+
+def test_a_typed_key_among_the_outputs_does_not_break_a_replay(tmp_path):
+    """A step returning a new PRNG key (``jax.random.key``) that goes NaN on a step that
+    is not recorded: the replay compares the outputs, keys by their key data."""
+
+    def keyed(w, scale, key):
+        return w - 0.1 * scale * jax.random.normal(key, w.shape), jax.random.split(key)[0]
+
+    w, key = jnp.ones(4), jax.random.key(0)
+    with ss.Run(tmp_path / "r", every=1000) as run:
+        tracked = run.track(keyed)
+        for scale in (1.0, 1.0, float("nan")):
+            w, key = tracked(w, jnp.float32(scale), key)
+    assert not run.healthy
+    (row,) = ss.open_run(tmp_path / "r").incidents().to_dict("records")
+    assert row["step"] == 2 and row["trigger"] == "nonfinite"
+
+
 def test_skip_returns_the_state_of_the_last_healthy_step(tmp_path):
     run = ss.Run(tmp_path / "r", every=1000, on_nonfinite="skip")
     trail = _train(run, step, BAD_STEP + 3)

@@ -80,6 +80,10 @@ class OpRecord:
     #: every float input of the op is among ``inputs`` (none is a value without a record,
     #: such as a loop's output): what an incident needs to say the op made a NaN/Inf
     inputs_complete: bool = field(default=False, repr=False)
+    #: the enclosing scans, outermost first, as ``(scan, reverse)`` (in memory only): a
+    #: scan's serial number in this table and whether it runs its iterations last first
+    #: (the transpose of a scan does), so that rows can be put in the order they ran
+    scans: tuple[tuple[int, bool], ...] = field(default=(), repr=False)
 
     @property
     def recorded(self) -> bool:

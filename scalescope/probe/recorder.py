@@ -280,6 +280,7 @@ class _Shared:
     block_axes: dict[Any, tuple[int, ...]] = field(default_factory=dict)  # recipes' axes
     gemm: set[Any] = field(default_factory=set)  # variables a dot_general reads
     order: list[_Info] = field(default_factory=list)  # every value's info, in order
+    scans: list[bool] = field(default_factory=list)  # each adopted scan: reversed?
     inputs: list[str] = field(default_factory=list)  # argument paths of the inputs
     outputs: list[tuple[str, _Info | None]] = field(default_factory=list)
     created: list[OpRecord] = field(default_factory=list)  # every record, as made
@@ -443,15 +444,19 @@ class Recorder(Observer):
         # a plucked value is never inside a while body (`Tracked` does not ask for one)
         return kernel.accumulate(acc[0], new[0]), new[1]
 
-    def adopt(self, child: Observer, outputs: Any, kind: str) -> None:
+    def adopt(self, child: Observer, outputs: Any, kind: str, reverse: bool = False) -> None:
         if self.shared.pluck is not None:
             outputs, plucked = outputs
             if not isinstance(plucked, tuple):
                 self.scope.pluck = plucked
         block = _Block(child.scope, kind, outputs)
+        serial = len(self.shared.scans)
+        if kind == "scan":
+            self.shared.scans.append(reverse)
         for rec in child.scope.records():
             if kind == "scan":
                 rec.loop = (int(outputs["sum"].shape[0]), *rec.loop)
+                rec.scans = ((serial, reverse), *rec.scans)
             rec.in_while |= kind == "while"
             rec.in_cond |= kind == "cond"
         self.scope.entries.append(block)

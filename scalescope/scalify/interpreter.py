@@ -79,8 +79,9 @@ class Observer:
     def accumulate(self, acc: Any, new: Any) -> Any:
         return new
 
-    def adopt(self, child: Observer, outputs: Any, kind: str) -> None:
-        pass
+    def adopt(self, child: Observer, outputs: Any, kind: str, reverse: bool = False) -> None:
+        """Take in a loop or branch body's observations (``kind``: ``scan``, ``while``,
+        ``cond``, ``shard_map``; ``reverse``: a scan that runs its iterations last first)."""
 
     def same_value(self, src: Any, dst: Any) -> None:
         """``dst`` holds exactly ``src``'s elements (a rule added a sharding constraint)."""
@@ -131,9 +132,9 @@ class Context:
     def accumulate(self, acc: Any, new: Any) -> Any:
         return new if self.observer is None else self.observer.accumulate(acc, new)
 
-    def adopt(self, child: Context, outputs: Any, kind: str) -> None:
+    def adopt(self, child: Context, outputs: Any, kind: str, reverse: bool = False) -> None:
         if self.observer is not None and child.observer is not None:
-            self.observer.adopt(child.observer, outputs, kind)
+            self.observer.adopt(child.observer, outputs, kind, reverse)
 
 
 def _read(env: dict, v: Any) -> Any:

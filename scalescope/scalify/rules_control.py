@@ -160,7 +160,7 @@ def scaled_scan(ctx, eqn, invals):
         return traverse.scan(eqn, [*consts, *_conformed(init, mask), *xs_data], body)
 
     outs, extra = _fixed_point([is_scaled(c) for c in init], trace)
-    ctx.adopt(bodies[-1], extra, "scan")
+    ctx.adopt(bodies[-1], extra, "scan", reverse=bool(eqn.params.get("reverse", False)))
     return [*outs[: len(init)], *[_merge_stacked(y) for y in outs[len(init) :]]]
 
 

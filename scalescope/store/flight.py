@@ -390,6 +390,50 @@ def _per_op(table: Any, values: Any) -> dict[int, float]:
     return out
 
 
+def _at_iteration(table: Any, values: Any, it: int, scans: tuple) -> dict[int, float]:
+    """One value per op of the loop nest ``scans`` at flat iteration ``it`` (what an op
+    of that loop read in that iteration), NaN rows left out."""
+    values = np.asarray(values, np.float64)
+    out: dict[int, float] = {}
+    for rec in table.ops:
+        if rec.scans == scans and rec.n_rows > it and rec.stats_op == rec.id:
+            v = float(values[rec.row_start + it])
+            if not math.isnan(v):
+                out[rec.id] = v
+    return out
+
+
+def run_order(table: Any) -> list[int]:
+    """The rows of ``table`` in the order the step computed them: ops in program order,
+    and a scan's rows by iteration (last first for a reversed scan, as a scan's
+    transpose runs), every op of one iteration before the next iteration's. A while
+    loop's row, which sums its iterations, stands at its op."""
+    ops = {rec.id: rec for rec in table.ops}
+    first: dict[int, int] = {}  # scan -> the lowest op id in its body: where it starts
+    for rec in table.ops:
+        for serial, _ in rec.scans:
+            first[serial] = min(first.get(serial, rec.id), rec.id)
+    keys = []
+    for op, it in zip(np.asarray(table.row_op).tolist(), np.asarray(table.row_iter).tolist()):
+        rec, key = ops[op], []
+        if rec.scans and len(rec.scans) == len(rec.loop):
+            index = np.unravel_index(it, rec.loop)
+            for (serial, reverse), i, n in zip(rec.scans, index, rec.loop, strict=True):
+                key += [first[serial], n - 1 - int(i) if reverse else int(i)]
+        keys.append((*key, op))
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
+def _iteration_text(rec: Any, it: int) -> str:
+    """`` in iteration 3 of 12`` for an op inside a scan (``(1, 3)`` when nested)."""
+    if not rec.loop or int(np.prod(rec.loop)) <= 1:
+        return ""
+    index = tuple(int(i) for i in np.unravel_index(it, rec.loop))
+    shown = index[0] if len(index) == 1 else index
+    total = rec.loop[0] if len(rec.loop) == 1 else tuple(rec.loop)
+    return f" in iteration {shown} of {total}"
+
+
 def _log2(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.log2(np.where(x > 0, x, np.nan))
@@ -421,7 +465,7 @@ def describe_incident(
     frac = _per_op(table, stats["frac_nonfinite"])
     absmax = _per_op(table, stats["absmax"])
     rms = _per_op(table, stats["rms"])
-    op = None
+    op, row = None, None
     if trigger == "nonfinite":
         # NaN/Inf by construction (a causal mask's -inf, its softmax inputs) is no
         # incident's start: neither a fill nor an op already non-finite at the last
@@ -430,15 +474,25 @@ def describe_incident(
         if previous is not None:
             before = _per_op(table, previous["frac_nonfinite"])
             expected |= {o for o, f in before.items() if f > 0}
-        bad = sorted(o for o, f in frac.items() if f > 0 and o not in expected)
-        op = bad[0] if bad else None
-        share = "all" if op is not None and frac[op] >= 1 else None
-        why = (
-            f"first op with a NaN/Inf output: {share or pct_text(frac[op])} of its elements"
-            if op is not None
-            else "no recorded op holds a NaN/Inf (the non-finite value is in an output "
-            "the probe does not record)"
+        row_op = np.asarray(table.row_op)
+        shares = np.asarray(stats["frac_nonfinite"], np.float64)
+        # the first row the step computed, not the lowest op id: inside a scan, an op
+        # early in the body reads in iteration 1 what a later op made in iteration 0
+        row = next(
+            (r for r in run_order(table) if shares[r] > 0 and int(row_op[r]) not in expected),
+            None,
         )
+        op = None if row is None else int(row_op[row])
+        if op is not None:
+            share = "all" if shares[row] >= 1 else pct_text(float(shares[row]))
+            it = int(np.asarray(table.row_iter)[row])
+            where = _iteration_text(ops[op], it)
+            why = f"first op with a NaN/Inf output{where}: {share} of its elements"
+        else:
+            why = (
+                "no recorded op holds a NaN/Inf (the non-finite value is in an output "
+                "the probe does not record)"
+            )
     else:
         growth: dict[int, float] = {}
         if previous is not None:
@@ -467,6 +521,12 @@ def describe_incident(
     if op is None:
         return {"op": -1, "name": "", "primitive": "", "source": "", "detail": why}
     rec = ops[op]
+    if row is not None and len(rec.loop):  # the op and its loop's inputs at that iteration
+        it = int(np.asarray(table.row_iter)[row])
+        absmax, rms, frac = (
+            {**m, **_at_iteration(table, stats[k], it, rec.scans)}
+            for m, k in ((absmax, "absmax"), (rms, "rms"), (frac, "frac_nonfinite"))
+        )
     top = absmax.get(op, math.nan)  # of the finite elements
     exceeded = [f for f in formats if f in _FORMAT_MAX and top > _FORMAT_MAX[f]]
     inputs = []
@@ -611,7 +671,10 @@ def trees_equal(a: Any, b: Any) -> bool:
 
 
 def _local(x: Any) -> list[np.ndarray]:
-    """The values of ``x`` this process holds: the whole array, or its own shards."""
+    """The values of ``x`` this process holds: the whole array, or its own shards; a
+    typed PRNG key by its key data."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return [np.asarray(s.data) for s in x.addressable_shards]
     return [np.asarray(x)]
