@@ -205,6 +205,66 @@ def test_activation_patterns(act, kind):
     np.testing.assert_allclose(y, act(x) * r.output_scale, rtol=1e-5, atol=1e-6)
 
 
+def _layer_norm(x):  # written out, as many models do
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.maximum((x * x).mean(-1, keepdims=True) - mean * mean, 0.0)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-6)
+
+
+def _hinge(w, x, y):
+    return jnp.mean(jnp.maximum(0.0, 1.0 - y * (x @ w)[:, 0]))
+
+
+def test_a_clamp_of_a_statistic_or_a_loss_term_is_no_relu():
+    """``max(var, 0)`` in a norm and ``max(0, 1 - y f)`` in a hinge loss are not
+    activations: scaled by ReLU's √2 they changed a LayerNorm's output RMS to 2^-1/4 and
+    the loss's value. NumPy is the reference for what the functions compute."""
+    import flax.linen as nn
+
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (4, 16)) * 3 + 1
+    ref = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
+    scaled = ss.unit_scale(_layer_norm)
+    np.testing.assert_allclose(scaled(x), ref, rtol=1e-4, atol=1e-5)
+    assert "relu" not in [r.kind for r in scaled.rewrites]
+    for module, xx in ((nn.LayerNorm(), x), (nn.GroupNorm(num_groups=4), x.reshape(4, 1, 16))):
+        params = module.init(key, xx)
+        plain = module.apply(params, xx)
+        np.testing.assert_allclose(ss.unit_scale(module.apply)(params, xx), plain, atol=1e-6)
+    w = jax.random.normal(key, (16, 1))
+    y = jnp.sign(jax.random.normal(jax.random.PRNGKey(1), (4,)))
+    scaled = ss.unit_scale(_hinge)
+    value = scaled(w, x, y)
+    (linear,) = [r for r in scaled.rewrites if r.kind != "relu"]  # the matmul alone
+    assert [r.kind for r in scaled.rewrites] == [linear.kind]
+    f = np.asarray(x, np.float64) @ np.asarray(w, np.float64) * linear.output_scale
+    hinge = np.maximum(0.0, 1.0 - np.asarray(y) * f[:, 0]).mean()
+    np.testing.assert_allclose(value, hinge, rtol=1e-5)
+    # an activation feeding a matmul still is one
+    mlp = ss.unit_scale(lambda w, x: jax.nn.relu(x @ w) @ w.T)
+    mlp(jnp.eye(16), x)
+    assert "relu" in [r.kind for r in mlp.rewrites]
+
+
+def test_a_function_that_takes_gradients_is_refused():
+    """A whole training step (loss, gradient and update): its backward pass is already
+    written out, and Adam's ``b1·mu + (1-b1)·g`` read as a residual add was rescaled."""
+    import optax
+
+    tx = optax.adam(1e-2)
+
+    def step(w, state, x, y):
+        loss, g = jax.value_and_grad(_hinge)(w, x, y)
+        update, state = tx.update(g, state, w)
+        return optax.apply_updates(w, update), state, loss
+
+    w, x, y = jnp.ones((16, 1)), jnp.ones((4, 16)), jnp.ones(4)
+    with pytest.raises(ValueError, match=r"step computes gradients itself .*transpose") as err:
+        ss.unit_scale(step)(w, tx.init(w), x, y)
+    assert "jax.grad(ss.unit_scale(loss_fn))" in str(err.value)
+    jax.grad(ss.unit_scale(_hinge))(w, x, y)  # what it says to do instead works
+
+
 def test_residual_add_is_split_and_scaled():
     def f(w, x):
         return x + jnp.tanh(x @ w)

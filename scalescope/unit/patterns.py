@@ -203,12 +203,56 @@ def _match_silu(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
     return {i, use[0]}, x, g.eqns[use[0]].outvars[0]
 
 
+_ELEMENTWISE = _SHAPE_OPS | {"add", "sub", "mul", "div", "neg", "integer_pow", "square"}
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+
+
+def _after_reduction(g: _Graph, v: Any, hops: int = 4) -> bool:
+    """Whether ``v`` is computed, through a few elementwise ops, from a reduction: a
+    statistic (a variance ``mean(x²) - mean(x)²``), not an activation."""
+    frontier = [v]
+    for _ in range(hops):
+        nxt = []
+        for u in frontier:
+            if isinstance(u, Literal) or u not in g.producer:
+                continue
+            eqn = g.eqns[g.producer[u]]
+            if eqn.primitive.name in _REDUCTIONS:
+                return True
+            if eqn.primitive.name in _ELEMENTWISE:
+                nxt += eqn.invars
+        frontier = nxt
+    return False
+
+
+def _into_a_total(g: _Graph, v: Any, hops: int = 4) -> bool:
+    """Whether ``v`` flows, through a few elementwise ops, into a reduction to a single
+    number: a loss term (a hinge loss's ``mean(max(0, 1 - y·f))``), not an activation."""
+    frontier = [v]
+    for _ in range(hops):
+        nxt = []
+        for u in frontier:
+            for j, _ in g.consumers.get(u, []):
+                eqn = g.eqns[j]
+                if eqn.primitive.name in _REDUCTIONS and _size(eqn.outvars[0]) == 1:
+                    return True
+                if eqn.primitive.name in _ELEMENTWISE:
+                    nxt += eqn.outvars
+        frontier = nxt
+    return False
+
+
 def _match_relu(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
-    """``max(x, 0)``."""
+    """``max(x, 0)`` as an activation: not a clamp of a statistic (a norm's variance,
+    ``max(var, 0)``) nor a loss term reduced to one number (a hinge loss), which the
+    ReLU's unit scale (√2, for unit-normal inputs) would change."""
     x = _with_const(g, i, 0.0)
     if x is None or isinstance(x, Literal):
         return None
-    return {i}, x, g.eqns[i].outvars[0]
+    out = g.eqns[i].outvars[0]
+    if _after_reduction(g, x) or _into_a_total(g, out):
+        return None
+    return {i}, x, out
 
 
 def _max_shift(g: _Graph, shifted: Any) -> tuple[set[int], Any, int] | None:

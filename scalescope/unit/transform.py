@@ -23,6 +23,7 @@ from jax.extend.core import Literal
 
 from ..scalify import traverse
 from ..scalify.interpreter import bind_plain
+from ..scalify.source import format_source
 from .calibrate import (
     _ITER,
     Calibration,
@@ -293,6 +294,20 @@ def _call_scope(eqn: Any) -> str | None:
 # -- the public transform ----------------------------------------------------------------
 
 
+def _backward_at(jaxpr: Any) -> str | None:
+    """Where ``jaxpr`` (or a body in it) holds a backward pass, ``name stack at
+    file:line`` of its first equation; None when it has none."""
+    for eqn in jaxpr.eqns:
+        stack = str(getattr(eqn.source_info, "name_stack", ""))
+        if "transpose(" in stack:
+            return f"{eqn.primitive.name} under {stack} at {format_source(eqn.source_info)}"
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found = _backward_at(getattr(sub, "jaxpr", sub))
+            if found is not None:
+                return found
+    return None
+
+
 def unit_scale(
     fn: Callable[..., Any],
     *,
@@ -363,6 +378,15 @@ def unit_scale(
 
         dyn_vals = [leaves[i] for i in dyn]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
+        backward = _backward_at(closed.jaxpr)
+        if backward is not None:
+            raise ValueError(
+                f"unit_scale: {getattr(fn, '__name__', 'fn')} computes gradients itself "
+                f"({backward}). Its backward pass is already written out, so unit-scaling "
+                "its forward ops would leave the gradients unscaled, and an optimizer's "
+                "arithmetic would be read as residual adds. Unit-scale the loss (or the "
+                "model) and differentiate that: jax.grad(ss.unit_scale(loss_fn))."
+            )
         interp = _Interpreter(opts, cal)
         flags = [PARAM if _is_float(v) else CONST for v in closed.jaxpr.invars]
         outs = interp.run_closed(closed, dyn_vals, flags)
