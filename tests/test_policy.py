@@ -25,6 +25,7 @@ LABELS = [
     "bwd/loss/add_any",
     "opt/mul#3",
     "opt/adam.mu+1",
+    "fwd/dot_general",  # a step without scopes
 ]
 
 
@@ -50,6 +51,10 @@ def reached(pattern: str) -> list[str]:
         ("re:mlp", LABELS[1:4] + ["bwd/blocks/0/mlp/add_any#3"]),  # a regex is searched
         ("re:^fwd/.*dot_general#\\d+$", [LABELS[4]]),
         ("input/params/*", ["input/params/w1"]),
+        # ** as a whole part spans any number of parts, none included
+        ("fwd/**/dot_general", [*LABELS[1:4], "fwd/dot_general"]),
+        ("**/add_any", ["bwd/loss/add_any"]),
+        ("fwd/blocks/**/mlp/**", LABELS[1:4]),
     ],
 )
 def test_globs_and_regexes_reach_the_labels_they_say(pattern, want):

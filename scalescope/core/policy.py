@@ -52,12 +52,17 @@ def targets() -> tuple[str, ...]:
 
 def glob_regex(pattern: str) -> str:
     """The regex (anchored at both ends) of a glob over ``/``-separated labels: ``**``
-    any characters, ``*`` any within one part, ``?`` one character of a part,
-    ``[...]`` a class (``[!...]`` negated); everything else literal."""
+    any characters, and as a whole part (``a/**/b``, ``**/b``) any number of parts, none
+    included (``fwd/**/dot_general`` matches ``fwd/dot_general``); ``*`` any within one
+    part, ``?`` one character of a part, ``[...]`` a class (``[!...]`` negated);
+    everything else literal."""
     out, i, n = [], 0, len(pattern)
     while i < n:
         c = pattern[i]
-        if pattern.startswith("**", i):
+        if pattern.startswith("**/", i) and (i == 0 or pattern[i - 1] == "/"):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
             out.append(".*")
             i += 2
         elif c == "*":

@@ -623,8 +623,9 @@ class Tracked:
         warnings.warn(
             f"Run(budget={ctrl.budget:g}): checking each step for NaN/Inf and spikes "
             f"takes {ctrl.t_check / float(ctrl.t_plain):.1%} of a step, the whole budget: "
-            "no step records statistics (a larger budget records some; detect=False "
-            "turns the check off)",
+            "while it does, no step records statistics (steps are timed as they run, so "
+            "recording resumes if the check gets cheaper; a larger budget leaves room, "
+            "detect=False turns the check off)",
             stacklevel=4,
         )
 
