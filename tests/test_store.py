@@ -754,3 +754,25 @@ def test_a_run_with_no_recorded_step_is_not_judged_healthy(tmp_path):
     with ss.Run(tmp_path / "nan") as run:
         run.log(0, loss=float("nan"))
     assert ss.open_run(tmp_path / "nan").verdict().status == "failing"  # judged by the loss
+
+
+def _masked_step(w, x=None, *, mask=None):
+    return w - 0.1 * ((x @ w) * mask).T @ x, jnp.sum(mask)
+
+
+def test_an_argument_given_by_position_or_by_keyword_is_one_graph(tmp_path, recwarn):
+    """The op table names inputs as they are passed: ``step(w, x, mask=m)`` then
+    ``step(w, x=x, mask=m)`` used to read as another graph and run unrecorded."""
+    w, x, m = jnp.ones((4, 4)) * 0.5, jnp.ones((2, 4)), jnp.ones((2, 4))
+    with ss.Run(tmp_path / "r", every=1) as run:
+        tracked = run.track(_masked_step)
+        tracked.warmup(w, x=x, mask=m)
+        a = tracked(w, x, mask=m)
+        b = tracked(w, x=x, mask=m)
+        c = tracked(mask=m, x=x, w=w)
+    plain = jax.jit(_masked_step)(w, x, mask=m)
+    for out in (a, b, c):
+        np.testing.assert_array_equal(out[0], plain[0])
+    reader = ss.open_run(tmp_path / "r")
+    assert list(reader.steps) == [0, 1, 2] and reader.unrecorded_calls is None
+    assert not [w for w in recwarn.list if "graph other than" in str(w.message)]

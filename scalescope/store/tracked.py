@@ -17,6 +17,7 @@ incident (see `flight`).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -157,6 +158,12 @@ class Tracked:
         # What the policy's held formats keep of each update (`updates`), measured at
         # recorded steps; None without a policy holding the state (set at registration).
         self._measure: updates.Measure | None = None
+        # to pass each argument the same way whether given by position or keyword: the
+        # op table names inputs as they are passed, and a run holds one graph
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin or a callable without one
+            self._signature = None
         functools.update_wrapper(self, fn)
 
     def _programs(self, fn: Callable[..., Any], options: dict[str, Any]) -> tuple[Any, ...]:
@@ -296,6 +303,8 @@ class Tracked:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.run._check_open()
+        if kwargs and self._signature is not None:
+            args, kwargs = _canonical(self._signature, args, kwargs)
         parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
         if any(isinstance(leaf, jax.core.Tracer) for leaf in parts[1]):
             raise TypeError(
@@ -592,6 +601,8 @@ class Tracked:
         """Compile both variants now (each runs once on these arguments; nothing is
         recorded and the step counter does not move), so no training step pays for it."""
         self.run._check_open()
+        if kwargs and self._signature is not None:
+            args, kwargs = _canonical(self._signature, args, kwargs)
         parts = partition(args, kwargs, where=_WHERE)
         recorded, args, kwargs, _ = self._matched(args, kwargs, parts)
         jax.block_until_ready(self._plain_call(args, kwargs))
@@ -670,6 +681,18 @@ class Tracked:
         if bool(np.all(mask)):
             self._keep_stats(stats)
         return out, health, stats
+
+
+def _canonical(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` as ``sig`` binds them: a parameter that can be passed by
+    position is, whichever way the call gave it (``step(w, x=x)`` is ``step(w, x)``);
+    keyword-only ones follow in the signature's order. A call ``sig`` does not bind is
+    left as it is, for the function to raise its own error."""
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return args, kwargs
+    return bound.args, bound.kwargs
 
 
 def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
