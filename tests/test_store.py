@@ -776,3 +776,21 @@ def test_an_argument_given_by_position_or_by_keyword_is_one_graph(tmp_path, recw
     reader = ss.open_run(tmp_path / "r")
     assert list(reader.steps) == [0, 1, 2] and reader.unrecorded_calls is None
     assert not [w for w in recwarn.list if "graph other than" in str(w.message)]
+
+
+def test_a_session_ended_by_an_exception_says_so(tmp_path, data):
+    """The data is kept and the run is closed, but the views say the training stopped
+    there (it used to read as a run that ended normally)."""
+    w, x = data
+    with pytest.raises(KeyboardInterrupt), ss.Run(tmp_path / "r", every=1) as run:
+        tracked = run.track(mlp_step, scalify=False)
+        w, _ = tracked(w, x)
+        raise KeyboardInterrupt
+    reader = ss.open_run(tmp_path / "r")
+    assert reader.status == "closed" and list(reader.steps) == [0]
+    assert reader.ended_by == "KeyboardInterrupt: "
+    notes = ss.analysis.measurement_notes(reader)
+    assert any("ended with an exception (KeyboardInterrupt" in n for n in notes), notes
+    with ss.Run(tmp_path / "r", every=1) as run:  # a later session that ends normally
+        run.track(mlp_step, scalify=False)(w, x)
+    assert ss.open_run(tmp_path / "r").ended_by == ""

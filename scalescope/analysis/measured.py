@@ -45,14 +45,25 @@ def unrecorded_note(unrecorded: dict[str, int] | None) -> str:
     )
 
 
+def ended_note(ended_by: str) -> str:
+    """The note for a run whose last session ended in an exception ("" otherwise): its
+    data is whole, but the training stopped there."""
+    if not ended_by:
+        return ""
+    return (
+        f"the last recording session ended with an exception ({ended_by}): training stopped there"
+    )
+
+
 def measurement_notes(reader: Any) -> list[str]:
     """The notes a view shows next to figures computed from ``reader``'s statistics:
-    `sampled_note`, `budget_note` and `unrecorded_note`, those that apply (none for an
-    exact run measured in full)."""
+    `sampled_note`, `budget_note`, `unrecorded_note` and `ended_note`, those that apply
+    (none for an exact run measured in full that ended normally)."""
     budget = reader.budget
     notes = [
         sampled_note(reader.statistics, reader.sample),
         budget_note(budget, reader.measurement_period() if budget is not None else None),
         unrecorded_note(getattr(reader, "unrecorded_calls", None)),
+        ended_note(getattr(reader, "ended_by", "")),
     ]
     return [n for n in notes if n]

@@ -177,6 +177,13 @@ class RunReader:
         return dict(value) if value else None
 
     @property
+    def ended_by(self) -> str:
+        """The exception that ended the last recording session's ``with Run(...)``
+        block (``"KeyboardInterrupt: "``), "" when it ended normally."""
+        sessions = self.meta.get("sessions") or [{}]
+        return str(sessions[-1].get("ended_by") or "")
+
+    @property
     def budget(self) -> float | None:
         """The overhead budget the run was recorded under (e.g. 0.05: a rotating subset
         of ops measured per recorded step), or None (every op at every recorded step)."""

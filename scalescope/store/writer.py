@@ -208,6 +208,7 @@ class Run:
         # calls that traced another graph than the run's and ran unrecorded, and the
         # first of them (the views say so beside the verdict)
         self._unrecorded: dict[str, int] = {}
+        self._ended_by = ""  # the exception that ended a `with Run(...)` block, if one did
         _check_int("flush_steps", flush_steps, 1)
         if not flush_seconds > 0:
             raise ValueError(f"Run: flush_seconds must be positive, got {flush_seconds!r}")
@@ -682,6 +683,8 @@ class Run:
                         "count": before.get("count", 0) + self._unrecorded["count"],
                         "first_step": before.get("first_step", self._unrecorded["first_step"]),
                     }
+                if self._ended_by and self._meta.get("sessions"):
+                    self._meta["sessions"][-1]["ended_by"] = self._ended_by
                 parts = dict(self._meta.get("parts") or {})
                 for directory, n in self._writer.written.items():
                     parts[directory] = int(parts.get(directory, 0)) + n
@@ -714,7 +717,9 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:  # kept in the session's entry: the training stopped here
+            self._ended_by = f"{exc_type.__name__}: {exc}"[:300]
         self.close()
 
     def __repr__(self) -> str:
