@@ -438,6 +438,10 @@ def _probe_data() -> dict[str, np.ndarray]:
         # abs-max below 448 / f32max: the tensor factors clamp to float32's max
         "tiny": rng.normal(size=(2, 32)) * 2e-38 + np.eye(2, 32) * 1e-37,
         "tiny_edge": np.array([448 / float(np.finfo(F32).max), -3e-37, 1e-38, 2.0**-126]),
+        # abs-max of 2**127 or more: 1 / amax and 2**-127 are no normal float32 (the
+        # XLA kernel read every element as clipped here)
+        "huge": np.array([2e38, 1e38, -1.5e38, 3e37, 1.0, -7e36]),
+        "near_max": np.array([3.4e38, -3e38, 1e30, 2.0**127]),
         "all_zero": np.zeros(5),
         "all_nan": np.full(3, np.nan),
     }

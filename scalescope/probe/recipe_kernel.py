@@ -44,9 +44,16 @@ _E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
 def _tensor_factor(top: float, amax: jax.Array) -> jax.Array:
-    """``f32(top / amax)``, float32's max where it overflows (an abs-max below about
-    ``top / 3.4e38``, clamped as Transformer Engine does), 1 for an all-zero value."""
-    f = np.float32(top) / jnp.maximum(amax, _TINY)
+    """``f32(top / amax)`` correctly rounded, float32's max where it overflows (an
+    abs-max below about ``top / 3.4e38``, clamped as Transformer Engine does), 1 for an
+    all-zero value. Computed as ``(top / m) * 2**-e`` for ``amax = m * 2**e``: XLA turns
+    a division by a broadcast value into a product with its reciprocal, and ``1 / amax``
+    is a subnormal (flushed to zero) for an abs-max above 2**126."""
+    safe = jnp.maximum(amax, _TINY)
+    e = _exponent(safe)
+    q = _div_rn(jnp.full(safe.shape, top, _F32), _mantissa(safe))  # in (top / 2, top]
+    h = (-e) // 2
+    f = q * _pow2(h) * _pow2(-e - h)  # exact steps: each factor and product normal
     return jnp.where(amax > 0, jnp.minimum(f, np.finfo(np.float32).max), 1.0)
 
 
@@ -173,8 +180,12 @@ def _cast_exact(p: jax.Array, r: jax.Array, el: Format) -> jax.Array:
 
 def _scaled(a: jax.Array, s: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(p, r)``: float32 product ``a * s`` and its residual, with ``a`` taken in units
-    of ``2**e`` first (``s * 2**e`` then stays small enough to split exactly)."""
-    a2, s2 = a * _pow2(-e), s * _pow2(e)
+    of ``2**e`` first (``s * 2**e`` then stays small enough to split exactly). Each
+    power of two is applied in two steps: ``2**-127`` (an abs-max of 2**127 or more) is
+    no normal float32."""
+    h = e // 2
+    a2 = a * _pow2(-h) * _pow2(h - e)
+    s2 = s * _pow2(h) * _pow2(e - h)
     p = a2 * s2
     return p, _residual(a2, s2, p)
 
