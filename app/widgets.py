@@ -90,11 +90,8 @@ FORMATS_HEAD = (
     "<h3>Safe ops per pass, format and recipe</h3><p>An op is safe in a format when, over "
     f"the recorded steps, it never overflows, underflows at most "
     f"{pct(THRESHOLDS.underflow)}, keeps its SNR above the format's threshold and "
-    "holds no NaN/inf. A block-scaled recipe (recorded with <code>formats=</code>) is safe "
-    f"when it clips at most {pct(THRESHOLDS.recipe_overflow)} of the elements (SNR judges "
-    "clipping), "
-    f"underflows at most {pct(THRESHOLDS.underflow)}, flushes no block to zero, "
-    "keeps its SNR above its element format's threshold and holds no NaN/inf.</p>"
+    "holds no NaN/inf. Block-scaled recipes are recorded with <code>formats=</code>. "
+    f"{html.escape(analysis.recipe_rule_text(THRESHOLDS))}</p>"
 )
 CHEAPEST_HEAD = (
     "<h3>Cheapest safe recipe</h3><p>Ops per pass for which each recipe is the cheapest "

@@ -5,6 +5,7 @@ on a small recorded run. Synthetic numbers are chosen here, not computed by the 
 
 from __future__ import annotations
 
+import html
 import json
 import math
 
@@ -152,6 +153,25 @@ def test_recipe_snr_threshold_is_the_recipes():
     assert t.underflow_for("nvfp4") == 0.75 and t.underflow_for("e4m3") == 0.01
 
 
+def test_the_recipe_rule_in_words_is_the_rule_applied():
+    """The report and the dashboard print the rule beside the recipe verdicts: it used
+    to say 1 % underflow, no flushed block and the element format's SNR while the
+    verdicts applied 75 %, flushed blocks through the SNR and 13.5 dB."""
+    text = A.recipe_rule_text(A.Thresholds())
+    assert "13.5 dB" in text and "at most 75.0%" in text and "judged through the SNR" in text
+    assert "element format" not in text and "no block" not in text
+    bounded = A.recipe_rule_text(A.Thresholds(recipe_overflow=0.01, recipe_snr_db=10.0))
+    assert "clips at most 1.0% of the elements" in bounded and "10 dB" in bounded
+    from scalescope.app import widgets
+
+    assert A.recipe_rule_text(widgets.THRESHOLDS) in html.unescape(widgets.FORMATS_HEAD)
+    # what format_whatif decides at those limits (the unit test above): flushing 6.7 %
+    # and a flushed block, SNR over 13.5 dB: safe, as the text says
+    ops = make_ops("op")
+    stats = make_stats({"underflow_nvfp4": 0.067, "block_flush_nvfp4": 0.028, "snr_nvfp4": 20.0})
+    assert A.format_whatif(stats, ops).loc[0, ("nvfp4", "safe")]
+
+
 def test_cheapest_safe_recipe_fewest_bits_then_per_tensor_then_larger_blocks():
     order = sorted(ss.core.recipes.RECIPES, key=A.recipe_cost)
     assert order == [
@@ -294,6 +314,10 @@ def test_report_verdicts_and_fail_on_with_recipes(recipe_run, tmp_path, capsys):
     assert doc["run"]["recipes"] == ["nvfp4", "mxfp8_e4m3_rceil"]
     assert doc["thresholds"]["recipe_overflow"] == 1.0
     assert doc["thresholds"]["recipe_snr_db"] == 13.5
+    html_out = tmp_path / "r.html"
+    cli.main(["report", str(recipe_run), "-o", str(html_out)])
+    page = html.unescape(html.unescape(html_out.read_text()))  # a Div inside Bokeh JSON
+    assert A.recipe_rule_text(A.Thresholds()) in page
     counts = A.verdict_counts(whatif, reader.ops)
     for name in ("e4m3", "nvfp4", "mxfp8_e4m3_rceil"):
         assert doc["summary"]["verdicts"]["all"][name] == {

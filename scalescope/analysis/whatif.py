@@ -318,3 +318,21 @@ def recipe_elements(recipes: Sequence[str]) -> dict[str, Any]:
     from ..core import recipes as _recipes
 
     return {r: _recipes.get(r).element for r in recipes}
+
+
+def recipe_rule_text(thresholds: Thresholds) -> str:
+    """The rule a block-scaled recipe is judged safe by, in words, with ``thresholds``'
+    numbers (what the report and the dashboard print beside the recipe verdicts)."""
+    t = thresholds
+    clip = (
+        "its clipping is judged through the SNR"
+        if t.recipe_overflow >= 1
+        else f"it clips at most {pct(t.recipe_overflow)} of the elements"
+    )
+    return (
+        "A block-scaled recipe is safe for an op when, at every recorded step, its "
+        f"quantisation SNR stays at or above {t.recipe_snr_db:g} dB (a recipe's own entry "
+        "in the SNR thresholds where it has one; the SNR counts what it clips and what "
+        f"its flushed blocks lose), {clip}, it flushes at most {pct(t.recipe_underflow)} "
+        "of the non-zero values to zero and the op holds no NaN/inf."
+    )

@@ -150,7 +150,7 @@ def _summary_html(data: _RunData) -> str:
     title = "format or recipe" if data.recipes else "format"
     recipe_rule = ""
     if data.recipes:
-        recipe_rule = _RECIPE_RULE.format(over=pct(t.recipe_overflow), under=pct(t.underflow))
+        recipe_rule = f"<div>{_e(A.recipe_rule_text(t))}</div>"
     return (
         f"<h2>Verdicts: ops safe per pass and {title}</h2>"
         "<div>An op is safe in a format when, at every recorded step, casting it loses "
@@ -208,14 +208,6 @@ def _verified_html(reader: Any) -> str:
             + _table(["policy", "steps", "loss gap", "measured", "predicted", "agree"], rows)
         )
     return "".join(parts)
-
-
-_RECIPE_RULE = (
-    "<div>A block-scaled recipe is safe for an op when, at every recorded step, it clips at "
-    "most {over} of the elements (recipes clip by design; clipping that matters lowers the "
-    "SNR), flushes at most {under} of the non-zero values and no block to zero, keeps the "
-    "SNR above its element format's threshold and holds no NaN/inf.</div>"
-)
 
 
 def _cheapest_html(data: _RunData) -> str:
