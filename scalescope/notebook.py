@@ -557,7 +557,7 @@ def _run_summary(reader: Any) -> dict[str, Any]:
     return row
 
 
-def compare_runs(reader: Any, other: Any, metric: str = "rms") -> ComparisonView:
+def compare_runs(reader: Any, other: Any, metric: str = "value_rms") -> ComparisonView:
     """`ComparisonView` of two runs (``other``: a reader or a run path)."""
     from .store import RunReader, open_run
 

@@ -132,10 +132,11 @@ class RunView(RunReader):
         `scalescope.analysis.matrix`. Returns a `scalescope.notebook.HeatmapView`."""
         return nb.run_heatmap(self, metric, ops, iterations=iterations, max_steps=max_steps)
 
-    def compare(self, other: RunReader | str | os.PathLike, metric: str = "rms") -> Any:
+    def compare(self, other: RunReader | str | os.PathLike, metric: str = "value_rms") -> Any:
         """This run (a) against ``other`` (b, a reader or a run path), displayed inline:
         summary (final loss, findings, safe ops per format), loss curves and the per-op
-        log2 ratio of ``metric``. ``.values`` / ``.unmatched`` hold the data
+        log2 ratio of ``metric`` (default the values' RMS, data RMS times scale, which
+        compares a scalified run with a plain one; ``"rms"``: the data's). ``.values`` / ``.unmatched`` hold the data
         (`scalescope.analysis.compare_readers`). Returns a
         `scalescope.notebook.ComparisonView`."""
         return nb.compare_runs(self, other, metric)

@@ -232,7 +232,7 @@ def test_heatmap_bad_arguments_name_them(runs):
 def test_compare_carries_the_comparison_and_draws_both_runs(runs):
     clean, naive = runs
     view = clean.compare(naive.path)  # a path works as well as a reader
-    expected = A.compare_readers(clean, naive, "rms")
+    expected = A.compare_readers(clean, naive, "value_rms")
     pd.testing.assert_frame_equal(view.values, expected.values)
     pd.testing.assert_frame_equal(view.unmatched, expected.unmatched)
     assert list(view.summary.index) == ["clean", "naive"]

@@ -245,6 +245,15 @@ def test_json_verdicts_agree_with_the_advisor_and_the_whatif(runs, naive_report)
     tripped = {r["rule"]: r["tripped"] for r in doc["fail_on"]}
     assert tripped == {"overflow_e4m3>0": True, "underflow_e5m2>0.01": False, "nonfinite>0": True}
     assert doc["compare"]["run"] == "clean" and doc["compare"]["matched"] > 20
+    # ranked by the values' RMS (data RMS x scale), not by how they are stored
+    rows = doc["compare"]["largest_differences"]
+    values = A.compare_readers(reader, ss.open_run(runs / "clean"), "value_rms").values
+    assert rows
+    for row in rows[:5]:
+        (hit,) = values[(values["op_naive"] == row["op_a"]) & (values["step"] == row["step"])][
+            ["value_naive", "value_clean"]
+        ].to_numpy()
+        assert list(hit) == pytest.approx([row["rms_a"], row["rms_b"]])
     assert doc["run"]["name"] == "naive" and doc["run"]["steps"]["count"] == 6
 
 

@@ -24,7 +24,9 @@ def _run_names(a: Any, b: Any) -> tuple[str, str]:
 
 def _compare_data(data: _RunData, other: Any) -> dict[str, Any]:
     a, b = _run_names(data.reader, other)
-    values, unmatched = A.compare_readers(data.reader, other, "rms", names=(a, b))
+    # the values' RMS (data RMS times scale): a scalified run keeps its data near unit
+    # scale, so data RMS against a plain run ranks the scales' bookkeeping, not values
+    values, unmatched = A.compare_readers(data.reader, other, "value_rms", names=(a, b))
     diffs = values[np.isfinite(values["log2_ratio"].to_numpy(np.float64))]
     rows: list[dict[str, Any]] = []
     if len(diffs):
@@ -99,7 +101,8 @@ def _compare_html(data: _RunData, cmp: dict[str, Any]) -> str:
         + "".join(f'<div class="stat-note">{_e(b)}: {_e(n)}</div>' for n in cmp["notes"])
         + "<h3>Safe ops, all passes</h3>"
         + _table(["format", a, b], vrows)
-        + f"<h3>Largest differences of data RMS (log2 {_e(b)}/{_e(a)}), worst step per op</h3>"
+        + f"<h3>Largest differences of the values' RMS (data RMS x scale; log2 {_e(b)}/{_e(a)}), "
+        "worst step per op</h3>"
     )
     if drows:
         header = ["op", "pass", "primitive", "step", f"rms {a}", f"rms {b}", "log2 ratio"]
