@@ -136,8 +136,8 @@ class RunView(RunReader):
         """This run (a) against ``other`` (b, a reader or a run path), displayed inline:
         summary (final loss, findings, safe ops per format), loss curves and the per-op
         log2 ratio of ``metric`` (default the values' RMS, data RMS times scale, which
-        compares a scalified run with a plain one; ``"rms"``: the data's). ``.values`` / ``.unmatched`` hold the data
-        (`scalescope.analysis.compare_readers`). Returns a
+        compares a scalified run with a plain one; ``"rms"``: the data's). ``.values`` /
+        ``.unmatched`` hold the data (`scalescope.analysis.compare_readers`). Returns a
         `scalescope.notebook.ComparisonView`."""
         return nb.compare_runs(self, other, metric)
 
