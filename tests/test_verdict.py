@@ -192,6 +192,20 @@ def _findings(severity_rows):
     return _advise(ops, rows)
 
 
+def test_a_healthy_headline_counts_findings_as_the_report_does():
+    """Two low findings of one cause: the headline said "1 minor finding" beside the
+    report's "2 findings" (it counted causes)."""
+    ops = make_ops(*[{"name": f"m/x{i}", "pass": "bwd", "cast_to": "e5m2"} for i in range(2)])
+    rows = []
+    for op in range(2):
+        rows += series(op, STEPS, underflow_e5m2=0.015, snr_e5m2=30.0)
+    findings = _advise(ops, rows)
+    v = A.verdict(findings)
+    assert len(findings) == 2 and sum(v.counts.values()) == 1, (findings, v.counts)
+    assert v.headline == "verdict: healthy (2 minor findings)"
+    assert v.findings == {"low": 2}
+
+
 def test_verdict_levels():
     healthy = A.verdict(_findings([(0.015, 30.0)]))  # a low finding
     assert healthy.status == "healthy" and healthy.step is None and not healthy.reasons

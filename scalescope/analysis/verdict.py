@@ -98,6 +98,9 @@ class Verdict:
     step: int | None = None
     counts: Mapping[str, int] = field(default_factory=dict)
     unjudged: str = ""
+    #: findings (not causes) per severity: what the headline of a healthy run counts,
+    #: as the report's findings line does
+    findings: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -110,7 +113,8 @@ class Verdict:
         if self.status == "healthy" and self.unjudged:
             return f"verdict: not judged ({self.unjudged}; the logged loss is finite)"
         if self.status == "healthy":
-            warn = sum(self.counts.get(s, 0) for s in ("medium", "low"))
+            found = self.findings or self.counts  # a Verdict made without findings counts
+            warn = sum(found.get(s, 0) for s in ("medium", "low"))
             tail = f" ({warn} minor finding{'s' if warn != 1 else ''})" if warn else ""
             return f"verdict: healthy{tail}"
         since = f" from step {self.step}" if self.step is not None else ""
@@ -237,7 +241,14 @@ def verdict(
     if status and deciding:
         first = int(min(table.iloc[deciding]["first_step"]))
         step = first if step is None else min(step, first)
-    return Verdict(STATUSES[status], tuple(picked), step if status else None, counts)
+    per_finding = (
+        {str(s): int(n) for s, n in findings["severity"].value_counts().items()}
+        if len(findings) and "severity" in findings.columns
+        else {}
+    )
+    return Verdict(
+        STATUSES[status], tuple(picked), step if status else None, counts, findings=per_finding
+    )
 
 
 def worst_first(verdicts: Sequence[Verdict]) -> list[int]:
