@@ -77,8 +77,9 @@ class OverviewTab:
         self._shown_incidents = incidents
         self.incident_table.visible = bool(len(incidents))
         if len(incidents):
-            cols = ["step", "trigger", "op", "name", "source", "detail"]
-            self.incident_table.value = incidents[cols].reset_index(drop=True)
+            cols = ["step", "trigger", "op", "label", "source", "detail"]
+            shown = incidents if "label" in incidents else incidents.assign(label=incidents["name"])
+            self.incident_table.value = shown[cols].reset_index(drop=True)
         if findings is None:
             self.advisor_note.object = message_html(self._advisor_pending(data))
             self.rule_table.value = pd.DataFrame({"advisor": ["reading the statistics..."]})
@@ -138,7 +139,8 @@ class OverviewTab:
     ) -> str:
         alarms = []
         for r in [] if incidents is None else incidents.to_dict("records"):
-            where = f"{r['name']} ({r['source']})" if r["name"] else "no recorded op"
+            name = r.get("label") or r["name"]
+            where = f"{name} ({r['source']})" if name else "no recorded op"
             alarms.append(f"incident at step {int(r['step'])} ({r['trigger']}): {where}")
         for col in scalars.columns:
             bad = scalars.index[~np.isfinite(scalars[col].to_numpy(np.float64))]

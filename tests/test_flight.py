@@ -521,7 +521,12 @@ def test_the_dashboard_marks_incidents_and_opens_their_op(nan_run):
     dash = Dashboard(RunSet(nan_run), poll_ms=0)
     assert f"incident at step {BAD_STEP} (nonfinite): fwd/tail/log" in dash.alarms.object
     assert dash.incident_table.visible
-    assert dash.incident_table.value["name"].tolist() == ["fwd/tail/log"]
+    # named as the findings name the op: its unique label (with its shape)
+    reader = ss.open_run(nan_run)
+    (op,) = reader.incidents()["op"].tolist()
+    label = ss.analysis.op_labels(reader.ops)[op]
+    assert label.startswith("fwd/tail/log")
+    assert dash.incident_table.value["label"].tolist() == [label]
     marks = dash.loss_pane.object.select(name="incidents")
     assert len(marks) == 1 and list(marks[0].data_source.data["step"]) == [BAD_STEP]
     dash._on_incident_click(SimpleNamespace(row=0))

@@ -208,11 +208,19 @@ class RunAnalysis:
     @_part
     def incidents(self) -> pd.DataFrame:
         """The flight recorder's incidents (`RunReader.incidents`; empty for a reader
-        that has none)."""
+        that has none), with each op's ``label`` as the findings name it (`op_labels`:
+        ``fwd/dense_1/convert_element_type#1 [128x32]``, where ``name`` may be shared)."""
         read = getattr(self.reader, "incidents", None)
         if read is None:
-            return pd.DataFrame(columns=["step", "trigger", "op", "name", "source", "detail"])
-        return read()
+            columns = ["step", "trigger", "op", "name", "label", "source", "detail"]
+            return pd.DataFrame(columns=columns)
+        frame = read()
+        labels = self.labels if len(self.ops) else pd.Series(dtype=object)
+        label = [
+            labels.get(int(op), name) if pd.notna(op) and int(op) >= 0 else name
+            for op, name in zip(frame["op"], frame["name"], strict=True)
+        ]
+        return frame.assign(label=pd.Series(label, index=frame.index, dtype=object))
 
     @_part
     def notes(self) -> list[str]:

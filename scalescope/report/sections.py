@@ -51,7 +51,7 @@ def _title_html(reader: Any, data: _RunData, compare: Any) -> str:
         lines.append(
             f'<div class="damaged"><b>{len(data.incidents)} incident(s)</b>: the first at '
             f"step {int(first['step'])} ({_e(first['trigger'])}) at "
-            f"{_e(first['name'] or '?')}.</div>"
+            f"{_e(first.get('label') or first['name'] or '?')}.</div>"
         )
     if compare is not None:
         lines.append(f"<div>Compared with run <b>{_e(compare.name)}</b>.</div>")
@@ -237,7 +237,7 @@ def _incidents_html(data: _RunData) -> str:
         [
             _td(int(r["step"]), "num"),
             _td(r["trigger"]),
-            _td(f"{r['name']} (op {int(r['op'])})" if int(r["op"]) >= 0 else "-"),
+            _td(f"{r.get('label') or r['name']} (op {int(r['op'])})" if int(r["op"]) >= 0 else "-"),
             f"<td>{_source_html(r['source'] or '')}</td>",
             _td(r["detail"]),
         ]

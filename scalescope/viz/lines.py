@@ -248,7 +248,7 @@ def _mark_incidents(fig, incidents: Mapping[str, pd.DataFrame], tops: list[float
         "step": [int(r["step"]) for _, r in rows],
         "run": [run for run, _ in rows],
         "trigger": [str(r["trigger"]) for _, r in rows],
-        "op": [str(r.get("name") or "-") for _, r in rows],
+        "op": [str(r.get("label") or r.get("name") or "-") for _, r in rows],
         "source": [str(r.get("source") or "") for _, r in rows],
     }
     _marks_at_top(
