@@ -56,8 +56,13 @@ class DetailTab:
             findings = pd.DataFrame({"op": pd.Series(dtype=np.int64)})
         options = {str(labels[op]): int(op) for op in recorded}
         current = self.op_select.value if op is None else int(op)
+        if op is None and getattr(self, "_detail_run", None) != data.name:
+            # another run: its op ids mean other ops; keep the op by its label, if it has it
+            before = dict(zip(self.op_select.values, self.op_select.labels, strict=False))
+            current = options.get(before.get(current, ""), -1)
         if current not in options.values():
             current = int(findings["op"].iloc[0] if len(findings) else recorded[0])
+        self._detail_run = data.name
         with self._quiet():
             self.op_select.param.update(options=options, value=current)
         self._draw_op()

@@ -734,3 +734,31 @@ def test_grouped_heatmap_draws_and_a_group_expands_in_the_browser(browser, group
         )
         assert tag["ops"][0] >= 0 and len(tag["ops"]) == page.evaluate(rows_js)
         assert not blocked and not errors, (blocked, errors)
+
+
+def _small(w, x):
+    return w * 0.5, jnp.mean(jnp.tanh(x @ w) ** 2)
+
+
+def _shifted(b, w, x):  # one more input first: every op id moves by one
+    return w * 0.5 + b, jnp.mean(jnp.tanh(x @ w) ** 2)
+
+
+def test_switching_runs_keeps_the_detail_op_by_label_not_by_id(tmp_path):
+    """Op ids mean other ops in another run: the detail view keeps the op by its label
+    where the other run has it (it used to open whatever op had the same id)."""
+    from scalescope.app import Dashboard, RunSet
+
+    w, x = jnp.full((4, 4), 0.3), jnp.ones((2, 4))
+    for name, step, args in (("a", _small, (w, x)), ("b", _shifted, (jnp.float32(0), w, x))):
+        with ss.Run(tmp_path / name, every=1) as run:
+            run.track(step, scalify=False)(*args)
+    dash = Dashboard(RunSet(tmp_path), run="a", poll_ms=0)
+    dash.tabs.active = TABS.index("Op detail")
+    first = dict(zip(dash.op_select.labels, dash.op_select.values, strict=True))
+    label = next(lb for lb in first if lb.startswith("fwd/tanh"))
+    dash.op_select.value = first[label]
+    dash.run_select.value = "b"
+    other = dict(zip(dash.op_select.labels, dash.op_select.values, strict=True))
+    assert other[label] != first[label]  # the same op under another id
+    assert dash.op_select.value == other[label]
