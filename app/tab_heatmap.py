@@ -121,7 +121,7 @@ class HeatmapTab:
         text, error = self._search()
         if error:
             self.heatmap_msg.object = message_html(error, "error")
-            self.heatmap_pane.visible = False  # the figure would show the last filters
+            self.heatmap_pane.object = None  # not the last search's figure under it
             return
         metric = self.metric.value
         depth = int(self.group_depth.value or 0)
@@ -137,7 +137,7 @@ class HeatmapTab:
                 self.heatmap_msg.object = message_html(
                     f"no op matches the filters{f' and {text!r}' if text else ''}", "warn"
                 )
-                self.heatmap_pane.visible = False  # not the last filters' figure
+                self.heatmap_pane.object = None  # not the last filters' figure
                 return
             mat = data.matrix(metric, ops)
             measured = data.measured_matrix(ops)
@@ -173,8 +173,8 @@ class HeatmapTab:
                 fig = viz.heatmap(mat, **({"labels": labels} | kwargs))
                 fig.on_event(Tap, self._on_tap)
                 self._heatmap_fig = fig
+            if self.heatmap_pane.object is not fig:  # new, or back after a search of none
                 self.heatmap_pane.object = fig
-            self.heatmap_pane.visible = True
             self._show_groups(fig)
 
     def _show_groups(self, fig: Any) -> None:

@@ -671,11 +671,12 @@ def test_heatmap_groups_expand_collapse_and_search(grouped_root):
     assert set(_rows(dash)["ops"]) == want
     dash.name_filter.value = "attn("  # a bad regex: a message, no exception
     assert "bad search regex" in dash.heatmap_msg.object and "attn(" in dash.heatmap_msg.object
-    assert not dash.heatmap_pane.visible  # not the last search's figure under the message
+    assert dash.heatmap_pane.object is None  # not the last search's figure under it
     dash.name_filter.value = "no such op"
-    assert "no op matches" in dash.heatmap_msg.object and not dash.heatmap_pane.visible
+    assert "no op matches" in dash.heatmap_msg.object and dash.heatmap_pane.object is None
     dash.name_filter.value = ""
-    assert len(_rows(dash)["ops"]) == len(groups) and dash.heatmap_pane.visible
+    assert len(_rows(dash)["ops"]) == len(groups)
+    assert dash.heatmap_pane.object is dash._heatmap_fig
 
 
 def test_a_new_step_reaches_the_open_heatmap_in_place(grouped_root, tmp_path):
