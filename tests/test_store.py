@@ -742,6 +742,8 @@ def test_a_step_tracked_again_continues_the_runs_steps(tmp_path, data):
     assert set(reader.stats("rms", steps=slice(-9, None))["step"]) == {0, 1, 2, 3}
     with pytest.raises(KeyError, match="steps=-5: only 4 steps are recorded"):
         reader.stats("rms", steps=-5)
+    with pytest.raises(TypeError, match=r"metric: a statistic's name .*ops=\[64\]"):
+        reader.stats(64)  # an op id where the metric goes
 
 
 def test_a_run_with_no_recorded_step_is_not_judged_healthy(tmp_path):

@@ -224,7 +224,8 @@ def metric_values(stats: pd.DataFrame, metric: str) -> pd.Series:
             return _log2(stats[sources[0]], metric)
         prod = stats[sources[0]].astype(np.float64) * stats[sources[1]].astype(np.float64)
         return prod.rename(metric)
-    known = [c for c in stats.columns if c not in ("step", "op", "iteration", "process")]
+    keys = ("step", "op", "iteration", "process", "name", "pass", "primitive", "label")
+    known = [c for c in stats.columns if c not in keys]
     known += list(DERIVED_METRICS)
     raise KeyError(f"metric {metric!r} is neither a column of stats nor derived; known: {known}")
 

@@ -524,6 +524,11 @@ class RunReader:
 
     def _metrics(self, metric: str | Sequence[str] | None) -> list[str]:
         known = list(self.stat_names)
+        if metric is not None and not isinstance(metric, str | list | tuple):
+            raise TypeError(
+                f"metric: a statistic's name or a list of them, got {metric!r} (ops are "
+                "picked with ops=, e.g. stats('rms', ops=[64]))"
+            )
         names = known if metric is None else [metric] if isinstance(metric, str) else list(metric)
         bad = [m for m in names if m not in known]
         if bad:
