@@ -176,6 +176,11 @@ class _Snapshot:
     def stats(self, wide: bool = True) -> pd.DataFrame:
         return self._stats
 
+    @property
+    def steps(self) -> np.ndarray:
+        """The recorded steps (a run with none is not judged: `Verdict.unjudged`)."""
+        return np.unique(self._stats["step"].to_numpy()) if len(self._stats) else np.array([])
+
     def scalar_rows(self) -> pd.DataFrame:
         return self._scalars
 
@@ -431,7 +436,7 @@ class RunData:
             return bundle.verdict
         with self.lock:
             loss = analysis.logged_loss(self.reader.scalar_rows())
-        return analysis.verdict(findings, loss)
+        return analysis.unjudged_if_unrecorded(analysis.verdict(findings, loss), self, loss)
 
     def latest_verdict(self, wait: float = 0.0) -> analysis.Verdict | None:
         """The verdict of the newest findings there are (None before the first), starting

@@ -68,6 +68,7 @@ class CompareTab:
                 self.compare_msg.object = message_html(
                     "one of the runs has no recorded step yet", "warn"
                 )
+                self.compare_table.value = pd.DataFrame()  # not the last pair's table
                 return
             names = (data.name, other.name) if data.name != other.name else ("a", "b")
             values, unmatched = analysis.compare_runs(

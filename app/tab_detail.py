@@ -48,6 +48,7 @@ class DetailTab:
         with data.lock:
             if not len(data.steps):
                 self.op_info.object = message_html("no recorded step yet", "warn")
+                self._clear_detail()  # not another run's op under the message
                 return
             labels = data.labels
             recorded = data.recorded_ops()
@@ -56,16 +57,25 @@ class DetailTab:
             findings = pd.DataFrame({"op": pd.Series(dtype=np.int64)})
         options = {str(labels[op]): int(op) for op in recorded}
         current = self.op_select.value if op is None else int(op)
-        if op is None and getattr(self, "_detail_run", None) != data.name:
+        if op is None and getattr(self, "_detail_run", None) != data.path:
             # another run: its op ids mean other ops; keep the op by its label, if it has it
             before = dict(zip(self.op_select.values, self.op_select.labels, strict=False))
             current = options.get(before.get(current, ""), -1)
         if current not in options.values():
             current = int(findings["op"].iloc[0] if len(findings) else recorded[0])
-        self._detail_run = data.name
+        self._detail_run = data.path
         with self._quiet():
             self.op_select.param.update(options=options, value=current)
         self._draw_op()
+
+    def _clear_detail(self) -> None:
+        """Take every figure and table of the tab off the page."""
+        for pane in (self.series_pane, self.hist_pane, self.snr_pane, self.scale_pane):
+            pane.object = None
+        self.op_findings.value = pd.DataFrame()
+        with self._quiet():
+            self.op_select.param.update(options={}, value=None)
+            self.step_select.param.update(options=[], value=None)
 
     def _draw_op(self) -> None:
         data, op = self.data, self.op_select.value
@@ -148,6 +158,8 @@ class DetailTab:
                 thresholds={f: THRESHOLDS.snr_for(f, meta) for f in snr.index},
                 title=f"SNR per format and recipe at step {step}",
             )
+        else:  # none recorded for this op: not the last op's chart
+            self.snr_pane.object = None
         label = (
             self.op_select.labels[self.op_select.values.index(op)]
             if op in self.op_select.values

@@ -117,6 +117,7 @@ class HeatmapTab:
             return
         if not len(data.steps):
             self.heatmap_msg.object = message_html("no recorded step yet", "warn")
+            self.heatmap_pane.object = None  # not another run's figure under it
             return
         text, error = self._search()
         if error:

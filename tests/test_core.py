@@ -48,6 +48,30 @@ def test_as_scaled_array_and_asarray_round_trip_mixed_trees():
     assert float(default.scale) == 1.0
 
 
+def test_asarray_with_a_dtype_casts_every_array_leaf_as_jnp_asarray_does():
+    """As jax-scalify's asarray: an integer array given a float dtype is cast too."""
+    out = ss.asarray(np.array([1, 2]), dtype=np.float16)
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(np.asarray(out), np.array([1, 2], np.float16))
+    tree = {"x": jnp.array([1.0, 2.0]), "y": ss.ScaledArray(jnp.array([3.0, 4.0]), 0.5), "s": "a"}
+    back = ss.asarray(tree, dtype=jnp.float16)
+    assert back["x"].dtype == back["y"].dtype == np.float16 and back["s"] == "a"
+    np.testing.assert_array_equal(np.asarray(back["y"]), np.array([1.5, 2.0], np.float16))
+
+
+def test_an_integer_scale_is_a_float32_scale_and_astype_keeps_the_value():
+    """A scale given as an integer (jax-scalify's tests do) is a float32 one: rules that
+    read the scale as a float (is_finite) work on it."""
+    for scale in (2, np.int32(2), jnp.asarray(2), True):
+        x = ss.ScaledArray(jnp.array([2.0, np.inf, np.nan]), scale)
+        assert x.scale.dtype == np.float32 and float(x.scale) == float(scale)
+        got = ss.scalify(jnp.isfinite, normalize=False)(x)
+        np.testing.assert_array_equal(np.asarray(got), [True, False, False])
+    y = ss.ScaledArray(jnp.array([1.5, -3.0], jnp.float16), 4.0).astype(jnp.float32)
+    assert isinstance(y, ss.ScaledArray) and y.dtype == np.float32 and float(y.scale) == 4.0
+    np.testing.assert_array_equal(np.asarray(y), np.array([6.0, -12.0], np.float32))
+
+
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
 def test_as_scaled_array_rejects_bad_scales(bad):
     with pytest.raises(ValueError, match="scale"):

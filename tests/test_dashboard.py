@@ -752,15 +752,32 @@ def test_switching_runs_keeps_the_detail_op_by_label_not_by_id(tmp_path):
     from scalescope.app import Dashboard, RunSet
 
     w, x = jnp.full((4, 4), 0.3), jnp.ones((2, 4))
-    for name, step, args in (("a", _small, (w, x)), ("b", _shifted, (jnp.float32(0), w, x))):
+    # two runs of one folder name in two experiments: a switch is told by the path
+    for name, step, args in (("a/r", _small, (w, x)), ("b/r", _shifted, (jnp.float32(0), w, x))):
         with ss.Run(tmp_path / name, every=1) as run:
             run.track(step, scalify=False)(*args)
-    dash = Dashboard(RunSet(tmp_path), run="a", poll_ms=0)
+    with ss.Run(tmp_path / "empty") as run:  # nothing recorded, no loss logged
+        run.log(0, acc=0.5)
+    runs = RunSet(tmp_path)
+    dash = Dashboard(runs, run="a/r", poll_ms=0)
     dash.tabs.active = TABS.index("Op detail")
     first = dict(zip(dash.op_select.labels, dash.op_select.values, strict=True))
     label = next(lb for lb in first if lb.startswith("fwd/tanh"))
     dash.op_select.value = first[label]
-    dash.run_select.value = "b"
+    assert dash.series_pane.object is not None
+    dash.run_select.value = "b/r"
     other = dict(zip(dash.op_select.labels, dash.op_select.values, strict=True))
     assert other[label] != first[label]  # the same op under another id
     assert dash.op_select.value == other[label]
+    # a run with no recorded step: a message, not the last run's figures under it; and
+    # not a green verdict (the background advisor's path and the page's own)
+    dash.tabs.active = TABS.index("Heatmap")
+    dash.run_select.value = "empty"
+    assert dash.heatmap_pane.object is None and "no recorded step" in dash.heatmap_msg.object
+    dash.tabs.active = TABS.index("Op detail")
+    assert dash.series_pane.object is None and dash.hist_pane.object is None
+    assert "no recorded step" in dash.op_info.object and not dash.op_select.options
+    empty = runs.get("empty")
+    v = empty.latest_verdict(wait=60)
+    assert v.unjudged == "no step recorded; no loss logged", v
+    assert empty.verdict(pd.DataFrame()).unjudged == v.unjudged

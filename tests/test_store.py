@@ -750,9 +750,13 @@ def test_a_run_with_no_recorded_step_is_not_judged_healthy(tmp_path):
     with ss.Run(tmp_path / "r") as run:
         run.log(0, loss=1.0)
     v = ss.open_run(tmp_path / "r").verdict()
-    assert v.status == "healthy" and v.unjudged == "no step recorded"
-    assert v.headline.startswith("verdict: not judged (no step recorded")
-    assert v.as_dict()["unjudged"] == "no step recorded"
+    assert v.status == "healthy" and v.unjudged == "no step recorded; the logged loss is finite"
+    assert v.headline == "verdict: not judged (no step recorded; the logged loss is finite)"
+    assert v.as_dict()["unjudged"] == v.unjudged
+    with ss.Run(tmp_path / "acc") as run:  # no loss logged: the headline does not claim one
+        run.log(0, acc=0.5)
+    v = ss.open_run(tmp_path / "acc").verdict()
+    assert v.headline == "verdict: not judged (no step recorded; no loss logged)"
     with ss.Run(tmp_path / "nan") as run:
         run.log(0, loss=float("nan"))
     assert ss.open_run(tmp_path / "nan").verdict().status == "failing"  # judged by the loss

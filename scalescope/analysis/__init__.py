@@ -36,6 +36,7 @@ from .bundle import (
     per_step_worst,
     predict_policy_run,
     recommend_policy_run,
+    unjudged_if_unrecorded,
     verdict_run,
     worst_step,
 )
@@ -213,6 +214,7 @@ __all__ = [
     "verdict",
     "Verdict",
     "verdict_counts",
+    "unjudged_if_unrecorded",
     "verdict_run",
     "VerdictThresholds",
     "whatif_groups",

@@ -181,8 +181,8 @@ class RunAnalysis:
     def verdict(self) -> Verdict:
         """The run's verdict: its findings and its logged loss (`verdict`); a run with
         no recorded step is not judged by statistics (`Verdict.unjudged`)."""
-        v = verdict(self.findings, logged_loss(self.reader.scalar_rows(), self.loss))
-        return _unjudged_if_unrecorded(v, self.reader)
+        loss = logged_loss(self.reader.scalar_rows(), self.loss)
+        return unjudged_if_unrecorded(verdict(self.findings, loss), self.reader, loss)
 
     @_part
     def causes(self) -> pd.DataFrame:
@@ -291,17 +291,26 @@ def verdict_run(
         return analyse(reader, loss=loss, **advise_kwargs).verdict
     if findings is None:
         findings = advise_run(reader, **advise_kwargs)
-    v = verdict(findings, logged_loss(reader.scalar_rows(), loss), thresholds=thresholds)
-    return _unjudged_if_unrecorded(v, reader)
+    logged = logged_loss(reader.scalar_rows(), loss)
+    v = verdict(findings, logged, thresholds=thresholds)
+    return unjudged_if_unrecorded(v, reader, logged)
 
 
-def _unjudged_if_unrecorded(v: Verdict, reader: Any) -> Verdict:
-    """``v``, marked unjudged when ``reader`` holds no recorded step: no finding can be
-    made without statistics, so "healthy" would claim what nothing measured."""
+def unjudged_if_unrecorded(v: Verdict, reader: Any, loss: pd.Series | None = None) -> Verdict:
+    """``v``, marked unjudged when ``reader`` (anything with ``steps``: the recorded
+    steps) holds no recorded step: no finding can be made without statistics, so
+    "healthy" would claim what nothing measured. ``loss``: the logged loss the verdict
+    read, so the mark says whether one was logged."""
     steps = getattr(reader, "steps", None)
-    if steps is not None and len(steps) == 0 and not v.unjudged:
-        return dataclasses.replace(v, unjudged="no step recorded")
-    return v
+    if steps is None or len(steps) or v.unjudged:
+        return v
+    if loss is None or not len(loss):
+        why = "no loss logged"
+    elif np.isfinite(loss.to_numpy(np.float64)).all():
+        why = "the logged loss is finite"
+    else:
+        why = "the logged loss is not finite"
+    return dataclasses.replace(v, unjudged=f"no step recorded; {why}")
 
 
 def format_whatif_run(

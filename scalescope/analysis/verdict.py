@@ -90,8 +90,8 @@ class Verdict:
     """A run's verdict (``status``: one of `STATUSES`), up to three ``reasons`` (the
     causes that decide it, worst first), the ``step`` where it turned (None when
     healthy), and the number of causes per severity (``counts``). ``unjudged``: why no
-    recorded statistics judged the run (``"no step recorded"``), "" when they did: a
-    healthy status then only says that the logged loss is finite."""
+    recorded statistics judged the run (``"no step recorded; ..."``, with what the
+    logged loss says), "" when they did."""
 
     status: str
     reasons: tuple[Reason, ...] = ()
@@ -111,7 +111,7 @@ class Verdict:
     def headline(self) -> str:
         """One line: ``verdict: failing (from step 10): e5m2 underflow in 4 bwd ops...``."""
         if self.status == "healthy" and self.unjudged:
-            return f"verdict: not judged ({self.unjudged}; the logged loss is finite)"
+            return f"verdict: not judged ({self.unjudged})"
         if self.status == "healthy":
             found = self.findings or self.counts  # a Verdict made without findings counts
             warn = sum(found.get(s, 0) for s in ("medium", "low"))

@@ -35,6 +35,18 @@ def _check_sign(scale: Any) -> None:
         )
 
 
+def _float_scale(scale: Any) -> Any:
+    """An integer (or boolean) scale as a float32 one: every rule takes the scale for a
+    float (``is_finite``, log2, reciprocals); other scales as given."""
+    if isinstance(scale, int):  # bool included
+        return jnp.asarray(scale, SCALE_DTYPE)
+    if isinstance(scale, np.ndarray | np.generic | jax.Array) and (
+        jnp.issubdtype(scale.dtype, jnp.integer) or scale.dtype == np.bool_
+    ):
+        return jnp.asarray(scale, SCALE_DTYPE)
+    return scale
+
+
 @jax.tree_util.register_pytree_node_class
 class ScaledArray:
     """A tensor represented as ``data * scale`` with a scalar ``scale``.
@@ -51,7 +63,7 @@ class ScaledArray:
             data = jnp.asarray(data)
         _check_sign(scale)
         self.data = data
-        self.scale = scale
+        self.scale = _float_scale(scale)
 
     @classmethod
     def trusted(cls, data: Any, scale: Any) -> ScaledArray:
@@ -99,6 +111,11 @@ class ScaledArray:
         wide = max(wide_float(self.dtype), wide_float(out_dtype), key=lambda d: d.itemsize)
         value = jnp.asarray(self.data).astype(wide) * jnp.asarray(self.scale).astype(wide)
         return value.astype(out_dtype)
+
+    def astype(self, dtype: Any) -> ScaledArray:
+        """The same value with its data cast to ``dtype`` (the scale kept), as
+        ``ndarray.astype`` casts an array: values beyond the dtype's range are the cast's."""
+        return ScaledArray(jnp.asarray(self.data).astype(dtype), self.scale)
 
     def __array__(self, dtype=None, copy=None):
         if dtype is None:
@@ -207,12 +224,14 @@ def as_scaled_array(tree: Any, scale: Any = None) -> Any:
 
 
 def asarray(tree: Any, dtype: Any = None) -> Any:
-    """Replace every `ScaledArray` leaf of ``tree`` by the plain array it represents."""
+    """Replace every `ScaledArray` leaf of ``tree`` by the plain array it represents;
+    with ``dtype``, every array leaf (integer ones too, as ``jnp.asarray(x, dtype)``) is
+    returned as ``dtype``. Leaves that are not arrays (None, strings) stay as they are."""
 
     def convert(leaf):
         if isinstance(leaf, ScaledArray):
             return leaf.to_array(dtype)
-        if dtype is not None and _is_float(leaf):
+        if dtype is not None and (hasattr(leaf, "dtype") or _is_float(leaf)):
             return jnp.asarray(leaf, dtype=dtype)
         return leaf
 
