@@ -586,6 +586,8 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
             if printed == 20:  # a reader follows the run while another process writes it
                 follower = ss.open_run(path)
                 seen_early = len(follower.steps)
+                # another process holds the lock: a live writer, not an abandoned one
+                assert follower.status == "recording" and follower.damage == []
             if printed >= 40:
                 break
         proc.send_signal(signal.SIGKILL)
@@ -616,8 +618,12 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
         assert run.start_step == max(steps[-1], int(reader.scalars.index.max())) + 1
         live = ss.open_run(path)  # a writer records it again: not abandoned
         assert live.status == "recording" and live.damage == []
-    # an append that recorded nothing leaves run.json as the killed writer left it
-    assert ss.open_run(path).status == "damaged"
+    # an append that recorded nothing leaves run.json as the killed writer left it, and
+    # the killed writer stays the one named (not the session that closed cleanly)
+    after = ss.open_run(path)
+    assert after.status == "damaged"
+    assert any(f"pid {proc.pid} " in note for note in after.damage), after.damage
+    assert not any(f"pid {os.getpid()} " in note for note in after.damage), after.damage
 
 
 def test_stats_frame_matches_reader_wide_rows(tmp_path, data):
@@ -744,6 +750,12 @@ def test_a_step_tracked_again_continues_the_runs_steps(tmp_path, data):
         reader.stats("rms", steps=-5)
     with pytest.raises(TypeError, match=r"metric: a statistic's name .*ops=\[64\]"):
         reader.stats(64)  # an op id where the metric goes
+    for names in (
+        pd.Index(["rms", "absmax"]),
+        np.array(["rms", "absmax"]),
+        {"rms": 0, "absmax": 1}.keys(),
+    ):
+        assert set(reader.stats(names, steps=-1)["metric"]) == {"rms", "absmax"}
 
 
 def test_a_run_with_no_recorded_step_is_not_judged_healthy(tmp_path):

@@ -324,6 +324,10 @@ def abandoned_writer(path: Path, process: int = 0) -> str | None:
         holder = os.read(fd, 256).decode(errors="replace").strip()
         if not holder.endswith(f" on {socket.gethostname()}"):
             return None
+        if holder.startswith(f"pid {os.getpid()} "):
+            # this process: alive. (Where flock is emulated by process-wide POSIX locks,
+            # as on NFS, taking it here would succeed and unlocking would free the writer's.)
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:

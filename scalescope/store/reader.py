@@ -23,7 +23,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -524,7 +524,9 @@ class RunReader:
 
     def _metrics(self, metric: str | Sequence[str] | None) -> list[str]:
         known = list(self.stat_names)
-        if metric is not None and not isinstance(metric, str | list | tuple):
+        if metric is not None and (
+            isinstance(metric, int | float | np.number) or not isinstance(metric, Iterable)
+        ):
             raise TypeError(
                 f"metric: a statistic's name or a list of them, got {metric!r} (ops are "
                 "picked with ops=, e.g. stats('rms', ops=[64]))"

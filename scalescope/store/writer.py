@@ -257,6 +257,7 @@ class Run:
         self._closed = False
         self._compiling: list[threading.Thread] = []  # `Tracked` background compiles
         self._lock_file = None
+        self._lock_before = ""
         self._meta_pending = False  # an append's session, written once its graph matches
         self._graph: dict[str, Any] | None = None
         self._ops: pd.DataFrame | None = None
@@ -400,10 +401,20 @@ class Run:
                 f"{self.process}); close that Run first"
             ) from None
         f.seek(0)
+        self._lock_before = f.read()  # put back by a session that records nothing
+        f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
         self._lock_file = f
+
+    def _restore_lock(self) -> None:
+        f = self._lock_file
+        if f is not None and self._lock_before:
+            f.seek(0)
+            f.truncate()
+            f.write(self._lock_before)
+            f.flush()
 
     def _last_step(self) -> int:
         last = -1
@@ -673,7 +684,9 @@ class Run:
         finally:
             damage = self._writer.damage()
             if self.process == 0 and self._meta_pending and damage is None:
-                pass  # an append that recorded nothing: run.json stays as it was
+                # an append that recorded nothing: run.json stays as it was, and the lock
+                # names who last recorded (a killed writer stays the one blamed)
+                self._restore_lock()
             elif self.process == 0:
                 if damage is not None:
                     self._meta.setdefault("damage", []).append(damage)
