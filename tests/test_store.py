@@ -812,3 +812,19 @@ def test_a_session_ended_by_an_exception_says_so(tmp_path, data):
     with ss.Run(tmp_path / "r", every=1) as run:  # a later session that ends normally
         run.track(mlp_step, scalify=False)(w, x)
     assert ss.open_run(tmp_path / "r").ended_by == ""
+
+
+def test_files_written_together_are_all_renamed_or_none(tmp_path):
+    """The report's HTML and JSON: a failure writing the second leaves neither (and no
+    temporary file), not a report without its JSON."""
+    (tmp_path / "old.html").write_bytes(b"old")
+    (tmp_path / "afile").write_bytes(b"")
+    pair = [(tmp_path / "old.html", b"new"), (tmp_path / "afile" / "x.json", b"{}")]
+    with pytest.raises(L.RunWriteError, match="afile"):
+        L.write_files_atomic(pair)
+    assert (tmp_path / "old.html").read_bytes() == b"old"  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "old.html"]
+    L.write_files_atomic([(tmp_path / "old.html", b"new"), (tmp_path / "x.json", b"{}")])
+    assert (tmp_path / "old.html").read_bytes() == b"new"
+    assert (tmp_path / "x.json").read_bytes() == b"{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "old.html", "x.json"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import analysis as A
-from ..store.layout import write_bytes_atomic
+from ..store.layout import write_files_atomic
 from .collect import ReportError
 from .gate import FAIL_ON_HELP, Rule, _as_rules, damage_notes, parse_fail_on
 from .page import DEFAULT_MAX_OPS, DEFAULT_MAX_STEPS, DEFAULT_WORST, _build
@@ -71,8 +71,8 @@ def write_report(
     say(verdicts["verdict"]["headline"])
     for note in damage_notes(reader):
         print(f"scalescope report: warning: the run is damaged: {note}", file=sys.stderr)
-    # both texts first, then each file whole (a temporary file renamed): a failure
-    # leaves no half-written report and no report without its JSON
+    # both texts first, then both files to temporary names, renamed once both are
+    # written: a failure leaves no half-written report and no report without its JSON
     outputs = []
     if html_path is not None:
         outputs.append((Path(html_path), page.encode("utf-8")))
@@ -81,8 +81,8 @@ def write_report(
         outputs.append((Path(json_path), text.encode("utf-8")))
     for path, _ in outputs:
         _check_folder(path)
+    write_files_atomic(outputs)
     for path, data in outputs:
-        write_bytes_atomic(path, data)
         size = f" ({len(data) / 1e6:.1f} MB)" if path.suffix.lower() in (".html", ".htm") else ""
         say(f"wrote {path}{size}")
     f = verdicts["summary"]["findings"]

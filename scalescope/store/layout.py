@@ -26,6 +26,7 @@ import re
 import socket
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +251,13 @@ def _atomic(path: Path, write) -> None:
     """Write ``path`` through a temporary file in its folder, renamed over it once whole:
     a reader sees the old file or the new one, never half of one. An `OSError` on the way
     becomes a `RunWriteError` naming ``path``."""
+    tmp = _staged(path, write)
+    _replace(tmp, path)
+
+
+def _staged(path: Path, write) -> str:
+    """A temporary file beside ``path`` holding what ``write`` wrote, flushed to disk
+    (removed again if anything fails); its name."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -263,20 +271,53 @@ def _atomic(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException as err:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_quietly(tmp)
         if isinstance(err, OSError) and not isinstance(err, RunWriteError):
             raise write_error(path, err) from err
         raise
+    return tmp
+
+
+def _replace(tmp: str, path: Path) -> None:
+    try:
+        os.replace(tmp, path)
+    except OSError as err:
+        _unlink_quietly(tmp)
+        raise write_error(path, err) from err
+
+
+def _unlink_quietly(tmp: str) -> None:
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """``data`` into ``path``, whole or not at all (a temporary file renamed over it)."""
     _atomic(path, lambda f: f.write(data))
+
+
+def write_files_atomic(files: Sequence[tuple[Path, bytes]]) -> None:
+    """Each ``(path, data)`` whole, and all of them or none: every file is written to a
+    temporary name first, and renamed only once all are on disk (a full disk while
+    writing the second leaves neither, not one without the other)."""
+    staged: list[tuple[str, Path]] = []
+    try:
+        for path, data in files:
+            staged.append((_staged(Path(path), lambda f, d=data: f.write(d)), Path(path)))
+    except BaseException:
+        for tmp, _ in staged:
+            _unlink_quietly(tmp)
+        raise
+    for i, (tmp, path) in enumerate(staged):
+        try:
+            _replace(tmp, path)
+        except BaseException:
+            for rest, _ in staged[i + 1 :]:
+                _unlink_quietly(rest)
+            raise
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
