@@ -240,10 +240,21 @@ def test_a_clamp_of_a_statistic_or_a_loss_term_is_no_relu():
     f = np.asarray(x, np.float64) @ np.asarray(w, np.float64) * linear.output_scale
     hinge = np.maximum(0.0, 1.0 - np.asarray(y) * f[:, 0]).mean()
     np.testing.assert_allclose(value, hinge, rtol=1e-5)
-    # an activation feeding a matmul still is one
-    mlp = ss.unit_scale(lambda w, x: jax.nn.relu(x @ w) @ w.T)
-    mlp(jnp.eye(16), x)
-    assert "relu" in [r.kind for r in mlp.rewrites]
+    # the same hinge through jax.nn.relu (a named call): the loss's value is kept
+    nn_hinge = ss.unit_scale(lambda w, x, y: jnp.mean(jax.nn.relu(1.0 - y * (x @ w)[:, 0])))
+    np.testing.assert_allclose(nn_hinge(w, x, y), hinge, rtol=1e-5)
+    assert "relu" not in [r.kind for r in nn_hinge.rewrites]
+    # an activation feeding a matmul still is one: alone, also penalised in the loss
+    # (one use is a total, the other is not), or centred first (h - mean(h) holds h)
+    for act in (
+        lambda w, x: jax.nn.relu(x @ w) @ w.T,
+        lambda w, x: jnp.maximum(x @ w, 0.0) @ w.T,
+        lambda w, x: (h := jnp.maximum(x @ w, 0.0)) @ w.T + jnp.sum(h * h),
+        lambda w, x: jnp.maximum((h := x @ w) - h.mean(-1, keepdims=True), 0.0) @ w.T,
+    ):
+        mlp = ss.unit_scale(act)
+        mlp(jnp.eye(16), x)
+        assert "relu" in [r.kind for r in mlp.rewrites], [r.kind for r in mlp.rewrites]
 
 
 def test_a_function_that_takes_gradients_is_refused():

@@ -207,50 +207,67 @@ _ELEMENTWISE = _SHAPE_OPS | {"add", "sub", "mul", "div", "neg", "integer_pow", "
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
 
 
-def _after_reduction(g: _Graph, v: Any, hops: int = 4) -> bool:
-    """Whether ``v`` is computed, through a few elementwise ops, from a reduction: a
-    statistic (a variance ``mean(x²) - mean(x)²``), not an activation."""
-    frontier = [v]
+def _a_statistic(g: _Graph, v: Any, hops: int = 4) -> bool:
+    """Whether ``v`` is computed, through a few elementwise ops, from reductions and
+    constants only: a statistic (a variance ``mean(x²) - mean(x)²``), not an activation
+    (``h - mean(h)`` still holds ``h`` itself)."""
+    if isinstance(v, Literal):
+        return True
+    if v not in g.producer:
+        return False  # an input of the function: a tensor
+    eqn = g.eqns[g.producer[v]]
+    if eqn.primitive.name in _REDUCTIONS:
+        return True
+    if hops == 0 or eqn.primitive.name not in _ELEMENTWISE:
+        return False
+    return all(_a_statistic(g, u, hops - 1) for u in eqn.invars)
+
+
+def _total(eqn: Any) -> bool:
+    """A reduction over every axis of its operand (a loss's sum or mean), whatever the
+    batch size."""
+    axes = eqn.params.get("axes", ())
+    return eqn.primitive.name in _REDUCTIONS and len(axes) == len(eqn.invars[0].aval.shape)
+
+
+def _only_into_a_total(g: _Graph, v: Any, hops: int = 4) -> bool:
+    """Whether every use of ``v`` flows, through a few elementwise ops, into a reduction
+    over all its axes: a loss term (a hinge loss's ``mean(max(0, 1 - y·f))``), not an
+    activation (one also used by a matmul, or returned, is one)."""
+    outputs = set(map(id, g.jaxpr.outvars))
+    frontier, reached = [v], False
     for _ in range(hops):
         nxt = []
         for u in frontier:
-            if isinstance(u, Literal) or u not in g.producer:
-                continue
-            eqn = g.eqns[g.producer[u]]
-            if eqn.primitive.name in _REDUCTIONS:
-                return True
-            if eqn.primitive.name in _ELEMENTWISE:
-                nxt += eqn.invars
-        frontier = nxt
-    return False
-
-
-def _into_a_total(g: _Graph, v: Any, hops: int = 4) -> bool:
-    """Whether ``v`` flows, through a few elementwise ops, into a reduction to a single
-    number: a loss term (a hinge loss's ``mean(max(0, 1 - y·f))``), not an activation."""
-    frontier = [v]
-    for _ in range(hops):
-        nxt = []
-        for u in frontier:
-            for j, _ in g.consumers.get(u, []):
+            uses = g.consumers.get(u, [])
+            if id(u) in outputs or not uses:
+                return False
+            for j, _ in uses:
                 eqn = g.eqns[j]
-                if eqn.primitive.name in _REDUCTIONS and _size(eqn.outvars[0]) == 1:
-                    return True
-                if eqn.primitive.name in _ELEMENTWISE:
+                if _total(eqn):
+                    reached = True
+                elif eqn.primitive.name in _ELEMENTWISE:
                     nxt += eqn.outvars
+                else:
+                    return False
         frontier = nxt
-    return False
+    return reached and not frontier
+
+
+def _not_an_activation(g: _Graph, x: Any, out: Any) -> bool:
+    """``max(x, 0)`` (or ``jax.nn.relu``) that clamps a statistic or is a loss term: the
+    ReLU's unit scale (√2, for unit-normal inputs) would change its value."""
+    return _a_statistic(g, x) or _only_into_a_total(g, out)
 
 
 def _match_relu(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
     """``max(x, 0)`` as an activation: not a clamp of a statistic (a norm's variance,
-    ``max(var, 0)``) nor a loss term reduced to one number (a hinge loss), which the
-    ReLU's unit scale (√2, for unit-normal inputs) would change."""
+    ``max(var, 0)``) nor a loss term reduced to one number (a hinge loss)."""
     x = _with_const(g, i, 0.0)
     if x is None or isinstance(x, Literal):
         return None
     out = g.eqns[i].outvars[0]
-    if _after_reduction(g, x) or _into_a_total(g, out):
+    if _not_an_activation(g, x, out):
         return None
     return {i}, x, out
 
@@ -379,6 +396,8 @@ def _find_groups(g: _Graph) -> list[tuple[str, set[int], Any, Any, Any]]:
             add(*m)
         elif (kind := _call_kind(eqn)) is not None:
             axis = _inner_axis(eqn) if "softmax" in kind else None
+            if kind == "relu" and _not_an_activation(g, eqn.invars[0], eqn.outvars[0]):
+                continue
             if "softmax" not in kind or axis is not None:
                 add(kind, {i}, eqn.invars[0], eqn.outvars[0], axis)
     for i, eqn in enumerate(g.eqns):  # after the composite patterns that contain them
