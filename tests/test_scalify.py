@@ -125,6 +125,37 @@ def test_missing_rule_error_names_primitive_and_source_line():
     assert start <= int(m.group(1)) < start + len(src)
 
 
+def test_register_rule_adds_a_rule_and_refuses_to_replace_one_silently():
+    """A user's rule for a primitive that has none is used; one for a primitive that has
+    a rule is refused (the table is global: jax-scalify refuses too) unless replace=True."""
+    from scalescope.scalify.registry import RULES
+
+    x = _rng((6,))
+    prim = jax.make_jaxpr(_reduce_window)(x).eqns[0].primitive
+
+    def on_values(*args, **params):  # the value computed plain, returned at scale 1
+        return ss.as_scaled_array(prim.bind(*map(ss.asarray, args), **params))
+
+    before = dict(RULES)
+    try:
+        ss.register_rule(prim, on_values)
+        out = ss.scalify(_reduce_window)(ss.as_scaled_array(x, scale=2.0**-8))
+        np.testing.assert_allclose(
+            np.asarray(ss.asarray(out)), np.convolve(x, [1, 1], "valid"), rtol=1e-6
+        )
+        with pytest.raises(
+            KeyError, match="'reduce_window' already has a scaled rule.*replace=True"
+        ):
+            ss.register_rule("reduce_window", on_values)
+        with pytest.raises(KeyError, match="'mul' already has"):
+            ss.register_rule(lax.mul_p, on_values)
+        assert RULES["mul"] is before["mul"]
+        ss.register_rule(prim, on_values, replace=True)
+    finally:
+        RULES.clear()
+        RULES.update(before)
+
+
 def test_fallback_policy_runs_on_unscaled_values_and_records_it():
     x = _rng((6,))
     g = ss.scalify(lambda v: _reduce_window(v) * 2.0, fallback="unscale")

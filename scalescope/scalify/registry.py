@@ -31,14 +31,28 @@ def _name(prim: Any) -> str:
 
 
 def register_rule(
-    prim: Any, fn: Callable[..., Any], *, higher_order: bool = False, on_plain: bool = False
+    prim: Any,
+    fn: Callable[..., Any],
+    *,
+    higher_order: bool = False,
+    on_plain: bool = False,
+    replace: bool = False,
 ) -> None:
     """Register ``fn`` as the scaled rule of ``prim`` (a primitive or its name).
 
     ``on_plain=True`` makes the interpreter use the rule even when no input is scaled,
-    for primitives whose purpose is to create scaled values.
+    for primitives whose purpose is to create scaled values. A primitive that has a rule
+    keeps it (KeyError) unless ``replace=True``: the table is global, so a rule replaced
+    by mistake would change every later `scalify`.
     """
-    RULES[_name(prim)] = Rule(fn, higher_order, on_plain)
+    name = _name(prim)
+    if name in RULES and not replace:
+        raise KeyError(
+            f"register_rule: {name!r} already has a scaled rule "
+            f"({getattr(RULES[name].fn, '__name__', RULES[name].fn)}); "
+            "pass replace=True to replace it for every later scalify"
+        )
+    RULES[name] = Rule(fn, higher_order, on_plain)
 
 
 def get_rule(prim: Any) -> Rule | None:
