@@ -62,9 +62,10 @@ def test_asarray_with_a_dtype_casts_every_array_leaf_as_jnp_asarray_does():
 def test_an_integer_scale_is_a_float32_scale_and_astype_keeps_the_value():
     """A scale given as an integer (jax-scalify's tests do) is a float32 one: rules that
     read the scale as a float (is_finite) work on it."""
-    for scale in (2, np.int32(2), jnp.asarray(2), True):
+    for scale in (2, np.int32(2), np.array(2), jnp.asarray(2), True):
         x = ss.ScaledArray(jnp.array([2.0, np.inf, np.nan]), scale)
         assert x.scale.dtype == np.float32 and float(x.scale) == float(scale)
+        assert isinstance(x.scale, jax.Array) == isinstance(scale, jax.Array)  # library kept
         got = ss.scalify(jnp.isfinite, normalize=False)(x)
         np.testing.assert_array_equal(np.asarray(got), [True, False, False])
     y = ss.ScaledArray(jnp.array([1.5, -3.0], jnp.float16), 4.0).astype(jnp.float32)

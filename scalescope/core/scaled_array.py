@@ -36,14 +36,16 @@ def _check_sign(scale: Any) -> None:
 
 
 def _float_scale(scale: Any) -> Any:
-    """An integer (or boolean) scale as a float32 one: every rule takes the scale for a
-    float (``is_finite``, log2, reciprocals); other scales as given."""
+    """An integer (or boolean) scale as a float32 one, of the same array library: every
+    rule takes the scale for a float (``is_finite``, log2, reciprocals); other scales as
+    given."""
     if isinstance(scale, int):  # bool included
-        return jnp.asarray(scale, SCALE_DTYPE)
+        return np.asarray(scale, SCALE_DTYPE)
     if isinstance(scale, np.ndarray | np.generic | jax.Array) and (
         jnp.issubdtype(scale.dtype, jnp.integer) or scale.dtype == np.bool_
-    ):
-        return jnp.asarray(scale, SCALE_DTYPE)
+    ):  # a NumPy scale stays a NumPy array, a JAX one a JAX array
+        xp = jnp if isinstance(scale, jax.Array) else np
+        return xp.asarray(scale, SCALE_DTYPE)
     return scale
 
 
@@ -115,7 +117,8 @@ class ScaledArray:
     def astype(self, dtype: Any) -> ScaledArray:
         """The same value with its data cast to ``dtype`` (the scale kept), as
         ``ndarray.astype`` casts an array: values beyond the dtype's range are the cast's."""
-        return ScaledArray(jnp.asarray(self.data).astype(dtype), self.scale)
+        data = self.data if hasattr(self.data, "astype") else jnp.asarray(self.data)
+        return ScaledArray(data.astype(dtype), self.scale)  # NumPy data stays NumPy
 
     def __array__(self, dtype=None, copy=None):
         if dtype is None:
