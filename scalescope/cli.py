@@ -349,7 +349,8 @@ def _add_verify(sub) -> None:
         "measured loss gap beside what the what-if predicts for the policy; a third run, the "
         "same values in BF16, measures the noise floor the gap must clear. The outcome is "
         "kept in RUN (shown by the report and the dashboard). Exit status: 0 measured safe, "
-        "1 measured unsafe, 2 bad input (a policy rule reaching no op, an unknown target).",
+        "1 measured unsafe or unknown (the plain run's loss is not finite), 2 bad input (a "
+        "policy rule reaching no op or changing nothing, an unknown target).",
     )
     p.add_argument("run", metavar="RUN", help="a run directory written by `scalescope train`")
     p.add_argument(

@@ -38,7 +38,11 @@ NOISE_FACTOR = 2.0
 class Verification:
     """What `verify` measured. ``gap``: (policy - plain) / plain of the mean loss over
     the last tenth of the steps (``tail`` steps); ``verdict``: ``"unsafe"`` when the gap
-    exceeds ``threshold`` or the policy's loss went non-finite, else ``"safe"``.
+    exceeds ``threshold`` either way (a loss far below plain is the policy rounding the
+    loss's own computation, not better training) or the policy's loss went non-finite;
+    ``"unknown"`` when the plain step's loss is not finite (or zero) over the tail
+    (nothing to compare against); else ``"safe"``. The policy's loss is the step's as
+    computed (every op reads the rounded values), never the returned number rounded.
     ``step_ratio``: the emulated step's time over the plain step's (median, compiled).
     ``noise``: the gap of the control (the same values rounded to BF16 instead, a
     harmless perturbation: how far any two trajectories drift apart; NaN when no control
@@ -64,17 +68,30 @@ class Verification:
 
     @property
     def agrees(self) -> bool | None:
-        """Whether the prediction matches the measurement (None without a prediction)."""
-        if self.predicted not in ("safe", "unsafe"):
+        """Whether the prediction matches the measurement (None without a prediction,
+        or without a measured verdict)."""
+        if self.predicted not in ("safe", "unsafe") or self.verdict not in ("safe", "unsafe"):
             return None
         return self.predicted == self.verdict
 
     def summary(self) -> str:
         a, b = _tail_mean(self.loss_plain, self.tail), _tail_mean(self.loss_policy, self.tail)
+        if self.verdict == "unknown":
+            return (
+                f"measured over {self.steps} steps: loss {a:.4f} plain, {b:.4f} with the "
+                "policy: unknown (the plain step's loss is not a finite non-zero number over "
+                "the last tenth of the steps, so no gap can be measured)"
+            )
         line = (
             f"measured over {self.steps} steps: loss {a:.4f} plain, {b:.4f} with the policy "
-            f"({self.gap:+.2%}; unsafe above {self.threshold:.2%}): {self.verdict}"
+            f"({self.gap:+.2%}; unsafe beyond ±{self.threshold:.2%}): {self.verdict}"
         )
+        if self.gap < -self.threshold:
+            line += (
+                "\nthe policy's loss is below the plain one by more than the noise: it "
+                "rounds the loss's own computation (a sum saturating in E4M3), not a better "
+                "training"
+            )
         if math.isfinite(self.noise):
             line += f"\nnoise floor: the same values in BF16 move the loss {self.noise:+.2%}"
         if self.predicted:
@@ -158,6 +175,15 @@ def verify(
     policy = as_policy(policy)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"verify: steps must be a positive int, got {steps!r}")
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, int | float)
+        or not (math.isfinite(threshold) and threshold > 0)
+    ):
+        raise ValueError(
+            f"verify: threshold must be a positive relative loss gap (0.005 is 0.5 %), "
+            f"got {threshold!r}"
+        )
     if not isinstance(init_args, tuple | list):
         raise TypeError(
             f"verify: init_args must be the tuple of the step's state arguments, got "
@@ -171,8 +197,13 @@ def verify(
     if progress:
         stream = progress if hasattr(progress, "write") else sys.stderr
     plain = jax.jit(_scalify(step) if scalify else step)
-    emulated = emulate(step, policy, scalify=scalify)
+    # the loss (the last output) as computed: a rule reaching the returned number itself
+    # would round what is printed, not what trains; a rule that changes nothing (held
+    # for a matmul none reads) has nothing to verify
+    exact = {"exact_outputs": (-1,), "strict": True}
+    emulated = emulate(step, policy, scalify=scalify, **exact)
     emulated.describe(*init_args, taken[0])  # a rule reaching nothing fails here
+    jax.eval_shape(emulated, *init_args, taken[0])  # one changing nothing, here
     emulated = jax.jit(emulated)
     state = tuple(init_args)
     loss_a, time_a = _train(plain, state, taken, "plain", stream)
@@ -184,13 +215,17 @@ def verify(
     if control:
         bf16 = Policy([(r.pattern, r.spec if r.target == "fp32" else f"bf16@{r.reads}")
                        for r in policy.rules])  # fmt: skip
-        loss_c, _ = _train(jax.jit(emulate(step, bf16, scalify=scalify)), state, taken,
-                           "control", stream)  # fmt: skip
+        loss_c, _ = _train(jax.jit(emulate(step, bf16, scalify=scalify, **exact)), state,
+                           taken, "control", stream)  # fmt: skip
         noise = _gap(a, _tail_mean(loss_c, tail))
         if math.isfinite(noise):
             threshold = max(threshold, NOISE_FACTOR * abs(noise))
     bad = not all(math.isfinite(v) for v in loss_b)
-    verdict = "unsafe" if bad or not (gap <= threshold) else "safe"
+    if not (math.isfinite(a) and a != 0):  # no baseline to measure a gap against
+        verdict = "unknown"
+    else:  # beyond the threshold either way: a loss far below plain is no better
+        # training but the policy rounding the loss's own sums (E4M3 saturating at 448)
+        verdict = "unsafe" if bad or not (abs(gap) <= threshold) else "safe"
     ratio = math.nan
     if steps > 2:  # the first call of each compiles
         ratio = float(np.median(time_b[1:]) / np.median(time_a[1:]))

@@ -170,6 +170,43 @@ def test_verify_measures_a_harmless_and_a_harmful_policy():
         ss.verify(lambda w, b: w, init, batches, {}, steps=2)
 
 
+def test_verify_judges_the_training_not_the_returned_number():
+    """A rule reaching the returned loss itself rounds what is printed, not what trains:
+    the gap is 0 (it read +0.56 % on an MLP). A loss far below plain is the policy
+    rounding the loss's own sums (E4M3 saturates at 448): unsafe, not "safe" at -86 %.
+    A plain loss that is NaN leaves nothing to compare: unknown, not "unsafe". A rule
+    held for a matmul no matmul reads changes nothing: refused, not "safe (agrees)"."""
+    step, init, batches = _sgd_problem()
+    loss_only = ss.verify(step, init, batches, {"fwd/lin/div": "e4m3"}, steps=6, control=False)
+    assert loss_only.loss_policy == loss_only.loss_plain and loss_only.gap == 0.0
+    assert loss_only.verdict == "safe"
+
+    def summed(w, batch):  # the squared errors summed, ~100 each: the sum is > 448
+        x, y = batch
+        value, g = jax.value_and_grad(lambda w: jnp.sum((x @ w - 10 * y) ** 2) / 64)(w)
+        return w - 0.01 * g, value
+
+    low = ss.verify(summed, init, batches, {"fwd/reduce_sum": "e4m3"}, steps=6, control=False)
+    plain_tail = np.mean(low.loss_plain[-1:])
+    assert plain_tail > 448 / 64 * 4 and low.loss_policy[-1] <= 448 / 64  # saturated
+    assert low.gap < -0.5 and low.verdict == "unsafe"
+    assert "below the plain one" in low.summary()
+
+    def nan_step(w, batch):
+        w, value = step(w, batch)
+        return w, value * jnp.nan
+
+    unknown = ss.verify(nan_step, init, batches, {"fwd/lin/dot_general": "bf16"}, steps=3)
+    assert unknown.verdict == "unknown" and unknown.agrees is None
+    assert "unknown" in unknown.summary() and "not a finite" in unknown.summary()
+    assert A.agreement({"verdict": "unknown", "predicted": "safe"}) == "-"
+    with pytest.raises(ss.PolicyError, match="read by no matmul.*changes nothing"):
+        ss.verify(step, init, batches, {"fwd/lin/sub": "mxfp8_e4m3@matmul"}, steps=2)
+    for bad in (-1, 0, float("nan"), "x", True):
+        with pytest.raises(ValueError, match="threshold must be a positive"):
+            ss.verify(step, init, batches, {}, steps=2, threshold=bad)
+
+
 # -- on a recorded sample-model run ------------------------------------------------------------
 
 

@@ -272,7 +272,7 @@ def agreement(record: dict[str, Any]) -> str:
     """Whether a verification's measured verdict is the predicted one: ``yes``, ``no``
     or ``-`` (no prediction)."""
     predicted = record.get("predicted") or ""
-    if predicted not in ("safe", "unsafe"):
+    if predicted not in ("safe", "unsafe") or record.get("verdict") not in ("safe", "unsafe"):
         return "-"
     return "yes" if predicted == record.get("verdict") else "no"
 

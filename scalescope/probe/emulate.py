@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from ..core.policy import Policy, as_policy
+from ..core.policy import Policy, PolicyError, as_policy
 from ..core.scaled_array import ScaledArray
 from ..scalify.interpreter import (
     FALLBACK_POLICIES,
@@ -69,6 +69,8 @@ def emulate(
     *,
     scalify: bool = False,
     fallback: str = "raise",
+    exact_outputs: Sequence[int] = (),
+    strict: bool = False,
 ) -> Callable[..., Any]:
     """``fn`` with each value a rule of ``policy`` reaches replaced by its
     quantise-dequantise in the rule's format or recipe (`quantise`).
@@ -84,6 +86,12 @@ def emulate(
     step scalified (as ``ss.scalify(fn)``), quantising scaled values on their data.
     ``emulated.describe(*args)`` lists the ops each rule reaches (`Policy.describe`);
     ``emulated.op_table(*args)`` is the probe's op table.
+
+    ``exact_outputs``: indices of ``fn``'s flattened outputs returned as computed, not
+    rounded, while every op inside still reads the rounded value (the loss a step
+    reports: rounding the returned number changes what is printed, not what trains).
+    ``strict``: a value held ``@matmul`` that no matmul reads (its rule changes nothing)
+    is a `PolicyError` instead of a warning.
     """
     if not callable(fn):
         raise TypeError(f"emulate: fn must be callable, got {type(fn).__name__}")
@@ -118,8 +126,10 @@ def emulate(
         dyn = [replacer.next(v, var, "input") for v, var in zip(dyn, closed.jaxpr.invars)]
         ctx = Context(fallback=fallback, recurse_plain=True, observer=_Emulator(replacer),
                       scaling=scalify)  # fmt: skip
-        outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn)
-        _warn_unread(replacer)
+        outs = list(eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn))
+        _warn_unread(replacer, strict)
+        for i in exact_outputs:
+            outs[i] = replacer.original.get(id(outs[i]), outs[i])
         outs = array_scales(outs) if scalify else outs
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
@@ -137,14 +147,16 @@ def emulate(
     return emulated
 
 
-def _warn_unread(replacer: Replacer) -> None:
+def _warn_unread(replacer: Replacer, strict: bool = False) -> None:
     unread = replacer.unread()
     if unread:
         shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
-        warnings.warn(
+        text = (
             f"emulate: {len(unread)} value(s) held '@matmul' are read by no matmul that "
-            f"emulate can follow ({shown}): a scan body or a loop carry reads a new value "
-            "each step. Hold them in place (drop '@matmul') or name the matmul's own "
-            "operand inside the loop.",
-            stacklevel=3,
+            f"emulate can follow ({shown}), so their rule changes nothing: either no matmul "
+            "multiplies them (hold them in place: drop '@matmul'), or a scan body or loop "
+            "carry reads a new value each step (name the matmul's own operand inside the loop)."
         )
+        if strict:
+            raise PolicyError(text)
+        warnings.warn(text, stacklevel=3)

@@ -118,6 +118,7 @@ class Replacer:
         self.for_matmul: dict[int, Any] = {}  # id(value) -> what a matmul reads instead
         self._keep: list[Any] = []  # keeps the ids above from being reused
         self._waiting: dict[int, int] = {}  # id(value) -> seq, until a matmul reads it
+        self.original: dict[int, Any] = {}  # id(rounded) -> the value as computed
 
     def __call__(self, seq: int, value: Any, var: Any, primitive: str = "") -> Any:
         plan = self.plan
@@ -149,6 +150,8 @@ class Replacer:
             axes = self.block_axes.get(var) if var is not None else None
         rounded = quantise(value, target, axes)
         if reads == "all":
+            self.original[id(rounded)] = value
+            self._keep.append(rounded)
             return rounded
         self.for_matmul[id(value)] = rounded
         self._waiting[id(value)] = seq

@@ -187,7 +187,7 @@ def _verified_html(reader: Any) -> str:
     if records:
         rows = []
         for r in records:
-            cls = "safe-all" if r["verdict"] == "safe" else "safe-none"
+            cls = {"safe": "safe-all", "unsafe": "safe-none"}.get(r["verdict"], "")
             rows.append(
                 [
                     _td(A.policy_text(r["policy"])),
@@ -202,7 +202,7 @@ def _verified_html(reader: Any) -> str:
         parts.append(
             "<div>Each policy was applied to this run's model, seed and batches "
             "(<code>scalescope verify</code>) and trained beside the plain step: the gap "
-            "is the relative loss difference over the last tenth of the steps, unsafe above "
+            "is the relative loss difference over the last tenth of the steps, unsafe beyond "
             "the threshold it was run with (at least twice the noise floor: the gap of the "
             "same values rounded to BF16).</div>"
             + _table(["policy", "steps", "loss gap", "measured", "predicted", "agree"], rows)
