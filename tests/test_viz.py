@@ -502,6 +502,14 @@ def test_group_keys_match_a_reference():
     assert keys[31] == "opt" and keys[34] == "fwd/layers/12"
     assert A.group_keys(ops, 2)[10] == "fwd/block_0/attn"
     assert A.max_depth(ops) == 3
+    # values constant by construction (a mask's fill, optimizer scalars) group apart from
+    # their scope's: a collapsed row's worst member was a -1e9 fill at every step
+    marked = ops.assign(origin="")
+    marked.loc[[7, 31], "origin"] = ["fill", "constant"]
+    keys = A.group_keys(marked, 1)
+    assert keys[7] == "fwd/block_0 (constants)" and keys[31] == "opt (constants)"
+    others = keys.drop([7, 31])
+    assert others.tolist() == A.group_keys(ops, 1).drop([7, 31]).tolist()
 
 
 def _reference_rows(matrix, measured, keys, metric):

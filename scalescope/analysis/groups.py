@@ -10,6 +10,8 @@ cell at each step is its worst member's value for the metric (the metric's bad d
 `scalescope.analysis.metric_direction`: max of a fraction, min of an SNR, larger
 magnitude of a log2, mean where a metric has no bad direction), and names that member; an
 *expanded* group shows its members' rows. Groups come in the order of their first op.
+Values constant by construction (a mask's fill, optimizer scalars) form a group of their
+own beside their scope's, so a collapsed row's worst member is a value that is judged.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from .frames import metric_direction, require_columns
+from .relevance import constant_ops
 
 #: Above this many ops a heatmap opens with its groups collapsed (below: expanded, one
 #: row per op as before).
@@ -46,13 +49,23 @@ def scope_key(name: str, pass_: str, depth: int) -> str:
     return "/".join([str(pass_), *levels[: max(depth, 0)]])
 
 
+#: Appended to the group key of ops constant by construction (mask fills, optimizer
+#: scalars: `scalescope.analysis.relevance`), which form groups of their own: a collapsed
+#: row shows its worst member, and a -1e9 fill would otherwise be every step's worst.
+CONSTANTS_SUFFIX = " (constants)"
+
+
 def group_keys(ops: pd.DataFrame, depth: int = DEFAULT_DEPTH) -> pd.Series:
-    """Group key per op id (`scope_key` of each row of the op table)."""
+    """Group key per op id (`scope_key` of each row of the op table); ops constant by
+    construction get their scope's key with `CONSTANTS_SUFFIX`."""
     require_columns(ops, ("name", "pass"), "ops")
     if depth < 0:
         raise ValueError(f"depth: must be >= 0, got {depth}")
     keys = [scope_key(n, p, depth) for n, p in zip(ops["name"], ops["pass"])]
-    return pd.Series(keys, index=ops.index, name="group", dtype=object)
+    out = pd.Series(keys, index=ops.index, name="group", dtype=object)
+    constant = out.index.isin(constant_ops(ops))
+    out[constant] = out[constant] + CONSTANTS_SUFFIX
+    return out
 
 
 def max_depth(ops: pd.DataFrame) -> int:
