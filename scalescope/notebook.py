@@ -643,19 +643,31 @@ class StatsView:
 def _close_labels(table: Any, text: str, n: int = 5) -> list[str]:
     import difflib
 
-    labels = [rec.label for rec in table]
-    return difflib.get_close_matches(text, labels, n=n, cutoff=0.4)
+    return difflib.get_close_matches(text, list(dict.fromkeys(_shown_labels(table))), n, 0.4)
+
+
+def _shown_labels(table: Any) -> list[str]:
+    """The label the views show for each record of ``table``, in id order
+    (``bwd/l2/dot_general#2``)."""
+    from .core.policy import unique_labels
+
+    return unique_labels([rec.pass_ for rec in table], [rec.name for rec in table])
 
 
 def select_ops(table: Any, op: Any) -> list[Any]:
-    """Records of ``table`` (an `OpTable`) that ``op`` names: an op id, a list of ids, an
-    exact ``pass/name`` or ``name``, or else a regex searched in ``pass/name``. Raises a
+    """Records of ``table`` (an `OpTable`) that ``op`` names: an op id, a list of ids, a
+    label as the views show it (``bwd/l2/dot_general#2``), an exact ``pass/name`` or
+    ``name``, or else a regex searched in ``pass/name``. Raises a
     KeyError naming ``op`` (with close names) when nothing matches."""
     if isinstance(op, int | np.integer) and not isinstance(op, bool):
         if not 0 <= int(op) < len(table):
             raise KeyError(f"show: no op with id {op}; the op table has ids 0..{len(table) - 1}")
         return [table[int(op)]]
     if isinstance(op, str):
+        text = re.sub(r" \[[0-9x]*\]$", "", op)  # a label as shown, shape and all
+        shown = [rec for rec, lb in zip(table, _shown_labels(table)) if lb == text]
+        if len(shown) == 1:
+            return shown
         exact = [rec for rec in table if op in (rec.label, rec.name)]
         if exact:
             return exact

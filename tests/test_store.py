@@ -828,3 +828,34 @@ def test_files_written_together_are_all_renamed_or_none(tmp_path):
     assert (tmp_path / "old.html").read_bytes() == b"new"
     assert (tmp_path / "x.json").read_bytes() == b"{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "old.html", "x.json"]
+
+
+def _two_matmuls(w, x):
+    return jnp.mean(jnp.tanh(x @ w) @ w)
+
+
+def test_ops_are_found_by_the_labels_the_views_show(tmp_path):
+    """The findings, heatmaps and dashboard name ops ``fwd/dot_general#2``: that label (as
+    shown, shape and all) picks the op in the reader and in ss.show; a name two ops share
+    lists their labels; a histogram is named by its label (it read input/input/w)."""
+    from scalescope.notebook import select_ops
+
+    w, x = jnp.full((4, 4), 0.25), jnp.ones((2, 4))
+    with ss.Run(tmp_path / "r") as run:
+        run.track(_two_matmuls, scalify=False)(w, x)
+    reader = ss.open_run(tmp_path / "r")
+    labels = A.op_labels(reader.ops)
+    second = int(labels.index[labels.str.startswith("fwd/dot_general#2")][0])
+    assert reader.op_id("fwd/dot_general#2") == second
+    assert reader.op_id(str(labels[second])) == second  # with the shape, as shown
+    with pytest.raises(KeyError, match=r"2 ops named 'fwd/dot_general'.*#1 \(op \d+\)"):
+        reader.op_id("fwd/dot_general")
+    with pytest.raises(TypeError, match="op: an op id or label"):
+        reader.op_id(1.5)
+    assert reader.hist("fwd/dot_general#2").name == "fwd/dot_general#2"
+    assert reader.hist(reader.op_id("input/w")).name == "input/w"
+    rows = reader.stats("rms", ops=r"dot_general#2$")
+    assert set(rows["op"]) == {second}
+    table = ss.instrument(_two_matmuls, scalify=False).op_table(w, x)
+    (rec,) = select_ops(table, "fwd/dot_general#2")
+    assert rec.id == table.find("dot_general")[1].id

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from ..core.policy import unique_labels
 from . import layout as L
 
 OpsArg = int | str | Sequence[int] | None
@@ -460,7 +461,8 @@ class RunReader:
 
     def resolve_ops(self, ops: OpsArg) -> np.ndarray:
         """Op ids holding the statistics of ``ops``: an id, a list of ids, or a regex
-        matched against ``pass/name``. Aliases resolve to the op they alias."""
+        matched against ``pass/name`` and the labels the views show (``...#2``). Aliases
+        resolve to the op they alias."""
         table = self.ops
         if ops is None:
             return np.asarray(table.index[table["note"] == ""], np.int64)
@@ -469,8 +471,9 @@ class RunReader:
                 rx = re.compile(ops)
             except re.error as err:
                 raise ValueError(f"ops: not a valid regex ({ops!r}): {err}") from err
-            labels = table["pass"] + "/" + table["name"]
-            ids = table.index[labels.str.contains(rx)]
+            plain = table["pass"] + "/" + table["name"]
+            shown = self.labels().reindex(table.index)  # the labels the views show
+            ids = table.index[plain.str.contains(rx) | shown.str.contains(rx)]
         else:
             ids = [ops] if isinstance(ops, int | np.integer) else list(ops)
             unknown = [i for i in ids if i not in table.index]
@@ -596,18 +599,40 @@ class RunReader:
         found |= {int(p) for f in self._scalar_parts for p in pd.unique(f["process"])}
         return sorted(found)
 
+    def labels(self) -> pd.Series:
+        """The unique label of each op id, as the findings, heatmaps and dashboard show it
+        (``bwd/dense_1/dot_general#2``; `scalescope.core.policy.unique_labels`)."""
+        table = self.ops.sort_index()
+        passes, names = table["pass"].astype(str).tolist(), table["name"].astype(str).tolist()
+        names = unique_labels(passes, names)
+        return pd.Series(names, index=table.index, name="label", dtype=object)
+
     def op_id(self, op: int | str) -> int:
-        """The id of ``op``: an id, or an exact ``pass/name`` or ``name`` (unique)."""
+        """The id of ``op``: an id, its label as the views show it
+        (``bwd/dense_1/dot_general#2``, with or without the shape after it), or an exact
+        ``pass/name`` or ``name`` that only one op has."""
         table = self.ops
-        if isinstance(op, int | np.integer):
+        if isinstance(op, int | np.integer) and not isinstance(op, bool):
             if op not in table.index:
                 raise KeyError(f"no op with id {op} in {self.path} ({len(table)} ops)")
             return int(op)
-        labels = table["pass"] + "/" + table["name"]
-        hits = table.index[(labels == op) | (table["name"] == op)]
+        if not isinstance(op, str):
+            raise TypeError(f"op: an op id or label, got {op!r}")
+        labels = self.labels()
+        text = re.sub(r" \[[0-9x]*\]$", "", op)  # a label as shown, shape and all
+        hits = labels.index[labels == text]
+        if len(hits) == 1:
+            return int(hits[0])
+        plain = table["pass"] + "/" + table["name"]
+        hits = table.index[(plain == op) | (table["name"] == op)]
         if len(hits) != 1:
-            what = "no op" if len(hits) == 0 else f"{len(hits)} ops"
-            raise KeyError(f"{what} named {op!r} in {self.path}; use an id or pass/name")
+            if not hits.empty:
+                shown = ", ".join(f"{labels[i]} (op {i})" for i in hits[:4])
+                raise KeyError(
+                    f"{len(hits)} ops named {op!r} in {self.path}: {shown}"
+                    f"{' ...' if len(hits) > 4 else ''}; use one of those labels or an id"
+                )
+            raise KeyError(f"no op named {op!r} in {self.path}; use an id or a label")
         return int(hits[0])
 
     def hist(self, op: int | str, step: int = -1, iteration: int | None = None) -> pd.Series:
@@ -644,7 +669,7 @@ class RunReader:
         if not rows:
             raise KeyError(f"op {op!r} has no row for iteration {iteration} at step {step}")
         counts = np.concatenate(rows).sum(axis=0)
-        label = f"{rec['pass']}/{rec['name']}"
+        label = str(self.labels()[self.op_id(op)])
         series = pd.Series(counts, index=pd.Index(self.hist_columns, name="bin"), name=label)
         series.attrs.update(step=step, op=int(self.op_id(op)), iteration=iteration)
         return series
