@@ -285,6 +285,7 @@ def test_budgeted_run_writes_only_measured_rows(tmp_path):
         assert set(frame.op.unique()) == whole
     last = reader.last_measured()
     assert last.loc[groups[groups >= 0].index].notna().all()
+    assert reader.verdict().coverage == ""  # every op measured: no caveat
     # The rows are exact: equal to an instrumented call on the same inputs.
     w0 = W
     inst = ss.instrument(_step, scalify=False)

@@ -319,3 +319,26 @@ def test_a_schedules_inf_branch_is_judged_by_what_reaches_the_parameters(tmp_pat
         assert v.status == "healthy", v
         assert (nonfinite["severity"] == "low").all(), nonfinite
         assert nonfinite["evidence"].str.contains("dropped downstream").all()
+
+
+def test_a_healthy_verdict_says_how_many_ops_were_measured_when_not_all_were():
+    """Under a budget ops are measured in turns: "healthy" after 14 of 254 ops were
+    measured must say so (it read as a clean bill for the whole model)."""
+    from scalescope.analysis.bundle import coverage_text, unjudged_if_unrecorded
+
+    class Reader:  # three values (op 3 is an alias of op 1, op 4 has no statistics)
+        steps = np.array([0, 1])
+        ops = pd.DataFrame({"stats_op": [0, 1, 2, 1, -1]})
+
+        def __init__(self, last):
+            self.last = last
+
+        def measured(self):
+            return pd.DataFrame({"last_measured": self.last})
+
+    partial = Reader([1.0, np.nan, 0.0, np.nan, np.nan])
+    assert coverage_text(partial) == "2 of 3 ops measured so far"
+    assert coverage_text(Reader([1.0, 1.0, 0.0, 1.0, np.nan])) == ""
+    v = unjudged_if_unrecorded(A.verdict(pd.DataFrame()), partial)
+    assert v.headline == "verdict: healthy (2 of 3 ops measured so far)"
+    assert v.as_dict()["coverage"] == "2 of 3 ops measured so far"

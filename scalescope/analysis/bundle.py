@@ -302,6 +302,9 @@ def unjudged_if_unrecorded(v: Verdict, reader: Any, loss: pd.Series | None = Non
     "healthy" would claim what nothing measured. ``loss``: the logged loss the verdict
     read, so the mark says whether one was logged."""
     steps = getattr(reader, "steps", None)
+    if steps is not None and len(steps) and not v.coverage:
+        coverage = coverage_text(reader)
+        return dataclasses.replace(v, coverage=coverage) if coverage else v
     if steps is None or len(steps) or v.unjudged:
         return v
     if loss is None or not len(loss):
@@ -311,6 +314,22 @@ def unjudged_if_unrecorded(v: Verdict, reader: Any, loss: pd.Series | None = Non
     else:
         why = "the logged loss is not finite"
     return dataclasses.replace(v, unjudged=f"no step recorded; {why}")
+
+
+def coverage_text(reader: Any) -> str:
+    """``"17 of 336 ops measured so far"`` when some op with statistics of ``reader``
+    (anything with ``measured()``: `RunReader.measured`) has never been measured (a
+    budget measures ops in turns), else ""."""
+    measured = getattr(reader, "measured", None)
+    if not callable(measured):
+        return ""
+    table = measured()
+    ops = getattr(reader, "ops", None)
+    if ops is not None and "stats_op" in ops.columns:  # each value once, not its aliases
+        table = table[ops["stats_op"].reindex(table.index).to_numpy() == table.index]
+    total = len(table)
+    done = int(table["last_measured"].notna().sum()) if total else 0
+    return f"{done} of {total} ops measured so far" if 0 < total and done < total else ""
 
 
 def format_whatif_run(

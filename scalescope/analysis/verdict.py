@@ -101,6 +101,9 @@ class Verdict:
     #: findings (not causes) per severity: what the headline of a healthy run counts,
     #: as the report's findings line does
     findings: Mapping[str, int] = field(default_factory=dict)
+    #: how much was measured, when not every op was (a budget measures ops in turns):
+    #: ``"17 of 336 ops measured so far"``; a healthy headline says it
+    coverage: str = ""
 
     @property
     def rank(self) -> int:
@@ -115,7 +118,9 @@ class Verdict:
         if self.status == "healthy":
             found = self.findings or self.counts  # a Verdict made without findings counts
             warn = sum(found.get(s, 0) for s in ("medium", "low"))
-            tail = f" ({warn} minor finding{'s' if warn != 1 else ''})" if warn else ""
+            notes = [f"{warn} minor finding{'s' if warn != 1 else ''}"] if warn else []
+            notes += [self.coverage] if self.coverage else []
+            tail = f" ({'; '.join(notes)})" if notes else ""
             return f"verdict: healthy{tail}"
         since = f" from step {self.step}" if self.step is not None else ""
         first = f": {self.reasons[0].cause}" if self.reasons else ""
@@ -134,6 +139,7 @@ class Verdict:
             "counts": dict(self.counts),
             "reasons": [r.as_dict() for r in self.reasons],
             "unjudged": self.unjudged,
+            "coverage": self.coverage,
         }
 
 
