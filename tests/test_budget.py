@@ -286,6 +286,13 @@ def test_budgeted_run_writes_only_measured_rows(tmp_path):
     last = reader.last_measured()
     assert last.loc[groups[groups >= 0].index].notna().all()
     assert reader.verdict().coverage == ""  # every op measured: no caveat
+    # an op not measured at a step: said so, with when it was (some step measured a
+    # subset, asserted above)
+    assert reader.hist_columns
+    step0 = int(rows_per_step.idxmin())
+    absent = sorted(set(groups[groups >= 0].index) - set(stats[stats.step == step0].op))
+    with pytest.raises(KeyError, match=r"not measured at step .*budget.*last measured"):
+        reader.hist(int(absent[0]), step=step0)
     # The rows are exact: equal to an instrumented call on the same inputs.
     w0 = W
     inst = ss.instrument(_step, scalify=False)

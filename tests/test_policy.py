@@ -194,7 +194,12 @@ def test_a_rule_that_reaches_nothing_names_the_nearest_ops():
     loose = policy.describe(table, strict=False)
     assert loose[0]["ops"] == [] and loose[1]["ops"]
     # a rule shadowed by an earlier one reaches nothing either
-    with pytest.raises(ss.PolicyError, match="rule 'bwd/loss' -> 'bf16' reaches no op"):
-        ss.Policy([("bwd/**", "e5m2"), ("bwd/loss", "bf16")]).describe(table)
+    with pytest.raises(ss.PolicyError, match="rule 'bwd/mul' -> 'bf16' reaches no op") as err:
+        ss.Policy([("bwd/**", "e5m2"), ("bwd/mul", "bf16")]).describe(table)
+    # ... and says which rule takes its ops, not "nearest op names" that it matches
+    assert "taken by the earlier rule 'bwd/**'" in str(err.value), err.value
+    assert "nearest" not in str(err.value)
+    with pytest.raises(TypeError, match="target: an op label"):
+        policy.target(3)
     with pytest.raises(ss.PolicyError, match="got a str"):
         policy.describe("fwd/x")

@@ -853,6 +853,11 @@ def test_ops_are_found_by_the_labels_the_views_show(tmp_path):
     with pytest.raises(TypeError, match="op: an op id or label"):
         reader.op_id(1.5)
     assert reader.hist("fwd/dot_general#2").name == "fwd/dot_general#2"
+    for bad in (None, "0", 0.0, True):
+        with pytest.raises(TypeError, match="hist: step must be a step number"):
+            reader.hist(second, step=bad)
+    with pytest.raises(TypeError, match="ops: an op id, a list of ids or a regex"):
+        reader.stats("rms", ops=1.5)
     assert reader.hist(reader.op_id("input/w")).name == "input/w"
     rows = reader.stats("rms", ops=r"dot_general#2$")
     assert set(rows["op"]) == {second}

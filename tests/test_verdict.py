@@ -342,3 +342,13 @@ def test_a_healthy_verdict_says_how_many_ops_were_measured_when_not_all_were():
     v = unjudged_if_unrecorded(A.verdict(pd.DataFrame()), partial)
     assert v.headline == "verdict: healthy (2 of 3 ops measured so far)"
     assert v.as_dict()["coverage"] == "2 of 3 ops measured so far"
+
+
+def test_a_loss_name_never_logged_is_an_error_naming_the_logged_ones():
+    rows = pd.DataFrame({"step": [0, 1], "name": ["train_loss", "acc"], "value": [1.0, 0.5]})
+    with pytest.raises(
+        KeyError, match="no scalar 'nope' was logged; this run logs: acc, train_loss"
+    ):
+        A.logged_loss(rows, "nope")
+    assert A.logged_loss(rows, "train_loss").tolist() == [1.0]
+    assert A.logged_loss(rows).empty  # the default name: a run may log no loss

@@ -164,8 +164,12 @@ def _first_nonfinite(loss: pd.Series | None) -> int | None:
 def logged_loss(scalar_rows: pd.DataFrame, name: str = "loss") -> pd.Series:
     """The values of scalar ``name`` as logged (``reader.scalar_rows()``: one row per
     logged value), indexed by step, NaN values kept: a NaN loss is a logged NaN, not a
-    missing value."""
+    missing value. A name other than ``"loss"`` that was never logged, where other
+    scalars were, is a KeyError naming them (a typo would read as "no loss logged")."""
     rows = scalar_rows[scalar_rows["name"] == name] if len(scalar_rows) else scalar_rows
+    if not len(rows) and name != "loss" and len(scalar_rows):
+        known = ", ".join(sorted(map(str, scalar_rows["name"].unique())))
+        raise KeyError(f"loss: no scalar {name!r} was logged; this run logs: {known}")
     if not len(rows):
         return pd.Series(dtype=np.float64, name=name)
     return pd.Series(rows["value"].to_numpy(np.float64), index=rows["step"].to_numpy(), name=name)

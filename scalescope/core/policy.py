@@ -273,6 +273,8 @@ class Policy:
 
     def target(self, label: str) -> str | None:
         """The format or recipe the first matching rule gives ``label``, or None."""
+        if not isinstance(label, str):
+            raise TypeError(f"target: an op label (a str), got {label!r}")
         rule = self.rule_for(label)
         return None if rule is None else rule.target
 
@@ -295,9 +297,9 @@ class Policy:
                     reached[i].append(label)
                     break
         if strict:
-            for rule, got in zip(self.rules, reached):
+            for i, (rule, got) in enumerate(zip(self.rules, reached)):
                 if not got:
-                    raise PolicyError(_no_match(rule, labels))
+                    raise PolicyError(_no_match(rule, labels, self.rules[:i]))
         return [
             {
                 "pattern": r.pattern,
@@ -393,7 +395,19 @@ def op_labels(ops: Any) -> list[str]:
     return [lab for lab, note in zip(labels, notes) if note not in UNREACHABLE]
 
 
-def _no_match(rule: Rule, labels: Sequence[str]) -> str:
+def _no_match(rule: Rule, labels: Sequence[str], earlier: Sequence[Rule] = ()) -> str:
+    """Why ``rule`` reaches nothing: every label it matches is taken by an ``earlier``
+    rule (first match wins), or it matches none (the nearest labels)."""
+    mine = [lab for lab in labels if rule.matches(lab)]
+    if mine:
+        takers = list(dict.fromkeys(next(r.pattern for r in earlier if r.matches(lab))
+                                    for lab in mine))  # fmt: skip
+        return (
+            f"rule {rule.pattern!r} -> {rule.spec!r} reaches no op: the {len(mine)} it "
+            f"matches ({', '.join(mine[:3])}{' ...' if len(mine) > 3 else ''}) are taken by "
+            f"the earlier rule{'s' if len(takers) > 1 else ''} {', '.join(map(repr, takers))} "
+            "(the first matching rule wins: put the narrower rule first)"
+        )
     probe = rule.pattern.removeprefix(_REGEX_PREFIX).replace("*", "")
     near = difflib.get_close_matches(probe, list(dict.fromkeys(labels)), n=3, cutoff=0.3)
     hint = f"; nearest op names: {', '.join(near)}" if near else ""

@@ -475,6 +475,10 @@ class RunReader:
             shown = self.labels().reindex(table.index)  # the labels the views show
             ids = table.index[plain.str.contains(rx) | shown.str.contains(rx)]
         else:
+            if isinstance(ops, bool | float) or not isinstance(ops, int | np.integer | Iterable):
+                raise TypeError(
+                    f"ops: an op id, a list of ids or a regex on op labels, got {ops!r}"
+                )
             ids = [ops] if isinstance(ops, int | np.integer) else list(ops)
             unknown = [i for i in ids if i not in table.index]
             if unknown:
@@ -643,6 +647,8 @@ class RunReader:
         draws itself in Jupyter with each format's range shaded)."""
         if not self.hist_columns:
             raise ValueError(f"{self.path} was recorded with histograms=False")
+        if isinstance(step, bool) or not isinstance(step, int | np.integer):
+            raise TypeError(f"hist: step must be a step number (an int), got {step!r}")
         rec = self.ops.loc[self.op_id(op)]
         src = int(rec["stats_op"])
         if src < 0:
@@ -667,7 +673,12 @@ class RunReader:
                 table = pq.read_table(part, columns=cols).to_pandas()
                 rows.append(table.loc[sel.to_numpy()].to_numpy())
         if not rows:
-            raise KeyError(f"op {op!r} has no row for iteration {iteration} at step {step}")
+            if iteration is not None:
+                raise KeyError(f"op {op!r} has no row for iteration {iteration} at step {step}")
+            last = self.last_measured().get(src, np.nan)
+            when = "never measured" if last != last else f"last measured at step {int(last)}"
+            why = "a budget measures ops in turns; " if self.budget is not None else ""
+            raise KeyError(f"op {op!r} was not measured at step {step} ({why}{when})")
         counts = np.concatenate(rows).sum(axis=0)
         label = str(self.labels()[self.op_id(op)])
         series = pd.Series(counts, index=pd.Index(self.hist_columns, name="bin"), name=label)
