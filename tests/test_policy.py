@@ -201,5 +201,8 @@ def test_a_rule_that_reaches_nothing_names_the_nearest_ops():
     assert "nearest" not in str(err.value)
     with pytest.raises(TypeError, match="target: an op label"):
         policy.target(3)
+    # a rule on Adam's integer step count: nothing to round, said so (not "nearest ops")
+    with pytest.raises(ss.PolicyError, match=r"input/state/0/count.*holds no float elements"):
+        ss.Policy.from_dict({"**/count": "e4m3"}).describe(table)
     with pytest.raises(ss.PolicyError, match="got a str"):
         policy.describe("fwd/x")

@@ -299,7 +299,7 @@ class Policy:
         if strict:
             for i, (rule, got) in enumerate(zip(self.rules, reached)):
                 if not got:
-                    raise PolicyError(_no_match(rule, labels, self.rules[:i]))
+                    raise PolicyError(_no_match(rule, labels, self.rules[:i], ops))
         return [
             {
                 "pattern": r.pattern,
@@ -372,6 +372,12 @@ def op_labels(ops: Any) -> list[str]:
     """Labels (`unique_labels`) of the ops a rule can reach, from an `OpTable`, a run's
     op frame (``pass``, ``name`` and optionally ``note`` columns, indexed by op id) or a
     list of labels: integer, empty and output values left out."""
+    labels, notes = _labels_and_notes(ops)
+    return [lab for lab, note in zip(labels, notes) if note not in UNREACHABLE]
+
+
+def _labels_and_notes(ops: Any) -> tuple[list[str], list[str]]:
+    """Every op's label and note (`op_labels` before leaving out the unreachable)."""
     if isinstance(ops, str):
         raise PolicyError("describe: expected an op table, an op frame or labels, got a str")
     if hasattr(ops, "ops") and not hasattr(ops, "columns"):  # an OpTable
@@ -385,20 +391,32 @@ def op_labels(ops: Any) -> list[str]:
     else:
         ops = list(ops)
         if all(isinstance(op, str) for op in ops):
-            return ops
+            return ops, [""] * len(ops)
         bad = [op for op in ops if not (hasattr(op, "pass_") and hasattr(op, "name"))]
         if bad:
             raise PolicyError(f"describe: cannot read an op label from {bad[0]!r}")
         passes, names = [op.pass_ for op in ops], [op.name for op in ops]
         notes = [getattr(op, "note", "") for op in ops]
-    labels = unique_labels(passes, names)
-    return [lab for lab, note in zip(labels, notes) if note not in UNREACHABLE]
+    return unique_labels(passes, names), notes
 
 
-def _no_match(rule: Rule, labels: Sequence[str], earlier: Sequence[Rule] = ()) -> str:
+def _no_match(
+    rule: Rule, labels: Sequence[str], earlier: Sequence[Rule] = (), ops: Any = None
+) -> str:
     """Why ``rule`` reaches nothing: every label it matches is taken by an ``earlier``
-    rule (first match wins), or it matches none (the nearest labels)."""
+    rule (first match wins), or holds nothing to round (integers, booleans, empty
+    values: from ``ops``), or it matches none (the nearest labels)."""
     mine = [lab for lab in labels if rule.matches(lab)]
+    if not mine and ops is not None:
+        every, notes = _labels_and_notes(ops)
+        idle = [lab for lab, note in zip(every, notes) if note in UNREACHABLE and rule.matches(lab)]
+        if idle:
+            return (
+                f"rule {rule.pattern!r} -> {rule.spec!r} reaches no op: what it matches "
+                f"({', '.join(idle[:3])}{' ...' if len(idle) > 3 else ''}) holds no float "
+                "elements to round (integer, boolean or empty values, or a function output: "
+                "name the op that computes the output)"
+            )
     if mine:
         takers = list(dict.fromkeys(next(r.pattern for r in earlier if r.matches(lab))
                                     for lab in mine))  # fmt: skip
