@@ -459,6 +459,13 @@ def run_heatmap(
     groups = None
     if group_depth and iterations != "all" and len(reader.ops):
         groups = A.group_keys(reader.ops, group_depth)
+    if expanded is not None and groups is not None:
+        if isinstance(expanded, str):
+            expanded = [expanded]
+        unknown = [g for g in expanded if g not in set(groups)]
+        if unknown:
+            shown = ", ".join(list(dict.fromkeys(groups))[:8])
+            raise KeyError(f"heatmap: no group {unknown[0]!r} (expanded=); groups: {shown} ...")
     labels = A.op_labels(reader.ops)
     return HeatmapView(matrix, metric, labels, title, measured, notes, groups, expanded)
 

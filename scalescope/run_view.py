@@ -15,6 +15,7 @@ method and attribute unchanged.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
@@ -125,12 +126,19 @@ class RunView(RunReader):
         *,
         iterations: str = "max",
         max_steps: int = 500,
+        group_depth: int = 1,
+        expanded: Sequence[str] | None = None,
     ) -> Any:
         """Op x step heatmap of ``metric`` (recorded or derived, e.g. ``log2_rms``) that
         displays inline in Jupyter; ``.matrix`` holds the data, ``.figure`` the Bokeh
         figure. ``ops``: see `resolve_ops`; ``iterations``, ``max_steps``: see
-        `scalescope.analysis.matrix`. Returns a `scalescope.notebook.HeatmapView`."""
-        return nb.run_heatmap(self, metric, ops, iterations=iterations, max_steps=max_steps)
+        `scalescope.analysis.matrix`; rows grouped by module path at ``group_depth`` (0:
+        one row per op), ``expanded``: the groups shown op by op (None: every group of a
+        small run, none of a large one). Returns a `scalescope.notebook.HeatmapView`."""
+        return nb.run_heatmap(
+            self, metric, ops, iterations=iterations, max_steps=max_steps,
+            group_depth=group_depth, expanded=expanded,
+        )  # fmt: skip
 
     def compare(self, other: RunReader | str | os.PathLike, metric: str = "value_rms") -> Any:
         """This run (a) against ``other`` (b, a reader or a run path), displayed inline:

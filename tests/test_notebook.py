@@ -224,6 +224,10 @@ def test_heatmap_bad_arguments_name_them(runs):
         runs[0].heatmap("rmss")
     with pytest.raises(KeyError, match="no recorded op matches '\\^nothing/'"):
         runs[0].heatmap("rms", ops="^nothing/")
+    with pytest.raises(KeyError, match="no group 'fwd/nope' \\(expanded=\\); groups: "):
+        runs[0].heatmap("rms", expanded=["fwd/nope"])
+    with pytest.raises(TypeError, match="ops: an op id"):
+        runs[0].heatmap("rms", ops=1.5)
 
 
 # -- reader.compare -----------------------------------------------------------------------
