@@ -572,6 +572,30 @@ def test_a_constant_times_a_scale_at_the_edge_of_float32_keeps_the_value(dtype):
             np.testing.assert_array_equal(np.asarray(out.data), times_mant)
 
 
+def test_a_product_with_an_all_zero_tensor_is_zero_not_nan():
+    """A zero-initialised weight (a classifier head, a LoRA B matrix) is scale 0 once
+    normalised; ``x @ w`` multiplied the remainder's split of the scale product (4 x
+    2^126: inf) by that 0 and gave NaN data, so the loss and every gradient were NaN.
+    NumPy (float64) is the reference."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 16)).astype(np.float32)
+    w = np.zeros((16, 5), np.float32)
+
+    def loss(x, w):
+        return jax.nn.log_softmax(x @ w).sum()
+
+    want = np.float64(-20 * np.log(5.0))  # uniform logits: log(1/5) per entry
+    for run in (ss.scalify(loss), jax.jit(ss.scalify(loss))):
+        got = ss.asarray(run(ss.as_scaled_array(x, scale=4.0), ss.as_scaled_array(w)))
+        np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    grad = jax.jit(ss.scalify(jax.grad(loss, argnums=1)))(x, ss.as_scaled_array(w))
+    x64 = x.astype(np.float64)
+    want_grad = x64.T @ (np.ones((4, 5)) - 5 * np.full((4, 5), 0.2))  # d/dw = x^T (1 - 5 p)
+    np.testing.assert_allclose(np.asarray(ss.asarray(grad)), want_grad, atol=1e-5)
+    out = ss.scalify(lambda x, w: x @ w)(x, ss.as_scaled_array(w))
+    assert np.array_equal(np.asarray(ss.asarray(out)), np.zeros((4, 5)))
+
+
 @pytest.mark.parametrize("traced_constant", [False, True])
 def test_a_product_of_scales_beyond_float32_moves_the_excess_into_the_data(traced_constant):
     """Scales are kept in float32's normal range: a product beyond it is clamped and the

@@ -263,6 +263,13 @@ def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any
     high = lax.gt(new, np.float32(1))
     k_scale, k_factor = _bound_split(high, divide)
     rest = op(lax.mul(scale, k_scale), lax.mul(factor, k_factor))
+    # a zero operand (an all-zero tensor's scale 0) makes a zero remainder: the split
+    # above assumes a scale under 2 below the range, and a scale of 4 times 2^126
+    # overflowed to inf, times a zero factor: NaN data for x @ zeros
+    zero = lax.eq(scale, np.float32(0))
+    if not divide:
+        zero = lax.bitwise_or(zero, lax.eq(factor, np.float32(0)))
+    rest = lax.select(zero, exact, rest)
     # in range: exactly 1 (also for scales that are not powers of two); NaN stays NaN
     rest = lax.select(lax.eq(exact, new), literal_like(rest, 1.0), rest)
     return new, rest
