@@ -596,6 +596,25 @@ def test_a_product_with_an_all_zero_tensor_is_zero_not_nan():
     assert np.array_equal(np.asarray(ss.asarray(out)), np.zeros((4, 5)))
 
 
+def test_a_plain_value_added_to_an_all_zero_tensor_keeps_its_own_scale():
+    """A BatchNorm's running mean is zeros at step 0 (scale 0 once normalised): ``x -
+    mean`` with a plain batch took the least scale x fits in (2^-123), its data ~1e38,
+    and ``sum((x - mean)**2)`` was inf. NumPy (float64) is the reference."""
+    x = (np.random.default_rng(1).normal(size=(4, 16)) * 3 + 1).astype(np.float32)
+    mean = np.zeros(16, np.float32)
+
+    def ssq(mean, x):
+        d = x - mean
+        return jnp.sum(d * d)
+
+    want = float(np.sum(x.astype(np.float64) ** 2))
+    for run in (ss.scalify(ssq), jax.jit(ss.scalify(ssq))):
+        got = run(ss.as_scaled_array(mean), x)
+        np.testing.assert_allclose(float(ss.asarray(got)), want, rtol=1e-6)
+    d = ss.scalify(lambda m, x: x - m)(ss.as_scaled_array(mean), x)
+    assert float(d.scale) == 1.0 and float(jnp.abs(d.data).max()) < 2**8
+
+
 @pytest.mark.parametrize("traced_constant", [False, True])
 def test_a_product_of_scales_beyond_float32_moves_the_excess_into_the_data(traced_constant):
     """Scales are kept in float32's normal range: a product beyond it is clamped and the

@@ -198,17 +198,22 @@ def align(
     """
     if dtype is None:
         dtype = next(x.dtype for x in xs if is_scaled(x))
+    # Scale 0 marks an exactly-zero tensor: it sets no scale. If every scaled input is
+    # one, the common scale is 1, a plain input's own (raised only where it would
+    # overflow): the least scale a plain value fits in (~2^-123 for values near 1) made
+    # its data ~1e38, and its square inf (x - zero_mean in a BatchNorm at step 0).
     if scale is None:
-        scale = common_scale(xs)
+        scale = positive_or_one(common_scale(xs))
         floors = [lift_floor(x, dtype) for x in xs if fit and not is_scaled(x)]
         floors = [f for f in floors if f is not None]
         if floors:
             scale = scale_max(scale, *floors)
         scale = pow2_round_down(scale)
-    # Scale 0 marks an exactly-zero tensor; if every input is one, express in scale 1.
+    else:
+        scale = positive_or_one(scale)
     # At most SCALE_MAX, whose reciprocal is a normal float32 (an input's 2^127 has a
     # subnormal one, flushed to 0 by XLA's CPU code): such an input's data is doubled.
-    scale = at_most_max(positive_or_one(scale))
+    scale = at_most_max(scale)
     inverse = pow2_reciprocal(scale)
     datas = []
     for x in xs:
