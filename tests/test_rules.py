@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name as _checkpoint_name
 from jax.experimental import io_callback
 
 import scalescope as ss
@@ -111,6 +112,9 @@ def _host(fn):
 
 # name -> (function of one scaled float input, input domain, shapes)
 UNARY = {
+    "name": (lambda x: _checkpoint_name(jnp.tanh(x), "h"), "any"),
+    "complex": (lambda x: (lax.complex(x, 0.5 * x) * (1 + 2j)).imag, "any"),
+    "random_gamma": (lambda x: jax.random.gamma(jax.random.key(0), jnp.abs(x) + 1.0), "any"),
     "neg": (lambda x: -x, "any"),
     "abs": (jnp.abs, "any"),
     "sign": (jnp.sign, "any"),
@@ -594,6 +598,42 @@ def test_a_product_with_an_all_zero_tensor_is_zero_not_nan():
     np.testing.assert_allclose(np.asarray(ss.asarray(grad)), want_grad, atol=1e-5)
     out = ss.scalify(lambda x, w: x @ w)(x, ss.as_scaled_array(w))
     assert np.array_equal(np.asarray(ss.asarray(out)), np.zeros((4, 5)))
+    assert float(out.scale) == 0.0  # the all-zero mark: it sets no scale downstream
+    # ... so a plain target subtracted from a zero-initialised head's output keeps its
+    # own scale (at 2^-126 it was lifted to data ~2^126 and the L1 loss's sum was inf)
+    t = rng.normal(size=(4, 5)).astype(np.float32)
+    l1 = jax.jit(ss.scalify(lambda w, x, t: jnp.mean(jnp.abs(x @ w - t))))
+    got = float(ss.asarray(l1(ss.as_scaled_array(w), x, t)))
+    np.testing.assert_allclose(got, np.mean(np.abs(t.astype(np.float64))), rtol=1e-6)
+
+
+def test_checkpoint_names_complex_numbers_and_gamma_samples_have_rules():
+    """Primitives other people's models bind: ``checkpoint_name`` (remat policies in
+    MaxText-style models), ``lax.complex`` (a complex RoPE), ``random_gamma`` (a scaled
+    shape parameter: gamma, beta, dirichlet). Each was "no scaled rule"."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    x = np.random.default_rng(3).normal(size=(4, 8)).astype(np.float32)
+    sx = ss.as_scaled_array(x, scale=2.0**-4)
+    x64 = x.astype(np.float64)
+    tagged = ss.scalify(lambda v: jnp.sum(checkpoint_name(jnp.tanh(v), "h")))(sx)
+    np.testing.assert_allclose(float(ss.asarray(tagged)), np.tanh(x64).sum(), rtol=1e-5)
+
+    def rope(v):
+        z = lax.complex(v[:, 0::2], v[:, 1::2]) * (1 + 2j)
+        return jnp.sum(z.real), jnp.sum(z.imag)
+
+    re_, im_ = jax.jit(ss.scalify(rope))(sx)
+    z = (x64[:, 0::2] + 1j * x64[:, 1::2]) * (1 + 2j)
+    np.testing.assert_allclose([float(ss.asarray(re_)), float(ss.asarray(im_))],
+                               [z.real.sum(), z.imag.sum()], rtol=1e-5)  # fmt: skip
+
+    def gamma(v):
+        return jax.random.gamma(jax.random.key(0), jnp.abs(v) + 1.0)
+
+    np.testing.assert_allclose(
+        np.asarray(ss.asarray(ss.scalify(gamma)(sx))), np.asarray(gamma(x)), rtol=1e-5
+    )
 
 
 def test_a_plain_value_added_to_an_all_zero_tensor_keeps_its_own_scale():

@@ -247,8 +247,9 @@ def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any
     ``new_scale`` is the product clamped to float32's normal range, and
     ``data_factor`` the exact remainder (1 when the product is in range) that the data
     must be multiplied by: ``new_scale * data_factor == scale * factor`` without the
-    product ever over- or underflowing. A zero scale (an all-zero tensor) gives the
-    smallest normal scale and a zero factor, so scale 0 never meets non-zero data.
+    product ever over- or underflowing. A zero operand (an all-zero tensor's scale 0, a
+    factor 0) gives scale 0 and a zero factor: the data becomes zeros, so scale 0 only
+    ever holds zeros (NaN where the data held inf or NaN: 0 * inf).
     """
     if is_static(scale) and is_static(factor):
         return _static_product(float(scale), float(factor), divide)
@@ -268,13 +269,15 @@ def scale_product(scale: Any, factor: Any, *, divide: bool = False) -> tuple[Any
     high = lax.gt(new, np.float32(1))
     k_scale, k_factor = _bound_split(high, divide)
     rest = op(lax.mul(scale, k_scale), lax.mul(factor, k_factor))
-    # a zero operand (an all-zero tensor's scale 0) makes a zero remainder: the split
-    # above assumes a scale under 2 below the range, and a scale of 4 times 2^126
-    # overflowed to inf, times a zero factor: NaN data for x @ zeros
+    # a zero operand (an all-zero tensor's scale 0) makes an all-zero tensor: scale 0,
+    # the mark that sets no scale when added to (a zero-initialised head's logits minus
+    # a plain target), and a zero remainder (the split above assumes a scale under 2
+    # below the range: 4 times 2^126 overflowed to inf, times 0 gave NaN data)
     zero = lax.eq(scale, np.float32(0))
     if not divide:
         zero = lax.bitwise_or(zero, lax.eq(factor, np.float32(0)))
     rest = lax.select(zero, exact, rest)
+    new = lax.select(zero, exact, new)
     # in range: exactly 1 (also for scales that are not powers of two); NaN stays NaN
     rest = lax.select(lax.eq(exact, new), literal_like(rest, 1.0), rest)
     return new, rest
@@ -318,6 +321,8 @@ def _static_product(scale: float, factor: float, divide: bool) -> tuple[Any, Any
         exact = np.float64(scale) / factor if divide else np.float64(scale) * factor
     if math.isnan(exact):
         return static_scale(np.nan), static_scale(np.nan)
+    if exact == 0.0:  # a zero operand: an all-zero tensor, scale 0 (`scale_product`)
+        return static_scale(0.0), static_scale(0.0)
     new = min(max(exact, SCALE_MIN), SCALE_MAX)
     new32 = float(static_scale(new))
     if new32 == exact:

@@ -324,7 +324,8 @@ def _scale_problem(scale: float, data_absmax: float) -> str | None:
         return f"a non-finite scale ({scale})"
     if scale < 0:
         return f"a negative scale ({scale})"
-    if scale == 0 and data_absmax != 0:
+    if scale == 0 and data_absmax != 0 and not math.isnan(data_absmax):
+        # (NaN data at scale 0: a product of inf with an all-zero tensor, NaN as plain)
         return f"scale 0 with non-zero data (max |data| = {data_absmax:g})"
     return None
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -79,3 +81,24 @@ def primitives_in(jaxpr: Any) -> set[str]:
         for sub in jaxprs_in_params(eqn.params):
             names |= primitives_in(sub)
     return names
+
+
+def primitive_in(fn: Callable[..., Any], *args: Any, name: str) -> Any:
+    """The primitive called ``name`` that ``fn(*args)`` binds (sub-jaxprs included), or
+    None: for primitives JAX does not export (``checkpoint_name``'s ``name``,
+    ``random_gamma``), found through their public functions."""
+    from jax.extend.core import jaxprs_in_params
+
+    def find(jaxpr: Any) -> Any:
+        for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+            if eqn.primitive.name == name:
+                return eqn.primitive
+            for sub in jaxprs_in_params(eqn.params):
+                if (hit := find(sub)) is not None:
+                    return hit
+        return None
+
+    try:
+        return find(jax.make_jaxpr(fn)(*args))
+    except Exception:  # noqa: BLE001 - a JAX without it: no rule, as for a missing name
+        return None

@@ -7,8 +7,10 @@ factor scales with ``sqrt(s)``, an inverse with ``1/s``, eigenvectors not at all
 each is computed on the represented value, in at least float32, exactly as the plain
 function does. Real floating outputs come back as `ScaledArray` at scale 1 (see
 `common.fit_to` for FP16/FP8 data); integer and complex outputs (pivots, spectra) as
-plain arrays. (``custom_linear_solve``, ``jnp.linalg.solve``, is a higher-order
-primitive: `rules_control.scaled_on_values` binds it whole on the unscaled values.)
+plain arrays. ``complex`` (a complex number from two real parts) and ``random_gamma`` (a
+scaled shape parameter) run on the values too. (``custom_linear_solve``,
+``jnp.linalg.solve``, is a higher-order primitive: `rules_control.scaled_on_values` binds
+it whole on the unscaled values.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .common import data_of, fit_to, is_scaled, wide_dtype
-from .registry import register_rule
+from .registry import primitive_in, register_rule
 
 
 def _unscaled(x: Any) -> Any:
@@ -79,6 +81,15 @@ _PRIMITIVES = [lax.fft_p] + [
     )
     if hasattr(lax_linalg, name)  # the set changes between JAX releases
 ]
+
+# Also on the values: complex numbers built from real parts (a complex RoPE), and gamma
+# samples whose shape parameter is a scaled value (jax.random.gamma, beta, dirichlet).
+_PRIMITIVES.append(lax.complex_p)
+_GAMMA = primitive_in(
+    lambda key, a: jax.random.gamma(key, a), jax.random.key(0), jnp.ones(2), name="random_gamma"
+)
+if _GAMMA is not None:
+    _PRIMITIVES.append(_GAMMA)
 
 for _prim in _PRIMITIVES:
     register_rule(_prim, on_values(_prim))

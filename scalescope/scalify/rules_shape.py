@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from .common import align, data_of, is_scaled, make_scaled, unscale
-from .registry import register_rule
+from .registry import primitive_in, register_rule
 
 
 def _keeps_scale(prim):
@@ -152,6 +153,10 @@ for _name in _KEEPS_SCALE:
     _prim = getattr(lax, f"{_name}_p", None)
     if _prim is not None:
         RULES[_name] = _keeps_scale(_prim)
+# jax.ad_checkpoint.checkpoint_name tags a value for remat policies: the value unchanged
+_NAME = primitive_in(lambda x: checkpoint_name(x, "a"), jnp.ones(2), name="name")
+if _NAME is not None:
+    RULES["name"] = _keeps_scale(_NAME)
 
 for _name, _rule in RULES.items():
     register_rule(_name, _rule)
