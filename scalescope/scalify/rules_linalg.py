@@ -85,8 +85,11 @@ _PRIMITIVES = [lax.fft_p] + [
 # Also on the values: complex numbers built from real parts (a complex RoPE), and gamma
 # samples whose shape parameter is a scaled value (jax.random.gamma, beta, dirichlet).
 _PRIMITIVES.append(lax.complex_p)
-_GAMMA = primitive_in(
-    lambda key, a: jax.random.gamma(key, a), jax.random.key(0), jnp.ones(2), name="random_gamma"
+_GAMMA = primitive_in(  # traced on shapes only: importing starts no JAX backend
+    lambda key, a: jax.random.gamma(key, a),
+    jax.ShapeDtypeStruct((2,), jnp.uint32),
+    jax.ShapeDtypeStruct((2,), jnp.float32),
+    name="random_gamma",
 )
 if _GAMMA is not None:
     _PRIMITIVES.append(_GAMMA)

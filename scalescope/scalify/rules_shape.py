@@ -7,6 +7,7 @@ primitive to the data and keep the scale. Ops that combine several floating oper
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -154,7 +155,9 @@ for _name in _KEEPS_SCALE:
     if _prim is not None:
         RULES[_name] = _keeps_scale(_prim)
 # jax.ad_checkpoint.checkpoint_name tags a value for remat policies: the value unchanged
-_NAME = primitive_in(lambda x: checkpoint_name(x, "a"), jnp.ones(2), name="name")
+_NAME = primitive_in(
+    lambda x: checkpoint_name(x, "a"), jax.ShapeDtypeStruct((2,), jnp.float32), name="name"
+)
 if _NAME is not None:
     RULES["name"] = _keeps_scale(_NAME)
 
