@@ -671,7 +671,9 @@ def select_ops(table: Any, op: Any) -> list[Any]:
             raise KeyError(f"show: no op with id {op}; the op table has ids 0..{len(table) - 1}")
         return [table[int(op)]]
     if isinstance(op, str):
-        text = re.sub(r" \[[0-9x]*\]$", "", op)  # a label as shown, shape and all
+        from .core.policy import without_shape
+
+        text = without_shape(op)  # a label as shown, shape and all
         shown = [rec for rec, lb in zip(table, _shown_labels(table)) if lb == text]
         if len(shown) == 1:
             return shown

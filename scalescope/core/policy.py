@@ -368,6 +368,12 @@ def unique_labels(passes: Sequence[str], names: Sequence[str]) -> list[str]:
     return out
 
 
+def without_shape(label: str) -> str:
+    """``label`` as the views show it (``fwd/dot_general#2 [16x64]``) without the shape:
+    the unique label `unique_labels` gives."""
+    return re.sub(r" \[[0-9x]*\]$", "", label)
+
+
 def op_labels(ops: Any) -> list[str]:
     """Labels (`unique_labels`) of the ops a rule can reach, from an `OpTable`, a run's
     op frame (``pass``, ``name`` and optionally ``note`` columns, indexed by op id) or a

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from ..core.policy import unique_labels
+from ..core.policy import unique_labels, without_shape
 from . import layout as L
 
 OpsArg = int | str | Sequence[int] | None
@@ -623,8 +623,7 @@ class RunReader:
         if not isinstance(op, str):
             raise TypeError(f"op: an op id or label, got {op!r}")
         labels = self.labels()
-        text = re.sub(r" \[[0-9x]*\]$", "", op)  # a label as shown, shape and all
-        hits = labels.index[labels == text]
+        hits = labels.index[labels == without_shape(op)]  # a label as shown, shape and all
         if len(hits) == 1:
             return int(hits[0])
         plain = table["pass"] + "/" + table["name"]
@@ -649,7 +648,8 @@ class RunReader:
             raise ValueError(f"{self.path} was recorded with histograms=False")
         if isinstance(step, bool) or not isinstance(step, int | np.integer):
             raise TypeError(f"hist: step must be a step number (an int), got {step!r}")
-        rec = self.ops.loc[self.op_id(op)]
+        op_id = self.op_id(op)
+        rec = self.ops.loc[op_id]
         src = int(rec["stats_op"])
         if src < 0:
             raise ValueError(f"op {op!r} has no statistics ({rec['note']})")
@@ -680,9 +680,9 @@ class RunReader:
             why = "a budget measures ops in turns; " if self.budget is not None else ""
             raise KeyError(f"op {op!r} was not measured at step {step} ({why}{when})")
         counts = np.concatenate(rows).sum(axis=0)
-        label = str(self.labels()[self.op_id(op)])
+        label = str(self.labels()[op_id])
         series = pd.Series(counts, index=pd.Index(self.hist_columns, name="bin"), name=label)
-        series.attrs.update(step=step, op=int(self.op_id(op)), iteration=iteration)
+        series.attrs.update(step=step, op=op_id, iteration=iteration)
         return series
 
     def op_rows(
