@@ -185,6 +185,21 @@ def test_nnx_scan_and_optimizer():
     at_update = [r for r in table if r.source.endswith(f":{update_line}")]
     assert at_update and {r.pass_ for r in at_update} == {"opt"}
     assert all(r.source != "<unknown>" for r in table)
+    # the optimizer's per-leaf work is named after the parameter it updates, as for a
+    # step on (params, opt_state): the argument is a tuple, (model state, optimizer)
+    per_leaf = [r for r in at_update if r.shape != ()]
+    params = {
+        "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path): (
+            leaf.shape
+        )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    }
+    assert "blocks/lin/kernel/value" in params
+    assert per_leaf and all(
+        r.name.rpartition("/")[0] in params and params[r.name.rpartition("/")[0]] == r.shape
+        for r in per_leaf
+    ), sorted({r.name for r in per_leaf})
+    assert {r.name.rpartition("/")[0] for r in per_leaf} == set(params)
     # the names do not change what is computed
     (loss, _), _ = jax.jit(inst)(state, x)
     np.testing.assert_allclose(loss, jax.jit(step)(state, x)[0], rtol=1e-6)

@@ -296,6 +296,20 @@ def test_parameter_of_takes_the_common_suffix_that_is_an_input_leaf():
     assert parameter_of(0b00101, outs, {("w",)}) == "w"  # a flat {"w": ...} argument
 
 
+def test_parameter_leaves_leave_out_the_optimizers_copies():
+    from scalescope.probe.provenance import parameter_leaves
+
+    t = lambda *paths: {tuple(p.split("/")) for p in paths}
+    params = ("l1/kernel/value", "l1/bias/value", "bias/value", "norm/bias/value")
+    state = [f"opt_state/0/{m}/{p}" for m in ("mu", "nu") for p in params]
+    # Adam's moments mirror the tree: left out; a submodule's norm/bias beside a
+    # top-level bias is a parameter of its own
+    assert parameter_leaves(t(*params, *state, "step/value")) == t(*params, "step/value")
+    assert parameter_leaves(t("w", "b", "mu/w", "mu/b")) == t("w", "b")
+    assert parameter_leaves(t("w", "mu/w")) == t("w", "mu/w")  # one leaf: no mirror seen
+    assert parameter_leaves(t("a/w", "w") | {()}) == t("a/w", "w")
+
+
 def test_data_movement_aliases_and_constants_are_not_recorded():
     def f(x):
         y = x.reshape(4, 6).T  # data movement: alias of x

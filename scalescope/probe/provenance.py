@@ -43,7 +43,7 @@ def _parts(path: str) -> tuple[str, ...]:
 
 
 def _leaf_of_output(path: str) -> tuple[str, ...]:
-    """An output path without the tuple/list positions it starts with (``0/params/w`` ->
+    """A leaf path without the tuple/list positions it starts with (``0/params/w`` ->
     ``params/w``; ``1/0/mu/params/w`` -> ``mu/params/w``)."""
     parts = _parts(path)
     while parts and parts[0].isdigit():
@@ -78,6 +78,28 @@ def parameter_of(reached: int, output_paths: Sequence[str], leaves: set[tuple[st
     return ""
 
 
+def parameter_leaves(leaves: set[tuple[str, ...]]) -> set[tuple[str, ...]]:
+    """The input leaves an op may be named after: ``leaves`` without the copies of the
+    parameters held in optimizer state (``opt_state/0/mu/l1/kernel`` where ``l1/kernel``
+    is a leaf too), told by their prefix: one that stands before two or more other
+    leaves (``mu/`` mirrors the tree). A submodule's ``norm/bias`` beside a top-level
+    ``bias`` is kept."""
+    leaves = set(leaves)
+    leaves.discard(())
+    mirrors: dict[tuple[str, ...], int] = {}
+    for leaf in leaves:
+        for k in range(1, len(leaf)):
+            if leaf[k:] in leaves:
+                mirrors[leaf[:k]] = mirrors.get(leaf[:k], 0) + 1
+    return {
+        leaf
+        for leaf in leaves
+        if not any(
+            mirrors.get(leaf[:k], 0) >= 2 and leaf[k:] in leaves for k in range(1, len(leaf))
+        )
+    }
+
+
 def name_by_parameter(
     order: Sequence[_Node],
     outputs: Sequence[tuple[str, _Node | None]],
@@ -87,8 +109,9 @@ def name_by_parameter(
     """Name each op record without a name scope of its own (its name is its primitive,
     or a pass scope and its primitive: ``opt/mul``) after the parameter it works on,
     where its reached outputs identify one: ``params/w/mul``, ``opt/params/w/mul``."""
-    leaves = {_parts(p)[1:] for p in input_paths}
-    leaves.discard(())
+    # (positions dropped as in outputs: a step on ``state = (model, optimizer)``, as the
+    # functional NNX API writes it, has leaves ``state/0/l1/kernel/value``)
+    leaves = parameter_leaves({_leaf_of_output("/".join(_parts(p)[1:])) for p in input_paths})
     if not leaves or not outputs:
         return
     paths = [p for p, _ in outputs]
