@@ -296,6 +296,24 @@ def test_a_tracked_policy_run_is_judged_in_the_formats_it_rounds_to(mlp_step, tm
             run.track(step, scalify=False, policy=policy)
 
 
+def test_a_value_held_for_matmuls_is_judged_only_where_a_matmul_reads_it(mlp_step, tmp_path):
+    """``bwd/**: e5m2@matmul`` reaches every backward value, yet rounds only those a
+    matmul reads: the others (GELU's backward products, the gradient sums) are neither
+    rounded nor judged in E5M2. Before, every value the rule reached was marked cast to
+    E5M2, and their unrounded statistics made the findings and the verdict's first cause."""
+    step, (params, state, x, y) = mlp_step
+    with ss.Run(tmp_path / "r", every=1) as run:
+        tracked = run.track(step, scalify=False, policy={"bwd/**": "e5m2@matmul"})
+        with pytest.warns(UserWarning, match="read by no matmul"):
+            tracked(params, state, x, y)
+    ops = ss.open_run(tmp_path / "r").ops
+    bwd = ops[(ops["pass"] == "bwd") & (ops["note"] == "")]
+    read = bwd["gemm"].astype(bool)
+    assert read.any() and (~read).sum() >= 3  # the rule reaches both kinds
+    assert set(bwd.loc[read, "cast_to"]) == {"e5m2"}
+    assert set(bwd.loc[~read, "cast_to"]) == {""}, bwd.loc[~read, ["name", "cast_to"]]
+
+
 def test_a_tracked_policy_run_plans_its_two_programs_once(mlp_step, tmp_path, monkeypatch):
     """A run under a policy builds the policy's plan (the plain probe's op table of the
     step) once for its recording program and its plain one, not once each; a standalone

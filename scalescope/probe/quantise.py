@@ -177,6 +177,10 @@ class Replacer:
             self._waiting.pop(id(v), None)
         return [self.for_matmul.get(id(v), v) for v in invals]
 
+    def unread_seqs(self) -> set[int]:
+        """The values (by ``seq``) held ``@matmul`` that no matmul has read."""
+        return set(self._waiting.values())
+
     def unread(self) -> list[str]:
         """Labels of the values held ``@matmul`` that no matmul read where the
         interpretation could see it (inside a ``scan`` body a loop's values are new ones

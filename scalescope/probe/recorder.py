@@ -292,6 +292,9 @@ class _Shared:
     #: ``seq``-th, it returns what downstream ops read instead; ``reads(eqn, invals)``
     #: gives a matmul its rounded operands. None: values as computed.
     replace: Any = None
+    #: ``(seq, record, target)`` of each value the policy rounds (`finish` marks the
+    #: record `OpRecord.cast_to`, unless no matmul read a value held '@matmul')
+    casts: list[tuple[int, Any, str]] = field(default_factory=list)
     #: The formats and recipes this recording measures: a value a policy rounds to one
     #: of them is marked cast to it (`OpRecord.cast_to`), so the advisor judges it.
     judged: frozenset[str] = frozenset()
@@ -633,7 +636,8 @@ class Recorder(Observer):
             # format (or recipe) as a value cast to it is
             target = self.shared.replace.target_of(seq)
             if target is not None and info.record is not None and target in self.shared.judged:
-                info.record.cast_to = target
+                # (held '@matmul': judged only once a matmul has read the rounded value)
+                self.shared.casts.append((seq, info.record, target))
         self.shared.remember(value, info)
         return value
 
@@ -749,6 +753,10 @@ class Recorder(Observer):
         """Assign op ids and rows; return the op table and the published statistics."""
         spec = self.shared.spec
         shared = self.shared
+        unread = set() if shared.replace is None else shared.replace.unread_seqs()
+        for seq, rec, target in shared.casts:
+            if seq not in unread:
+                rec.cast_to = target
         provenance.name_by_parameter(
             shared.order, shared.outputs, shared.inputs, shared.pass_scopes
         )

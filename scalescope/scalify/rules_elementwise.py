@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -123,7 +124,7 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any, Any]:
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         return arr.astype(dtype), 1.0, 1.0
     # A plain float array (a broadcast 1/N cotangent seed, a mask): split off the power
-    # of two of its abs-max, so a backward pass seeded by mean()'s 1/N keeps unit data.
+    # of two of its RMS, so a backward pass seeded by mean()'s 1/N keeps unit data.
     c32 = arr if arr.dtype == SCALE_DTYPE else lax.convert_element_type(arr, SCALE_DTYPE)
     if arr.size == 1:
         a = lax.abs(c32)
@@ -134,10 +135,31 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any, Any]:
     p2 = pow2_round_down(a)
     usable = lax.bitwise_and(lax.is_finite(p2), lax.gt(p2, np.float32(0)))
     p2 = lax.select(usable, p2, np.float32(1))
-    if at_most_one:
+    if arr.size > 1:
+        p2 = lax.mul(p2, _rms_below(c32, p2))
+    elif at_most_one:
         p2 = lax.select(lax.gt(a, p2), lax.mul(p2, np.float32(2)), p2)
     inverse = pow2_reciprocal(p2)
-    return (c32 * inverse).astype(dtype), p2, inverse
+    mant = (c32 * inverse).astype(dtype)
+    if at_most_one:
+        # all zeros at run time (a warmup schedule's learning rate at step 0): the product
+        # is the zero mark, scale 0. With the other operand's scale kept, Adam's zero
+        # update at step 0 made every parameter take its scale (8x a kernel's) in
+        # ``p + u``, and an FP16 forward's data drifted into subnormals from then on.
+        p2 = lax.select(lax.eq(a, np.float32(0)), np.float32(0), p2)
+    return mant, p2, inverse
+
+
+def _rms_below(c32: jax.Array, p2: jax.Array) -> jax.Array:
+    """The power of two of the RMS of ``c32``'s finite elements over ``p2`` (their
+    abs-max's): at most 1. The data multiplied by a plain array keeps its RMS (an
+    abs-max split shrank it by the array's crest factor: a LayerNorm's ``x - mean`` and
+    ``rsqrt(var)`` made data 8x smaller each time, and an FP16 forward then sank into
+    subnormals). The squares are taken in units of ``p2``: no overflow."""
+    u = lax.select(lax.is_finite(c32), c32, lax.full_like(c32, 0)) * pow2_reciprocal(p2)
+    ms = lax.reduce_sum(u * u, tuple(range(c32.ndim))) * np.float32(1.0 / c32.size)
+    r = pow2_round_down(lax.sqrt(ms))
+    return lax.select(lax.gt(r, np.float32(0)), r, np.float32(1))
 
 
 def scaled_mul(a, b, **params):
