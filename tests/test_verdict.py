@@ -344,6 +344,32 @@ def test_a_healthy_verdict_says_how_many_ops_were_measured_when_not_all_were():
     assert v.as_dict()["coverage"] == "2 of 3 ops measured so far"
 
 
+def test_a_healthy_verdict_says_the_flight_recorder_caught_incidents():
+    """fp32 Adam at lr=3 diverges (loss 1.35 -> 76) with five loss spikes caught and no
+    precision finding: the verdict stays a precision verdict, but "healthy" alone read
+    as if training were. Its headline says the incidents; a failing one is unchanged."""
+    from scalescope.analysis.bundle import incident_text, unjudged_if_unrecorded
+
+    class Reader:
+        steps = np.array([0, 10])
+
+        def __init__(self, triggers):
+            self.triggers = triggers
+
+        def incidents(self):
+            return pd.DataFrame({"step": range(len(self.triggers)), "trigger": self.triggers})
+
+    spikes = Reader(["loss_spike"] * 4 + ["norm_spike"])
+    said = "5 incidents (loss_spike, norm_spike), no precision cause found"
+    assert incident_text(spikes) == said and incident_text(Reader([])) == ""
+    v = unjudged_if_unrecorded(A.verdict(pd.DataFrame()), spikes)
+    assert v.status == "healthy" and v.headline == f"verdict: healthy ({said})"
+    assert v.as_dict()["incidents"] == said
+    loss = pd.Series([1.0, np.nan], index=[0, 10], name="loss")
+    failing = unjudged_if_unrecorded(A.verdict(pd.DataFrame(), loss), spikes, loss)
+    assert failing.status == "failing" and failing.incidents == ""
+
+
 def test_a_loss_name_never_logged_is_an_error_naming_the_logged_ones():
     rows = pd.DataFrame({"step": [0, 1], "name": ["train_loss", "acc"], "value": [1.0, 0.5]})
     with pytest.raises(

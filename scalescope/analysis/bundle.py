@@ -302,6 +302,8 @@ def unjudged_if_unrecorded(v: Verdict, reader: Any, loss: pd.Series | None = Non
     "healthy" would claim what nothing measured. ``loss``: the logged loss the verdict
     read, so the mark says whether one was logged."""
     steps = getattr(reader, "steps", None)
+    if v.status == "healthy" and not v.incidents and (said := incident_text(reader)):
+        v = dataclasses.replace(v, incidents=said)
     if steps is not None and len(steps) and not v.coverage:
         coverage = coverage_text(reader)
         return dataclasses.replace(v, coverage=coverage) if coverage else v
@@ -314,6 +316,21 @@ def unjudged_if_unrecorded(v: Verdict, reader: Any, loss: pd.Series | None = Non
     else:
         why = "the logged loss is not finite"
     return dataclasses.replace(v, unjudged=f"no step recorded; {why}")
+
+
+def incident_text(reader: Any) -> str:
+    """``"5 incidents (loss_spike), no precision cause found"`` when ``reader`` (anything
+    with ``incidents()``: `RunReader.incidents`) holds flight-recorder incidents, else
+    "": a run whose loss spiked or diverged with no precision finding is healthy in
+    precision, and its headline must not read as if training were."""
+    read = getattr(reader, "incidents", None)
+    frame = read() if callable(read) else None
+    if frame is None or not len(frame):
+        return ""
+    triggers = ", ".join(sorted({str(t) for t in frame["trigger"].dropna()}))
+    n = len(frame)
+    what = f" ({triggers})" if triggers else ""
+    return f"{n} incident{'s' if n != 1 else ''}{what}, no precision cause found"
 
 
 def coverage_text(reader: Any) -> str:

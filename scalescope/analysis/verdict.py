@@ -104,6 +104,10 @@ class Verdict:
     #: how much was measured, when not every op was (a budget measures ops in turns):
     #: ``"17 of 336 ops measured so far"``; a healthy headline says it
     coverage: str = ""
+    #: the flight recorder's incidents of a run judged healthy (a loss that spiked
+    #: without a precision cause): ``"5 incidents (loss_spike), no precision cause
+    #: found"``; a healthy headline says it
+    incidents: str = ""
 
     @property
     def rank(self) -> int:
@@ -120,6 +124,7 @@ class Verdict:
             warn = sum(found.get(s, 0) for s in ("medium", "low"))
             notes = [f"{warn} minor finding{'s' if warn != 1 else ''}"] if warn else []
             notes += [self.coverage] if self.coverage else []
+            notes += [self.incidents] if self.incidents else []
             tail = f" ({'; '.join(notes)})" if notes else ""
             return f"verdict: healthy{tail}"
         since = f" from step {self.step}" if self.step is not None else ""
@@ -140,6 +145,7 @@ class Verdict:
             "reasons": [r.as_dict() for r in self.reasons],
             "unjudged": self.unjudged,
             "coverage": self.coverage,
+            "incidents": self.incidents,
         }
 
 
