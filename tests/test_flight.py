@@ -104,6 +104,11 @@ def test_the_incident_names_the_op_and_step_where_nan_starts(tmp_path, caplog):
     # its input is the flushed value: finite, zero
     (inp,) = [i for i in row["inputs"] if "convert_element_type" in i["name"]]
     assert inp["absmax"] == 0.0 and inp["frac_nonfinite"] == 0.0
+    # and says where the zeros come from: a cast to FP8 flushed them
+    assert (
+        "holds exact zeros (100 % of it), made by its cast to float8_e4m3fn, which flushes "
+        "small values to zero: log is infinite there" in row["detail"]
+    ), row["detail"]
     # the replayed step is recorded in full beside the steps `every` recorded
     assert list(reader.steps) == [0, BAD_STEP]
     log_op = int(row["op"])

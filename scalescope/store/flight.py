@@ -465,6 +465,7 @@ def describe_incident(
     frac = _per_op(table, stats["frac_nonfinite"])
     absmax = _per_op(table, stats["absmax"])
     rms = _per_op(table, stats["rms"])
+    zero = _per_op(table, stats["frac_zero"]) if "frac_zero" in stats else {}
     op, row = None, None
     if trigger == "nonfinite":
         # NaN/Inf by construction (a causal mask's -inf, its softmax inputs) is no
@@ -523,9 +524,14 @@ def describe_incident(
     rec = ops[op]
     if row is not None and len(rec.loop):  # the op and its loop's inputs at that iteration
         it = int(np.asarray(table.row_iter)[row])
-        absmax, rms, frac = (
-            {**m, **_at_iteration(table, stats[k], it, rec.scans)}
-            for m, k in ((absmax, "absmax"), (rms, "rms"), (frac, "frac_nonfinite"))
+        absmax, rms, frac, zero = (
+            {**m, **_at_iteration(table, stats[k], it, rec.scans)} if k in stats else m
+            for m, k in (
+                (absmax, "absmax"),
+                (rms, "rms"),
+                (frac, "frac_nonfinite"),
+                (zero, "frac_zero"),
+            )
         )
     top = absmax.get(op, math.nan)  # of the finite elements
     exceeded = [f for f in formats if f in _FORMAT_MAX and top > _FORMAT_MAX[f]]
@@ -539,6 +545,7 @@ def describe_incident(
                     "rms": rms.get(i, math.nan),
                     "absmax": absmax.get(i, math.nan),
                     "frac_nonfinite": frac.get(i, math.nan),
+                    "frac_zero": zero.get(i, math.nan),
                 }
             )
     parts = [why]
@@ -549,6 +556,7 @@ def describe_incident(
         parts.append("beyond the range of " + ", ".join(exceeded))
     if trigger == "nonfinite" and exact and _made_here(rec, inputs):
         parts.append("its inputs are finite: the NaN/Inf is made here" + _narrow_max(rec.dtype))
+        parts += _zeros_it_cannot_take(rec, inputs, ops)
     if inputs:
         shown = "; ".join(
             f"{x['name']} (rms {x['rms']:.3g}, abs-max {x['absmax']:.3g}, "
@@ -579,6 +587,37 @@ def _made_here(rec: Any, inputs: list[dict[str, Any]]) -> bool:
     input left unmeasured (``select``) has a NaN fraction, and one with no record at all
     (a loop's output) clears ``inputs_complete``: no claim is made then."""
     return bool(inputs) and rec.inputs_complete and all(x["frac_nonfinite"] == 0 for x in inputs)
+
+
+#: Primitives whose value at an exact zero of one input (by position) is infinite:
+#: ``log(0) = -inf``, ``rsqrt(0) = inf``, ``x / 0``, ``0 ** -k``.
+_POLE_AT_ZERO = {"log": 0, "rsqrt": 0, "div": 1, "pow": 0, "integer_pow": 0}
+
+
+def _zeros_it_cannot_take(
+    rec: Any, inputs: list[dict[str, Any]], ops: Mapping[int, Any]
+) -> list[str]:
+    """Where an op that is infinite at zero made the NaN/Inf from an input holding exact
+    zeros: say so, and name the cast that made them, where a cast to a narrower float
+    produced that input (values flushed to zero by FP8 or FP16, then ``log`` of them)."""
+    at = _POLE_AT_ZERO.get(rec.primitive)
+    if at is None or at >= len(inputs) or not inputs[at].get("frac_zero", 0) > 0:
+        return []
+    x = inputs[at]
+    said = f"{x['name']} holds exact zeros ({pct_text(x['frac_zero'])} of it)"
+    src = ops.get(x["op"])
+    if src is not None and src.stats_op != src.id:  # a widening cast back: its source
+        src = ops.get(src.stats_op, src)
+    if src is not None and src.primitive == "convert_element_type" and _narrower(src.dtype):
+        said += f", made by its cast to {src.dtype}, which flushes small values to zero"
+    return [said + f": {rec.primitive} is infinite there"]
+
+
+def _narrower(dtype: str) -> bool:
+    try:
+        return jnp.finfo(dtype).maxexp < np.finfo(np.float32).maxexp
+    except (TypeError, ValueError):
+        return False
 
 
 def _narrow_max(dtype: str) -> str:
