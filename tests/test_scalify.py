@@ -717,6 +717,11 @@ def test_multiplying_by_a_plain_array_keeps_the_datas_rms():
     y = ss.scalify(lambda a, c: a * c)(ss.as_scaled_array(jnp.ones((256,)), "rms"), c)
     assert 0.5 <= float(jnp.sqrt(jnp.mean(jnp.square(y.data)))) <= 2.0  # abs-max: 0.06
     np.testing.assert_array_equal(np.asarray(ss.asarray(y)), np.asarray(c))
+    # a lone spike among zeros grows the data by at most 2**5, not by its crest factor
+    spike = jnp.zeros((1 << 16,)).at[7].set(3.0)
+    y = ss.scalify(lambda a, c: a * c)(ss.as_scaled_array(jnp.ones((1 << 16,)), "rms"), spike)
+    assert float(jnp.max(jnp.abs(y.data))) <= 32.0
+    np.testing.assert_array_equal(np.asarray(ss.asarray(y)), np.asarray(spike))
 
 
 def test_an_fp16_model_trains_under_scalify_as_it_does_plain():

@@ -152,14 +152,21 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any, Any]:
 
 def _rms_below(c32: jax.Array, p2: jax.Array) -> jax.Array:
     """The power of two of the RMS of ``c32``'s finite elements over ``p2`` (their
-    abs-max's): at most 1. The data multiplied by a plain array keeps its RMS (an
-    abs-max split shrank it by the array's crest factor: a LayerNorm's ``x - mean`` and
-    ``rsqrt(var)`` made data 8x smaller each time, and an FP16 forward then sank into
-    subnormals). The squares are taken in units of ``p2``: no overflow."""
+    abs-max's): at most 1, at least `_RMS_FLOOR`. The data multiplied by a plain array
+    keeps its RMS (an abs-max split shrank it by the array's crest factor: a LayerNorm's
+    ``x - mean`` and ``rsqrt(var)`` made data 8x smaller each time, and an FP16 forward
+    then sank into subnormals). The squares are taken in units of ``p2``: no overflow."""
     u = lax.select(lax.is_finite(c32), c32, lax.full_like(c32, 0)) * pow2_reciprocal(p2)
     ms = lax.reduce_sum(u * u, tuple(range(c32.ndim))) * np.float32(1.0 / c32.size)
-    r = pow2_round_down(lax.sqrt(ms))
-    return lax.select(lax.gt(r, np.float32(0)), r, np.float32(1))
+    r = lax.max(pow2_round_down(lax.sqrt(ms)), _RMS_FLOOR)
+    return lax.select(lax.gt(ms, np.float32(0)), r, np.float32(1))
+
+
+#: `_rms_below` never goes below this: an element of a plain array multiplies the data
+#: by at most 2**5 (a lone spike among zeros has an RMS far below its abs-max, and
+#: FP16/FP8 data multiplied by its full ratio could overflow). Gaussian data's abs-max
+#: is 4-6 RMS even over 10**8 elements.
+_RMS_FLOOR = np.float32(2.0**-4)
 
 
 def scaled_mul(a, b, **params):
