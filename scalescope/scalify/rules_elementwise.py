@@ -155,11 +155,19 @@ def _rms_below(c32: jax.Array, p2: jax.Array) -> jax.Array:
     abs-max's): at most 1, at least `_RMS_FLOOR`. The data multiplied by a plain array
     keeps its RMS (an abs-max split shrank it by the array's crest factor: a LayerNorm's
     ``x - mean`` and ``rsqrt(var)`` made data 8x smaller each time, and an FP16 forward
-    then sank into subnormals). The squares are taken in units of ``p2``: no overflow."""
-    u = lax.select(lax.is_finite(c32), c32, lax.full_like(c32, 0)) * pow2_reciprocal(p2)
+    then sank into subnormals). The squares are taken in units of 2**32, so XLA reads
+    ``c32`` once for this sum and the abs-max together; an array whose squares leave
+    that range (all elements under 2**-31, or one over 2**95) keeps the abs-max split."""
+    finite = lax.select(lax.is_finite(c32), c32, lax.full_like(c32, 0))
+    u = finite * _SQUARE_UNIT
     ms = lax.reduce_sum(u * u, tuple(range(c32.ndim))) * np.float32(1.0 / c32.size)
-    r = lax.max(pow2_round_down(lax.sqrt(ms)), _RMS_FLOOR)
-    return lax.select(lax.gt(ms, np.float32(0)), r, np.float32(1))
+    rms = lax.mul(pow2_round_down(lax.sqrt(ms)), np.float32(2.0**32))
+    usable = lax.bitwise_and(lax.gt(ms, np.float32(0)), lax.is_finite(ms))
+    r = lax.clamp(_RMS_FLOOR, lax.mul(rms, pow2_reciprocal(p2)), np.float32(1))
+    return lax.select(usable, r, np.float32(1))
+
+
+_SQUARE_UNIT = np.float32(2.0**-32)
 
 
 #: `_rms_below` never goes below this: an element of a plain array multiplies the data
