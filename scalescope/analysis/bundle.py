@@ -300,7 +300,9 @@ def unjudged_if_unrecorded(v: Verdict, reader: Any, loss: pd.Series | None = Non
     """``v``, marked unjudged when ``reader`` (anything with ``steps``: the recorded
     steps) holds no recorded step: no finding can be made without statistics, so
     "healthy" would claim what nothing measured. ``loss``: the logged loss the verdict
-    read, so the mark says whether one was logged."""
+    read, so the mark says whether one was logged. A healthy ``v`` also gets the notes
+    its headline must carry: the flight recorder's incidents (`incident_text`) and how
+    many ops a budget has measured so far (`coverage_text`)."""
     steps = getattr(reader, "steps", None)
     if v.status == "healthy" and not v.incidents and (said := incident_text(reader)):
         v = dataclasses.replace(v, incidents=said)

@@ -590,8 +590,9 @@ def _made_here(rec: Any, inputs: list[dict[str, Any]]) -> bool:
 
 
 #: Primitives whose value at an exact zero of one input (by position) is infinite:
-#: ``log(0) = -inf``, ``rsqrt(0) = inf``, ``x / 0``, ``0 ** -k``.
-_POLE_AT_ZERO = {"log": 0, "rsqrt": 0, "div": 1, "pow": 0, "integer_pow": 0}
+#: ``log(0) = -inf``, ``rsqrt(0) = inf``, ``x / 0``. (Powers are not listed: ``0 ** k``
+#: is infinite only for a negative ``k``, which the op table does not hold.)
+_POLE_AT_ZERO = {"log": 0, "rsqrt": 0, "div": 1}
 
 
 def _zeros_it_cannot_take(
