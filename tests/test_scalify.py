@@ -724,6 +724,62 @@ def test_multiplying_by_a_plain_array_keeps_the_datas_rms():
     np.testing.assert_array_equal(np.asarray(ss.asarray(y)), np.asarray(spike))
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["inf_among_zeros", "e4m3_one_hot", "fp16_5000_one_hot", "scalar_3e38", "nan_among_zeros"],
+)
+def test_a_plain_operand_at_the_edges_multiplies_as_plain_jax_does(case):
+    """Products of a scaled and a plain operand equal the plain product (float32
+    rounding aside) where the split of the plain operand is at an edge: a plain array
+    of zeros and one inf or NaN is no zero mark (scale 0 times inf made NaN); FP8 and
+    FP16 data keep the abs-max split, which never grows them (E4M3 data of 200 times an
+    E4M3 one-hot passed 448 and became NaN, FP16 data of 5000 at scale 1 passed 65504);
+    a traced scalar of 3e38 keeps a normal reciprocal (it gave NaN)."""
+    n = 1024
+    one_hot = np.zeros(n, np.float32)
+    one_hot[0] = 1.0
+    x = np.random.default_rng(0).normal(size=n).astype(np.float32)
+    if case in ("inf_among_zeros", "nan_among_zeros"):
+        c = np.zeros(n, np.float32)
+        c[3] = np.inf if case == "inf_among_zeros" else np.nan
+        xs, c = ss.as_scaled_array(jnp.asarray(x), "rms"), jnp.asarray(c)
+    elif case == "e4m3_one_hot":
+        x[0] = 200.0
+        e4m3 = jnp.float8_e4m3fn
+        xs = ss.as_scaled_array(jnp.asarray(x, e4m3), "rms")
+        c = jnp.asarray(one_hot, e4m3)
+    elif case == "fp16_5000_one_hot":
+        xs = ss.as_scaled_array(jnp.full((n,), 5000.0, jnp.float16))
+        c = jnp.asarray(one_hot, jnp.float16)
+    else:
+        xs, c = ss.as_scaled_array(jnp.full((n,), 0.5), "rms"), jnp.float32(3e38)
+    want = np.asarray(jax.jit(lambda x, c: x * c)(ss.asarray(xs), c), np.float32)
+    got = np.asarray(ss.asarray(jax.jit(ss.scalify(lambda x, c: x * c))(xs, c)), np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, keep, times", [(jnp.float16, 8, 5), (jnp.float32, 768, 24)])
+def test_a_mask_applied_again_and_again_does_not_grow_the_data(dtype, keep, times):
+    """The same plain mask multiplied in again and again (a padding mask after every
+    layer) leaves the data's abs-max bounded: FP16 data keeps the abs-max split (a mask
+    keeping 8 of 1024 grew it 16x a time: inf at the fourth), and float32 data's RMS
+    split rounds to the nearest power of two (1 for a mask keeping 75 %, where rounding
+    down doubled the data at every product)."""
+    n = 1024
+    x = jnp.asarray(np.random.default_rng(0).normal(size=n), dtype)
+    m = jnp.asarray((np.arange(n) < keep).astype(np.float32), dtype)
+
+    def chain(x, m):
+        for _ in range(times):
+            x = x * m
+        return x
+
+    out = jax.jit(ss.scalify(chain))(ss.as_scaled_array(x, "rms"), m)
+    assert float(jnp.max(jnp.abs(out.data.astype(jnp.float32)))) <= 64.0
+    np.testing.assert_array_equal(np.asarray(ss.asarray(out)), np.asarray(jax.jit(chain)(x, m)))
+
+
 def test_an_fp16_model_trains_under_scalify_as_it_does_plain():
     """A Flax model computing in float16 (float32 parameters) with Adam on a warmup
     schedule, 150 steps: the scalified step's losses follow the plain step's. Before
