@@ -615,6 +615,7 @@ def _zeros_it_cannot_take(
 
 
 def _narrower(dtype: str) -> bool:
+    """A float dtype with less range than float32 (False for other dtypes)."""
     try:
         return jnp.finfo(dtype).maxexp < np.finfo(np.float32).maxexp
     except (TypeError, ValueError):
@@ -624,13 +625,9 @@ def _narrower(dtype: str) -> bool:
 def _narrow_max(dtype: str) -> str:
     """`` (float16 output: largest finite 65504)`` for a float dtype with less range
     than float32, where an overflow is the usual cause; "" otherwise."""
-    try:
-        info = jnp.finfo(dtype)
-    except (TypeError, ValueError):
+    if not _narrower(dtype):
         return ""
-    if info.maxexp >= np.finfo(np.float32).maxexp:
-        return ""
-    return f" ({dtype} output: largest finite {float(info.max):.6g})"
+    return f" ({dtype} output: largest finite {float(jnp.finfo(dtype).max):.6g})"
 
 
 def nonfinite_devices(where: Any, plucked_in: Any = None) -> list[dict[str, int]]:
