@@ -479,9 +479,10 @@ def test_severity_is_graded_by_magnitude():
 
 def test_fix_texts_name_the_line_and_the_function():
     """Each rule's fix: drift -> dynamic_rescale_l2 (_grad backward) at the op's line,
-    overflow in a scaled run -> dynamic_rescale_max, a naive cast's underflow -> scalify or a
-    recipe (the one the recorded recipe statistics show safe), an underflow at unit scale
-    -> more range, a NaN -> the earliest op."""
+    overflow in a scaled run -> dynamic_rescale_max, a naive cast's underflow -> scalify,
+    loss scaling (a gradient off unit scale) or a recipe (the one the recorded recipe
+    statistics show safe), an underflow at unit scale -> more range, a NaN -> the earliest
+    op."""
     ops = make_ops(
         {"name": "h", "scaled": True, "cast_to": "e4m3", "source": "model.py:7"},
         {"name": "g", "pass": "bwd", "scaled": True, "cast_to": "e5m2", "source": "model.py:9"},
@@ -517,10 +518,15 @@ def test_fix_texts_name_the_line_and_the_function():
     naive_ops = ops.assign(scaled=False)
     naive = A.advise(stats, naive_ops, meta={"graph": {"scalify": False}})
     row = naive[(naive["op"] == 1) & (naive["rule"] == "underflow")].iloc[0]
+    # a gradient 13 binades below unit scale: loss scaling by 2**13 lifts it
     assert row["fix"].startswith(
         "run.track(step, scalify=True)  # scale-propagated casts instead of naive e5m2 casts "
-        "at model.py:9; or a block-scaled recipe such as mxfp8_e4m3"
+        "at model.py:9; or loss scaling by 2**13 (the loss times 2**13, the gradients divided "
+        "by it: this gradient's RMS is 2**-13); or a block-scaled recipe such as mxfp8_e4m3"
     )
+    # a forward value's underflow is no loss-scaling matter
+    fwd = naive[(naive["op"] == 3) & (naive["rule"] == "underflow")].iloc[0]
+    assert "loss scaling" not in fwd["fix"] and "naive e4m3 casts at model.py:12" in fwd["fix"]
     assert row["severity"] == "medium"  # 30 % flushed (high from 75 %)
     # recipe statistics recorded: the fix names the cheapest recipe safe for that op
     recipe_cols = {
@@ -537,15 +543,16 @@ def test_fix_texts_name_the_line_and_the_function():
     naive = A.advise(with_recipes, naive_ops, meta={"graph": {"scalify": False}})
     row = naive[(naive["op"] == 1) & (naive["rule"] == "underflow")].iloc[0]
     assert row["fix"].endswith(
-        "at model.py:9; or the mxfp8_e4m3 recipe (safe for this op in the recorded statistics)"
+        "the gradients divided by it: this gradient's RMS is 2**-13); or the mxfp8_e4m3 recipe "
+        "(safe for this op in the recorded statistics)"
     )
     # no recorded recipe is safe: only scalify is offered, and it says so
     unsafe = with_recipes.assign(underflow_mxfp8_e4m3=0.8)
     naive = A.advise(unsafe, naive_ops, meta={"graph": {"scalify": False}})
     row = naive[(naive["op"] == 1) & (naive["rule"] == "underflow")].iloc[0]
-    assert row["fix"].endswith(
-        "instead of naive e5m2 casts at model.py:9"
-        " (no recorded recipe (mxfp8_e4m3, nvfp4) is safe for it)"
+    assert row["fix"].startswith(
+        "run.track(step, scalify=True)  # scale-propagated casts instead of naive e5m2 casts "
+        "at model.py:9 (no recorded recipe (mxfp8_e4m3, nvfp4) is safe for it); or loss scaling"
     )
     assert all("\n" not in f for f in naive["fix"])
 

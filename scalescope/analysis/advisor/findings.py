@@ -294,7 +294,7 @@ def _finish(
         fmt = fmt or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
         recipe = None if recipes is None else recipes.get(op_ids[i], "")
         log2_rms = math.nan
-        if rule in ("underflow", "snr") and scaled and cells is not None:
+        if cells is not None and (rule == "underflow" or (rule == "snr" and scaled)):
             log2_rms = cells.at("log2_rms", op_ids[i], int(at[i]))
         too_wide = (
             rule == "underflow"

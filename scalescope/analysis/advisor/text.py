@@ -80,6 +80,24 @@ def _recipe_text(rule: str, recipe: str | None, recorded: Sequence[str] = ()) ->
     return f'; or a block-scaled recipe such as {name} (record formats=("{name}",) to check it)'
 
 
+def _loss_scaling_text(op: Mapping[str, Any], rule: str, log2_rms: float) -> str:
+    """``; or loss scaling ...`` for a backward value that underflows off unit scale
+    (``log2_rms`` below -`RESCALE_LOG2`, or unknown): multiplying the loss by 2**k lifts
+    every gradient by 2**k, which is how naive FP16 training keeps gradients in range.
+    "" for any other finding, and for a gradient near unit scale (no one scale helps)."""
+    if rule != "underflow" or op["pass"] != "bwd":
+        return ""
+    if math.isnan(log2_rms):
+        return "; or loss scaling (the loss times 2**k, the gradients divided by 2**k)"
+    if not log2_rms < -RESCALE_LOG2:
+        return ""
+    k = round(-log2_rms)
+    return (
+        f"; or loss scaling by 2**{k} (the loss times 2**{k}, the gradients divided by it: "
+        f"this gradient's RMS is 2**{-k})"
+    )
+
+
 def fix_line(
     op: Mapping[str, Any],
     fmt: str,
@@ -108,7 +126,8 @@ def fix_line(
     (underflow) or more mantissa (snr) than ``fmt``, or a block-scaled recipe. Without
     scalify (naive casts): run the step under scalify, or use ``recipe`` (the cheapest
     recipe the recorded statistics show safe for the op; "": the recipes ``recorded``
-    were, none is safe; None: none were recorded, a suitable one is suggested). ``nonfinite``: the
+    were, none is safe; None: none were recorded, a suitable one is suggested); a backward
+    underflow also offers loss scaling (`_loss_scaling_text`). ``nonfinite``: the
     earliest op with NaN/inf (``origin`` None) gets ``jax_debug_nans``; a later one
     (``origin``: the earliest op's row) points to it. A finding on a block-scaled recipe
     ``fmt`` names the recipe that would do better."""
@@ -144,9 +163,13 @@ def fix_line(
         )
     if not scalified:
         what = f"naive {fmt} casts" if fmt else "naive low-precision casts"
+        lift = _loss_scaling_text(op, rule, log2_rms)
+        blocks = _recipe_text(rule, recipe, recorded)
+        # "(no recorded recipe ... is safe)" qualifies the scalify line; a recipe is an "or"
+        tail = f"{blocks}{lift}" if recipe == "" else f"{lift}{blocks}"
         return (
             f"run.track(step, scalify=True)  # scale-propagated casts instead of {what} at "
-            f"{where}{_recipe_text(rule, recipe, recorded)}"
+            f"{where}{tail}"
         )
     if rule == "overflow":
         return _rescale(op, "max")
