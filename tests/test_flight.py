@@ -183,6 +183,50 @@ def test_no_made_here_claim_without_every_input_measured(tmp_path):
     assert by["cos"].inputs_complete and by["add"].inputs_complete
 
 
+@pytest.mark.parametrize(
+    ("tail", "said"),
+    [(lambda z: 1.0 / z, "the division"), (lambda z: z**-2, "the negative power")],
+    ids=["reciprocal", "negative-power"],
+)
+def test_a_pole_at_zero_hit_by_a_flushed_value_names_the_cast(tmp_path, tail, said):
+    """``1 / x`` (a literal numerator: the divisor is the op's only recorded input) and
+    ``x ** -2`` of a value an E4M3 cast flushed to zero: the incident says the zeros made
+    the Inf and which cast made the zeros."""
+
+    def pole_step(w, x):
+        with jax.named_scope("tail"):
+            z = (1e-4 * x).astype(E4M3).astype(jnp.float32)  # below 2^-9: flushed
+            y = tail(z)
+        return w - 1e-3 * jnp.sum(y), jnp.sum(y)
+
+    run = ss.Run(tmp_path / "r", every=1000)
+    run.track(pole_step, scalify=False)(jnp.ones((4,)), jnp.ones((4,)))
+    run.close()
+    (row,) = ss.open_run(tmp_path / "r").incidents().to_dict("records")
+    assert row["name"].startswith("fwd/tail/") and "made here" in row["detail"], row
+    assert (
+        "holds exact zeros (100 % of it), made by its cast to float8_e4m3fn, which flushes "
+        f"small values to zero: {said} is infinite there" in row["detail"]
+    ), row["detail"]
+
+
+def test_which_input_of_an_op_is_its_pole_at_zero():
+    """`pole_at_zero`: the divisor, not the numerator; a negative power, not a positive
+    one; a literal exponent of ``pow`` only when it is negative."""
+    from scalescope.probe.recorder import pole_at_zero
+
+    def poles(fn, *args):
+        return [pole_at_zero(e) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
+
+    x = jnp.ones(3)
+    assert poles(lambda a, b: a / b, x, x) == [1]
+    assert poles(lambda a: a**-3, x) == [0] and poles(lambda a: a**3, x) == [None]
+    assert poles(lambda a: jax.lax.pow(a, -0.5), x) == [0]
+    assert poles(lambda a: jax.lax.pow(a, 0.5), x) == [None]
+    assert poles(lambda a, b: jax.lax.pow(a, b), x, x) == [None]  # exponent not known
+    assert poles(jnp.log, x) == [0] and poles(jnp.exp, x) == [None]
+
+
 def test_an_incident_without_an_op_says_why_without_a_placeholder(tmp_path, caplog):
     """The log line of an incident that names no op (the NaN is in an output the probe
     does not record) gives the reason, not "no op at ?"."""

@@ -80,6 +80,10 @@ class OpRecord:
     #: every float input of the op is among ``inputs`` (none is a value without a record,
     #: such as a loop's output): what an incident needs to say the op made a NaN/Inf
     inputs_complete: bool = field(default=False, repr=False)
+    #: the op id among ``inputs`` whose exact zeros make this op infinite (``log(x)``,
+    #: ``rsqrt(x)``, the divisor of ``a / x`` and of ``1 / x``, ``x ** -2``), -1 for none
+    #: (in memory only: what an incident names when such an op made a NaN/Inf)
+    zero_pole: int = field(default=-1, repr=False)
     #: the enclosing scans, outermost first, as ``(scan, reverse)`` (in memory only): a
     #: scan's serial number in this table and whether it runs its iterations last first
     #: (the transpose of a scan does), so that rows can be put in the order they ran

@@ -263,6 +263,26 @@ def _masked_raw(values: list[tuple[Any, Any]], group: int, mask: Any, spec) -> d
     return lax.cond(mask[group], measure, skip, values)
 
 
+#: Primitives infinite where one input (by position) is an exact zero: ``log(0)``,
+#: ``rsqrt(0)``, ``a / 0``, and the poles of ``lgamma``/``digamma``.
+_POLE_AT_ZERO = {"log": 0, "rsqrt": 0, "div": 1, "lgamma": 0, "digamma": 0}
+
+
+def pole_at_zero(eqn: Any) -> int | None:
+    """The position of the input of ``eqn`` whose exact zeros make its output infinite,
+    None when there is none: `_POLE_AT_ZERO`, and a power with a negative exponent
+    (``integer_pow`` with ``y < 0``; ``pow`` of a negative literal exponent)."""
+    name = eqn.primitive.name
+    if name == "integer_pow":
+        return 0 if eqn.params.get("y", 0) < 0 else None
+    if name == "pow":
+        y = eqn.invars[1]
+        if isinstance(y, Literal) and np.all(np.asarray(y.val) < 0):
+            return 0
+        return None
+    return _POLE_AT_ZERO.get(name)
+
+
 @dataclass(eq=False)
 class _Shared:
     """Configuration and value knowledge shared by every recorder of one interpretation."""
@@ -286,6 +306,8 @@ class _Shared:
     created: list[OpRecord] = field(default_factory=list)  # every record, as made
     operands: dict[int, list[OpRecord | None]] = field(default_factory=dict)  # of GEMMs
     reads: dict[int, list[OpRecord]] = field(default_factory=dict)  # inputs of every op
+    #: the input whose zeros make an op infinite (`OpRecord.zero_pole`), by id of the op
+    poles: dict[int, OpRecord] = field(default_factory=dict)
     #: ops some float input of which has no record (a loop's or call's output, ...)
     unread: set[int] = field(default_factory=set)
     #: `emulate`'s `Replacer`: called ``(seq, value, var, primitive)`` on the value made
@@ -542,6 +564,9 @@ class Recorder(Observer):
                 if jnp.issubdtype(getattr(var.aval, "dtype", np.int32), jnp.inexact)
             ):
                 self.shared.unread.add(id(self.shared.created[first]))
+            at = pole_at_zero(eqn)
+            if at is not None and ins[at] is not None and ins[at].record is not None:
+                self.shared.poles[id(self.shared.created[first])] = ins[at].record
         return outs
 
     # -- recording -----------------------------------------------------------------------
@@ -780,6 +805,8 @@ class Recorder(Observer):
                 rec.operands = tuple(-1 if r is None else r.id for r in reads)
             rec.inputs = tuple(dict.fromkeys(r.id for r in shared.reads.get(id(rec), ())))
             rec.inputs_complete = id(rec) not in shared.unread
+            pole = shared.poles.get(id(rec))
+            rec.zero_pole = -1 if pole is None else pole.id
             rec.stats_op = rec.id if rec.recorded else -1
             if rec.alias_of is not None and rec.alias_of.recorded:
                 rec.stats_op = rec.alias_of.id

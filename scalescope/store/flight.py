@@ -589,29 +589,28 @@ def _made_here(rec: Any, inputs: list[dict[str, Any]]) -> bool:
     return bool(inputs) and rec.inputs_complete and all(x["frac_nonfinite"] == 0 for x in inputs)
 
 
-#: Primitives whose value at an exact zero of one input (by position) is infinite:
-#: ``log(0) = -inf``, ``rsqrt(0) = inf``, ``x / 0``. (Powers are not listed: ``0 ** k``
-#: is infinite only for a negative ``k``, which the op table does not hold.)
-_POLE_AT_ZERO = {"log": 0, "rsqrt": 0, "div": 1}
-
-
 def _zeros_it_cannot_take(
     rec: Any, inputs: list[dict[str, Any]], ops: Mapping[int, Any]
 ) -> list[str]:
-    """Where an op that is infinite at zero made the NaN/Inf from an input holding exact
-    zeros: say so, and name the cast that made them, where a cast to a narrower float
-    produced that input (values flushed to zero by FP8 or FP16, then ``log`` of them)."""
-    at = _POLE_AT_ZERO.get(rec.primitive)
-    if at is None or at >= len(inputs) or not inputs[at].get("frac_zero", 0) > 0:
+    """Where an op that is infinite at zero (`OpRecord.zero_pole`: ``log``, ``rsqrt``, a
+    divisor, a negative power) made the NaN/Inf from an input holding exact zeros: say so,
+    and name the cast that made them, where a cast to a narrower float produced that input
+    (values flushed to zero by FP8 or FP16, then ``log`` of them)."""
+    pole = getattr(rec, "zero_pole", -1)
+    x = next((x for x in inputs if x["op"] == pole), None) if pole >= 0 else None
+    if x is None or not x.get("frac_zero", 0) > 0:
         return []
-    x = inputs[at]
     said = f"{x['name']} holds exact zeros ({pct_text(x['frac_zero'])} of it)"
     src = ops.get(x["op"])
     if src is not None and src.stats_op != src.id:  # a widening cast back: its source
         src = ops.get(src.stats_op, src)
     if src is not None and src.primitive == "convert_element_type" and _narrower(src.dtype):
         said += f", made by its cast to {src.dtype}, which flushes small values to zero"
-    return [said + f": {rec.primitive} is infinite there"]
+    return [said + f": {_POLE_NAME.get(rec.primitive, rec.primitive)} is infinite there"]
+
+
+#: How an incident names the operation whose pole an exact zero hit.
+_POLE_NAME = {"div": "the division", "integer_pow": "the negative power", "pow": "the power"}
 
 
 def _narrower(dtype: str) -> bool:
