@@ -84,3 +84,13 @@ def get(name) -> Format:
     if key not in FORMATS:
         raise KeyError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}")
     return FORMATS[key]
+
+
+def narrower_than_float32(dtype) -> bool:
+    """A float dtype with less range than float32 (FP16, FP8, FP4): where an overflow
+    is the usual cause of an Inf, and data must not grow. False for float32, bfloat16,
+    float64 and for dtypes that are not floats."""
+    try:
+        return bool(ml_dtypes.finfo(dtype).maxexp < np.finfo(np.float32).maxexp)
+    except (TypeError, ValueError):
+        return False

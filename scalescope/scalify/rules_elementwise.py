@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..core.formats import narrower_than_float32
 from ..core.pow2 import is_static, pow2_reciprocal, pow2_round_down, pow2_sqrt_even
 from ..core.scaled_array import SCALE_DTYPE
 from .common import (
@@ -135,7 +136,10 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any, Any]:
     p2 = pow2_round_down(a)
     usable = lax.bitwise_and(lax.is_finite(p2), lax.gt(p2, np.float32(0)))
     p2 = lax.select(usable, p2, np.float32(1))
-    if arr.size > 1 and _float32_range(dtype):
+    # float32/bfloat16 data may grow by `_rms_below`'s 2**5; FP16 and FP8 data keep the
+    # abs-max split, which never grows them (E4M3 data of 200 times an E4M3 one-hot would
+    # pass 448; FP16 data of 5000 at scale 1, 65504)
+    if arr.size > 1 and not narrower_than_float32(dtype):
         p2 = lax.mul(p2, _rms_below(c32, p2))
     elif at_most_one:
         p2 = lax.select(lax.gt(a, p2), lax.mul(p2, np.float32(2)), p2)
@@ -152,14 +156,6 @@ def _split_plain(c, dtype, *, at_most_one: bool) -> tuple[Any, Any, Any]:
         # (An array's ``a`` is its finite elements' abs-max: [inf, 0, ...] is no zero.)
         p2 = lax.select(lax.eq(a, np.float32(0)), np.float32(0), p2)
     return mant, p2, inverse
-
-
-def _float32_range(dtype: Any) -> bool:
-    """Data of ``dtype`` can grow by `_rms_below`'s 2**5 without overflow concerns
-    (float32, bfloat16): FP16 and FP8 data keep the abs-max split, which never grows
-    them (E4M3 data of 200 times an E4M3 one-hot would pass 448; FP16 data of 5000 at
-    scale 1, 65504)."""
-    return jnp.finfo(dtype).maxexp >= np.finfo(np.float32).maxexp
 
 
 def _rms_below(c32: jax.Array, p2: jax.Array) -> jax.Array:

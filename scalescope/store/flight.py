@@ -604,7 +604,11 @@ def _zeros_it_cannot_take(
     src = ops.get(x["op"])
     if src is not None and src.stats_op != src.id:  # a widening cast back: its source
         src = ops.get(src.stats_op, src)
-    if src is not None and src.primitive == "convert_element_type" and _narrower(src.dtype):
+    if (
+        src is not None
+        and src.primitive == "convert_element_type"
+        and _formats.narrower_than_float32(src.dtype)
+    ):
         said += f", made by its cast to {src.dtype}, which flushes small values to zero"
     return [said + f": {_POLE_NAME.get(rec.primitive, rec.primitive)} is infinite there"]
 
@@ -613,18 +617,10 @@ def _zeros_it_cannot_take(
 _POLE_NAME = {"div": "the division", "integer_pow": "the negative power", "pow": "the power"}
 
 
-def _narrower(dtype: str) -> bool:
-    """A float dtype with less range than float32 (False for other dtypes)."""
-    try:
-        return jnp.finfo(dtype).maxexp < np.finfo(np.float32).maxexp
-    except (TypeError, ValueError):
-        return False
-
-
 def _narrow_max(dtype: str) -> str:
     """`` (float16 output: largest finite 65504)`` for a float dtype with less range
     than float32, where an overflow is the usual cause; "" otherwise."""
-    if not _narrower(dtype):
+    if not _formats.narrower_than_float32(dtype):
         return ""
     return f" ({dtype} output: largest finite {float(jnp.finfo(dtype).max):.6g})"
 
