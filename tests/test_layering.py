@@ -150,6 +150,21 @@ def test_storage_and_analysis_know_no_views(part: str, forbidden: tuple[str, ...
     assert hits == [], "\n".join(hits)
 
 
+def test_no_part_imports_jax_internals() -> None:
+    """Public JAX only (`jax`, `jax.extend`, `jax.experimental`, ...): `jax._src` moves
+    between releases. A primitive JAX does not export is reached through its public
+    function (`registry.primitive_in`) or the equation that binds it (`with_primitive`)."""
+    folders = [PACKAGE, *(ROOT / p for p in TOP_LEVEL)]
+    hits = [
+        f"{path.relative_to(ROOT)}:{line} imports {'.'.join(module)}"
+        for folder in folders
+        for path in sources(folder)
+        for line, module in imported(path)
+        if module[:2] == ("jax", "_src")
+    ]
+    assert hits == [], "\n".join(hits)
+
+
 def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     """Lazy imports inside methods (how the reader used to reach the notebook and the
     analysis), absolute or relative, count; an import of a lower part does not."""

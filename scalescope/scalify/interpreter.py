@@ -176,7 +176,8 @@ def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
             "Use scalify(fn, fallback='unscale') to run it on unscaled values, or "
             "register a rule with scalescope.scalify.register_rule."
         )
-    out = rule.fn(*invals, **eqn.params)
+    args = (prim, *invals) if rule.with_primitive else invals
+    out = rule.fn(*args, **eqn.params)
     return list(out) if prim.multiple_results else [out]
 
 

@@ -3,7 +3,10 @@
 A *plain* rule is called as ``rule(*invals, **params)`` with `ScaledArray` or plain array
 inputs and returns the outputs (a list for multiple-result primitives). A *higher-order*
 rule (jit, scan, cond, ...) is called as ``rule(ctx, eqn, invals)`` and interprets the
-sub-jaxprs it carries through ``ctx``.
+sub-jaxprs it carries through ``ctx``. A plain rule registered ``with_primitive=True`` is
+called as ``rule(primitive, *invals, **params)``: a rule that binds the primitive it
+stands for (a collective on the data) gets it from the equation, so primitives that JAX
+does not export need no lookup.
 
 Keys are primitive names (``eqn.primitive.name``) rather than primitive objects, so rules
 can be registered for primitives that JAX does not export publicly.
@@ -23,6 +26,7 @@ class Rule:
     fn: Callable[..., Any]
     higher_order: bool = False
     on_plain: bool = False  # also run when no input is scaled (e.g. set_scaling)
+    with_primitive: bool = False  # called with the equation's primitive first
 
 
 RULES: dict[str, Rule] = {}
@@ -39,11 +43,13 @@ def register_rule(
     higher_order: bool = False,
     on_plain: bool = False,
     replace: bool = False,
+    with_primitive: bool = False,
 ) -> None:
     """Register ``fn`` as the scaled rule of ``prim`` (a primitive or its name).
 
     ``on_plain=True`` makes the interpreter use the rule even when no input is scaled,
-    for primitives whose purpose is to create scaled values. A primitive that has a rule
+    for primitives whose purpose is to create scaled values. ``with_primitive=True`` calls
+    it as ``fn(primitive, *invals, **params)``. A primitive that has a rule
     keeps it (KeyError) unless ``replace=True``: the table is global, so a rule replaced
     by mistake would change every later `scalify`.
     """
@@ -54,7 +60,7 @@ def register_rule(
             f"({getattr(RULES[name].fn, '__name__', RULES[name].fn)}); "
             "pass replace=True to replace it for every later scalify"
         )
-    RULES[name] = Rule(fn, higher_order, on_plain)
+    RULES[name] = Rule(fn, higher_order, on_plain, with_primitive)
 
 
 def get_rule(prim: Any) -> Rule | None:

@@ -46,25 +46,11 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.extend.core import primitives as _public
 from jax.sharding import PartitionSpec
 
 from .common import is_scaled, make_scaled, positive_or_one, pow2_sqrt_static, rescale_data
 from .registry import register_rule
 from .rules_control import _CarryMaskChanged, _conform
-
-
-def _find(name: str) -> Any:
-    """The primitive object ``<name>_p``: public (`jax.extend.core.primitives`) where JAX
-    exports it, else from JAX's internal modules (the varying-axes casts and several
-    collectives are not exported); None on a release without it."""
-    prim = getattr(_public, f"{name}_p", None)
-    if prim is None:
-        import jax._src.core as _core
-        import jax._src.lax.parallel as _parallel
-
-        prim = getattr(_parallel, f"{name}_p", None) or getattr(_core, f"{name}_p", None)
-    return prim
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -117,99 +103,63 @@ def _common(x: Any, axes: Any, groups: Any = None, divide: float = 1.0) -> tuple
 # -- reductions --------------------------------------------------------------------------
 
 
-def _summing(name):
-    """psum-like: common scale, divide by pow2(sqrt(N)), sum the data."""
-    prim = _find(name)
-
-    def rule(x, *, axes, **params):
-        groups = params.get("axis_index_groups")
-        f = pow2_sqrt_static(_group_size(_axes(axes), groups))
-        data, s = _common(x, axes, groups, divide=f)
-        return make_scaled(prim.bind(data, axes=axes, **params), s * f)
-
-    return rule
+def scaled_psum(prim, x, *, axes, **params):
+    """psum (and psum_invariant): one scale, the data divided by pow2(sqrt(N)), summed."""
+    groups = params.get("axis_index_groups")
+    f = pow2_sqrt_static(_group_size(_axes(axes), groups))
+    data, s = _common(x, axes, groups, divide=f)
+    return make_scaled(prim.bind(data, axes=axes, **params), s * f)
 
 
-scaled_psum = _summing("psum")
-scaled_psum_invariant = _summing("psum_invariant")
+def scaled_pextremum(prim, x, *, axes, **params):
+    """pmax / pmin: one scale, then the extremum of the data."""
+    data, s = _common(x, axes, params.get("axis_index_groups"))
+    return make_scaled(prim.bind(data, axes=axes, **params), s)
 
 
-def _extremum(name):
-    prim = _find(name)
-
-    def rule(x, *, axes, **params):
-        data, s = _common(x, axes, params.get("axis_index_groups"))
-        return make_scaled(prim.bind(data, axes=axes, **params), s)
-
-    return rule
-
-
-scaled_pmax = _extremum("pmax")
-scaled_pmin = _extremum("pmin")
-
-
-def scaled_reduce_scatter(x, *, axis_name, **params):
+def scaled_reduce_scatter(prim, x, *, axis_name, **params):
+    """psum_scatter: as psum, each device keeping its piece of the sum."""
     groups = params.get("axis_index_groups")
     f = pow2_sqrt_static(_group_size(_axes(axis_name), groups))
     data, s = _common(x, axis_name, groups, divide=f)
-    out = _find("reduce_scatter").bind(data, axis_name=axis_name, **params)
-    return make_scaled(out, s * f)
+    return make_scaled(prim.bind(data, axis_name=axis_name, **params), s * f)
 
 
 # -- gathers and exchanges ----------------------------------------------------------------
 
 
-def _regroups(name):
+def scaled_regroup(prim, x, *, axis_name, **params):
     """all_gather / all_to_all: pieces of every device end up side by side, so they must
     share one scale first."""
-    prim = _find(name)
-
-    def rule(x, *, axis_name, **params):
-        data, s = _common(x, axis_name, params.get("axis_index_groups"))
-        return make_scaled(prim.bind(data, axis_name=axis_name, **params), s)
-
-    return rule
+    data, s = _common(x, axis_name, params.get("axis_index_groups"))
+    return make_scaled(prim.bind(data, axis_name=axis_name, **params), s)
 
 
-scaled_all_gather = _regroups("all_gather")
-scaled_all_gather_invariant = _regroups("all_gather_invariant")
-scaled_all_to_all = _regroups("all_to_all")
-
-
-def _moves(name):
+def scaled_move(prim, x, *, axis_name, **params):
     """ppermute / pbroadcast: the data received is the sender's, in the sender's scale,
     so the scale goes through the same collective (unless it is typed invariant: then
     every device's scale is the same, and a device that receives nothing gets zero
     data, which any scale represents)."""
-    prim = _find(name)
-
-    def rule(x, *, axis_name, **params):
-        data = prim.bind(x.data, axis_name=axis_name, **params)
-        axes = _axes(axis_name)
-        scale = x.scale
-        if not _tracked(x.data, axes) or set(axes) & varying_axes(scale):
-            scale = prim.bind(to_varying(scale, axes), axis_name=axis_name, **params)
-        return make_scaled(data, scale)
-
-    return rule
+    data = prim.bind(x.data, axis_name=axis_name, **params)
+    axes = _axes(axis_name)
+    scale = x.scale
+    if not _tracked(x.data, axes) or set(axes) & varying_axes(scale):
+        scale = prim.bind(to_varying(scale, axes), axis_name=axis_name, **params)
+    return make_scaled(data, scale)
 
 
-scaled_ppermute = _moves("ppermute")
-scaled_pbroadcast = _moves("pbroadcast")
-
-
-def scaled_pvary(x, *, axes, **params):
+def scaled_pvary(prim, x, *, axes, **params):
     """Invariant -> varying cast: the data is cast, the (invariant) scale is kept. Data
     already typed varying along an axis (rescaled by a scale that varies) is not cast
     along it again."""
     missing = tuple(a for a in _axes(axes) if a not in varying_axes(x.data))
-    data = _find("pvary").bind(x.data, axes=missing, **params) if missing else x.data
+    data = prim.bind(x.data, axes=missing, **params) if missing else x.data
     return make_scaled(data, x.scale)
 
 
-def scaled_axis_index(**params):
+def scaled_axis_index(prim, **params):
     """axis_index has no inputs, so it is never scaled; listed so coverage sees a rule."""
-    return _find("axis_index").bind(**params)
+    return prim.bind(**params)
 
 
 # -- shard_map ------------------------------------------------------------------------------
@@ -316,22 +266,24 @@ def _link(ctx, sources, values) -> None:
             ctx.observer.same_value(src, dst)
 
 
+#: Every collective's rule, by primitive name. Each binds the equation's own primitive
+#: (``with_primitive``): several are not exported by JAX, and a name this JAX release
+#: lacks never meets its rule.
 RULES = {
     "psum": scaled_psum,
-    "psum_invariant": scaled_psum_invariant,
-    "pmax": scaled_pmax,
-    "pmin": scaled_pmin,
+    "psum_invariant": scaled_psum,
+    "pmax": scaled_pextremum,
+    "pmin": scaled_pextremum,
     "reduce_scatter": scaled_reduce_scatter,
-    "all_gather": scaled_all_gather,
-    "all_gather_invariant": scaled_all_gather_invariant,
-    "all_to_all": scaled_all_to_all,
-    "ppermute": scaled_ppermute,
-    "pbroadcast": scaled_pbroadcast,
+    "all_gather": scaled_regroup,
+    "all_gather_invariant": scaled_regroup,
+    "all_to_all": scaled_regroup,
+    "ppermute": scaled_move,
+    "pbroadcast": scaled_move,
     "pvary": scaled_pvary,
     "axis_index": scaled_axis_index,
 }
 
 for _name, _rule in RULES.items():
-    if _find(_name) is not None:
-        register_rule(_name, _rule)
+    register_rule(_name, _rule, with_primitive=True)
 register_rule("shard_map", scaled_shard_map, higher_order=True)
