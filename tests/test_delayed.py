@@ -465,6 +465,13 @@ def test_reader_replay_on_a_recorded_run(tmp_path):
     assert both["clipped_max"][t] == pytest.approx((hi0 + hi1) / 2, abs=1e-12)
     with pytest.raises(KeyError, match="no row for iteration 5"):
         reader.delayed_scaling(scan_op, iteration=5)
+    # a process that recorded nothing of it: an error naming whose rows there are, not an
+    # empty replay that reads "never clips"
+    with pytest.raises(KeyError, match="no row from process 3; its rows come from process 0"):
+        reader.delayed_scaling(op, process=3)
+    pd.testing.assert_frame_equal(
+        reader.delayed_scaling(op, process=None), reader.delayed_scaling(op)
+    )
     with pytest.raises(ValueError, match="algo"):
         reader.delayed_scaling(op, algo="mean")
     with pytest.raises(KeyError, match="no op"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pandas as pd
 import pytest
 
 import scalescope as ss
@@ -87,6 +88,7 @@ def test_run_records_scale_graphs_that_the_reader_returns(tmp_path):
     np.testing.assert_allclose(back["grad_log2_rms"], first["grad_log2_rms"])
     assert list(back["name"]) == list(first["name"]) and back["shape"][0] == (32, 48)
     latest = reader.scale_graph()
+    pd.testing.assert_frame_equal(reader.scale_graph(-1), latest)  # as hist(step=-1)
     np.testing.assert_allclose(latest["fwd_log2_rms"], later["fwd_log2_rms"])
     # W1 four times larger: the first matmul's value is exactly 2 octaves up
     assert latest["fwd_log2_rms"][0] == pytest.approx(back["fwd_log2_rms"][0] + 2.0, abs=1e-5)

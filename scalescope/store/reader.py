@@ -217,7 +217,7 @@ class RunReader:
         return list(L.list_scale_graphs(self.path))
 
     def scale_graph(self, step: int | None = None) -> pd.DataFrame:
-        """The scale graph recorded at ``step`` (default: the latest): one row per op
+        """The scale graph recorded at ``step`` (None or -1: the latest): one row per op
         (indexed by op id), with the log2 RMS of its value and of its gradient
         (`scalescope.scale_graph`); ``attrs["step"]`` is the step. A plain DataFrame
         (``ss.open_run`` readers return one that draws itself in Jupyter)."""
@@ -227,7 +227,7 @@ class RunReader:
                 f"{self.path}: no scale graph recorded; record one with "
                 "run.scale_graph(step, loss_fn, *args)"
             )
-        if step is None:
+        if step is None or step == -1:  # as `hist`'s step=-1: the latest
             step = max(graphs)
         if step not in graphs:
             raise KeyError(f"no scale graph at step {step}; recorded at steps {list(graphs)}")
@@ -718,6 +718,16 @@ class RunReader:
             pieces.append(rows)
         if not pieces and iteration is not None:
             raise KeyError(f"op {op!r} has no row for iteration {iteration}")
+        if not pieces and process is not None:
+            others = sorted(
+                {int(p) for _, f in self._stats_parts for p in f.loc[f["op"] == src, "process"]}
+            )
+            if others:  # rows, but none of that process: say whose they are
+                raise KeyError(
+                    f"op {op!r} has no row from process {process}; its rows come from "
+                    f"process{'es' if len(others) > 1 else ''} "
+                    f"{', '.join(map(str, others))} (process=None: all)"
+                )
         return pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=keys)
 
     def __repr__(self) -> str:
