@@ -477,6 +477,39 @@ def test_severity_is_graded_by_magnitude():
     assert A.severity_of(A.severity_level(frame)).tolist()[3:5] == ["low", "medium"]
 
 
+def test_loss_scaling_is_offered_only_as_far_as_the_largest_gradient_allows():
+    """One loss scale lifts every gradient: the power offered for a gradient 13 binades
+    low stops where the largest gradient held in the same format would reach its max
+    (E5M2: 57344 = 2**15.8); none is offered when that gradient already fills it. A
+    forward value, however large, does not count."""
+    ops = make_ops(
+        {"name": "g", "pass": "bwd", "cast_to": "e5m2", "source": "model.py:9"},
+        {"name": "big", "pass": "bwd", "cast_to": "e5m2"},
+        {"name": "h", "cast_to": "e5m2"},
+    )
+
+    def fix_with(big_absmax, writers_order=False):
+        stats = make_stats(
+            series(0, STEPS, rms=2.0**-13, absmax=2.0**-10, underflow_e5m2=0.3)
+            + series(1, STEPS, rms=1.0, absmax=big_absmax)
+            + series(2, STEPS, rms=1.0, absmax=2.0**15.5)  # forward: no say
+        )
+        if writers_order:  # step by step: the advisor's dense path
+            stats = stats.sort_values(["step", "op"], ignore_index=True)
+        found = A.advise(stats, ops, meta={"graph": {"scalify": False}})
+        return found[(found["op"] == 0) & (found["rule"] == "underflow")].iloc[0]["fix"]
+
+    assert "; or loss scaling by 2**13 (" in fix_with(2.0)  # 2**14.8 of room
+    capped = fix_with(2.0**10)  # 2**5.8 of room
+    assert (
+        "; or loss scaling by 2**5 (the loss times 2**5, the gradients divided by it: this "
+        "gradient's RMS is 2**-13; a larger scale would overflow the largest gradient in e5m2)"
+    ) in capped, capped
+    assert fix_with(2.0**10, writers_order=True) == capped
+    assert "loss scaling" not in fix_with(2.0**15.5)  # no room left
+    assert fix_with(2.0**15.5).startswith("run.track(step, scalify=True)")
+
+
 def test_fix_texts_name_the_line_and_the_function():
     """Each rule's fix: drift -> dynamic_rescale_l2 (_grad backward) at the op's line,
     overflow in a scaled run -> dynamic_rescale_max, a naive cast's underflow -> scalify,

@@ -262,6 +262,34 @@ def _safe_recipes(
     return {int(k): str(v) for k, v in cheapest_recipe(whatif).items()}
 
 
+def _grad_headroom(
+    cells: _Cells | _Dense,
+    table: pd.DataFrame,
+    fmt: str,
+    step: int,
+    meta: Mapping[str, Any] | None,
+    peaks: dict[str, dict[int, float]],
+) -> float:
+    """log2 of how far every backward value held in ``fmt`` (cast to it, or stored in it)
+    can be multiplied at ``step`` before the largest reaches ``fmt``'s max: the most a
+    loss scale may lift the gradients. inf when unknown (no value abs-max recorded).
+    ``peaks`` caches the largest value abs-max per step, per format."""
+    top = _format_info(fmt, meta).get("max")
+    if not top or "_amax" not in cells.cols:
+        return math.inf
+    if fmt not in peaks:
+        dtype = table["dtype"].astype(str).map(_LOW_PRECISION).fillna("")
+        held = table["cast_to"].astype(str).where(table["cast_to"].astype(str) != "", dtype)
+        ops = table.index[(table["pass"].astype(str) == "bwd") & (held == fmt)].to_numpy()
+        flat = cells.flat(["_amax"], np.asarray(ops, np.int64))
+        frame = pd.DataFrame({"step": flat.step, "amax": flat.cols["_amax"]})
+        peaks[fmt] = frame.groupby("step")["amax"].max().to_dict()
+    peak = peaks[fmt].get(step, math.nan)
+    if not peak > 0 or not math.isfinite(peak):
+        return math.inf
+    return math.log2(float(top) / peak)
+
+
 def _finish(
     found: pd.DataFrame,
     table: pd.DataFrame,
@@ -286,6 +314,7 @@ def _finish(
     records = rec.to_dict("records")
     by_op = dict(zip(op_ids, records))
     fixes = []
+    peaks: dict[str, dict[int, float]] = {}
     for i, (rule, fmt, op) in enumerate(zip(found["rule"].tolist(), found["format"], records)):
         scaled = run_scalified or bool(op["scaled"])
         if rule == "delayed":
@@ -296,6 +325,9 @@ def _finish(
         log2_rms = math.nan
         if cells is not None and (rule == "underflow" or (rule == "snr" and scaled)):
             log2_rms = cells.at("log2_rms", op_ids[i], int(at[i]))
+        headroom = math.inf
+        if rule == "underflow" and not scaled and op["pass"] == "bwd" and cells is not None:
+            headroom = _grad_headroom(cells, table, fmt, int(at[i]), meta, peaks)
         too_wide = (
             rule == "underflow"
             and cells is not None
@@ -319,6 +351,7 @@ def _finish(
                 origin=origin,
                 recorded=recorded,
                 too_wide=too_wide,
+                headroom=headroom,
             )
         )
     found["fix"] = fixes

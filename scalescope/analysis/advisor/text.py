@@ -80,22 +80,32 @@ def _recipe_text(rule: str, recipe: str | None, recorded: Sequence[str] = ()) ->
     return f'; or a block-scaled recipe such as {name} (record formats=("{name}",) to check it)'
 
 
-def _loss_scaling_text(op: Mapping[str, Any], rule: str, log2_rms: float) -> str:
+def _loss_scaling_text(
+    op: Mapping[str, Any], rule: str, log2_rms: float, fmt: str, headroom: float = math.inf
+) -> str:
     """``; or loss scaling ...`` for a backward value that underflows off unit scale
     (``log2_rms`` below -`RESCALE_LOG2`, or unknown): multiplying the loss by 2**k lifts
-    every gradient by 2**k, which is how naive FP16 training keeps gradients in range.
-    "" for any other finding, and for a gradient near unit scale (no one scale helps)."""
+    every gradient by 2**k, which is how naive FP16 training keeps gradients in range. k
+    lifts this value's RMS to 1, at most ``headroom`` (log2 of how far the largest
+    gradient held in ``fmt`` is below its max: one loss scale moves them all). "" for
+    any other finding, for a gradient near unit scale, and when no 2**k fits."""
     if rule != "underflow" or op["pass"] != "bwd":
         return ""
+    room = math.floor(headroom) if math.isfinite(headroom) else None
+    if room is not None and room < 1:
+        return ""  # the largest gradient already fills the format: no loss scale fits
     if math.isnan(log2_rms):
-        return "; or loss scaling (the loss times 2**k, the gradients divided by 2**k)"
+        most = f", at most 2**{room}" if room is not None else ""
+        return f"; or loss scaling (the loss times 2**k{most}, the gradients divided by 2**k)"
     if not log2_rms < -RESCALE_LOG2:
         return ""
-    k = round(-log2_rms)
-    return (
-        f"; or loss scaling by 2**{k} (the loss times 2**{k}, the gradients divided by it: "
-        f"this gradient's RMS is 2**{-k})"
-    )
+    want = round(-log2_rms)
+    k = want if room is None else min(want, room)
+    why = f"this gradient's RMS is 2**{-want}"
+    if k < want:
+        why += f"; a larger scale would overflow the largest gradient in {fmt or 'its format'}"
+    how = f"the loss times 2**{k}, the gradients divided by it"
+    return f"; or loss scaling by 2**{k} ({how}: {why})"
 
 
 def fix_line(
@@ -109,6 +119,7 @@ def fix_line(
     origin: Mapping[str, Any] | None = None,
     recorded: Sequence[str] = (),
     too_wide: bool = False,
+    headroom: float = math.inf,
 ) -> str:
     """The one-line fix for a ``rule`` finding on ``op`` (a row of the op table with a
     ``label``), naming the op's source line.
@@ -127,7 +138,8 @@ def fix_line(
     scalify (naive casts): run the step under scalify, or use ``recipe`` (the cheapest
     recipe the recorded statistics show safe for the op; "": the recipes ``recorded``
     were, none is safe; None: none were recorded, a suitable one is suggested); a backward
-    underflow also offers loss scaling (`_loss_scaling_text`). ``nonfinite``: the
+    underflow also offers loss scaling (`_loss_scaling_text`; ``headroom``: how far the
+    largest gradient in ``fmt`` may be lifted). ``nonfinite``: the
     earliest op with NaN/inf (``origin`` None) gets ``jax_debug_nans``; a later one
     (``origin``: the earliest op's row) points to it. A finding on a block-scaled recipe
     ``fmt`` names the recipe that would do better."""
@@ -163,7 +175,7 @@ def fix_line(
         )
     if not scalified:
         what = f"naive {fmt} casts" if fmt else "naive low-precision casts"
-        lift = _loss_scaling_text(op, rule, log2_rms)
+        lift = _loss_scaling_text(op, rule, log2_rms, fmt, headroom)
         blocks = _recipe_text(rule, recipe, recorded)
         # "(no recorded recipe ... is safe)" qualifies the scalify line; a recipe is an "or"
         tail = f"{blocks}{lift}" if recipe == "" else f"{lift}{blocks}"
