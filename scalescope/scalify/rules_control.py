@@ -8,7 +8,9 @@ flow through loops and branches. Taking the equations apart and rebinding them i
 
 Loop carries keep a stable structure: a carry that is scaled on the way in is scaled on
 the way out. Which carries must be scaled is found by a fixpoint: trace the body, and if
-an unscaled carry comes back scaled, promote it and trace again.
+an unscaled carry comes back scaled, promote it and trace again. A scaled carry's data is
+re-centred at the end of each iteration when it drifted far from unit (`_recentred`), so
+a long loop cannot walk it out of its format.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import jax.numpy as jnp
 
 from . import traverse
 from .common import (
+    FIT_BAND,
+    data_absmax,
     data_of,
     is_scaled,
     make_scaled,
     positive_or_one,
+    renormalized,
     rescale_data,
     unit_scale,
     unscale,
@@ -123,6 +128,21 @@ def _merge_stacked(y):
     return make_scaled(rescale_data(y.data, factor), top)
 
 
+def _recentred(carry):
+    """Scaled float carries at the end of a loop iteration, their data shifted back
+    near unit (a power of two moved into the scale) where its abs-max left 2^±`FIT_BAND`;
+    bit for bit unchanged otherwise. The rules assume unit-scaled inputs: a carry whose
+    data drifts by a binade per iteration (the gradient of an RNN through a gate slice)
+    would otherwise leave float32's range after ~120 iterations (FP16's after ~20) and
+    turn to zero, though its scale could hold it."""
+    return [
+        renormalized(c, data_absmax(c.data), FIT_BAND)
+        if is_scaled(c) and jnp.issubdtype(c.dtype, jnp.floating) and c.data.size
+        else c
+        for c in carry
+    ]
+
+
 def _conformed(init, mask):
     """The initial carries, scaled where ``mask`` says so."""
     return [_to_scaled(c) if m else c for c, m in zip(init, mask)]
@@ -154,7 +174,7 @@ def scaled_scan(ctx, eqn, invals):
             sub = ctx.nested(eqn, "scan")
             bodies.append(sub)
             outs = sub.eval_closed(closed, [*args[:n], *x_vals])
-            carry = _conform(outs[: where.carry], mask)
+            carry = _recentred(_conform(outs[: where.carry], mask))
             return [*carry, *outs[where.carry :]], sub.body_outputs()
 
         return traverse.scan(eqn, [*consts, *_conformed(init, mask), *xs_data], body)
@@ -200,7 +220,7 @@ def scaled_while(ctx, eqn, invals):
                 return [unscale(pred)], ()
             sub = ctx.nested(eqn, "while")
             bodies.append(sub)
-            new = _conform(sub.eval_closed(closed, args), mask)
+            new = _recentred(_conform(sub.eval_closed(closed, args), mask))
             return new, sub.accumulate(where.aux, sub.body_outputs())
 
         return traverse.while_loop(eqn, [*consts, *_conformed(init, mask)], body, aux0=acc0)
