@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..core.formats import narrower_than_float32
 from ..core.pow2 import (
     as_f32,
     is_static,
@@ -468,18 +469,11 @@ def split_pow2(c: float) -> tuple[float, float]:
 FIT_BAND = 4
 
 
-def narrow_range(dtype: Any) -> bool:
-    """A float dtype with a smaller exponent range than float32 (FP16, FP8, FP4)."""
-    if not jnp.issubdtype(dtype, jnp.floating):
-        return False
-    return jnp.finfo(dtype).maxexp < jnp.finfo(np.float32).maxexp
-
-
 def fit_to(value: jax.Array, dtype: Any) -> ScaledArray:
     """The wide ``value`` as ``dtype`` data: scale 1, or for a narrow-range ``dtype``
     with the power of two of its abs-max moved into the scale when it is beyond
     2^±FIT_BAND, so a value beyond FP16/FP8 range is not cast to inf."""
-    if not narrow_range(dtype):
+    if not narrower_than_float32(dtype):
         return make_scaled(value.astype(dtype), unit_scale())
     fitted = renormalized(make_scaled(value, unit_scale()), data_absmax(value), FIT_BAND)
     return make_scaled(fitted.data.astype(dtype), fitted.scale)
