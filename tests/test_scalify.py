@@ -869,3 +869,31 @@ def test_a_long_while_loop_keeps_its_carry_in_range():
     plain = jax.jit(f)(h, 100)
     scaled = ss.asarray(jax.jit(ss.scalify(f))(ss.as_scaled_array(h, "rms"), 100))
     np.testing.assert_array_equal(np.asarray(scaled), np.asarray(plain))
+
+
+def test_a_learned_fp16_temperature_multiplies_as_plain_jax_does():
+    """CLIP's logit scale: ``exp(t)`` (2e4, finite in FP16) times unit-scaled FP16
+    similarities. The exp's scalar came out as data 2e4 at scale 1, and every product
+    with it held that magnitude in its FP16 data: the gradients were NaN where plain
+    JAX's are finite. A scalar is re-centred where it is cast or broadcast."""
+
+    def loss(p, a, b):
+        a = (a @ p["wa"]).astype(jnp.float16)
+        a = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+        logits = (jnp.exp(p["t"]).astype(jnp.float16) * (a @ b.T)).astype(jnp.float32)
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(16), jnp.arange(16)])
+
+    key = jax.random.split(jax.random.key(0), 3)
+    b = jax.random.normal(key[0], (16, 32))
+    b = (b / jnp.linalg.norm(b, axis=-1, keepdims=True)).astype(jnp.float16)
+    a = jax.random.normal(key[1], (16, 32))
+    p = {"t": jnp.float32(np.log(2e4)), "wa": jax.random.normal(key[2], (32, 32)) / 6}
+    grad = jax.value_and_grad(loss)
+    plain_loss, plain = jax.jit(grad)(p, a, b)
+    got_loss, got = jax.jit(ss.scalify(grad))(ss.as_scaled_array(p, "rms"), a, b)
+    got = ss.asarray(got)
+    assert np.isfinite(float(plain_loss)) and np.all(np.isfinite(plain["wa"]))
+    np.testing.assert_allclose(float(ss.asarray(got_loss)), float(plain_loss), rtol=1e-3)
+    for name in ("t", "wa"):
+        err = np.linalg.norm(got[name] - plain[name]) / np.linalg.norm(plain[name])
+        assert err < 1e-2, (name, err)

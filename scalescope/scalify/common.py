@@ -469,12 +469,25 @@ def split_pow2(c: float) -> tuple[float, float]:
 FIT_BAND = 4
 
 
+def recentred_scalar(x: Any) -> Any:
+    """``x`` when it is not a scaled float of at most one element; else its data shifted
+    to an abs-max in [1, 2) (the power of two moved into the scale) when it is beyond
+    2^±FIT_BAND. Scalar work only. A computed scalar (``exp`` of a learned temperature:
+    data 2e4 at scale 1) broadcast into an array would give every product with that
+    array's unit-scaled data its magnitude, which FP16 data cannot hold."""
+    if not is_scaled(x) or np.size(x.data) > 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return renormalized(x, data_absmax(x.data), FIT_BAND)
+
+
 def fit_to(value: jax.Array, dtype: Any) -> ScaledArray:
     """The wide ``value`` as ``dtype`` data: scale 1, or for a narrow-range ``dtype``
-    with the power of two of its abs-max moved into the scale when it is beyond
-    2^±FIT_BAND, so a value beyond FP16/FP8 range is not cast to inf."""
+    (and for a value of one element, of any dtype: `recentred_scalar`) with the power of
+    two of its abs-max moved into the scale when it is beyond 2^±FIT_BAND, so a value
+    beyond FP16/FP8 range is not cast to inf."""
     if not narrower_than_float32(dtype):
-        return make_scaled(value.astype(dtype), unit_scale())
+        out = make_scaled(value.astype(dtype), unit_scale())
+        return recentred_scalar(out) if np.size(value) <= 1 else out
     fitted = renormalized(make_scaled(value, unit_scale()), data_absmax(value), FIT_BAND)
     return make_scaled(fitted.data.astype(dtype), fitted.scale)
 

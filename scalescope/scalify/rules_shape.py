@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from .common import align, data_of, is_scaled, make_scaled, unscale
+from .common import align, data_of, is_scaled, make_scaled, recentred_scalar, unscale
 from .registry import primitive_in, register_rule
 
 
@@ -67,7 +67,9 @@ def scaled_scatter_mul(operand, indices, updates, **params):
 
 def scaled_convert_element_type(x, *, new_dtype, **params):
     if jnp.issubdtype(new_dtype, jnp.floating):
-        # FP8/FP16 casts are real casts of the data: that is what scaling is for.
+        # FP8/FP16 casts are real casts of the data: that is what scaling is for. A
+        # scalar's data is re-centred first (scalar work), so it fits any format.
+        x = recentred_scalar(x)
         out = lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params)
         return make_scaled(out, x.scale)
     return lax.convert_element_type_p.bind(unscale(x), new_dtype=new_dtype, **params)
@@ -118,13 +120,20 @@ def scaled_optimization_barrier(*operands, **params):
     return result
 
 
+def scaled_broadcast_in_dim(x, *rest, **params):
+    """A scalar broadcast into an array is re-centred first (`recentred_scalar`): every
+    element of the array would hold its data."""
+    x = recentred_scalar(x)
+    return make_scaled(lax.broadcast_in_dim_p.bind(x.data, *map(unscale, rest), **params), x.scale)
+
+
 def scaled_iota(**params):
     """iota has no inputs, so it is never scaled; listed so coverage checks see a rule."""
     return lax.iota_p.bind(**params)
 
 
 _KEEPS_SCALE = (
-    "reshape broadcast_in_dim transpose squeeze expand_dims slice rev copy "
+    "reshape transpose squeeze expand_dims slice rev copy "
     "reduce_precision dynamic_slice gather split tile sharding_constraint real "
     "reduce_max reduce_min cummax cummin unstack reduce_window_max reduce_window_min"
 ).split()
@@ -149,6 +158,7 @@ RULES = {
     "device_put": scaled_device_put,
     "optimization_barrier": scaled_optimization_barrier,
     "iota": scaled_iota,
+    "broadcast_in_dim": scaled_broadcast_in_dim,
 }
 for _name in _KEEPS_SCALE:
     _prim = getattr(lax, f"{_name}_p", None)
