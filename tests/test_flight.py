@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from conftest import xla_flags_with
 
@@ -318,6 +319,30 @@ def test_a_loss_spike_is_caught_at_its_step_and_op(tmp_path):
     assert incident["name"] == "fwd/spike/select_n", incident["name"]
     assert incident["source"] == f"{__file__}:{SPIKE_LINE}"
     assert "jumped" in incident["detail"] and "x100 " in incident["detail"]
+
+
+def test_steps_that_update_nothing_are_no_norm_samples(tmp_path):
+    """Gradient accumulation (`optax.MultiSteps`, 4 micro-steps per update) changes the
+    parameters on 1 step in 4: no incident over a healthy run (every update was a
+    "norm spike" against a median of 0, and replayed), and an update 100 times the usual
+    one is still caught."""
+    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=4)
+
+    def step(p, s, x, boost):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p - x.sum(1, keepdims=True)) ** 2))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, jax.tree.map(lambda v: v * boost, u)), s, loss
+
+    p = jnp.zeros((8, 1))
+    s = tx.init(p)
+    run = ss.Run(tmp_path / "r", every=1000, triggers=ss.Triggers(warmup=8))
+    tracked = run.track(step, scalify=False)
+    for i in range(48):  # 12 updates: judged from the 9th on
+        x = jax.random.normal(jax.random.key(i), (32, 8))
+        p, s, _ = tracked(p, s, x, jnp.float32(100.0 if i == 43 else 1.0))
+    run.close()
+    (incident,) = run.incidents
+    assert incident["step"] == 43 and incident["trigger"] == "norm_spike", incident
 
 
 def _scanned(reverse: bool):
