@@ -90,6 +90,7 @@ class Plan:
     labels: tuple[str, ...]
     reached: int  # values that get a target
     ops: tuple[int, ...] = ()  # the op id of each value (`OpTable.sequence`)
+    rules: tuple[str, ...] = ()  # the pattern of the rule each value follows ("": none)
 
     @classmethod
     def build(cls, table: OpTable, policy: Policy) -> Plan:
@@ -99,14 +100,19 @@ class Plan:
         ops = table.ops
         labels = unique_labels([op.pass_ for op in ops], [op.name for op in ops])
         by_op: list[tuple[str, str] | None] = []
+        patterns: list[str] = []
         for op, label in zip(ops, labels):
             rule = None if op.note in UNREACHABLE else policy.rule_for(label)
             by_op.append(None if rule is None else (rule.target, rule.reads, rule.axis))
+            patterns.append("" if rule is None else rule.pattern)
         prims = [op.primitive for op in ops]
         targets = [by_op[i] if i >= 0 else None for i in table.sequence]
         created = [prims[i] if i >= 0 else "" for i in table.sequence]
+        rules = [patterns[i] if i >= 0 else "" for i in table.sequence]
         reached = sum(t is not None for t in by_op)
-        return cls(tuple(targets), tuple(created), tuple(labels), reached, table.sequence)
+        return cls(
+            tuple(targets), tuple(created), tuple(labels), reached, table.sequence, tuple(rules)
+        )
 
 
 class Replacer:
@@ -118,6 +124,7 @@ class Replacer:
         self.for_matmul: dict[int, Any] = {}  # id(value) -> what a matmul reads instead
         self._keep: list[Any] = []  # keeps the ids above from being reused
         self._waiting: dict[int, int] = {}  # id(value) -> seq, until a matmul reads it
+        self._read: set[int] = set()  # seqs of values held '@matmul' that a matmul read
         self.original: dict[int, Any] = {}  # id(rounded) -> the value as computed
 
     def __call__(self, seq: int, value: Any, var: Any, primitive: str = "") -> Any:
@@ -174,7 +181,9 @@ class Replacer:
         if eqn.primitive.name != "dot_general" or not self.for_matmul:
             return invals
         for v in invals[:2]:
-            self._waiting.pop(id(v), None)
+            seq = self._waiting.pop(id(v), None)
+            if seq is not None:
+                self._read.add(seq)
         return [self.for_matmul.get(id(v), v) for v in invals]
 
     def unread_seqs(self) -> set[int]:
@@ -184,7 +193,13 @@ class Replacer:
     def unread(self) -> list[str]:
         """Labels of the values held ``@matmul`` that no matmul read where the
         interpretation could see it (inside a ``scan`` body a loop's values are new ones
-        at each step): their rule changed nothing."""
+        at each step), of the rules no matmul read any value of: those rules changed
+        nothing. A rule some matmul reads through (``fwd/**: e4m3@matmul``) leaves the
+        values it reaches and no matmul reads as they are, which is what it says."""
         plan = self.plan
-        ids = sorted({plan.ops[seq] for seq in self._waiting.values() if plan.ops})
+        waiting = set(self._waiting.values())
+        if plan.rules:
+            working = {plan.rules[seq] for seq in self._read}
+            waiting = {seq for seq in waiting if plan.rules[seq] not in working}
+        ids = sorted({plan.ops[seq] for seq in waiting if plan.ops})
         return [plan.labels[i] for i in ids if i >= 0]
