@@ -263,6 +263,18 @@ def _masked_raw(values: list[tuple[Any, Any]], group: int, mask: Any, spec) -> d
     return lax.cond(mask[group], measure, skip, values)
 
 
+def _sharded_type(data: Any) -> bool:
+    """Whether ``data``'s type carries a layout across devices (``f32[64@data, 16]``, on a
+    mesh of explicit axes). A custom call hands back a value typed replicated, which
+    the step's other values would then not match (a ``select`` of the two is refused):
+    such a value is measured without being handed back."""
+    sharding = getattr(jax.typeof(data), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in types)
+    return explicit and spec is not None and any(axis is not None for axis in spec)
+
+
 #: Primitives infinite where one input (by position) is an exact zero: ``log(0)``,
 #: ``rsqrt(0)``, ``a / 0``, and the poles of ``lgamma``/``digamma``.
 _POLE_AT_ZERO = {"log": 0, "rsqrt": 0, "div": 1, "lgamma": 0, "digamma": 0}
@@ -627,7 +639,12 @@ class Recorder(Observer):
                 # The same data as a value measured before (a rule changed only the
                 # scale): the same statistics of the data, no second read.
                 self.scope.values.append(seen._replace(scale=scale))
-            elif not early and self.shared.at_once and native.passes_through(data.dtype):
+            elif (
+                not early
+                and self.shared.at_once
+                and native.passes_through(data.dtype)
+                and not _sharded_type(data)
+            ):
                 # Handed back for consumers to read. Not an input, nor a value computed
                 # elementwise from the inputs alone (the optimizer's ``b1 * mu``,
                 # ``wd * p``): XLA may compute such a value first thing, and handed back it

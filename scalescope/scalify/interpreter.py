@@ -371,15 +371,23 @@ def is_array_like(x: Any) -> bool:
 def _manual_type(x: Any) -> tuple[dict, frozenset]:
     """Inside `jax.shard_map`, the varying manual axes JAX types ``x`` with: the trace
     must see them, or collectives would be traced for invariant values (an extra
-    ``pvary``, rejected at run time). Returns ShapeDtypeStruct keyword arguments and the
-    axes (for the cache key)."""
-    if not isinstance(x, jax.core.Tracer):
+    ``pvary``, rejected at run time); on a mesh of explicit axes (`jax.make_mesh`'s
+    default), its sharding, which is part of its type. Returns ShapeDtypeStruct keyword
+    arguments and what the cache key must tell apart."""
+    if not isinstance(x, jax.core.Tracer | jax.Array):
         return {}, frozenset()
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)
-    if mat is None or not mat.varying:
-        return {}, frozenset()
-    return {"manual_axis_type": mat, "sharding": aval.sharding}, frozenset(mat.varying)
+    if isinstance(x, jax.core.Tracer) and mat is not None and mat.varying:
+        return {"manual_axis_type": mat, "sharding": aval.sharding}, frozenset(mat.varying)
+    sharding = getattr(aval, "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if any(t == jax.sharding.AxisType.Explicit for t in types):
+        # a mesh of explicit axes types the value with its layout (``f32[8@data, 4]``):
+        # traced without it, a shard_map's in_specs or a matmul contracting a sharded
+        # axis would not match the value the step receives
+        return {"sharding": sharding}, frozenset({("explicit", str(sharding.spec))})
+    return {}, frozenset()
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[list[Any], list[Any], tuple[Any, ...]]:
