@@ -135,12 +135,21 @@ def _recentred(carry):
     data drifts by a binade per iteration (the gradient of an RNN through a gate slice)
     would otherwise leave float32's range after ~120 iterations (FP16's after ~20) and
     turn to zero, though its scale could hold it."""
-    return [
-        renormalized(c, data_absmax(c.data), FIT_BAND)
-        if is_scaled(c) and jnp.issubdtype(c.dtype, jnp.floating) and c.data.size
-        else c
-        for c in carry
-    ]
+    floats = (is_scaled(c) and jnp.issubdtype(c.dtype, jnp.floating) for c in carry)
+    return [_recentre(c) if f and c.data.size else c for c, f in zip(carry, floats)]
+
+
+def _recentre(c):
+    """One carry re-centred. Inside a `shard_map` body, a scale typed invariant along
+    axes its data varies over stays so (the carry's type may not change): the abs-max is
+    taken over those devices too, one scalar ``pmax``."""
+    from .rules_collective import varying_axes  # (it imports this module)
+
+    amax = data_absmax(c.data)
+    missing = tuple(sorted(varying_axes(c.data) - varying_axes(c.scale)))
+    if missing:
+        amax = jax.lax.pmax(amax, missing)
+    return renormalized(c, amax, FIT_BAND)
 
 
 def _conformed(init, mask):
