@@ -897,3 +897,18 @@ def test_a_learned_fp16_temperature_multiplies_as_plain_jax_does():
     for name in ("t", "wa"):
         err = np.linalg.norm(got[name] - plain[name]) / np.linalg.norm(plain[name])
         assert err < 1e-2, (name, err)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_a_quotient_of_data_far_from_unit_fits_a_narrow_format(dtype):
+    """``a / b`` with FP16 data 121 (scale 2^-7) over data 1.4e-4 (scale 2^14): the value
+    is 0.41, the data quotient 8.6e5, past FP16's 65504: it was inf (a seq2seq's FP16
+    LayerNorm went NaN under scalify, finite plain). The quotient is fitted to the
+    format; bfloat16 has float32's range and needs nothing."""
+    a = ss.ScaledArray(jnp.full((4,), 121.0, dtype), jnp.float32(2.0**-7))
+    b = ss.ScaledArray(jnp.full((4,), 1.4e-4, dtype), jnp.float32(2.0**14))
+    got = np.asarray(ss.asarray(jax.jit(ss.scalify(lambda a, b: a / b))(a, b)), np.float64)
+    want = (np.float64(np.asarray(a.data, np.float64)[0]) * 2.0**-7) / (
+        np.float64(np.asarray(b.data, np.float64)[0]) * 2.0**14
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-2)

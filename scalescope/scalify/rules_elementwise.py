@@ -28,6 +28,7 @@ from .common import (
     at_most_max,
     concrete_scalar,
     data_absmax,
+    fit_to,
     is_scaled,
     make_scaled,
     on_unscaled,
@@ -214,11 +215,18 @@ def _split_scale(scale):
 
 
 def _divided(num, den, mant, out_dtype, **params):
-    """``num / (den * mant)`` in at least float32, as ``out_dtype``: the divisor's
-    scale mantissa (1 for power-of-two scales) joins its data before the divide."""
+    """``num / (den * mant)`` in at least float32, as ``out_dtype`` data and a power of
+    two its scale takes on: the divisor's scale mantissa (1 for power-of-two scales)
+    joins its data before the divide. FP16/FP8 data is fitted (`fit_to`): a quotient of
+    data far from unit (121 / 1.4e-4, a LayerNorm's ``rsqrt(v) / v`` in FP16) would
+    overflow the format though the value (0.41) fits it."""
     wide = wide_dtype(out_dtype, den.dtype)
     den = den.astype(wide) if is_static(mant) and float(mant) == 1.0 else den.astype(wide) * mant
-    return lax.div_p.bind(num.astype(wide), den, **params).astype(out_dtype)
+    quotient = lax.div_p.bind(num.astype(wide), den, **params)
+    if not narrower_than_float32(out_dtype):
+        return quotient.astype(out_dtype), unit_scale()
+    fitted = fit_to(quotient, out_dtype)
+    return fitted.data, fitted.scale
 
 
 def scaled_div(a, b, **params):
@@ -229,8 +237,8 @@ def scaled_div(a, b, **params):
         else:
             split, scale, _ = _split_plain(a, b.dtype, at_most_one=True)
             num = jnp.ones((), b.dtype) if split is None else split
-        data = _divided(jnp.asarray(num), b.data, mant, b.dtype, **params)
-        return product_scaled(data, scale, pow2_reciprocal(p2))
+        data, fitted = _divided(jnp.asarray(num), b.data, mant, b.dtype, **params)
+        return product_scaled(data, scale, pow2_reciprocal(p2), fitted)
     mant, _, inverse = _split_plain(b, a.dtype, at_most_one=False)
     data = a.data if mant is None else lax.div_p.bind(a.data, mant, **params)
     return product_scaled(data, a.scale, inverse)
