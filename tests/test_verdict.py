@@ -237,6 +237,27 @@ def test_verdict_a_nan_loss_fails_the_run():
     assert A.verdict(_findings([(0.0, 30.0)]), loss.iloc[:2]).status == "healthy"
 
 
+def test_a_nan_loss_starts_with_the_cause_that_makes_nan_not_the_earliest_cause():
+    """A loss NaN from step 300, a value holding NaN/inf from step 300 (a division), and
+    a gradient losing nearly everything since step 0 (failing too): the NaN reason names
+    the division and the next reason is it. It named the gradient, whose fix cannot
+    remove a NaN."""
+    ops = make_ops(
+        {"name": "m/x", "pass": "bwd", "cast_to": "e5m2", "source": "model.py:48"},
+        {"name": "ln/div", "source": "model.py:44"},
+    )
+    rows = series(0, STEPS, underflow_e5m2=0.99, snr_e5m2=1.0)
+    rows += series(1, STEPS, frac_nonfinite=[0, 0, 0, 0.5, 1])
+    loss = pd.Series([2.0, 1.9, 1.8, math.nan, math.nan], index=STEPS, name="loss")
+    v = A.verdict(_advise(ops, rows), loss)
+    assert v.status == "failing" and v.reasons[0].cause == "the loss turned NaN/inf"
+    assert v.reasons[0].source == "model.py:44", v.reasons
+    assert "NaN" in v.reasons[1].cause or "non-finite" in v.reasons[1].cause, v.reasons[1]
+    assert v.reasons[1].source == "model.py:44"
+    # the gradient is still among the reasons
+    assert any(r.source == "model.py:48" for r in v.reasons[2:])
+
+
 def test_logged_loss_keeps_logged_nans():
     rows = pd.DataFrame(
         {

@@ -27,6 +27,9 @@ import pandas as pd
 from .causes import causes as group_causes
 from .causes import impact_text
 
+#: Rules whose causes make NaN/inf values: what a non-finite loss starts with.
+_MAKES_NONFINITE = ("nonfinite", "overflow")
+
 #: The verdicts, from best to worst.
 STATUSES = ("healthy", "at risk", "failing")
 
@@ -219,6 +222,13 @@ def verdict(
     deciding.sort(key=lambda i: (int(table["first_step"].iloc[i]), int(table["first_op"].iloc[i])))
     shown = deciding + [i for i, lv in enumerate(levels) if lv and i not in deciding]
     if nan_step is not None:
+        # the cause a NaN loss starts with is one that makes NaN/inf (a value holding
+        # them, a cast overflowing into inf), not the earliest cause of any kind: a
+        # softmax's low SNR since step 0 was named for a NaN that a division made at
+        # step 128
+        makes = [i for i in shown if str(table["rule"].iloc[i]) in _MAKES_NONFINITE]
+        if makes:
+            shown = [makes[0]] + [i for i in shown if i != makes[0]]
         name = loss.name or "loss"
         first = table.iloc[shown[0]] if shown else None
         picked.append(
