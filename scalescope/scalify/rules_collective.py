@@ -103,12 +103,18 @@ def _common(x: Any, axes: Any, groups: Any = None, divide: float = 1.0) -> tuple
 # -- reductions --------------------------------------------------------------------------
 
 
-def scaled_psum(prim, x, *, axes, **params):
-    """psum (and psum_invariant): one scale, the data divided by pow2(sqrt(N)), summed."""
+def _summed(prim, x, axes, keyword: str, params):
+    """A sum over devices: one scale, the data divided by pow2(sqrt(N)), summed (the axes
+    passed back under ``keyword``, as the primitive names them)."""
     groups = params.get("axis_index_groups")
     f = pow2_sqrt_static(_group_size(_axes(axes), groups))
     data, s = _common(x, axes, groups, divide=f)
-    return make_scaled(prim.bind(data, axes=axes, **params), s * f)
+    return make_scaled(prim.bind(data, **{keyword: axes}, **params), s * f)
+
+
+def scaled_psum(prim, x, *, axes, **params):
+    """psum (and psum_invariant)."""
+    return _summed(prim, x, axes, "axes", params)
 
 
 def scaled_pextremum(prim, x, *, axes, **params):
@@ -119,10 +125,7 @@ def scaled_pextremum(prim, x, *, axes, **params):
 
 def scaled_reduce_scatter(prim, x, *, axis_name, **params):
     """psum_scatter: as psum, each device keeping its piece of the sum."""
-    groups = params.get("axis_index_groups")
-    f = pow2_sqrt_static(_group_size(_axes(axis_name), groups))
-    data, s = _common(x, axis_name, groups, divide=f)
-    return make_scaled(prim.bind(data, axis_name=axis_name, **params), s * f)
+    return _summed(prim, x, axis_name, "axis_name", params)
 
 
 # -- gathers and exchanges ----------------------------------------------------------------
