@@ -39,7 +39,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 from ..core import formats as _formats
 from ..core.scaled_array import ScaledArray
 from ..scalify.common import positive_or_one, rescale_data
-from ..scalify.interpreter import Observer
+from ..scalify.interpreter import Observer, explicit_sharding
 from ..scalify.registry import get_rule
 from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
 from ..scalify.source import in_optimizer
@@ -268,11 +268,8 @@ def _sharded_type(data: Any) -> bool:
     mesh of explicit axes). A custom call hands back a value typed replicated, which
     the step's other values would then not match (a ``select`` of the two is refused):
     such a value is measured without being handed back."""
-    sharding = getattr(jax.typeof(data), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-    explicit = any(t == jax.sharding.AxisType.Explicit for t in types)
-    return explicit and spec is not None and any(axis is not None for axis in spec)
+    sharding = explicit_sharding(data)
+    return sharding is not None and any(axis is not None for axis in sharding.spec)
 
 
 #: Primitives infinite where one input (by position) is an exact zero: ``log(0)``,

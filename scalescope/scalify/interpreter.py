@@ -380,14 +380,21 @@ def _manual_type(x: Any) -> tuple[dict, frozenset]:
     mat = getattr(aval, "mat", None)
     if isinstance(x, jax.core.Tracer) and mat is not None and mat.varying:
         return {"manual_axis_type": mat, "sharding": aval.sharding}, frozenset(mat.varying)
-    sharding = getattr(aval, "sharding", None)
-    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-    if any(t == jax.sharding.AxisType.Explicit for t in types):
+    sharding = explicit_sharding(x)
+    if sharding is not None:
         # a mesh of explicit axes types the value with its layout (``f32[8@data, 4]``):
         # traced without it, a shard_map's in_specs or a matmul contracting a sharded
         # axis would not match the value the step receives
         return {"sharding": sharding}, frozenset({("explicit", str(sharding.spec))})
     return {}, frozenset()
+
+
+def explicit_sharding(x: Any) -> Any:
+    """The sharding in ``x``'s type when its mesh has explicit axes (`jax.make_mesh`'s
+    default since JAX 0.7: the layout is part of the type), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[list[Any], list[Any], tuple[Any, ...]]:

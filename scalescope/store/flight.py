@@ -601,8 +601,7 @@ def _zeros_it_cannot_take(
     divisor, a negative power) made the NaN/Inf from an input holding exact zeros: say so,
     and name the cast that made them, where a cast to a narrower float produced that input
     (values flushed to zero by FP8 or FP16, then ``log`` of them)."""
-    pole = getattr(rec, "zero_pole", -1)
-    x = next((x for x in inputs if x["op"] == pole), None) if pole >= 0 else None
+    x = next((x for x in inputs if x["op"] == rec.zero_pole), None)
     if x is None or not x.get("frac_zero", 0) > 0:
         return []
     said = f"{x['name']} holds exact zeros ({pct_text(x['frac_zero'])} of it)"
