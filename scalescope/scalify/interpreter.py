@@ -475,7 +475,8 @@ def _warn_if_arguments_changed(before: list[Any], args: Any, out: Any, fn: Any) 
         f"scalescope: {name} assigned new values to (NNX) state of its arguments; as "
         "under jax.jit, such changes are not written back to the objects passed in. "
         "Return the new state instead (nnx.split / nnx.merge; docs/engine.md, "
-        "'Stateful arguments').",
+        "'Stateful arguments'), or track the step with Run.track, which writes it back "
+        "as nnx.jit does.",
         stacklevel=4,
     )
 

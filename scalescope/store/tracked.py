@@ -35,7 +35,7 @@ from ..probe.instrument import as_jit_passes
 from ..scalify import scalify as _scalify
 from ..scalify.interpreter import flatten_args
 from . import budget as _budget
-from . import flight, updates
+from . import flight, stateful, updates
 from .jitting import StaticLeafJit, partition, program_name, signature
 from .processes import global_mesh, replicated, to_host
 
@@ -134,7 +134,7 @@ class Tracked:
         )
         self.instrumented, self._plain, self._recording = _PROGRAMS.get(
             (fn, self.separate, self.detect, self.in_step, self.budgeted, *sorted(options.items())),
-            lambda: self._programs(fn, options),
+            lambda: self._programs(stateful.returning_state(fn), options),
         )
         self.detector = flight.Detector(run.triggers) if self.detect else None
         self._last_good: Any = None  # outputs of the last healthy call (on_nonfinite="skip")
@@ -305,6 +305,17 @@ class Tracked:
         self.run._check_open()
         if kwargs and self._signature is not None:
             args, kwargs = _canonical(self._signature, args, kwargs)
+        objects = stateful.split(args, kwargs)
+        if objects is None:
+            return self._call(args, kwargs)
+        # Flax NNX objects: the step runs on their state and its new state is written
+        # back into them, as `nnx.jit` does (`stateful`); nothing is written when it
+        # raises (on_nonfinite="stop"), the last healthy state under "skip".
+        out, state = self._call(objects.args, objects.kwargs)
+        objects.update(state)
+        return out
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
         if any(isinstance(leaf, jax.core.Tracer) for leaf in parts[1]):
             raise TypeError(
@@ -603,6 +614,8 @@ class Tracked:
         self.run._check_open()
         if kwargs and self._signature is not None:
             args, kwargs = _canonical(self._signature, args, kwargs)
+        if (objects := stateful.split(args, kwargs)) is not None:
+            args, kwargs = objects.args, objects.kwargs  # nothing is written back
         parts = partition(args, kwargs, where=_WHERE)
         recorded, args, kwargs, _ = self._matched(args, kwargs, parts)
         jax.block_until_ready(self._plain_call(args, kwargs))
