@@ -60,11 +60,13 @@ def test_asarray_with_a_dtype_casts_every_array_leaf_as_jnp_asarray_does():
 
 
 def test_an_integer_scale_is_a_float32_scale_and_astype_keeps_the_value():
-    """A scale given as an integer (jax-scalify's tests do) is a float32 one: rules that
-    read the scale as a float (is_finite) work on it."""
-    for scale in (2, np.int32(2), np.array(2), jnp.asarray(2), True):
+    """A scale given as an integer or a Python/float64 number (jax-scalify's tests give
+    ``scale=3.0``) is a float32 array of shape (): rules that read the scale as a float32
+    array (its dtype, is_finite) work on it."""
+    for scale in (2, np.int32(2), np.array(2), jnp.asarray(2), True, 2.0, np.float64(2.0)):
         x = ss.ScaledArray(jnp.array([2.0, np.inf, np.nan]), scale)
-        assert x.scale.dtype == np.float32 and float(x.scale) == float(scale)
+        assert x.scale.dtype == np.float32 and x.scale.shape == ()
+        assert float(x.scale) == float(scale)
         assert isinstance(x.scale, jax.Array) == isinstance(scale, jax.Array)  # library kept
         got = ss.scalify(jnp.isfinite, normalize=False)(x)
         np.testing.assert_array_equal(np.asarray(got), [True, False, False])

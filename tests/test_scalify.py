@@ -216,6 +216,68 @@ def test_dynamic_rescale_restores_unit_rms():
     np.testing.assert_array_equal(ss.ops.set_scaling(v, 4.0), v)
 
 
+def test_dynamic_rescale_of_a_whole_state_rescales_each_float_leaf():
+    """``state = ss.ops.dynamic_rescale_l2(state)`` on a pytree, as jax-scalify's
+    quickstart writes it: every floating-point leaf is rescaled on its own, an integer
+    leaf (an optimizer's count) is left as it is, in and out of scalify. A lone
+    non-float value is refused naming its type."""
+    w = ss.ScaledArray(jnp.full((4,), 2.0**-10, jnp.float32), jnp.float32(1.0))
+    b = ss.ScaledArray(jnp.full((2,), 64.0, jnp.float32), jnp.float32(1.0))
+    state = {"w": w, "b": b, "count": jnp.int32(3)}
+    for fn in (ss.ops.dynamic_rescale_l2, jax.jit(ss.ops.dynamic_rescale_l2)):
+        out = fn(state)
+        assert float(out["w"].scale) == 2.0**-10 and float(out["b"].scale) == 64.0
+        np.testing.assert_array_equal(np.asarray(out["w"].data), np.ones(4, np.float32))
+        assert int(out["count"]) == 3
+    inside = ss.scalify(lambda s: ss.ops.dynamic_rescale_max(s))(state)
+    assert float(inside["b"].scale) == 64.0
+    grads = jax.grad(lambda s: jnp.sum(ss.ops.dynamic_rescale_l2_grad(s)["x"]))({"x": jnp.ones(2)})
+    np.testing.assert_array_equal(np.asarray(grads["x"]), [1.0, 1.0])
+    with pytest.raises(TypeError, match="dynamic_rescale_l2: expected a floating-point .* got str"):
+        ss.ops.dynamic_rescale_l2("w")
+    with pytest.raises(TypeError, match="got int32"):
+        ss.ops.dynamic_rescale_l2(jnp.int32(3))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_operand_of_infinite_scale_sets_no_common_scale(jit):
+    """max/min/concatenate of a finite value with one whose scale is inf (jax-scalify's
+    "inf scale" case): the finite operand keeps its values (it was aligned to a scale
+    clamped at 2^126 and flushed to zero) and the other its infinities."""
+    wrap = jax.jit if jit else (lambda f: f)
+    x = ss.ScaledArray(np.array([-1e-3, 2e-3], np.float32), np.float32(4))
+    y = ss.ScaledArray(np.array([-np.inf, np.inf], np.float32), np.float32(np.inf))
+    vx, vy = np.float32([-4e-3, 8e-3]), np.float32([-np.inf, np.inf])
+    for prim, ref in ((lax.max, np.maximum(vx, vy)), (lax.min, np.minimum(vx, vy))):
+        out = wrap(ss.scalify(prim))(x, y)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), ref)
+        assert np.isfinite(float(out.scale)) and float(out.scale) < 1.0
+    cat = wrap(ss.scalify(lambda a, b: jnp.concatenate([a, b])))(x, y)
+    np.testing.assert_array_equal(np.asarray(cat, np.float32), np.concatenate([vx, vy]))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_joining_exact_zeros_keeps_the_zero_mark(jit):
+    """Concatenating or padding tensors of scale 0 (exactly zero) gives scale 0, as
+    jax-scalify's tests ask: the mark is what lets a later FP16 sum take the other
+    operand's scale; with scale 1 a sum with 1.5 * 2^-30 flushed to zero in FP16."""
+    wrap = jax.jit if jit else (lambda f: f)
+    z = ss.ScaledArray(jnp.ones((2,), jnp.float16), jnp.float32(0))
+    small = ss.ScaledArray(jnp.full((4,), 1.5, jnp.float16), jnp.float32(2.0**-30))
+    cat = wrap(ss.scalify(lambda a: jnp.concatenate([a, a])))(z)
+    assert float(cat.scale) == 0.0 and not np.asarray(cat, np.float32).any()
+    for join in (
+        lambda a: jnp.concatenate([a, a]),
+        lambda a: lax.pad(a, jnp.float16(0), [(1, 1, 0)]),
+    ):
+        out = wrap(ss.scalify(lambda a, s: join(a) + s))(z, small)  # noqa: B023
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.full(4, 1.5 * 2.0**-30))
+    # a non-zero operand still sets the scale
+    one = ss.ScaledArray(jnp.ones((2,), jnp.float16), jnp.float32(8))
+    mixed = wrap(ss.scalify(lambda a, b: jnp.concatenate([a, b])))(z, one)
+    np.testing.assert_array_equal(np.asarray(mixed, np.float32), [0, 0, 8, 8])
+
+
 def test_scale_ops_under_vmap():
     """vmap over the value (the scale argument not batched) keeps the ops identities;
     a batched scale is refused by name."""
@@ -849,11 +911,13 @@ def _rnn_grads(dtype, steps):
 def test_a_long_scan_keeps_its_carry_in_range(dtype, steps):
     """A loop carry's data is re-centred when it drifts: 160 iterations of float32 (it
     left float32's range at ~120 and the gradients were exactly zero) and 60 of float16
-    (~20) give plain JAX's gradients, exactly for float32."""
+    (~20) give plain JAX's gradients, to float32 rounding for float32 (bit for bit on
+    some CPUs; XLA's code for the two programs may contract multiply-adds differently
+    on others: 3e-8 on an AMD EPYC)."""
     plain, scaled = _rnn_grads(dtype, steps)
     assert np.linalg.norm(plain) > 0.01
     err = np.linalg.norm(scaled - plain) / np.linalg.norm(plain)
-    assert err == 0.0 if dtype == jnp.float32 else err < 1e-2, err
+    assert err < 1e-6 if dtype == jnp.float32 else err < 1e-2, err
 
 
 def test_a_long_while_loop_keeps_its_carry_in_range():

@@ -144,3 +144,28 @@ def test_warmup_writes_nothing_back(tmp_path):
         run.track(train_step, scalify=False).warmup(model, optimizer, *_batches(1)[0])
     for a, b in zip(_leaves(model, optimizer), before, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_functional_api_s_pure_state_is_a_pytree_as_before(tmp_path):
+    """`nnx.split`'s ``State`` of variables (the functional API) is no object to write
+    into: it passes as a pytree, the step's returned state is the new one, and the
+    caller's ``State`` keeps its values."""
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    before = _leaves(params)
+    tx = optax.adam(1e-2)
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    x = jnp.ones((8, 4))
+    new, _, loss = jax.jit(step)(params, tx.init(params), x)
+    with ss.Run(tmp_path / "r", every=1) as run:
+        got, _, got_loss = run.track(step, scalify=False)(params, tx.init(params), x)
+    assert float(got_loss) == float(loss)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(new), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(_leaves(params), before, strict=True):
+        np.testing.assert_array_equal(a, b)

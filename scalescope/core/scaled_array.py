@@ -36,13 +36,16 @@ def _check_sign(scale: Any) -> None:
 
 
 def _float_scale(scale: Any) -> Any:
-    """An integer (or boolean) scale as a float32 one, of the same array library: every
-    rule takes the scale for a float (``is_finite``, log2, reciprocals); other scales as
-    given."""
-    if isinstance(scale, int):  # bool included
+    """A scale given as a Python number, or as an integer, boolean or float64 array, as
+    a float32 one of the same array library (a Python number as a NumPy array): every
+    rule takes the scale for a float32 array (``.dtype``, ``is_finite``, log2,
+    reciprocals). Float32 and narrower float scales as given."""
+    if isinstance(scale, int | float):  # bool included
         return np.asarray(scale, SCALE_DTYPE)
     if isinstance(scale, np.ndarray | np.generic | jax.Array) and (
-        jnp.issubdtype(scale.dtype, jnp.integer) or scale.dtype == np.bool_
+        jnp.issubdtype(scale.dtype, jnp.integer)
+        or scale.dtype == np.bool_
+        or scale.dtype == np.float64
     ):  # a NumPy scale stays a NumPy array, a JAX one a JAX array
         xp = jnp if isinstance(scale, jax.Array) else np
         return xp.asarray(scale, SCALE_DTYPE)

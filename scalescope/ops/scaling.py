@@ -51,30 +51,52 @@ stop_scaling_p = _identity_primitive("stop_scaling")
 
 def _check_float(x, where: str):
     dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is None:
+        raise TypeError(f"{where}: expected a floating-point array, got {type(x).__name__}")
+    if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{where}: expected a floating-point array, got {dtype}")
 
 
+def _is_leaf(x) -> bool:
+    return isinstance(x, ScaledArray) or hasattr(x, "dtype")
+
+
+def _on_floats(x, op, where: str):
+    """``op`` on an array, or on every floating-point leaf of a pytree (a model's whole
+    state: ``state = dynamic_rescale_l2(state)``), other leaves (an optimizer's integer
+    step count) as they are. A lone array that is not floating point is a `TypeError`."""
+    if _is_leaf(x) or not any(map(_is_leaf, jax.tree_util.tree_leaves(x, is_leaf=_is_leaf))):
+        _check_float(x, where)
+        return op(x)
+
+    def leaf(v):
+        return op(v) if _is_leaf(v) and jnp.issubdtype(v.dtype, jnp.floating) else v
+
+    return jax.tree_util.tree_map(leaf, x, is_leaf=_is_leaf)
+
+
 def _dynamic_rescale(x, norm: str):
-    _check_float(x, f"dynamic_rescale_{norm}")
-    return dynamic_rescale_p.bind(x, norm=norm)
+    return _on_floats(x, lambda v: dynamic_rescale_p.bind(v, norm=norm), f"dynamic_rescale_{norm}")
 
 
 @accepts_scaled
 def dynamic_rescale_l1(x):
-    """Move the mean absolute value of the data into the scale (identity on values)."""
+    """Move the mean absolute value of the data into the scale (identity on values).
+    ``x``: an array or a pytree (each floating-point leaf rescaled on its own)."""
     return _dynamic_rescale(x, "l1")
 
 
 @accepts_scaled
 def dynamic_rescale_l2(x):
-    """Move the RMS of the data into the scale, so the data has unit RMS again."""
+    """Move the RMS of the data into the scale, so the data has unit RMS again.
+    ``x``: an array or a pytree (each floating-point leaf rescaled on its own)."""
     return _dynamic_rescale(x, "l2")
 
 
 @accepts_scaled
 def dynamic_rescale_max(x):
-    """Move the abs-max of the data into the scale, so the data fits in [-1, 1]."""
+    """Move the abs-max of the data into the scale, so the data fits in [-1, 1].
+    ``x``: an array or a pytree (each floating-point leaf rescaled on its own)."""
     return _dynamic_rescale(x, "max")
 
 
@@ -97,22 +119,19 @@ _rescale_grad.defvjp(_rescale_grad_fwd, _rescale_grad_bwd)
 @accepts_scaled
 def dynamic_rescale_l1_grad(x):
     """Identity forward; dynamic L1 rescaling of the gradient in the backward pass."""
-    _check_float(x, "dynamic_rescale_l1_grad")
-    return _rescale_grad(x, "l1")
+    return _on_floats(x, lambda v: _rescale_grad(v, "l1"), "dynamic_rescale_l1_grad")
 
 
 @accepts_scaled
 def dynamic_rescale_l2_grad(x):
     """Identity forward; dynamic RMS rescaling of the gradient in the backward pass."""
-    _check_float(x, "dynamic_rescale_l2_grad")
-    return _rescale_grad(x, "l2")
+    return _on_floats(x, lambda v: _rescale_grad(v, "l2"), "dynamic_rescale_l2_grad")
 
 
 @accepts_scaled
 def dynamic_rescale_max_grad(x):
     """Identity forward; dynamic abs-max rescaling of the gradient in the backward pass."""
-    _check_float(x, "dynamic_rescale_max_grad")
-    return _rescale_grad(x, "max")
+    return _on_floats(x, lambda v: _rescale_grad(v, "max"), "dynamic_rescale_max_grad")
 
 
 @accepts_scaled

@@ -166,11 +166,23 @@ def lift_floor(x: Any, dtype: Any) -> Any:
 
 
 def common_scale(xs: list[Any]) -> jax.Array:
-    """Largest scale among the scaled inputs (all inputs then have data <= their own)."""
+    """Largest finite scale among the scaled inputs (all inputs then have data <= their
+    own), 0 when none is. An infinite or NaN scale sets none: a finite operand's data
+    aligned to it would flush to zero (``max(x, y)`` with ``y``'s scale inf returned 0
+    where ``x`` is the maximum), while that operand's own data aligned to a finite scale
+    keeps the inf or NaN its value is."""
     scales = [x.scale for x in xs if is_scaled(x)]
     if not scales:
         return unit_scale()
-    return scale_max(*scales)
+    if all(is_static(s) for s in scales):
+        return static_scale(max((float(s) for s in scales if math.isfinite(s)), default=0.0))
+    finite = [
+        s
+        if is_static(s) and math.isfinite(float(s))
+        else lax.select(lax.is_finite(as_scale(s)), as_scale(s), np.float32(0))
+        for s in scales
+    ]
+    return scale_max(*finite)
 
 
 def scale_max(*scales: Any) -> Any:
@@ -203,7 +215,12 @@ def align(
     # one, the common scale is 1, a plain input's own (raised only where it would
     # overflow): the least scale a plain value fits in (~2^-123 for values near 1) made
     # its data ~1e38, and its square inf (x - zero_mean in a BatchNorm at step 0).
+    zero = None
     if scale is None:
+        # every input exactly zero (scale 0, or a plain literal 0: a pad's padding value),
+        # so is the result: it keeps the mark
+        if all(is_scaled(x) or concrete_scalar(x) == 0.0 for x in xs):
+            zero = scale_max(*(x.scale for x in xs if is_scaled(x)))
         scale = positive_or_one(common_scale(xs))
         floors = [lift_floor(x, dtype) for x in xs if fit and not is_scaled(x)]
         floors = [f for f in floors if f is not None]
@@ -222,6 +239,11 @@ def align(
             datas.append(rescale_data(x.data, x.scale * inverse))
         else:
             datas.append(lift(x, scale, dtype))
+    if zero is not None:
+        if is_static(zero):
+            scale = static_scale(0.0) if float(zero) == 0.0 else scale
+        else:
+            scale = lax.select(lax.eq(zero, np.float32(0)), np.float32(0), as_scale(scale))
     return datas, scale
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Literal
 
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray
@@ -301,7 +302,14 @@ def normalize_input(x: Any) -> Any:
     # NaN and inf propagate into the abs-max: such data is neither shifted nor zero
     amax = jnp.max(jnp.abs(x.data.astype(SCALE_DTYPE)))
     band = NORMALIZE_BAND if np.dtype(x.dtype) in NORMALIZED_DTYPES else None
-    return renormalized(x, amax, band, zero_scale=True)
+    out = renormalized(x, amax, band, zero_scale=True)
+    if not isinstance(x.scale, jax.core.Tracer):
+        return out
+    # A traced scale of inf stays inf (`materialized` makes it NaN, which would turn
+    # each infinite value into NaN); its data, whose abs-max is then no usable power of
+    # two or whose scale is not finite, was not shifted.
+    inf = lax.eq(lax.abs(x.scale.astype(SCALE_DTYPE)), np.float32(np.inf))
+    return ScaledArray.trusted(out.data, lax.select(inf, x.scale.astype(SCALE_DTYPE), out.scale))
 
 
 def normalize_inputs(values: Sequence[Any]) -> list[Any]:

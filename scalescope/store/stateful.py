@@ -53,10 +53,14 @@ def _nnx() -> Any:
 
 
 def _is_node(nnx: Any) -> Callable[[Any], bool]:
-    is_graph_node = nnx.graph.is_graph_node
+    """Where flattening stops: a `ScaledArray`, or an NNX object (a module, an
+    optimizer, ``nnx.Rngs``). Not a variable: the pure state of the functional API
+    (``nnx.split``'s ``State`` of ``Param``s) is a pytree like any other, and its
+    variables are the caller's to replace, not to be written into."""
+    is_graph_node, variable = nnx.graph.is_graph_node, nnx.Variable
 
     def stop(x: Any) -> bool:
-        return isinstance(x, ScaledArray) or is_graph_node(x)
+        return isinstance(x, ScaledArray) or (is_graph_node(x) and not isinstance(x, variable))
 
     return stop
 
