@@ -796,6 +796,30 @@ def test_an_argument_given_by_position_or_by_keyword_is_one_graph(tmp_path, recw
     assert not [w for w in recwarn.list if "graph other than" in str(w.message)]
 
 
+def _biased_step(p, x):
+    g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(p)
+    return optax.apply_updates(p, jax.tree.map(lambda u: -0.1 * u, g))  # strongly typed
+
+
+def test_a_weakly_typed_parameter_is_one_graph(tmp_path, recwarn):
+    """A bias made from a Python number (``jnp.full(n, -1.0)``, weakly typed) comes back
+    strongly typed from the step: the second call traced another graph (JAX casts where
+    a weak value meets a strong one), and every call after the first ran unrecorded."""
+    p = {"w": jnp.ones((4, 4)) / 4, "b": jnp.full((4,), -1.0)}
+    assert p["b"].weak_type
+    x = jnp.ones((2, 4))
+    ref = p
+    with ss.Run(tmp_path / "r", every=1) as run:
+        tracked = run.track(_biased_step, scalify=False)
+        for _ in range(3):
+            p, ref = tracked(p, x), jax.jit(_biased_step)(ref, x)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    reader = ss.open_run(tmp_path / "r")
+    assert list(reader.steps) == [0, 1, 2] and reader.unrecorded_calls is None
+    assert not [w for w in recwarn.list if "graph other than" in str(w.message)]
+
+
 def test_a_session_ended_by_an_exception_says_so(tmp_path, data):
     """The data is kept and the run is closed, but the views say the training stopped
     there (it used to read as a run that ended normally)."""

@@ -317,6 +317,9 @@ class Tracked:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
+        if any(getattr(leaf, "weak_type", False) for leaf in parts[1]):
+            args, kwargs = _strongly_typed(args, kwargs)
+            parts = partition(args, kwargs, where=_WHERE)
         if any(isinstance(leaf, jax.core.Tracer) for leaf in parts[1]):
             raise TypeError(
                 "a tracked step was called inside a JAX transformation (jax.jit, vmap, "
@@ -616,6 +619,7 @@ class Tracked:
             args, kwargs = _canonical(self._signature, args, kwargs)
         if (objects := stateful.split(args, kwargs)) is not None:
             args, kwargs = objects.args, objects.kwargs  # nothing is written back
+        args, kwargs = _strongly_typed(args, kwargs)
         parts = partition(args, kwargs, where=_WHERE)
         recorded, args, kwargs, _ = self._matched(args, kwargs, parts)
         jax.block_until_ready(self._plain_call(args, kwargs))
@@ -706,6 +710,22 @@ def _canonical(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple
     except TypeError:
         return args, kwargs
     return bound.args, bound.kwargs
+
+
+def _strongly_typed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with each weakly typed JAX array (``jnp.full(n, -1.0)``: a
+    parameter made from a Python number) as a strongly typed one of its dtype. A
+    training step returns its state strongly typed (optax's updates are), so the second
+    call would trace another graph than the first (JAX inserts a cast where a weak value
+    meets a strong one) and, a run holding one graph, run unrecorded; every later call
+    traces the first call's graph instead."""
+
+    def strong(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and leaf.weak_type:
+            return jnp.asarray(leaf, leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map(strong, (args, kwargs))
 
 
 def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
