@@ -269,6 +269,51 @@ def test_linear(constraint):
         assert abs(np.std(gx) - math.sqrt(fan_out / fan_in)) < 0.1
 
 
+def _conv1d_reference(x, w, stride, padding, dilation, groups):
+    """NumPy's 1-D convolution, channels last: x [n, length, in], w [kernel, in/g, out]."""
+    x = np.pad(x.astype(np.float64), ((0, 0), (padding, padding), (0, 0)))
+    kernel, per_group, out = w.shape
+    span = dilation * (kernel - 1) + 1
+    length = (x.shape[1] - span) // stride + 1
+    y = np.zeros((x.shape[0], length, out))
+    step = out // groups
+    for g in range(groups):
+        xs = x[..., g * per_group : (g + 1) * per_group]
+        ws = w[..., g * step : (g + 1) * step].astype(np.float64)
+        for t in range(length):
+            window = xs[:, t * stride : t * stride + span : dilation]  # [n, kernel, in/g]
+            y[:, t, g * step : (g + 1) * step] = np.einsum("nki,kio->no", window, ws)
+    return y
+
+
+@pytest.mark.parametrize(("stride", "padding", "dilation", "groups"), [(1, 0, 1, 1), (3, 4, 2, 2)])
+def test_conv1d(stride, padding, dilation, groups):
+    """The unit-scaling library's conv1d rule (channels last): values are the NumPy
+    convolution times ``(in / groups * kernel)^-1/2``; unconstrained, the output and the
+    input, weight and bias gradients of unit-normal inputs have unit scale."""
+    n, length, d_in, d_out, kernel = 16, 96, 48, 80, 5
+    x, w = normal(n, length, d_in), normal(kernel, d_in // groups, d_out)
+    b = np.zeros(d_out, np.float32)
+
+    def f(x, w, b):
+        return U.conv1d(x, w, b, stride, padding, dilation, groups, constraint=None)
+
+    y, (gx, gw, gb), _ = vjp(f, x, w, b)
+    ref = _conv1d_reference(x, w, stride, padding, dilation, groups)
+    np.testing.assert_allclose(y, ref / math.sqrt(d_in // groups * kernel), rtol=1e-3, atol=1e-4)
+    for t in (y, gx, gw, gb):
+        assert_unit(t, tol=0.2)
+    # channels-last leading dimensions fold into the batch; bad arguments are named
+    y2 = U.conv1d(
+        jnp.asarray(x).reshape(4, 4, length, d_in), w, None, stride, padding, dilation, groups
+    )
+    np.testing.assert_allclose(np.asarray(y2).reshape(y.shape), y, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="conv1d: expected x"):
+        U.conv1d(x, normal(kernel, d_in + 1, d_out))
+    with pytest.raises(ValueError, match="conv1d: stride must be a positive int"):
+        U.conv1d(x, w, stride=0, groups=groups)
+
+
 def test_linear_batched_input():
     x = XL.reshape(4, 128, 128)
     y = np.asarray(U.linear(jnp.asarray(x), jnp.asarray(WL)))

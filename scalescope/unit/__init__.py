@@ -15,6 +15,7 @@ from . import constraints
 from .constraints import CONSTRAINTS, apply_constraint
 from .functional import (
     add,
+    conv1d,
     cross_entropy,
     dropout,
     embedding,
@@ -52,6 +53,7 @@ __all__ = [
     "add",
     "apply_constraint",
     "constraints",
+    "conv1d",
     "cross_entropy",
     "dropout",
     "embedding",

@@ -363,6 +363,81 @@ def linear(
     return _linear("linear", x, w, b, constraint, scale_power)
 
 
+def conv1d(
+    x: Array,
+    w: Array,
+    b: Array | None = None,
+    stride: int = 1,
+    padding: int | str = 0,
+    dilation: int = 1,
+    groups: int = 1,
+    constraint: str | None = "to_output_scale",
+    scale_power: tuple[float, float, float] = (0.5, 0.5, 0.5),
+) -> Array:
+    """Unit-scaled 1-D convolution, channels last as Flax's ``nn.Conv``: ``x: [...,
+    length, in]``, ``w: [kernel, in / groups, out]``, ``b: [out]``. ``padding``: zeros
+    on each side, or ``"SAME"`` / ``"VALID"``.
+
+    The library's rule: output scale ``(in / groups * kernel)^-1/2``, input-gradient
+    scale ``(stride * groups / (out * kernel))^1/2``, weight and bias gradient scale
+    ``batch^-1/2`` with ``batch`` the output positions of all leading dimensions.
+    """
+    x = check_float(x, "conv1d", "x")
+    w = check_float(w, "conv1d", "w")
+    for name, v in (("stride", stride), ("dilation", dilation), ("groups", groups)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"conv1d: {name} must be a positive int, got {v!r}")
+    if x.ndim < 2 or w.ndim != 3 or w.shape[1] * groups != x.shape[-1] or w.shape[2] % groups:
+        raise _shape_error(
+            "conv1d",
+            f"expected x: [..., length, in] and w: [kernel, in / groups, out] with "
+            f"groups={groups} dividing out",
+            x=x,
+            w=w,
+        )
+    if b is not None:
+        b = check_float(b, "conv1d", "b")
+        if b.shape != (w.shape[2],):
+            raise _shape_error("conv1d", "expected b: [out]", w=w, b=b)
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID"):
+            raise ValueError(f"conv1d: padding must be an int, 'SAME' or 'VALID', got {padding!r}")
+        pads: Any = padding.upper()
+    elif isinstance(padding, numbers.Integral) and not isinstance(padding, bool) and padding >= 0:
+        pads = [(int(padding), int(padding))]
+    else:
+        raise ValueError(f"conv1d: padding must be a non-negative int, got {padding!r}")
+    validate_constraint(constraint, "conv1d")
+    kernel, fan_in, fan_out = w.shape
+    lead = x.shape[:-2]
+    flat = x.reshape((-1, *x.shape[-2:]))
+
+    def conv(x: Array, w: Array) -> Array:
+        return jax.lax.conv_general_dilated(
+            x,
+            w,
+            (stride,),
+            pads,
+            rhs_dilation=(dilation,),
+            dimension_numbers=("NWC", "WIO", "NWC"),
+            feature_group_count=groups,
+        )
+
+    out_shape = jax.eval_shape(conv, flat, w).shape
+    batch = max(out_shape[0] * out_shape[1], 1)  # every output position of every row
+    out_s, x_s = apply_constraint(
+        constraint,
+        (fan_in * kernel) ** -scale_power[0],
+        (stride * groups / (fan_out * kernel)) ** scale_power[1],
+        op="conv1d",
+    )
+    param_s = batch ** -scale_power[2]
+    y = conv(scale_bwd(flat, x_s), scale_bwd(w, param_s))
+    if b is not None:
+        y = y + scale_bwd(b, param_s)
+    return scale_fwd(y.reshape((*lead, *y.shape[1:])), out_s)
+
+
 def linear_readout(
     x: Array, w: Array, b: Array | None = None, constraint: str | None = None
 ) -> Array:
