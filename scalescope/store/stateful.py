@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from ..core.scaled_array import ScaledArray, asarray
+from .jitting import program_name
 
 
 class NodeState:
@@ -145,4 +146,6 @@ def returning_state(fn: Callable[..., Any]) -> Callable[..., Any]:
             return out
         return out, _nnx().state(nodes)
 
+    # ``wraps`` keeps the wrapper's name for a partial: name the program as jax.jit would
+    step.__name__ = program_name(fn, step.__name__)
     return step

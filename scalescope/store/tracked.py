@@ -721,7 +721,7 @@ def _strongly_typed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     traces the first call's graph instead."""
 
     def strong(leaf: Any) -> Any:
-        if isinstance(leaf, jax.Array) and leaf.weak_type:
+        if isinstance(leaf, jax.Array) and getattr(leaf, "weak_type", False):
             return jnp.asarray(leaf, leaf.dtype)
         return leaf
 
