@@ -391,6 +391,65 @@ def test_a_healthy_verdict_says_the_flight_recorder_caught_incidents():
     assert failing.status == "failing" and failing.incidents == ""
 
 
+def test_loss_trend_text_reads_divergence_not_noise():
+    """A run that diverges for no precision reason (Llama at lr=3: 4.56 -> 288 -> 7.49)
+    has no finding; its healthy verdict must say the loss went up. Healthy curves (a
+    falling loss, a warmup bump, noise), a loss that can be negative and too few values
+    say nothing."""
+    from scalescope.analysis.bundle import loss_trend_text
+
+    rng = np.random.default_rng(0)
+    steps = np.arange(0, 400, 10)
+    diverged = np.full(len(steps), 7.49)
+    diverged[:3] = [4.56, 120.0, 288.0]
+    said = loss_trend_text(pd.Series(diverged, index=steps))
+    assert said == "the logged loss diverged: 4.56 at step 0, peak 288 at step 20, 7.49 at the end"
+    rising = pd.Series(np.geomspace(1.0, 50.0, 20))  # still rising: the end is the peak
+    assert loss_trend_text(rising) == "the logged loss diverged: 1 at step 0, 40.7 at the end"
+    falling = 4.6 * np.exp(-steps / 150) + 1.0 + 0.05 * rng.standard_normal(len(steps))
+    bump = falling.copy()
+    bump[2:6] *= 1.8  # a warmup bump, below ten times the first value
+    for quiet in (falling, bump, -diverged, diverged[:9]):
+        assert loss_trend_text(pd.Series(quiet, index=steps[: len(quiet)])) == ""
+    spiked = falling.copy()
+    spiked[5] = 60.0  # one spike above ten times the first value
+    assert "peak 60 at step 50" in loss_trend_text(pd.Series(spiked, index=steps))
+    assert loss_trend_text(None) == "" and loss_trend_text(pd.Series([], dtype=float)) == ""
+
+
+@pytest.mark.parametrize("lr", [0.05, 1.5])
+def test_a_healthy_verdict_says_the_logged_loss_diverged(tmp_path, lr):
+    """fp32 SGD on least squares: at lr=1.5 the loss grows each step with no precision
+    cause; the verdict stays healthy (precision is fine) and its headline says the loss
+    diverged. At lr=0.05 it falls and the headline says nothing of it."""
+    import jax
+    import jax.numpy as jnp
+
+    import scalescope as ss
+
+    x = jnp.linspace(-1.0, 1.0, 32).reshape(8, 4) + jnp.eye(8, 4)
+    y = jnp.arange(8.0) / 8
+
+    def step(w, lr):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+        return w - lr * g, loss
+
+    w = jnp.zeros((4,))
+    with ss.Run(tmp_path / "run", every=1) as run:
+        tracked = run.track(step)
+        for i in range(12):
+            w, loss = tracked(w, jnp.float32(lr))
+            run.log(i, loss=loss)
+    v = ss.open_run(tmp_path / "run").verdict()
+    assert v.status == "healthy", v
+    if lr > 1:
+        assert v.trend.startswith("the logged loss diverged: "), v
+        assert v.headline.endswith(f"({v.trend}, no precision cause found)"), v.headline
+        assert v.as_dict()["trend"] == v.trend
+    else:
+        assert v.trend == "" and "diverged" not in v.headline, v.headline
+
+
 def test_a_loss_name_never_logged_is_an_error_naming_the_logged_ones():
     rows = pd.DataFrame({"step": [0, 1], "name": ["train_loss", "acc"], "value": [1.0, 0.5]})
     with pytest.raises(

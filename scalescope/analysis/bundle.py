@@ -302,10 +302,13 @@ def unjudged_if_unrecorded(v: Verdict, reader: Any, loss: pd.Series | None = Non
     "healthy" would claim what nothing measured. ``loss``: the logged loss the verdict
     read, so the mark says whether one was logged. A healthy ``v`` also gets the notes
     its headline must carry: the flight recorder's incidents (`incident_text`) and how
-    many ops a budget has measured so far (`coverage_text`)."""
+    many ops a budget has measured so far (`coverage_text`) and whether the logged loss
+    went up (`loss_trend_text`)."""
     steps = getattr(reader, "steps", None)
     if v.status == "healthy" and not v.incidents and (said := incident_text(reader)):
         v = dataclasses.replace(v, incidents=said)
+    if v.status == "healthy" and not v.trend and (said := loss_trend_text(loss)):
+        v = dataclasses.replace(v, trend=said)
     if steps is not None and len(steps) and not v.coverage:
         coverage = coverage_text(reader)
         return dataclasses.replace(v, coverage=coverage) if coverage else v
@@ -333,6 +336,35 @@ def incident_text(reader: Any) -> str:
     n = len(frame)
     what = f" ({triggers})" if triggers else ""
     return f"{n} incident{'s' if n != 1 else ''}{what}, no precision cause found"
+
+
+#: fewest finite logged loss values a trend is read from
+TREND_MIN_VALUES = 10
+
+
+def loss_trend_text(loss: pd.Series | None) -> str:
+    """``"the logged loss diverged: 4.56 at step 0, peak 288 at step 2, 7.49 at the
+    end"`` when ``loss`` (logged values indexed by step) went up rather than down: its
+    end (the median of its last 5 %, at least 3 values) above twice its first value,
+    or a peak above ten times it; else "". A verdict reads precision, and a run that
+    diverges for another reason (a learning rate too high) has no precision finding:
+    its "healthy" must not read as if training were. Read only from at least
+    `TREND_MIN_VALUES` finite values, all positive (a loss that can be negative, an RL
+    objective, has no such scale)."""
+    if loss is None or not len(loss):
+        return ""
+    values = pd.to_numeric(loss, errors="coerce").to_numpy(np.float64)
+    keep = np.isfinite(values)
+    values, steps = values[keep], np.asarray(loss.index)[keep]
+    if len(values) < TREND_MIN_VALUES or not (values > 0).all():
+        return ""
+    first = values[0]
+    end = float(np.median(values[-max(3, len(values) // 20) :]))
+    peak = int(np.argmax(values[1:])) + 1
+    if end <= 2 * first and values[peak] <= 10 * first:
+        return ""
+    top = f", peak {values[peak]:.3g} at step {steps[peak]}" if values[peak] > 2 * end else ""
+    return f"the logged loss diverged: {first:.3g} at step {steps[0]}{top}, {end:.3g} at the end"
 
 
 def coverage_text(reader: Any) -> str:

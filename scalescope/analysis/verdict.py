@@ -111,6 +111,11 @@ class Verdict:
     #: without a precision cause): ``"5 incidents (loss_spike), no precision cause
     #: found"``; a healthy headline says it
     incidents: str = ""
+    #: what the logged loss did in a run judged healthy, when it went up rather than
+    #: down (a learning rate too high diverges with no precision cause): ``"the logged
+    #: loss diverged: 4.56 at step 0, peak 288 at step 2, 7.49 at the end"``; a healthy
+    #: headline says it
+    trend: str = ""
 
     @property
     def rank(self) -> int:
@@ -128,6 +133,9 @@ class Verdict:
             notes = [f"{warn} minor finding{'s' if warn != 1 else ''}"] if warn else []
             notes += [self.coverage] if self.coverage else []
             notes += [self.incidents] if self.incidents else []
+            if self.trend:
+                cause = "" if self.incidents else ", no precision cause found"
+                notes.append(self.trend + cause)
             tail = f" ({'; '.join(notes)})" if notes else ""
             return f"verdict: healthy{tail}"
         since = f" from step {self.step}" if self.step is not None else ""
@@ -149,6 +157,7 @@ class Verdict:
             "unjudged": self.unjudged,
             "coverage": self.coverage,
             "incidents": self.incidents,
+            "trend": self.trend,
         }
 
 
