@@ -237,6 +237,7 @@ def judge(case: Case, run: Path, ref_run: Path) -> dict[str, Any]:
                 break
     if label == "healthy":
         ok = v.status == "healthy" and not len(high) and sev.get("medium", 0) <= MAX_MEDIUM
+        ok = ok and not v.trend  # a healthy run's loss falls: "diverged" would be noise
     else:
         early = v.step is not None and (depart is None or v.step <= depart)
         ok = v.status != "healthy" and (case.cause is None or rank is not None) and early
@@ -257,6 +258,7 @@ def judge(case: Case, run: Path, ref_run: Path) -> dict[str, Any]:
         "departs_step": depart,
         "cause_rank": rank,
         "reasons": [r.cause for r in v.reasons],
+        "trend": v.trend,
         "verdict_seconds": seconds,
         "ok": bool(ok),
     }

@@ -81,6 +81,7 @@ def test_the_fast_corpus_tells_healthy_from_broken(corpus):
     assert healthy["label"] == "healthy", healthy
     assert healthy["verdict"] == "healthy" and healthy["high"] == healthy["critical"] == 0
     assert healthy["medium"] <= bench_verdicts.MAX_MEDIUM, healthy
+    assert healthy["trend"] == "", healthy  # its loss falls: no "diverged" note
     broken = by[BROKEN]
     assert broken["label"] == "broken" and broken["gap_pct"] > bench_verdicts.GAP_PCT, broken
     assert broken["verdict"] in ("failing", "at risk"), broken
