@@ -450,6 +450,50 @@ def test_a_healthy_verdict_says_the_logged_loss_diverged(tmp_path, lr):
         assert v.trend == "" and "diverged" not in v.headline, v.headline
 
 
+@pytest.mark.parametrize("eps", [1e-8, 1e-4])
+def test_a_float16_adam_nan_is_fixed_by_fp32_optimizer_or_an_eps_float16_holds(tmp_path, eps):
+    """float16 parameters under AdamW: eps=1e-8 is 0 in float16 (NumPy says so below),
+    so where a gradient is 0 the update divides 0 by 0 at step 0. The fix named is fp32
+    optimizer arithmetic or an eps float16 holds (``jax_debug_nans`` only stopped there);
+    the same run with eps=1e-4 trains, finite (what the fix claims, checked)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import scalescope as ss
+
+    assert np.float16(1e-8) == 0 and np.float16(1e-4) > 0
+    key = jax.random.PRNGKey(0)
+    w = (0.2 * jax.random.normal(key, (16, 8))).astype(jnp.float16)
+    x = jax.random.normal(key, (32, 16)).astype(jnp.float16)
+    x = x.at[:, :4].set(0)  # inputs that are 0: their weights' gradients are exactly 0
+    tx = optax.adamw(1e-3, eps=eps)
+
+    def step(w, state):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w).astype(float) ** 2))(w)
+        updates, state = tx.update(g, state, w)
+        return optax.apply_updates(w, updates), state, loss
+
+    state = tx.init(w)
+    with ss.Run(tmp_path / "run", every=1) as run:
+        tracked = run.track(step)
+        for i in range(3):
+            w, state, loss = tracked(w, state)
+            run.log(i, loss=loss)
+    view = ss.open_run(tmp_path / "run")
+    v = view.verdict()
+    if eps < 1e-7:
+        assert not np.isfinite(np.asarray(w, np.float32)).all()
+        assert v.status == "failing", v
+        fixes = " ".join(r.fix for r in v.reasons)
+        assert "keep the optimizer in fp32" in fixes, v
+        assert "float16 holds (its smallest value is 6e-08" in fixes, v
+        assert "jax_debug_nans" not in fixes, v
+    else:
+        assert np.isfinite(np.asarray(w, np.float32)).all() and np.isfinite(float(loss))
+        assert v.status == "healthy", v
+
+
 def test_a_loss_name_never_logged_is_an_error_naming_the_logged_ones():
     rows = pd.DataFrame({"step": [0, 1], "name": ["train_loss", "acc"], "value": [1.0, 0.5]})
     with pytest.raises(

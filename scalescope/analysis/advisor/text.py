@@ -108,6 +108,31 @@ def _loss_scaling_text(
     return f"; or loss scaling by 2**{k} ({how}: {why})"
 
 
+#: an epsilon optimizers add to a denominator (Adam's ``sqrt(nu) + eps``)
+_TYPICAL_EPS = 1e-8
+
+
+def _optimizer_in_fp32(where: str, dtype: str) -> str:
+    """The fix for an optimizer op that makes NaN/inf in ``dtype`` (a low-precision
+    parameter dtype): the optimizer's arithmetic in fp32. In a dtype whose smallest value
+    is above Adam's 1e-8 (float16, FP8), the epsilon is 0 and a zero second moment
+    divides by it; ``jax_debug_nans`` would only stop there."""
+    fix = (
+        f"keep the optimizer in fp32 at {where}: its state and update in float32 (fp32 "
+        f"master weights, cast to {dtype} for the step)"
+    )
+    try:
+        tiny = float(np.finfo(np.dtype(dtype)).smallest_subnormal)
+    except TypeError:  # a dtype NumPy does not know (ml_dtypes not imported)
+        tiny = 0.0
+    if tiny > _TYPICAL_EPS:
+        fix += (
+            f", or an epsilon {dtype} holds (its smallest value is {tiny:.2g}: Adam's "
+            f"eps=1e-8 is 0 there, and a zero second moment divides by it)"
+        )
+    return fix
+
+
 def fix_line(
     op: Mapping[str, Any],
     fmt: str,
@@ -140,13 +165,17 @@ def fix_line(
     were, none is safe; None: none were recorded, a suitable one is suggested); a backward
     underflow also offers loss scaling (`_loss_scaling_text`; ``headroom``: how far the
     largest gradient in ``fmt`` may be lifted). ``nonfinite``: the
-    earliest op with NaN/inf (``origin`` None) gets ``jax_debug_nans``; a later one
+    earliest op with NaN/inf (``origin`` None) gets ``jax_debug_nans``, or, in the
+    optimizer in a low-precision dtype, fp32 optimizer arithmetic; a later one
     (``origin``: the earliest op's row) points to it. A finding on a block-scaled recipe
     ``fmt`` names the recipe that would do better."""
     where = _where(op)
     if rule == "nonfinite":
         if origin is not None and origin["label"] != op["label"]:
             return f"fix the earliest op with NaN/inf first: {origin['label']} at {_where(origin)}"
+        dtype = str(op.get("dtype", ""))
+        if op.get("pass") == "opt" and dtype in _LOW_PRECISION:
+            return _optimizer_in_fp32(where, dtype)
         return f'jax.config.update("jax_debug_nans", True)  # stops at the first NaN: {where}'
     if rule == "stall":
         held = fmt or "its format"
