@@ -280,6 +280,29 @@ def test_drift_only_on_scaled_or_cast_ops():
     assert A.drift_bounds("bf16")[0] < -100 and A.drift_bounds("unknown") == (-np.inf, np.inf)
 
 
+def test_a_drift_is_no_worse_than_its_casts_format_finding():
+    """A value cast to E4M3 5 binades under the drift bound is a high drift; where E4M3
+    measures what the cast loses (20 % flushed: a medium underflow), that finding stands
+    for it: the drift is medium too, so the gate's high findings and the verdict's
+    causes (healthy) agree. A drift with no format finding on its op stays high."""
+    ops = make_ops(
+        {"name": "judged", "cast_to": "e4m3"},
+        {"name": "alone", "cast_to": "e4m3"},
+    )
+    stats = make_stats(
+        series(0, STEPS, rms=2.0**-9, underflow_e4m3=0.2) + series(1, STEPS, rms=2.0**-9)
+    )
+    found = A.advise(stats, ops)
+    drift = findings_of(found, "drift").set_index("op")["severity"]
+    assert drift.to_dict() == {0: "medium", 1: "high"}
+    assert findings_of(found, "underflow", 0)["severity"].tolist() == ["medium"]
+    causes = A.causes(found)
+    assert causes.loc[causes["rule"] == "underflow", "severity"].tolist() == ["medium"]
+    judged_only = found[found["op"] == 0]
+    assert "high" not in set(judged_only["severity"])
+    assert A.verdict(judged_only).status == "healthy"
+
+
 def test_trend_fires_for_steady_drift_not_for_flat():
     ops = make_ops(
         {"name": "rising", "scaled": True},

@@ -290,6 +290,26 @@ def _grad_headroom(
     return math.log2(float(top) / peak)
 
 
+def _judged_by_format(found: pd.DataFrame, level: np.ndarray) -> np.ndarray:
+    """``level`` (`severity_level` of ``found``) with the drift or trend of an op that a
+    format also has a finding on capped at that finding's severity: the format measures
+    what the cast loses, the scale's distance from unit only how it got there (the
+    verdict's causes keep the format's finding for it, `scalescope.analysis.causes`),
+    so a high drift beside a medium underflow is no high finding for a gate to count."""
+    rule = found["rule"].astype(str).to_numpy()
+    fmt = found["format"].fillna("").astype(str).to_numpy()
+    cast = np.isin(rule, ("overflow", "underflow", "snr")) & (fmt != "")
+    scale = np.isin(rule, ("drift", "trend"))
+    if not (cast.any() and scale.any()):
+        return level
+    ops = found["op"].to_numpy()
+    ceiling = pd.Series(np.floor(level[cast]) + 0.999).groupby(ops[cast]).max()
+    cap = ceiling.reindex(ops[scale]).to_numpy(np.float64)
+    out = level.copy()
+    out[scale] = np.where(np.isnan(cap), level[scale], np.minimum(level[scale], cap))
+    return out
+
+
 def _finish(
     found: pd.DataFrame,
     table: pd.DataFrame,
@@ -308,7 +328,7 @@ def _finish(
     rec.index = found.index
     for col in ("label", "name", "pass", "primitive", "source"):
         found[col] = rec[col].to_numpy()
-    found["severity"] = severity_of(severity_level(found))
+    found["severity"] = severity_of(_judged_by_format(found, severity_level(found)))
     at = found["_at"].tolist() if "_at" in found else [None] * len(found)
     origin_of = found["_origin"].tolist() if "_origin" in found else [None] * len(found)
     records = rec.to_dict("records")
