@@ -302,34 +302,41 @@ def test_nan_dropped_downstream_loses_no_step(outputs):
         assert A.verdict(found).status == "failing"
 
 
+def _train(path, tx, loss_fn, w, steps=3):
+    """``steps`` optax steps of ``loss_fn`` from ``w``, tracked by a Run at ``path``
+    recording every step and logging the loss; returns ``(w, last loss, the run)``."""
+    import jax
+    import optax
+
+    import scalescope as ss
+
+    def step(w, state):
+        loss, g = jax.value_and_grad(loss_fn)(w)
+        updates, state = tx.update(g, state, w)
+        return optax.apply_updates(w, updates), state, loss
+
+    state = tx.init(w)
+    with ss.Run(path, every=1) as run:
+        tracked = run.track(step)
+        for i in range(steps):
+            w, state, loss = tracked(w, state)
+            run.log(i, loss=loss)
+    return w, loss, ss.open_run(path)
+
+
 @pytest.mark.parametrize("reaches", [False, True])
 def test_a_schedules_inf_branch_is_judged_by_what_reaches_the_parameters(tmp_path, reaches):
     # optax.join_schedules evaluates every schedule: the rsqrt branch is 4/0 at step 0,
     # dropped by its where (a healthy run); used directly, the inf reaches the weights
-    import jax
     import jax.numpy as jnp
     import optax
-
-    import scalescope as ss
 
     rsqrt = lambda s: 1e-3 * jnp.sqrt(4.0 / s)  # noqa: E731
     joined = optax.join_schedules([optax.constant_schedule(1e-3), rsqrt], [4])
     tx = optax.sgd(optax.join_schedules([rsqrt, rsqrt], [10]) if reaches else joined)
     x = jnp.linspace(-1.0, 1.0, 32).reshape(8, 4)
-    w = jnp.ones((4,))
-
-    def step(w, state):
-        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - 1.0) ** 2))(w)
-        updates, state = tx.update(g, state, w)
-        return optax.apply_updates(w, updates), state, loss
-
-    state = tx.init(w)
-    with ss.Run(tmp_path / "run", every=1) as run:
-        tracked = run.track(step)
-        for i in range(3):
-            w, state, loss = tracked(w, state)
-            run.log(i, loss=loss)
-    view = ss.open_run(tmp_path / "run")
+    loss_fn = lambda w: jnp.mean((x @ w - 1.0) ** 2)  # noqa: E731
+    _, _, view = _train(tmp_path / "run", tx, loss_fn, jnp.ones((4,)))
     found = view.advise()
     nonfinite = found[found["rule"] == "nonfinite"]
     assert len(nonfinite), found
@@ -460,27 +467,13 @@ def test_a_float16_adam_nan_is_fixed_by_fp32_optimizer_or_an_eps_float16_holds(t
     import jax.numpy as jnp
     import optax
 
-    import scalescope as ss
-
     assert np.float16(1e-8) == 0 and np.float16(1e-4) > 0
     key = jax.random.PRNGKey(0)
     w = (0.2 * jax.random.normal(key, (16, 8))).astype(jnp.float16)
     x = jax.random.normal(key, (32, 16)).astype(jnp.float16)
     x = x.at[:, :4].set(0)  # inputs that are 0: their weights' gradients are exactly 0
-    tx = optax.adamw(1e-3, eps=eps)
-
-    def step(w, state):
-        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w).astype(float) ** 2))(w)
-        updates, state = tx.update(g, state, w)
-        return optax.apply_updates(w, updates), state, loss
-
-    state = tx.init(w)
-    with ss.Run(tmp_path / "run", every=1) as run:
-        tracked = run.track(step)
-        for i in range(3):
-            w, state, loss = tracked(w, state)
-            run.log(i, loss=loss)
-    view = ss.open_run(tmp_path / "run")
+    loss_fn = lambda w: jnp.mean(jnp.tanh(x @ w).astype(float) ** 2)  # noqa: E731
+    w, loss, view = _train(tmp_path / "run", optax.adamw(1e-3, eps=eps), loss_fn, w)
     v = view.verdict()
     if eps < 1e-7:
         assert not np.isfinite(np.asarray(w, np.float32)).all()
