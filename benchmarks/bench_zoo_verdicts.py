@@ -114,6 +114,7 @@ def train(model: str, variant: str, steps: int, every: int, root: Path) -> dict:
         "final_loss": float(np.mean(losses[-tail:])),
         "verdict": verdict.status,
         "reason": (f"{reasons[0]['severity']} {reasons[0]['cause']}" if reasons else ""),
+        "trend": verdict.trend,
         "severity": {k: int(severity.get(k, 0)) for k in ("critical", "high", "medium")},
         "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -127,6 +128,8 @@ def label(rows: list[dict]) -> None:
         broken = not math.isfinite(f) or r["gap_pct"] > 100 * GAP
         r["label"] = "broken" if broken else "healthy"
         r["agree"] = (r["verdict"] == "healthy") == (r["label"] == "healthy")
+        # a healthy run said to diverge is noise, as a false alarm is
+        r["agree"] = r["agree"] and not (r["label"] == "healthy" and r.get("trend"))
 
 
 def main(argv: list[str] | None = None) -> int:
