@@ -425,7 +425,7 @@ def test_loss_trend_text_reads_divergence_not_noise():
 
 
 @pytest.mark.parametrize("lr", [0.05, 1.5])
-def test_a_healthy_verdict_says_the_logged_loss_diverged(tmp_path, lr):
+def test_a_healthy_verdict_says_the_logged_loss_diverged(tmp_path, capsys, lr):
     """fp32 SGD on least squares: at lr=1.5 the loss grows each step with no precision
     cause; the verdict stays healthy (precision is fine) and its headline says the loss
     diverged. At lr=0.05 it falls and the headline says nothing of it."""
@@ -449,12 +449,21 @@ def test_a_healthy_verdict_says_the_logged_loss_diverged(tmp_path, lr):
             run.log(i, loss=loss)
     v = ss.open_run(tmp_path / "run").verdict()
     assert v.status == "healthy", v
+    # the CI gate fails on it when asked (diverged>0), and says why
+    from scalescope.cli import main
+
+    gate = ["report", str(tmp_path / "run"), "-o", str(tmp_path / "r.html")]
+    code = main([*gate, "--fail-on", "diverged>0"])
+    printed = capsys.readouterr().out
     if lr > 1:
         assert v.trend.startswith("the logged loss diverged: "), v
         assert v.headline.endswith(f"({v.trend}, no precision cause found)"), v.headline
         assert v.as_dict()["trend"] == v.trend
+        assert code == 1 and f"TRIPPED: diverged>0: the logged loss diverged ({v.trend})" in printed
     else:
         assert v.trend == "" and "diverged" not in v.headline, v.headline
+        assert code == 0 and "ok: diverged>0: the logged loss did not diverge" in printed
+    assert main([*gate, "--fail-on", "diverged>-1"]) == 2  # a count cannot be negative
 
 
 @pytest.mark.parametrize("eps", [1e-8, 1e-4])

@@ -41,7 +41,8 @@ FAIL_ON_HELP = (
     "findings, findings_<severity>, findings_<rule> (number of advisor findings); "
     "verdict (the run's verdict: verdict>=at-risk fails an at-risk or failing run, "
     "verdict>=failing a failing one); incidents (number of the flight recorder's "
-    "incidents: NaN/Inf or spiking steps, replayed and kept; incidents>0 fails on any). "
+    "incidents: NaN/Inf or spiking steps, replayed and kept; incidents>0 fails on any); "
+    "diverged (1 when the logged loss diverged, the verdict's trend note; diverged>0). "
     "Fractions take 0.01 or 1%%. Example: verdict>=at-risk,overflow_e4m3>0,nonfinite>0"
 )
 
@@ -51,8 +52,10 @@ class Rule:
     """One ``--fail-on`` rule: trips when ``value <operator> threshold``.
 
     ``kind``: ``nonfinite``, ``overflow``, ``underflow``, ``snr``, ``block_flush``,
-    ``findings``, ``incidents`` (a count) or ``verdict`` (``threshold``: the rank of a verdict in
-    `scalescope.analysis.STATUSES`: 0 healthy, 1 at risk, 2 failing); ``format``: the
+    ``findings``, ``incidents`` (a count), ``diverged`` (1 when the verdict's logged
+    loss diverged, `scalescope.analysis.Verdict.trend`, else 0) or ``verdict``
+    (``threshold``: the rank of a verdict in `scalescope.analysis.STATUSES`: 0 healthy,
+    1 at risk, 2 failing); ``format``: the
     format or recipe of overflow/underflow/snr/block_flush
     rules (else ``""``); ``recipe``: True when ``format`` is a block-scaled recipe;
     ``scope``: ``cast`` (ops the run casts to the format) or ``all`` for format rules,
@@ -104,14 +107,14 @@ def _parse_metric(piece: str, metric: str) -> tuple[str, str, str, str, bool]:
         + ", ".join(_formats.names())
         + "; optional :all), overflow_R, underflow_R, snr_R, block_flush_R (R: "
         + ", ".join(_recipes.names())
-        + "), findings, findings_<severity>, findings_<rule>, verdict, incidents"
+        + "), findings, findings_<severity>, findings_<rule>, verdict, incidents, diverged"
     )
     if not metric:
         raise _bad(piece, f"no metric before the operator; metrics: {known}")
     if metric == "verdict":
         return "verdict", "", "", "", False
-    if metric == "incidents":
-        return "incidents", "", "", "", False
+    if metric in ("incidents", "diverged"):
+        return metric, "", "", "", False
     name, _, scope = metric.partition(":")
     if name == "nonfinite" or name == "findings" or name.startswith("findings_"):
         if scope:
@@ -233,7 +236,7 @@ def parse_fail_on(text: str | Sequence[str]) -> list[Rule]:
         threshold = _parse_number(piece, number, kind in _FRACTION_KINDS)
         if kind in _FRACTION_KINDS and not 0.0 <= threshold <= 1.0:
             raise _bad(piece, f"{threshold:g} is not a fraction in [0, 1] (use 0.01 or 1%)")
-        if kind in ("findings", "incidents") and threshold < 0:
+        if kind in ("findings", "incidents", "diverged") and threshold < 0:
             raise _bad(piece, f"a number of {kind} cannot be negative ({threshold:g})")
         rules.append(Rule(piece, metric, kind, fmt, scope, select, op, threshold, recipe))
     return rules
@@ -311,6 +314,9 @@ def evaluate_rules(data: _RunData, rules: Sequence[Rule]) -> list[dict[str, Any]
             value, step = float(v.rank), v.step
             if v.reasons:
                 label, note = v.reasons[0].op, v.reasons[0].cause
+        elif rule.kind == "diverged":
+            trend = data.verdict.trend
+            value, note = float(bool(trend)), trend
         elif rule.kind == "incidents":
             inc = data.incidents
             value = float(len(inc))
@@ -395,6 +401,9 @@ def _rule_line(rule, value, op, step, op_value, data, tripped, note) -> str:
             + f"the run is {_fmt_value(rule.kind, value)}{since}"
             + (f" ({note})" if note else "")
         )
+    if rule.kind == "diverged":
+        said = "the logged loss diverged" if value else "the logged loss did not diverge"
+        return text + said + (f" ({note})" if note else "")
     if rule.kind == "incidents":
         text += f"{_fmt_value(rule.kind, value)} incident(s)"
         if step is not None:
