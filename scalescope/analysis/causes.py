@@ -22,7 +22,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from .advisor import SEVERITY_ORDER, severity_level
+from .advisor import FORMAT_RULES, SCALE_RULES, SEVERITY_ORDER, severity_level
 from .frames import require_columns
 
 #: Components of the scope path that name a cause's module.
@@ -49,7 +49,6 @@ CAUSE_COLUMNS = [
     "fix",
 ]
 
-_FORMAT_RULES = ("overflow", "underflow", "snr")
 _LAYER = re.compile(r"^(.*[^_\d])_\d+$")
 _TITLES = {
     "nonfinite": "NaN/inf",
@@ -124,13 +123,13 @@ def _one_per_cast(f: pd.DataFrame) -> pd.DataFrame:
     tie in that order); its impact is the largest of them. The drift or trend of an op
     that a format judges is how it got there: the format's finding stands for it."""
     fmt = f["format"].fillna("").astype(str)
-    cast = f["rule"].isin(_FORMAT_RULES).to_numpy() & (fmt != "").to_numpy()
+    cast = f["rule"].isin(FORMAT_RULES).to_numpy() & (fmt != "").to_numpy()
     if not cast.any():
         return f
-    judged = f["rule"].isin(["drift", "trend"]).to_numpy() & f["op"].isin(f["op"][cast])
+    judged = f["rule"].isin(SCALE_RULES).to_numpy() & f["op"].isin(f["op"][cast])
     f, cast = f[~judged], cast[~judged]
     part = f[cast].assign(_level=severity_level(f[cast]))
-    part["_order"] = part["rule"].map({r: i for i, r in enumerate(_FORMAT_RULES)})
+    part["_order"] = part["rule"].map({r: i for i, r in enumerate(FORMAT_RULES)})
     if "impact" in part:
         part["impact"] = part.groupby(["op", "format"])["impact"].transform("max")
     part = part.sort_values(["_level", "_order"], ascending=[False, True], kind="stable")

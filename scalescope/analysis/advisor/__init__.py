@@ -103,7 +103,9 @@ from .detectors_nonfinite import output_ops
 from .detectors_scales import drift_bounds
 from .findings import FINDING_COLUMNS, advise, advisor_columns, summary_by_rule
 from .severity import (
+    FORMAT_RULES,
     RULES,
+    SCALE_RULES,
     SEVERITY,
     SEVERITY_ORDER,
     SEVERITY_STEPS,
@@ -116,6 +118,8 @@ from .severity import (
 from .text import DEFAULT_RECIPE, RESCALE_LOG2, SUGGESTED_RECIPE, delayed_fix_line, fix_line
 
 __all__ = [
+    "FORMAT_RULES",
+    "SCALE_RULES",
     "DEFAULT_RECIPE",
     "DEFAULT_SNR_DB",
     "FINDING_COLUMNS",

@@ -34,7 +34,16 @@ from .detectors_formats import _format_findings, _too_wide
 from .detectors_nonfinite import _nonfinite_findings, output_ops
 from .detectors_scales import _drift_band, _drift_findings, _trend_findings
 from .detectors_updates import _stall_findings
-from .severity import RULES, SEVERITY, SEVERITY_ORDER, _impact, severity_level, severity_of
+from .severity import (
+    FORMAT_RULES,
+    RULES,
+    SCALE_RULES,
+    SEVERITY,
+    SEVERITY_ORDER,
+    _impact,
+    severity_level,
+    severity_of,
+)
 from .text import _LOW_PRECISION, delayed_fix_line, fix_line
 
 FINDING_COLUMNS = [
@@ -298,8 +307,8 @@ def _judged_by_format(found: pd.DataFrame, level: np.ndarray) -> np.ndarray:
     so a high drift beside a medium underflow is no high finding for a gate to count."""
     rule = found["rule"].astype(str).to_numpy()
     fmt = found["format"].fillna("").astype(str).to_numpy()
-    cast = np.isin(rule, ("overflow", "underflow", "snr")) & (fmt != "")
-    scale = np.isin(rule, ("drift", "trend"))
+    cast = np.isin(rule, FORMAT_RULES) & (fmt != "")
+    scale = np.isin(rule, SCALE_RULES)
     if not (cast.any() and scale.any()):
         return level
     ops = found["op"].to_numpy()

@@ -16,6 +16,10 @@ from ..thresholds import DEFAULT_SNR_DB, recipe_element
 from .cells import _Cells, _Dense
 
 RULES = ("nonfinite", "overflow", "underflow", "snr", "stall", "drift", "trend", "delayed")
+#: The rules a format judges a cast by (what it loses), in the order a cause keeps one
+#: of them for an op; the scale rules (drift, trend) say only how a value got there.
+FORMAT_RULES = ("overflow", "underflow", "snr")
+SCALE_RULES = ("drift", "trend")
 #: The most severe grade each rule can reach (`severity_level` grades every finding by
 #: its magnitude: `SEVERITY_STEPS`).
 SEVERITY = {
@@ -214,7 +218,7 @@ def finding_metric(rule: str, fmt: str = "") -> str:
     ``snr_F``; ``log2_rms`` for drift and trend; ``absmax`` for delayed."""
     if rule == "nonfinite":
         return "frac_nonfinite"
-    if rule in ("overflow", "underflow", "snr") and fmt:
+    if rule in FORMAT_RULES and fmt:
         return f"{rule}_{fmt}"
     if rule == "delayed":
         return "absmax"
