@@ -383,10 +383,6 @@ def _np_cast(dtype):
     return lambda d: d.astype(dtype).astype(np.float64)
 
 
-def _lax_reduce_precision(e, m):
-    return lambda d: np.asarray(lax.reduce_precision(d, e, m), np.float64)
-
-
 # name -> (function under test, what it does to the data: an independent reference)
 CASTS = {
     "f16": (lambda x: x.astype(jnp.float16), _np_cast(np.float16)),
@@ -397,11 +393,6 @@ CASTS = {
         lambda x: ss.ops.cast_on_forward(x, jnp.float8_e4m3fn),
         _np_cast(ml_dtypes.float8_e4m3fn),
     ),
-    "reduce_precision_f16": (
-        lambda x: lax.reduce_precision(x, 5, 10),
-        _lax_reduce_precision(5, 10),
-    ),
-    "reduce_precision_e4m3": (lambda x: lax.reduce_precision(x, 4, 3), _lax_reduce_precision(4, 3)),
 }
 
 
@@ -419,6 +410,53 @@ def test_casts_round_the_scaled_data(name, exp, seed):
     out = ss.scalify(fn, normalize=False)(ss.as_scaled_array(jnp.asarray(x), scale=s))
     assert isinstance(out, ss.ScaledArray)
     np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32), np.float64), expected)
+
+
+def _reduced(x: np.ndarray, e: int, m: int) -> np.ndarray:
+    """NumPy reference of XLA's reduce_precision to ``e`` exponent and ``m`` mantissa
+    bits: the mantissa rounded half to even at the value's own exponent, then a result
+    above the format's largest value is inf and one below its smallest normal a signed
+    zero (XLA flushes the format's subnormals; matched bit for bit on 200 000 values)."""
+    x = np.asarray(x, np.float64)
+    frac, exp = np.frexp(x)
+    r = np.ldexp(np.rint(np.ldexp(frac, m + 1)), exp - m - 1)
+    bias = 2 ** (e - 1) - 1
+    r = np.where(np.abs(r) > (2 - 2.0**-m) * 2.0**bias, np.copysign(np.inf, x), r)
+    return np.where(np.abs(r) < 2.0 ** (1 - bias), np.copysign(0.0, x), r)
+
+
+@pytest.mark.parametrize("bits", [(5, 10), (8, 7), (5, 2), (4, 3)])
+@SETTINGS
+@given(exp=st.integers(min_value=-30, max_value=30), seed=seeds)
+def test_reduce_precision_rounds_the_value_whatever_the_scale(bits, exp, seed):
+    """``lax.reduce_precision`` emulates a format on the value (a program's own fake
+    quantisation), so under scalify it gives what plain JAX gives, whatever the data's
+    scale: each value rounded to the format, overflow to inf and flushes included."""
+    rng = np.random.default_rng(seed)
+    # magnitudes from 2^-30 to 2^20: beyond the emulated format at both ends
+    x = (rng.standard_normal(64) * 2.0 ** rng.integers(-30, 21, 64)).astype(np.float32)
+    out = ss.scalify(lambda v: lax.reduce_precision(v, *bits))(
+        ss.as_scaled_array(jnp.asarray(x), scale=2.0**exp)
+    )
+    np.testing.assert_array_equal(np.asarray(ss.asarray(out), np.float64), _reduced(x, *bits))
+
+
+def test_user_written_fake_quantisation_is_the_plain_functions():
+    """A qwix/AQT-style fake quantisation (per-tensor abs-max scaling into E4M3's 240,
+    ``reduce_precision``, scaled back) of heavy-tailed values: bit for bit the plain
+    function's result at any input scale. Rounding the data instead (scale 128, data
+    abs-max 1.9) flushed 68 % of the elements to zero, against 0.5 % in plain JAX."""
+
+    def fake_quant(x, fmax=240.0):
+        s = jnp.max(jnp.abs(x)) / fmax
+        return lax.reduce_precision(jnp.clip(x / s, -fmax, fmax), 4, 3) * s
+
+    x = jnp.asarray(np.random.default_rng(0).standard_t(2, size=4096) * 0.05, jnp.float32)
+    plain = np.asarray(jax.jit(fake_quant)(x))
+    assert np.mean(plain == 0) < 0.01
+    for scaled in (ss.as_scaled_array(x, "rms"), ss.as_scaled_array(x, scale=2.0**-10)):
+        out = np.asarray(ss.asarray(jax.jit(ss.scalify(fake_quant))(scaled)))
+        np.testing.assert_array_equal(out, plain)
 
 
 @pytest.mark.parametrize("name", sorted(BINARY))
@@ -543,6 +581,7 @@ def test_cases_cover_every_registered_rule():
     for fn, _ in LINALG.values():
         covered |= primitives_in(jax.make_jaxpr(fn)(jnp.ones((4, 4), jnp.float32)))
     covered |= _LINALG_SAME_RULE
+    covered.add("reduce_precision")  # test_reduce_precision_rounds_the_value_whatever_the_scale
     missing = set(registered_primitives()) - covered - _ALIASES - _MULTI_DEVICE
     assert not missing, f"rules without a value test: {sorted(missing)}"
 

@@ -373,6 +373,14 @@ _NON_LINEAR = (
     "bessel_i0e bessel_i1e igamma igammac igamma_grad_a polygamma zeta "
     "regularized_incomplete_beta"
 ).split()
+# ``lax.reduce_precision`` rounds the value to a format inside a wider dtype: how a
+# program emulates FP8/FP16 (fake quantisation, which scales its values itself:
+# ``reduce_precision(x / s, 4, 3) * s``). It is computed on the value, as plain JAX does;
+# rounding the data instead flushed 68 % of such a tensor to zero (its data held
+# ``x / s`` at abs-max 1.9, not the 240 the code scaled it to). A cast to an FP8/FP16
+# dtype (``astype``, ``ss.ops.cast_on_forward``) is the one that rounds the unit-scaled
+# data (`rules_shape.scaled_convert_element_type`).
+_NON_LINEAR.append("reduce_precision")
 
 RULES = {
     "add": scaled_add,

@@ -134,7 +134,7 @@ def scaled_iota(**params):
 
 _KEEPS_SCALE = (
     "reshape transpose squeeze expand_dims slice rev copy "
-    "reduce_precision dynamic_slice gather split tile sharding_constraint real "
+    "dynamic_slice gather split tile sharding_constraint real "
     "reduce_max reduce_min cummax cummin unstack reduce_window_max reduce_window_min"
 ).split()
 
