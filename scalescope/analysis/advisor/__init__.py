@@ -38,7 +38,9 @@ the step count, mask fills) raise no drift, trend or delayed finding.
 - ``overflow`` of a format (a plain cast turns those elements into inf, or NaN in
   e4m3fn): high, critical from 1 % of the values (as broken as a NaN); medium at most
   when every overflowing element stays under the format's `rounding_edge` (they round
-  to the max: no step is lost, but no headroom is left); of a block-scaled
+  to the max: no step is lost, but no headroom is left); low when handled: at every
+  step it overflows the outputs are finite, at no more than half of the recorded steps
+  (a dynamic loss scaler skipping a step; its `snr` at those steps is low too); of a block-scaled
   recipe (clipped elements saturate): low below 0.1 %, medium below 1 %, high from 1 %;
 - ``underflow``: low below 2 % of the non-zero values flushed to zero, medium below
   25 %, high from 25 % (99 % of a backward value flushed in E5M2 is high);

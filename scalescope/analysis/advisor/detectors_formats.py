@@ -13,6 +13,7 @@ import numpy as np
 from ..percent import pct
 from ..thresholds import Thresholds, _format_info, recipe_element
 from .cells import _Cells, _compare, _Dense, _hit_rows, _hits
+from .detectors_nonfinite import _finite_output_steps, _op_steps
 from .text import _num, _steps_text
 
 
@@ -21,8 +22,14 @@ def _format_findings(
     checked: dict[str, np.ndarray],
     thresholds: Thresholds,
     meta: Mapping[str, Any] | None,
+    outputs: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    finite_out = (
+        _finite_output_steps(cells, np.asarray(outputs, np.int64))
+        if outputs is not None
+        else np.zeros(0, np.int64)
+    )
     for fmt, ids in checked.items():
         sel = cells.rows_of(ids)
         info = _format_info(fmt, meta)
@@ -36,6 +43,7 @@ def _format_findings(
             ("snr", f"snr_{fmt}", "min", snr_thr, "lt"),
         )
         edge = rounding_edge(info) if recipe_element(fmt) is None else math.nan
+        handled: dict[int, np.ndarray] = {}  # op -> the steps of its handled overflow
         for rule, col, worst, thr, how in rules:
             values = cells.cols[col]
             mask = _compare(values, how, thr) & sel
@@ -48,6 +56,7 @@ def _format_findings(
                 # every overflowing element under the edge rounds to the max (an abs-max
                 # not above the max disagrees with the overflow: no claim then)
                 saturated = bool(limit < peaks.get(op, math.inf) < edge) if peaks else False
+                contained = False
                 if rule == "overflow":
                     bound = f" (|x| > {_num(limit)})" if limit else ""
                     text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
@@ -55,6 +64,17 @@ def _format_findings(
                         text += (
                             f", none beyond {_num(edge)} (largest {_num(peaks[op])}): they "
                             f"round to ±{_num(limit)}, not to inf/NaN, but no headroom is left"
+                        )
+                    elif math.isfinite(edge):
+                        contained = _handled(cells, op, mask, finite_out, k, n)
+                        if contained:
+                            handled[op] = _op_steps(cells, op, mask)
+                    if contained:
+                        text += (
+                            "; dropped downstream: the step's outputs (parameters, optimizer "
+                            "state, loss) stay finite at those steps, at a minority of the "
+                            "recorded ones (a dynamic loss scaler probing upward skips such "
+                            "a step and halves its scale)"
                         )
                 elif rule == "underflow":
                     bound = f" (|x| < {_num(tiny)})" if tiny else ""
@@ -68,6 +88,12 @@ def _format_findings(
                         )
                 else:
                     text = f"SNR in {fmt} falls to {v:.1f} dB (threshold {thr:g} dB) at step {at}"
+                    # lost only at the steps of a handled overflow: that overflow's inf
+                    contained = op in handled and bool(
+                        np.isin(_op_steps(cells, op, mask), handled[op]).all()
+                    )
+                    if contained:
+                        text += ", only where it overflows and the step drops the inf"
                 rows.append(
                     dict(
                         op=op,
@@ -80,9 +106,23 @@ def _format_findings(
                         evidence=f"{text}; {_steps_text(k, n, first)}.",
                         _at=at,
                         _saturated=saturated,
+                        _contained=contained,
                     )
                 )
     return rows
+
+
+def _handled(
+    cells: _Cells | _Dense, op: int, mask: np.ndarray, finite_out: np.ndarray, k: int, n: int
+) -> bool:
+    """An overflow the step handles: at every recorded step where ``op`` overflows
+    (``mask``), the step's outputs are finite (`_finite_output_steps`: the inf was
+    discarded, as a dynamic loss scaler discards the update of a step whose gradients
+    overflowed), and it overflows at no more than half of the ``n`` recorded steps
+    (``k``): a scaler that overflows at most steps never trains."""
+    if not len(finite_out) or 2 * k > n:
+        return False
+    return bool(np.isin(_op_steps(cells, op, mask), finite_out).all())
 
 
 def rounding_edge(info: Mapping[str, Any]) -> float:

@@ -222,8 +222,9 @@ def advise(
     last_step = int(stats["step"].max())
     horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
 
-    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table), output_ops(table))
-    rows += _format_findings(cells, checked, thresholds, meta)
+    outputs = output_ops(table)
+    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table), outputs)
+    rows += _format_findings(cells, checked, thresholds, meta, outputs)
     rows += _drift_findings(cells, band, thresholds)
     rows += _trend_findings(cells, band, thresholds, horizon)
     if replay_delayed:

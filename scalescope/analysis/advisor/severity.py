@@ -89,6 +89,8 @@ def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> 
         for i in range(len(found)):
             if rule[i] == "nonfinite":
                 out[i] = 0.0 if contained[i] else 1.0
+            elif rule[i] in ("overflow", "snr") and contained[i]:
+                out[i] = 0.0  # the inf is discarded with the step (a loss scaler's skip)
             elif rule[i] == "overflow" and recipe_element(fmt[i]) is not None:
                 out[i] = value[i]  # clipped elements saturate
             elif rule[i] == "overflow" and saturated[i]:
@@ -180,6 +182,9 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                     impact = findings["impact"].to_numpy(np.float64)[m]
                     capped = np.flatnonzero(m)[~recipe[m] & (impact < 1.0)]
                     out[capped] = np.minimum(out[capped], 1.999)
+                    # one whose inf the step discards (`_handled`): low
+                    handled = np.flatnonzero(m)[~recipe[m] & (impact == 0.0)]
+                    out[handled] = np.minimum(out[handled], 0.999)
             elif name == "snr":
                 # graded from the lower of the format's threshold and E4M3's: a cast that
                 # keeps more SNR than a healthy E4M3 cast (an FP16 cast at 40 dB) loses
@@ -189,6 +194,9 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                 level = _band_level(graded, 0.0, SEVERITY_STEPS["snr"], 36.0)
                 low = np.clip(np.where(np.isnan(v), 0.0, t - v) / 36.0, 0.0, 0.999)
                 out[m] = np.where(graded > 0, level, low)
+                if "impact" in findings.columns:  # lost only to a handled overflow: low
+                    lost = findings["impact"].to_numpy(np.float64)[m]
+                    out[m] = np.where(lost == 0.0, np.minimum(out[m], 0.999), out[m])
             elif name == "stall":  # graded with the model's share lost (the impact)
                 if "impact" in findings.columns:
                     v = np.fmin(v, findings["impact"].to_numpy(np.float64)[m])
