@@ -563,7 +563,7 @@ def _loss_scaled_fp16_run(path, scaler: str, steps: int = 40):
 
 
 @pytest.mark.parametrize("scaler", ["skip", "apply", "stuck"])
-def test_a_loss_scalers_skipped_overflow_is_no_alarm(tmp_path, scaler):
+def test_a_loss_scalers_skipped_overflow_is_no_alarm(tmp_path, capsys, scaler):
     """A dynamic loss scaler probes upward and overflows by design (here at 4 of 40
     steps): the step is skipped, the outputs stay finite and the run trains. That
     overflow is judged low (dropped downstream), not "failing". The same overflow
@@ -582,6 +582,16 @@ def test_a_loss_scalers_skipped_overflow_is_no_alarm(tmp_path, scaler):
     elif scaler == "apply":
         assert not np.isfinite(losses[-1]), losses
         assert v.status == "failing", v
+        # a NaN loss is a diverged one for the CI gate too (it said "did not diverge")
+        from scalescope.cli import main
+
+        nan_step = int(np.flatnonzero(~np.isfinite(losses))[0])
+        capsys.readouterr()
+        gate = ["report", str(tmp_path / "run"), "-o", str(tmp_path / "r.html")]
+        assert main([*gate, "--fail-on", "diverged>0"]) == 1
+        said = f"the logged loss diverged (the logged loss turned NaN/inf at step {nan_step})"
+        said = f"TRIPPED: diverged>0: {said}"
+        assert said in capsys.readouterr().out
     else:
         assert losses[-1] == losses[0], losses  # every step skipped: nothing learnt
         assert v.status != "healthy", v

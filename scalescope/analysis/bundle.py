@@ -28,7 +28,7 @@ from .masks import fill_ops, mask_ops
 from .measured import measurement_notes
 from .policies import predict_policy, recommend_policy
 from .thresholds import Thresholds
-from .verdict import Verdict, logged_loss, verdict
+from .verdict import Verdict, first_nonfinite, logged_loss, verdict
 from .whatif import format_whatif
 
 
@@ -183,6 +183,14 @@ class RunAnalysis:
         no recorded step is not judged by statistics (`Verdict.unjudged`)."""
         loss = logged_loss(self.reader.scalar_rows(), self.loss)
         return unjudged_if_unrecorded(verdict(self.findings, loss), self.reader, loss)
+
+    @_part
+    def divergence(self) -> str:
+        """How the logged loss diverged, whatever the verdict's status (the gate's
+        ``diverged``): its turning NaN/inf (`nonfinite_loss_text`), else its going up
+        (`loss_trend_text`); "" when it did neither or none was logged."""
+        loss = logged_loss(self.reader.scalar_rows(), self.loss)
+        return nonfinite_loss_text(loss) or loss_trend_text(loss)
 
     @_part
     def causes(self) -> pd.DataFrame:
@@ -365,6 +373,13 @@ def loss_trend_text(loss: pd.Series | None) -> str:
         return ""
     top = f", peak {values[peak]:.3g} at step {steps[peak]}" if values[peak] > 2 * end else ""
     return f"the logged loss diverged: {first:.3g} at step {steps[0]}{top}, {end:.3g} at the end"
+
+
+def nonfinite_loss_text(loss: pd.Series | None) -> str:
+    """``"the logged loss turned NaN/inf at step 12"`` when a value of ``loss`` (logged
+    values indexed by step) is not finite, else ""."""
+    step = first_nonfinite(loss)
+    return "" if step is None else f"the logged loss turned NaN/inf at step {step}"
 
 
 def coverage_text(reader: Any) -> str:

@@ -170,7 +170,7 @@ def parse_status(text: str) -> str:
     return key
 
 
-def _first_nonfinite(loss: pd.Series | None) -> int | None:
+def first_nonfinite(loss: pd.Series | None) -> int | None:
     """The first step (index) whose logged ``loss`` value is NaN/inf, None when none is."""
     if loss is None or not len(loss):
         return None
@@ -222,7 +222,7 @@ def verdict(
     status = max(levels, default=0)
     picked: list[Reason] = []
     step: int | None = None
-    nan_step = _first_nonfinite(loss)
+    nan_step = first_nonfinite(loss)
     if nan_step is not None:
         status = 2
     deciding = [i for i, lv in enumerate(levels) if lv == status and lv > 0]

@@ -42,7 +42,8 @@ FAIL_ON_HELP = (
     "verdict (the run's verdict: verdict>=at-risk fails an at-risk or failing run, "
     "verdict>=failing a failing one); incidents (number of the flight recorder's "
     "incidents: NaN/Inf or spiking steps, replayed and kept; incidents>0 fails on any); "
-    "diverged (1 when the logged loss diverged, the verdict's trend note; diverged>0). "
+    "diverged (1 when the logged loss turned NaN/inf or went up: its end above twice "
+    "its first value, or a peak above ten times it; diverged>0). "
     "Fractions take 0.01 or 1%%. Example: verdict>=at-risk,overflow_e4m3>0,nonfinite>0"
 )
 
@@ -52,8 +53,8 @@ class Rule:
     """One ``--fail-on`` rule: trips when ``value <operator> threshold``.
 
     ``kind``: ``nonfinite``, ``overflow``, ``underflow``, ``snr``, ``block_flush``,
-    ``findings``, ``incidents`` (a count), ``diverged`` (1 when the verdict's logged
-    loss diverged, `scalescope.analysis.Verdict.trend`, else 0) or ``verdict``
+    ``findings``, ``incidents`` (a count), ``diverged`` (1 when the logged loss turned
+    NaN/inf or went up, `scalescope.analysis.RunAnalysis.divergence`, else 0) or ``verdict``
     (``threshold``: the rank of a verdict in `scalescope.analysis.STATUSES`: 0 healthy,
     1 at risk, 2 failing); ``format``: the
     format or recipe of overflow/underflow/snr/block_flush
@@ -315,8 +316,8 @@ def evaluate_rules(data: _RunData, rules: Sequence[Rule]) -> list[dict[str, Any]
             if v.reasons:
                 label, note = v.reasons[0].op, v.reasons[0].cause
         elif rule.kind == "diverged":
-            trend = data.verdict.trend
-            value, note = float(bool(trend)), trend
+            said = data.divergence
+            value, note = float(bool(said)), said
         elif rule.kind == "incidents":
             inc = data.incidents
             value = float(len(inc))
