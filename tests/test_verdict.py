@@ -506,13 +506,17 @@ def test_a_loss_name_never_logged_is_an_error_naming_the_logged_ones():
     assert A.logged_loss(rows).empty  # the default name: a run may log no loss
 
 
-def _loss_scaled_fp16_run(path, scaler: str, steps: int = 40):
+def _loss_scaled_fp16_run(
+    path, scaler: str, steps: int = 40, weight: float = 1.0, dtype: str = "float16"
+):
     """A float16 MLP trained with dynamic loss scaling, the standard FP16 recipe: the
     loss times the scale (from 2^15, doubled after 8 good steps), float16 gradients
     divided by it. The seed of the backward pass is the scale in float16, so at 2^16
     (over float16's 65504) every gradient is inf. ``scaler``: ``"skip"`` discards such
     a step and halves the scale; ``"apply"`` applies it anyway; ``"stuck"`` skips but
-    never halves (every step overflows). Returns ``(losses, the run)``."""
+    never halves (every step overflows); ``"2**k"``: a static scale, no skip (``2**0``:
+    no loss scaling). ``weight`` multiplies the loss (in ``dtype``). Returns
+    ``(losses, the run)``."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -526,9 +530,9 @@ def _loss_scaled_fp16_run(path, scaler: str, steps: int = 40):
     tx = optax.adam(1e-2)
 
     def loss_fn(p):
-        p16 = jax.tree.map(lambda a: a.astype(jnp.float16), p)
-        h = jnp.tanh(x.astype(jnp.float16) @ p16["w1"])
-        return jnp.mean((h @ p16["w2"] - y.astype(jnp.float16)) ** 2)
+        p16 = jax.tree.map(lambda a: a.astype(dtype), p)
+        h = jnp.tanh(x.astype(dtype) @ p16["w1"])
+        return jnp.mean((h @ p16["w2"] - y.astype(dtype)) ** 2) * jnp.asarray(weight, dtype)
 
     def step(params, state, scale, good):
         def scaled(p):
@@ -540,25 +544,29 @@ def _loss_scaled_fp16_run(path, scaler: str, steps: int = 40):
         finite = jnp.all(jnp.stack([jnp.isfinite(a).all() for a in jax.tree.leaves(g)]))
         updates, new_state = tx.update(g, state, params)
         new_params = optax.apply_updates(params, updates)
-        if scaler != "apply":
+        if scaler in ("skip", "stuck"):
             new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
             new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
         good = jnp.where(finite, good + 1, 0)
         grow = good >= 8
         shrink = 0.5 if scaler != "stuck" else 1.0
         scale = jnp.where(finite, jnp.where(grow, 2 * scale, scale), shrink * scale)
+        if scaler.startswith("2**"):
+            scale = jnp.float32(2.0 ** int(scaler[3:]))
         return new_params, new_state, scale, jnp.where(grow, 0, good), loss.astype(jnp.float32)
 
     state, scale, good = tx.init(params), jnp.float32(2.0**15), jnp.int32(0)
     if scaler == "stuck":
         scale = jnp.float32(2.0**16)
+    elif scaler.startswith("2**"):
+        scale = jnp.float32(2.0 ** int(scaler[3:]))
     losses = []
     with ss.Run(path, every=1) as run:
-        tracked = run.track(step)
+        tracked = run.track(step, scalify=False)  # naive FP16, as most write it
         for i in range(steps):
             params, state, scale, good, loss = tracked(params, state, scale, good)
             run.log(i, loss=loss)
-            losses.append(float(loss))
+            losses.append(float(loss) / weight)
     return np.asarray(losses), ss.open_run(path)
 
 
@@ -596,3 +604,26 @@ def test_a_loss_scalers_skipped_overflow_is_no_alarm(tmp_path, capsys, scaler):
         assert losses[-1] == losses[0], losses  # every step skipped: nothing learnt
         assert v.status != "healthy", v
         assert (over["severity"] != "low").any(), over
+
+
+def test_sunk_fp16_gradients_are_offered_the_loss_scale_that_trains(tmp_path):
+    """A float16 loss weighted by 2**-15 with no loss scaling: its gradients sink to
+    float16's subnormals and are flushed as they are computed, so the probe sees the
+    scale's drift (2**-23) rather than a cast's underflow, and the run lags fp32. The
+    fix offers loss scaling by the largest power the backward pass's seed (the loss's
+    cotangent, 1) allows in float16: 2**15, not the 2**23 the RMS asks for (65504 is
+    under 2**16). Trained with it, the run follows fp32 (what the fix claims, checked)."""
+    import re
+
+    weight = 2.0**-15
+    plain, view = _loss_scaled_fp16_run(tmp_path / "none", "2**0", weight=weight)
+    fp32, _ = _loss_scaled_fp16_run(tmp_path / "fp32", "2**0", weight=weight, dtype="float32")
+    v = view.verdict()
+    assert v.status != "healthy", v
+    fixes = " ".join(r.fix for r in v.reasons)
+    k = re.search(r"loss scaling by 2\*\*(\d+)", fixes)
+    assert k is not None and int(k.group(1)) == 15, fixes
+    scaled, view2 = _loss_scaled_fp16_run(tmp_path / "scaled", "2**15", weight=weight)
+    gap = lambda run: abs(run[-1] - fp32[-1]) / fp32[-1]  # noqa: E731
+    assert gap(plain) > 0.05 and gap(scaled) < 0.02, (plain[-1], scaled[-1], fp32[-1])
+    assert view2.verdict().status == "healthy", view2.verdict()

@@ -281,8 +281,9 @@ def _grad_headroom(
     peaks: dict[str, dict[int, float]],
 ) -> float:
     """log2 of how far every backward value held in ``fmt`` (cast to it, or stored in it)
-    can be multiplied at ``step`` before the largest reaches ``fmt``'s max: the most a
-    loss scale may lift the gradients. inf when unknown (no value abs-max recorded).
+    can be multiplied at ``step`` before the largest (at least the loss's cotangent, 1)
+    reaches ``fmt``'s max: the most a loss scale may lift the gradients. inf when the
+    format's max is unknown or no value abs-max was recorded.
     ``peaks`` caches the largest value abs-max per step, per format."""
     top = _format_info(fmt, meta).get("max")
     if not top or "_amax" not in cells.cols:
@@ -295,9 +296,20 @@ def _grad_headroom(
         frame = pd.DataFrame({"step": flat.step, "amax": flat.cols["_amax"]})
         peaks[fmt] = frame.groupby("step")["amax"].max().to_dict()
     peak = peaks[fmt].get(step, math.nan)
-    if not peak > 0 or not math.isfinite(peak):
-        return math.inf
+    # the backward pass starts from the loss's own cotangent, 1, times the loss scale:
+    # a value the probe does not measure (a constant), and the largest where the
+    # gradients have sunk (a loss weighted by 2**-14: 2**24 was offered, an fp16 inf)
+    peak = max(peak, 1.0) if peak > 0 and math.isfinite(peak) else 1.0
     return math.log2(float(top) / peak)
+
+
+def _sinking_gradient(rule: str, fmt: str, op: Mapping[str, Any], scaled: bool) -> bool:
+    """A drift or trend of a gradient held in a narrow-range format (FP16, FP8) by
+    naive casts: its data heads for the format's subnormals (the values are flushed
+    before any cast can be measured, so no underflow is seen), which loss scaling
+    lifts (`text._loss_scaling_text` reads its RMS)."""
+    narrow = fmt in ("fp16", "e5m2", "e4m3")
+    return rule in SCALE_RULES and narrow and not scaled and op["pass"] == "bwd"
 
 
 def _judged_by_format(found: pd.DataFrame, level: np.ndarray) -> np.ndarray:
@@ -353,10 +365,12 @@ def _finish(
         fmt = fmt or str(op["cast_to"]) or _LOW_PRECISION.get(str(op["dtype"]), "")
         recipe = None if recipes is None else recipes.get(op_ids[i], "")
         log2_rms = math.nan
-        if cells is not None and (rule == "underflow" or (rule == "snr" and scaled)):
+        sinking = _sinking_gradient(rule, fmt, op, scaled) and not pd.isna(at[i])
+        if cells is not None and (rule == "underflow" or (rule == "snr" and scaled) or sinking):
             log2_rms = cells.at("log2_rms", op_ids[i], int(at[i]))
         headroom = math.inf
-        if rule == "underflow" and not scaled and op["pass"] == "bwd" and cells is not None:
+        lifted = rule == "underflow" or sinking
+        if lifted and not scaled and op["pass"] == "bwd" and cells is not None:
             headroom = _grad_headroom(cells, table, fmt, int(at[i]), meta, peaks)
         too_wide = (
             rule == "underflow"

@@ -84,13 +84,17 @@ def _loss_scaling_text(
     op: Mapping[str, Any], rule: str, log2_rms: float, fmt: str, headroom: float = math.inf
 ) -> str:
     """``; or loss scaling ...`` for a backward value that underflows off unit scale
-    (``log2_rms`` below -`RESCALE_LOG2`, or unknown): multiplying the loss by 2**k lifts
-    every gradient by 2**k, which is how naive FP16 training keeps gradients in range. k
+    (``log2_rms`` below -`RESCALE_LOG2`, or unknown), or whose scale drifts down there
+    (``drift``/``trend`` of a naive FP16 gradient, flushed before a cast): multiplying
+    the loss by 2**k lifts every gradient by 2**k, which is how naive FP16 training
+    keeps gradients in range. k
     lifts this value's RMS to 1, at most ``headroom`` (log2 of how far the largest
     gradient held in ``fmt`` is below its max: one loss scale moves them all). "" for
     any other finding, for a gradient near unit scale, and when no 2**k fits."""
-    if rule != "underflow" or op["pass"] != "bwd":
+    if rule not in ("underflow", "drift", "trend") or op["pass"] != "bwd":
         return ""
+    if rule != "underflow" and not log2_rms < -RESCALE_LOG2:
+        return ""  # a scale drift upward (or unknown) is no case for loss scaling
     room = math.floor(headroom) if math.isfinite(headroom) else None
     if room is not None and room < 1:
         return ""  # the largest gradient already fills the format: no loss scale fits
