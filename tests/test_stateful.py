@@ -74,7 +74,7 @@ def test_a_stateful_nnx_step_trains_as_under_nnx_jit(tmp_path):
     reference = nnx.jit(train_step)
     with ss.Run(tmp_path / "r", every=2) as run, warnings.catch_warnings():
         warnings.simplefilter("error")  # no "not written back" warning
-        step = run.track(train_step)
+        step = run.track(train_step, scalify=False)  # plain arguments: recorded as written
         for x, y in batches:
             loss = step(model, optimizer, x, y)
             ref_loss = reference(ref_model, ref_opt, x, y)

@@ -209,6 +209,8 @@ def test_non_array_arguments_are_static_as_with_static_argnums(tmp_path, scalify
                 warnings.simplefilter("always")
                 got = tracked(p, s, opt, mean_square, x, act=act)
             jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got, want)
+            # (scalify=True on plain arguments says once that nothing is scaled)
+            caught = [w for w in caught if "carries a scale" not in str(w.message)]
             # sin traces another graph than the run's: it runs, unrecorded, and says so
             assert len(caught) == (act == "sin"), [str(w.message) for w in caught]
             if act == "sin":
@@ -888,3 +890,31 @@ def test_ops_are_found_by_the_labels_the_views_show(tmp_path):
     table = ss.instrument(_two_matmuls, scalify=False).op_table(w, x)
     (rec,) = select_ops(table, "fwd/dot_general#2")
     assert rec.id == table.find("dot_general")[1].id
+
+
+def test_a_scalified_step_on_plain_arguments_says_it_runs_unscaled(tmp_path):
+    """`Run.track` scalifies by default, but a step whose arguments are plain arrays
+    carries no scale: it runs as written. That is said once, at the user's line, and the
+    run's graph records it unscaled (so the advisor's fixes are the naive ones); with
+    scaled arguments nothing is said and the graph is scalified."""
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    w, x = jnp.linspace(-1, 1, 8).reshape(4, 2), jnp.ones((3, 4))
+    for name, arg in (("plain", w), ("scaled", ss.as_scaled_array(w, "rms"))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ss.Run(tmp_path / name, every=1) as run:
+                tracked = run.track(step)
+                for _ in range(3):
+                    arg, _loss = tracked(arg, x)
+        said = [w for w in caught if "carries a scale" in str(w.message)]
+        graph = ss.open_run(tmp_path / name).meta["graph"]
+        if name == "plain":
+            assert len(said) == 1 and said[0].filename == __file__, said
+            assert "ss.as_scaled_array" in str(said[0].message)
+            assert graph["scalify"] is False
+        else:
+            assert said == [] and graph["scalify"] is True

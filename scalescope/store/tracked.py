@@ -19,10 +19,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -83,6 +85,16 @@ class _ProgramCache:
 
 
 _PROGRAMS = _ProgramCache()
+
+
+def _outside_package() -> int:
+    """The ``stacklevel`` of the first caller outside scalescope, for a warning that
+    names the user's line whichever entry point (a call, ``warmup``) got there."""
+    package = str(Path(__file__).resolve().parents[1])
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Tracked:
@@ -181,6 +193,23 @@ class Tracked:
         plain_jit = StaticLeafJit(plain, _WHERE, self._program_name())
         return self.instrumented, plain_jit, self._recording_fn(None)
 
+    def _scalified(self, table: Any) -> bool:
+        """Whether the step runs scaled (what the run's graph records, and the advisor's
+        fixes follow): asked for, and some value of it carries a scale. Under scalify a
+        step whose arguments are plain arrays runs as written (naive casts): that is
+        said once, with how to scalify it or record it as it is."""
+        if not self.scalify or any(op.scaled for op in table):
+            return self.scalify
+        warnings.warn(
+            f"Run.track: {self._program_name()} runs under scalify, but none of its "
+            "values carries a scale (its arguments are plain arrays): it runs and is "
+            "recorded as written, its casts unscaled. Pass them as "
+            "ss.as_scaled_array(x, 'rms') to scale them, or track(fn, scalify=False) to "
+            "record the step as it is without this warning",
+            stacklevel=_outside_package(),
+        )
+        return False
+
     def _program_name(self) -> str:
         """Every program of the step is named after it (see `StaticLeafJit`)."""
         return program_name(getattr(self.instrumented, "__wrapped__", self.instrumented), "step")
@@ -218,7 +247,7 @@ class Tracked:
         mask = self._every_group()
         traced = self._recording.trace(*(() if mask is None else (mask,)), *args, **kwargs)
         table = self.instrumented.op_table(*args, **kwargs)
-        self.run._register(table, self.scalify)
+        self.run._register(table, self._scalified(table))
         self._registered = True
         if self.policy is not None:
             self._measure = self._held_measure(table, args, kwargs, mesh)
