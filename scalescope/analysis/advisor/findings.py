@@ -278,28 +278,35 @@ def _grad_headroom(
     fmt: str,
     step: int,
     meta: Mapping[str, Any] | None,
-    peaks: dict[str, dict[int, float]],
+    peaks: dict[str, tuple[dict[int, float], bool]],
 ) -> float:
     """log2 of how far every backward value held in ``fmt`` (cast to it, or stored in it)
-    can be multiplied at ``step`` before the largest (at least the loss's cotangent, 1)
-    reaches ``fmt``'s max: the most a loss scale may lift the gradients. inf when the
-    format's max is unknown or no value abs-max was recorded.
-    ``peaks`` caches the largest value abs-max per step, per format."""
+    can be multiplied at ``step`` before the largest reaches ``fmt``'s max: the most a
+    loss scale may lift the gradients. Where the backward pass computes in ``fmt`` (a
+    value of its dtype, not only cast to it) the largest is at least 1: the pass starts
+    from the loss's own cotangent, 1 times the loss scale, which the probe does not
+    measure (a float16 loss weighted by 2**-14 was offered 2**24, an inf there). inf
+    when the format's max is unknown or no value abs-max was recorded.
+    ``peaks`` caches, per format, the largest value abs-max per step and whether the
+    backward pass computes in it."""
     top = _format_info(fmt, meta).get("max")
     if not top or "_amax" not in cells.cols:
         return math.inf
     if fmt not in peaks:
         dtype = table["dtype"].astype(str).map(_LOW_PRECISION).fillna("")
         held = table["cast_to"].astype(str).where(table["cast_to"].astype(str) != "", dtype)
-        ops = table.index[(table["pass"].astype(str) == "bwd") & (held == fmt)].to_numpy()
+        bwd = table["pass"].astype(str) == "bwd"
+        ops = table.index[bwd & (held == fmt)].to_numpy()
         flat = cells.flat(["_amax"], np.asarray(ops, np.int64))
         frame = pd.DataFrame({"step": flat.step, "amax": flat.cols["_amax"]})
-        peaks[fmt] = frame.groupby("step")["amax"].max().to_dict()
-    peak = peaks[fmt].get(step, math.nan)
-    # the backward pass starts from the loss's own cotangent, 1, times the loss scale:
-    # a value the probe does not measure (a constant), and the largest where the
-    # gradients have sunk (a loss weighted by 2**-14: 2**24 was offered, an fp16 inf)
-    peak = max(peak, 1.0) if peak > 0 and math.isfinite(peak) else 1.0
+        computes_in = bool((bwd & (dtype == fmt)).any())
+        peaks[fmt] = (frame.groupby("step")["amax"].max().to_dict(), computes_in)
+    by_step, computes_in = peaks[fmt]
+    peak = by_step.get(step, math.nan)
+    if computes_in:
+        peak = max(peak, 1.0) if peak > 0 and math.isfinite(peak) else 1.0
+    if not peak > 0 or not math.isfinite(peak):
+        return math.inf
     return math.log2(float(top) / peak)
 
 
@@ -356,7 +363,7 @@ def _finish(
     records = rec.to_dict("records")
     by_op = dict(zip(op_ids, records))
     fixes = []
-    peaks: dict[str, dict[int, float]] = {}
+    peaks: dict[str, tuple[dict[int, float], bool]] = {}
     for i, (rule, fmt, op) in enumerate(zip(found["rule"].tolist(), found["format"], records)):
         scaled = run_scalified or bool(op["scaled"])
         if rule == "delayed":
