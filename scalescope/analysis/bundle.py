@@ -178,10 +178,15 @@ class RunAnalysis:
         )
 
     @_part
+    def logged(self) -> pd.Series:
+        """The logged scalar the verdict reads (``loss``), by step (`logged_loss`)."""
+        return logged_loss(self.reader.scalar_rows(), self.loss)
+
+    @_part
     def verdict(self) -> Verdict:
         """The run's verdict: its findings and its logged loss (`verdict`); a run with
         no recorded step is not judged by statistics (`Verdict.unjudged`)."""
-        loss = logged_loss(self.reader.scalar_rows(), self.loss)
+        loss = self.logged
         return unjudged_if_unrecorded(verdict(self.findings, loss), self.reader, loss)
 
     @_part
@@ -189,8 +194,7 @@ class RunAnalysis:
         """How the logged loss diverged, whatever the verdict's status (the gate's
         ``diverged``): its turning NaN/inf (`nonfinite_loss_text`), else its going up
         (`loss_trend_text`); "" when it did neither or none was logged."""
-        loss = logged_loss(self.reader.scalar_rows(), self.loss)
-        return nonfinite_loss_text(loss) or loss_trend_text(loss)
+        return nonfinite_loss_text(self.logged) or loss_trend_text(self.logged)
 
     @_part
     def causes(self) -> pd.DataFrame:

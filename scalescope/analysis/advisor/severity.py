@@ -182,9 +182,6 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                     impact = findings["impact"].to_numpy(np.float64)[m]
                     capped = np.flatnonzero(m)[~recipe[m] & (impact < 1.0)]
                     out[capped] = np.minimum(out[capped], 1.999)
-                    # one whose inf the step discards (`_handled`): low
-                    handled = np.flatnonzero(m)[~recipe[m] & (impact == 0.0)]
-                    out[handled] = np.minimum(out[handled], 0.999)
             elif name == "snr":
                 # graded from the lower of the format's threshold and E4M3's: a cast that
                 # keeps more SNR than a healthy E4M3 cast (an FP16 cast at 40 dB) loses
@@ -194,9 +191,6 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                 level = _band_level(graded, 0.0, SEVERITY_STEPS["snr"], 36.0)
                 low = np.clip(np.where(np.isnan(v), 0.0, t - v) / 36.0, 0.0, 0.999)
                 out[m] = np.where(graded > 0, level, low)
-                if "impact" in findings.columns:  # lost only to a handled overflow: low
-                    lost = findings["impact"].to_numpy(np.float64)[m]
-                    out[m] = np.where(lost == 0.0, np.minimum(out[m], 0.999), out[m])
             elif name == "stall":  # graded with the model's share lost (the impact)
                 if "impact" in findings.columns:
                     v = np.fmin(v, findings["impact"].to_numpy(np.float64)[m])
@@ -211,6 +205,12 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
                     once = findings["steps"].to_numpy()[m] <= 1  # warm-up transient):
                     level = np.where(once, np.minimum(level, 1.999), level)  # medium at most
                 out[m] = level
+        if "impact" in findings.columns:
+            # an overflow whose inf the step discards (impact 0,
+            # `detectors_formats._handled`), and its SNR at those steps: low
+            lost = findings["impact"].to_numpy(np.float64)
+            handled = np.isin(rule, ("overflow", "snr")) & (lost == 0.0)
+            out[handled] = np.minimum(out[handled], 0.999)
     return out
 
 
