@@ -422,7 +422,10 @@ class Tracked:
         None when not detecting."""
         if self.in_step:
             return res
-        return res, (_HEALTH(args[:1], res) if self.detect else None)
+        if not self.detect:
+            return res, None
+        self._warm.add("check")  # compiled by this call if it was the first
+        return res, _HEALTH(args[:1], res)
 
     # -- the flight recorder ---------------------------------------------------------------
 
