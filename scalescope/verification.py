@@ -46,7 +46,10 @@ class Verification:
     ``step_ratio``: the emulated step's time over the plain step's (median, compiled).
     ``noise``: the gap of the control (the same values rounded to BF16 instead, a
     harmless perturbation: how far any two trajectories drift apart; NaN when no control
-    ran); ``threshold`` is then at least `NOISE_FACTOR` times its magnitude."""
+    ran); ``threshold`` is then at least `NOISE_FACTOR` times its magnitude.
+    ``spread``: the standard error of the gap, from the per-step differences of the two
+    runs over the tail (the same batches: what one window of steps can tell apart);
+    ``threshold`` is at least `NOISE_FACTOR` times it too."""
 
     policy: list[list[str]]
     steps: int
@@ -59,6 +62,7 @@ class Verification:
     step_ratio: float
     noise: float = math.nan
     loss_control: list[float] = field(default_factory=list)
+    spread: float = math.nan  # standard error of the gap from its tail's paired steps
     predicted: str = ""  # the what-if's verdict of the policy, when known
     prediction: list[dict[str, Any]] = field(default_factory=list)  # per reached value
     meta: dict[str, Any] = field(default_factory=dict)
@@ -88,12 +92,17 @@ class Verification:
         )
         if self.gap < -self.threshold:
             line += (
-                "\nthe policy's loss is below the plain one by more than the noise: it "
-                "rounds the loss's own computation (a sum saturating in E4M3), not a better "
-                "training"
+                "\nthe policy's loss is below the plain one by more than the noise: a "
+                "rounding does not train better, so the run departs from the plain one "
+                "(a rule rounding the loss's own sums, E4M3 saturating at 448, reads so)"
             )
         if math.isfinite(self.noise):
             line += f"\nnoise floor: the same values in BF16 move the loss {self.noise:+.2%}"
+        if math.isfinite(self.spread):
+            line += (
+                f"\nspread: the gap's standard error over the last {self.tail} steps is "
+                f"{self.spread:.2%} (paired steps, the same batches)"
+            )
         if self.predicted:
             agree = {True: "agrees", False: "disagrees", None: "cannot be compared"}[self.agrees]
             line += f"\npredicted by the what-if: {self.predicted} ({agree})"
@@ -111,6 +120,22 @@ def _tail_mean(values: list[float], tail: int) -> float:
 def _gap(plain: float, other: float) -> float:
     """(other - plain) / |plain|; NaN when the plain loss is not a finite non-zero."""
     return (other - plain) / abs(plain) if plain != 0 and math.isfinite(plain) else math.nan
+
+
+def _spread(plain: list[float], other: list[float], tail: int, mean: float) -> float:
+    """Standard error of the relative gap over the last ``tail`` steps, from the steps'
+    paired differences (both runs see the same batches, so each step's difference is
+    one sample of the gap); NaN under two steps or with a non-finite loss. Steps are
+    treated as independent: the gap of one window of a few tens of steps moves by about
+    this much from the next (a ViT at +-2 % in MXFP8, docs/policies.md)."""
+    a = np.asarray(plain[-tail:], np.float64)
+    b = np.asarray(other[-tail:], np.float64)
+    if tail < 2 or len(a) < 2 or not (math.isfinite(mean) and mean != 0):
+        return math.nan
+    diff = (b - a) / abs(mean)
+    if not np.isfinite(diff).all():
+        return math.nan
+    return float(np.std(diff, ddof=1) / math.sqrt(len(diff)))
 
 
 def _loss_of(out: Any, where: str) -> tuple[tuple, float | Any]:
@@ -171,7 +196,10 @@ def verify(
     (a harmless rounding of the same values): its gap is the noise floor, and a gap
     counts as unsafe only beyond `NOISE_FACTOR` times it (or ``threshold``, whichever
     is larger). A small model whose trajectories drift apart by a percent from any
-    perturbation would otherwise be called unsafe by noise."""
+    perturbation would otherwise be called unsafe by noise. The threshold is also at
+    least `NOISE_FACTOR` times the gap's standard error over the tail (``spread``): one
+    control is one sample of the noise, and an FP8 trajectory wanders further from the
+    plain one than a BF16 one does."""
     policy = as_policy(policy)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"verify: steps must be a positive int, got {steps!r}")
@@ -220,6 +248,9 @@ def verify(
         noise = _gap(a, _tail_mean(loss_c, tail))
         if math.isfinite(noise):
             threshold = max(threshold, NOISE_FACTOR * abs(noise))
+    spread = _spread(loss_a, loss_b, tail, a)
+    if math.isfinite(spread):
+        threshold = max(threshold, NOISE_FACTOR * spread)
     bad = not all(math.isfinite(v) for v in loss_b)
     if not (math.isfinite(a) and a != 0):  # no baseline to measure a gap against
         verdict = "unknown"
@@ -241,4 +272,5 @@ def verify(
         step_ratio=ratio,
         noise=float(noise),
         loss_control=loss_c,
+        spread=float(spread),
     )

@@ -4,6 +4,7 @@ beside the plain step and keep the measured gap, which the report shows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -91,6 +92,33 @@ def test_recommend_merges_layers_only_where_every_layer_agrees():
         A.recommend_policy(whatif.drop(columns=[(CHEAPEST, "")]), ops)
 
 
+def test_recommend_refuses_values_the_step_already_rounds():
+    """A naive FP8 run's matmul reads ``x.astype(float8).astype(float32)``: its statistics
+    are the float8 value's (an alias). A recipe there would round on top of the cast
+    (helper-31: NVFP4 stacked on a naive run's casts trained 44 % worse than the naive run
+    and was predicted safe), so the recommendation refuses and says where to take it."""
+    cheapest = {"fwd/mlp/w": "nvfp4", "fwd/mlp/x": "nvfp4"}
+    ops, whatif = _frames(cheapest, {})
+    ops["dtype"] = "float32"
+    assert len(A.recommend_policy(whatif, ops)) == 2  # an fp32 run: recommended
+    ops.loc[1, "stats_op"] = 2  # x is the widened float8 cast of a value of its own
+    narrow = pd.DataFrame(
+        {"pass": ["fwd"], "name": ["mlp/convert_element_type"], "note": [""], "stats_op": [2]},
+        index=pd.Index([2], name="op"),
+    ).assign(gemm=False, dtype="float8_e4m3fn")
+    ops = pd.concat([ops, narrow])
+    whatif = pd.concat([whatif, whatif.iloc[[1]].set_axis([2])])
+    with pytest.raises(
+        ValueError,
+        match=r"1 matmul operand.*fwd/mlp/x \(widened from "
+        r"float8_e4m3fn\).*without its casts",
+    ):
+        A.recommend_policy(whatif, ops)
+    ops.loc[2, "dtype"] = "bfloat16"
+    ops["dtype"] = ops["dtype"].where(ops.index != 1, "bfloat16")  # a bf16 model: as computed
+    assert len(A.recommend_policy(whatif, ops)) >= 1
+
+
 # -- matmul reads ----------------------------------------------------------------------------
 
 
@@ -168,6 +196,28 @@ def test_verify_measures_a_harmless_and_a_harmful_policy():
         ss.verify(step, init, batches, {}, steps=20)
     with pytest.raises(TypeError, match=r"\(\*state, loss\)"):
         ss.verify(lambda w, b: w, init, batches, {}, steps=2)
+
+
+def test_verify_counts_the_tails_own_spread_as_noise():
+    """One BF16 control is one sample of the noise, and an FP8 trajectory wanders further
+    from plain than a BF16 one (helper-31: a ViT's MXFP8 gap read -0.91 % "unsafe beyond
+    ±0.50 %" while windows of its tail moved by ±2 %). The threshold is at least twice the
+    gap's standard error from the tail's paired steps (NumPy here, the same batches)."""
+    step, init, batches = _sgd_problem()
+    res = ss.verify(step, init, batches * 2, {"input/w": "e4m3"}, steps=20, control=False)
+    a = np.asarray(res.loss_plain[-res.tail :])
+    b = np.asarray(res.loss_policy[-res.tail :])
+    diff = (b - a) / abs(a.mean())
+    want = np.std(diff, ddof=1) / np.sqrt(len(diff))
+    assert res.tail == 2 and want > 0
+    np.testing.assert_allclose(res.spread, want, rtol=1e-12)
+    assert res.threshold >= 2 * want and res.threshold >= 0.005
+    assert res.verdict == ("safe" if abs(res.gap) <= res.threshold else "unsafe")
+    assert f"{res.spread:.2%} (paired steps" in res.summary()
+    # a gap below plain beyond the noise: no cause is claimed that the policy may not have
+    low = dataclasses.replace(res, gap=-0.5, threshold=0.01, verdict="unsafe")
+    assert "rounds the loss's own computation" not in low.summary()
+    assert "a rounding does not train better" in low.summary()
 
 
 def test_verify_judges_the_training_not_the_returned_number():

@@ -125,6 +125,39 @@ def exact_pattern(label: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", label)
 
 
+def _float_bits(dtype: str) -> int:
+    """Bits of a floating-point dtype named ``dtype`` (0 when it is not one)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        import ml_dtypes  # noqa: F401  (registers float8_* and friends with NumPy)
+
+        try:
+            dt = np.dtype(getattr(ml_dtypes, dtype))
+        except (AttributeError, TypeError):
+            return 0
+    return 8 * dt.itemsize if dt.kind == "f" or "float" in dt.name else 0
+
+
+def _already_rounded(ops: pd.DataFrame, stats_op: pd.Series, keep: np.ndarray) -> list[str]:
+    """Labels of the kept values that the step itself rounds: a value whose statistics are
+    those of a narrower float (a cast's round trip, ``x.astype(float8).astype(float32)``,
+    reads as an alias of the float8 value). A policy would round them again."""
+    dtype = ops["dtype"].astype(str) if "dtype" in ops.columns else None
+    if dtype is None:
+        return []
+    labels = op_label_series(ops)
+    out = []
+    for op, ok in zip(ops.index, keep):
+        src = int(stats_op[op])
+        if not ok or src == op or src not in dtype.index:
+            continue
+        narrow, wide = _float_bits(dtype[src]), _float_bits(dtype[op])
+        if 0 < narrow < wide:
+            out.append(f"{labels[op]} (widened from {dtype[src]})")
+    return out
+
+
 def recommend_policy(
     whatif: pd.DataFrame,
     ops: pd.DataFrame,
@@ -139,7 +172,9 @@ def recommend_policy(
     safe; values safe in neither get no rule (they stay as computed). Rules are merged
     across layers where the targets agree.
 
-    Raises ValueError when the frame holds no recipe (record with ``formats=(...,
+    Raises ValueError when the step itself rounds a value it would cover (a cast's
+    round trip, as in a naive FP8 run: the policy would stack on that cast), when the
+    frame holds no recipe (record with ``formats=(...,
     "mxfp8_e4m3", "nvfp4")``) or the op table no ``gemm`` column (a run recorded
     before scalescope marked matmul operands: pass ``gemm_only=False``)."""
     if (CHEAPEST, "") not in whatif.columns:
@@ -158,6 +193,14 @@ def recommend_policy(
     keep = _reachable(ops) & ops["pass"].astype(str).isin(passes).to_numpy()
     if gemm_only:
         keep &= ops["gemm"].fillna(False).astype(bool).to_numpy()
+    rounded = _already_rounded(ops, stats_op, keep)
+    if rounded:
+        raise ValueError(
+            f"recommend_policy: {len(rounded)} matmul operand(s) of this run are already "
+            f"rounded by the step itself (e.g. {rounded[0]}): a policy would round them "
+            "again on top of those casts. Recommend from a run of the step without its "
+            "casts (its fp32 run): the policy then stands in for them"
+        )
     has_fallback = fallback in whatif_groups(whatif)
     picks: dict[str, str] = {}
     for op, ok in zip(ops.index, keep):

@@ -183,7 +183,7 @@ def write_verification(run: Path, record: dict[str, Any]) -> Path:
 
 
 #: A verification's numbers that may be undefined (NaN in memory, null on disk).
-_VERIFICATION_FLOATS = ("gap", "noise", "step_ratio", "threshold")
+_VERIFICATION_FLOATS = ("gap", "noise", "spread", "step_ratio", "threshold")
 
 
 def _finite(obj: Any) -> Any:
