@@ -21,6 +21,10 @@ from typing import Any
 # 20.4 dB on N(0, 1) data (1024 x 1024, blocks along the last axis), 19.5 by the rule.
 SNR_GAUSSIAN_DB: dict[str, float] = {"e4m3": 31.5, "e5m2": 25.5, "fp16": 73.7, "bf16": 55.6}
 SNR_MARGIN_DB = 6.0
+#: A gradient in a block-scaled recipe with 8-bit elements is held to its element
+#: format's threshold less this (dB): set between the logits gradients measured harmed
+#: in MXFP8 FLOOR (18.9, 20.1 dB) and those that were not (23.5, 24.5 dB).
+GRAD_SNR_MARGIN_DB = 3.0
 DEFAULT_SNR_DB: dict[str, float] = {
     "e4m3": 25.5,
     "e5m2": 19.5,
@@ -58,6 +62,19 @@ class Thresholds:
     hold a recipe to less clipping); ``recipe_underflow``: largest tolerated fraction of
     non-zero elements flushed to zero (default 0.75, the fraction of a gradient whose
     flush broke training in the verdict corpus).
+    A gradient (a backward value) in a recipe is held to more: half a bit under its
+    element format's own SNR threshold (`GRAD_SNR_MARGIN_DB`: E4M3 22.5 dB, E5M2 16.5
+    dB; E2M1 keeps 13.5 dB; `recipe_limits`) and at most
+    ``recipe_grad_underflow`` (default 0.5) of its elements flushed. A weight gradient
+    sums each gradient element over every token, so an error that is systematic rather
+    than random adds up: FLOOR scales clip the largest element of a block, which in a
+    logits gradient is the target's, and E2M1 flushes the small ones, whose sum equals
+    it. Measured (docs/advisor.md): the logits gradient alone in MXFP8 FLOOR at
+    18.9-20.1 dB trained +0.7 % (sample GPT) and +13 % (an NNX LM) worse, while a ViT's
+    and an MLP's at 23.5 and 24.5 dB cost nothing measurable; in NVFP4, with 53-55 %
+    flushed, +3.5 % and +47 %, the ViT's with 39 % flushed nothing; every other gradient
+    operand of those models sat at 27.6 dB or more in MXFP8 and flushed 49 % or less in
+    NVFP4, and cost under 2.3 %.
     ``trend_min_points``: fewest recorded steps a trend fit uses;
     ``trend_min_r2``: the fit must explain at least this share of the variance, so a
     flat but noisy op near the bound is not projected out of it.
@@ -89,6 +106,7 @@ class Thresholds:
     recipe_overflow: float = 1.0
     recipe_underflow: float = 0.75
     recipe_snr_db: float = 13.5
+    recipe_grad_underflow: float = 0.5
     stall: float = 0.05
 
     def __post_init__(self) -> None:
@@ -102,6 +120,7 @@ class Thresholds:
             "recipe_overflow",
             "recipe_underflow",
             "recipe_snr_db",
+            "recipe_grad_underflow",
             "stall",
         )
         for name in names:
@@ -114,6 +133,7 @@ class Thresholds:
             "nonfinite",
             "recipe_overflow",
             "recipe_underflow",
+            "recipe_grad_underflow",
             "stall",
         ):
             if getattr(self, name) > 1:
@@ -151,6 +171,22 @@ class Thresholds:
                 "bits are unknown; add it to snr_db"
             )
         return snr_from_mantissa(int(bits))
+
+    def recipe_limits(
+        self, name: str, meta: Mapping[str, Any] | None = None, *, gradient: bool = False
+    ) -> tuple[float, float]:
+        """``(lowest SNR in dB, largest flushed fraction)`` tolerated for format or recipe
+        ``name``; a ``gradient`` (backward value) in a recipe is held to its element
+        format's SNR threshold less `GRAD_SNR_MARGIN_DB` (when that is higher) and to
+        `recipe_grad_underflow`."""
+        snr, under = self.snr_for(name, meta), self.underflow_for(name)
+        element = recipe_element(name)
+        if gradient and element is not None:
+            own = self.snr_db.get(element.name)
+            own = snr_from_mantissa(element.mantissa_bits) if own is None else float(own)
+            snr = max(snr, own - GRAD_SNR_MARGIN_DB)
+            under = min(under, self.recipe_grad_underflow)
+        return snr, under
 
     def overflow_for(self, name: str) -> float:
         """Tolerated overflow fraction: `recipe_overflow` for a block-scaled recipe,

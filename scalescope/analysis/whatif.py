@@ -73,8 +73,8 @@ def _fraction(kind: str, values: np.ndarray) -> Callable[[np.ndarray], list[str]
     return lambda idx: [f"{kind} {pct(v)}" for v in values[idx]]
 
 
-def _snr_text(values: np.ndarray, threshold: float) -> Callable[[np.ndarray], list[str]]:
-    return lambda idx: [f"snr {v:.1f} dB < {threshold:g} dB" for v in values[idx]]
+def _snr_text(values: np.ndarray, threshold: np.ndarray) -> Callable[[np.ndarray], list[str]]:
+    return lambda idx: [f"snr {v:.1f} dB < {t:g} dB" for v, t in zip(values[idx], threshold[idx])]
 
 
 def _verdicts(
@@ -84,6 +84,7 @@ def _verdicts(
     thresholds: Thresholds,
     meta: dict[str, Any] | None,
     recipe: bool,
+    gradient: np.ndarray,
 ) -> pd.DataFrame:
     """The column group of one format or recipe from the per-op worst statistics.
 
@@ -91,16 +92,19 @@ def _verdicts(
     above ``thresholds.underflow`` or SNR under its threshold; a recipe on NaN/inf data,
     SNR under ``thresholds.recipe_snr_db``, clipping above ``thresholds.recipe_overflow``
     or underflow above ``thresholds.recipe_underflow`` (its flushed blocks are shown,
-    their cost is in the SNR)."""
+    their cost is in the SNR); a ``gradient`` (backward value, per op) in a recipe under
+    the stricter `Thresholds.recipe_limits`."""
     over = worst[f"overflow_{name}"].to_numpy()
     under = worst[f"underflow_{name}"].to_numpy()
     snr = worst[f"snr_{name}"].to_numpy()
-    snr_thr = thresholds.snr_for(name, meta)
+    limits = [thresholds.recipe_limits(name, meta, gradient=g) for g in (False, True)]
+    snr_thr = np.where(gradient, limits[1][0], limits[0][0])
+    under_thr = np.where(gradient, limits[1][1], limits[0][1])
     with np.errstate(invalid="ignore"):  # NaN (no finite element) fails nothing
         failures: list[Failure] = [
             (nonfinite > thresholds.nonfinite, _fraction("nonfinite", nonfinite)),
             (over > thresholds.overflow_for(name), _fraction("overflow", over)),
-            (under > thresholds.underflow_for(name), _fraction("underflow", under)),
+            (under > under_thr, _fraction("underflow", under)),
             (snr < snr_thr, _snr_text(snr, snr_thr)),
         ]
         if recipe:
@@ -144,7 +148,9 @@ def format_whatif(
     its SNR at or above ``thresholds.recipe_snr_db``, clips at most
     ``thresholds.recipe_overflow`` and flushes at most ``thresholds.recipe_underflow``
     of its non-zero elements (see `Thresholds`: recipes are judged by the noise they
-    add, clipping and flushed blocks included). ``thresholds``: the advisor's
+    add, clipping and flushed blocks included), a gradient (a ``bwd`` value) to its
+    element format's SNR threshold and ``thresholds.recipe_grad_underflow`` when those
+    are stricter (`Thresholds.recipe_limits`). ``thresholds``: the advisor's
     (`Thresholds`); ``meta``: run metadata, only to derive the SNR threshold of a format
     missing from ``thresholds.snr_db``.
 
@@ -177,8 +183,10 @@ def format_whatif(
         nonfinite = worst["frac_nonfinite"].to_numpy(np.float64, copy=True)
         masks = _masks(stats, thresholds.mask_min_steps, fill_ops(table))
         nonfinite[ids.isin(masks)] = 0.0
+    gradient = (table["pass"].astype(str) == "bwd").reindex(ids, fill_value=False).to_numpy()
     parts = {
-        name: _verdicts(worst, name, nonfinite, thresholds, meta, name in recipes) for name in names
+        name: _verdicts(worst, name, nonfinite, thresholds, meta, name in recipes, gradient)
+        for name in names
     }
     if not parts:
         columns_ = pd.MultiIndex.from_arrays([[], []], names=["format", "field"])
@@ -334,5 +342,10 @@ def recipe_rule_text(thresholds: Thresholds) -> str:
         f"quantisation SNR stays at or above {t.recipe_snr_db:g} dB (a recipe's own entry "
         "in the SNR thresholds where it has one; the SNR counts what it clips and what "
         f"its flushed blocks lose), {clip}, it flushes at most {pct(t.recipe_underflow)} "
-        "of the non-zero values to zero and the op holds no NaN/inf."
+        "of the non-zero values to zero and the op holds no NaN/inf. A gradient (a "
+        "backward value) is held to more, since a weight gradient adds its errors up over "
+        "every token: an SNR at or above "
+        f"{t.recipe_limits('mxfp8_e4m3', gradient=True)[0]:g} dB with E4M3 elements and "
+        f"{t.recipe_limits('mxfp8_e5m2', gradient=True)[0]:g} dB with E5M2 ones, and at "
+        f"most {pct(t.recipe_grad_underflow)} flushed."
     )

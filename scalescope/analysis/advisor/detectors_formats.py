@@ -23,92 +23,119 @@ def _format_findings(
     thresholds: Thresholds,
     meta: Mapping[str, Any] | None,
     outputs: np.ndarray | None = None,
+    gradients: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
+    """Findings of the format rules per format or recipe of ``checked`` (op ids each);
+    ``gradients``: the backward ops, which a recipe holds to `Thresholds.recipe_limits`
+    with ``gradient=True``; ``outputs``: the step's output ops (a handled overflow)."""
     rows: list[dict[str, Any]] = []
     finite_out = (
         _finite_output_steps(cells, np.asarray(outputs, np.int64))
         if outputs is not None
         else np.zeros(0, np.int64)
     )
-    for fmt, ids in checked.items():
-        sel = cells.rows_of(ids)
-        info = _format_info(fmt, meta)
-        limit = info.get("max")
-        tiny = info.get("min_subnormal")
-        snr_thr = thresholds.snr_for(fmt, meta)
-        over = thresholds.overflow_for(fmt)
-        rules = (
-            ("overflow", f"overflow_{fmt}", "max", over, "gt"),
-            ("underflow", f"underflow_{fmt}", "max", thresholds.underflow_for(fmt), "gt"),
-            ("snr", f"snr_{fmt}", "min", snr_thr, "lt"),
-        )
-        edge = rounding_edge(info) if recipe_element(fmt) is None else math.nan
-        handled: dict[int, np.ndarray] = {}  # op -> the steps of its handled overflow
-        for rule, col, worst, thr, how in rules:
-            values = cells.cols[col]
-            mask = _compare(values, how, thr) & sel
-            peaks = {}
-            if rule == "overflow" and math.isfinite(edge) and "absmax" in cells.cols:
-                hits = _hit_rows(_hits(cells, cells.cols["absmax"], mask, "max"))
-                peaks = {op: peak for op, _, _, peak, _ in hits}
-            for op, first, k, v, at in _hit_rows(_hits(cells, values, mask, worst)):
-                n = int(cells.sizes[np.searchsorted(cells.ids, op)])
-                # every overflowing element under the edge rounds to the max (an abs-max
-                # not above the max disagrees with the overflow: no claim then)
-                saturated = bool(limit < peaks.get(op, math.inf) < edge) if peaks else False
-                contained = False
-                if rule == "overflow":
-                    bound = f" (|x| > {_num(limit)})" if limit else ""
-                    text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
-                    if saturated:
-                        text += (
-                            f", none beyond {_num(edge)} (largest {_num(peaks[op])}): they "
-                            f"round to ±{_num(limit)}, not to inf/NaN, but no headroom is left"
-                        )
-                    elif math.isfinite(edge):
-                        contained = _handled(cells, op, mask, finite_out, k, n)
-                        if contained:
-                            handled[op] = _op_steps(cells, op, mask)
-                    if contained:
-                        text += (
-                            "; dropped downstream: the step's outputs (parameters, optimizer "
-                            "state, loss) stay finite at those steps, at a minority of the "
-                            "recorded ones (a dynamic loss scaler probing upward skips such "
-                            "a step and halves its scale)"
-                        )
-                elif rule == "underflow":
-                    bound = f" (|x| < {_num(tiny)})" if tiny else ""
-                    text = f"{pct(v)} of non-zero values flush to zero in {fmt}{bound} at step {at}"
-                    wide = _too_wide(cells, op, at, info)
-                    if wide is not None:
-                        text += (
-                            f"; its dynamic range, {wide[0]:.1f} octaves, is wider than "
-                            f"{fmt}'s {wide[1]:.1f} (max to smallest subnormal): no single "
-                            "scale keeps every element"
-                        )
-                else:
-                    text = f"SNR in {fmt} falls to {v:.1f} dB (threshold {thr:g} dB) at step {at}"
-                    # lost only at the steps of a handled overflow: that overflow's inf
-                    contained = op in handled and bool(
-                        np.isin(_op_steps(cells, op, mask), handled[op]).all()
-                    )
-                    if contained:
-                        text += ", only where it overflows and the step drops the inf"
-                rows.append(
-                    dict(
-                        op=op,
-                        rule=rule,
-                        format=fmt,
-                        first_step=first,
-                        steps=k,
-                        value=v,
-                        threshold=float(thr),
-                        evidence=f"{text}; {_steps_text(k, n, first)}.",
-                        _at=at,
-                        _saturated=saturated,
-                        _contained=contained,
-                    )
+    for fmt, all_ids in checked.items():
+        split = gradients is not None and recipe_element(fmt) is not None
+        grad = np.isin(all_ids, gradients) if split else np.zeros(len(all_ids), bool)
+        for gradient in (False, True):
+            ids = all_ids[grad == gradient]
+            if len(ids):
+                rows += _findings_of(
+                    cells, fmt, ids, thresholds, meta, finite_out, gradient=gradient
                 )
+    return rows
+
+
+def _findings_of(
+    cells: _Cells | _Dense,
+    fmt: str,
+    ids: np.ndarray,
+    thresholds: Thresholds,
+    meta: Mapping[str, Any] | None,
+    finite_out: np.ndarray,
+    *,
+    gradient: bool,
+) -> list[dict[str, Any]]:
+    """The format rules' findings of ops ``ids`` against ``fmt``."""
+    rows: list[dict[str, Any]] = []
+    sel = cells.rows_of(ids)
+    info = _format_info(fmt, meta)
+    limit = info.get("max")
+    tiny = info.get("min_subnormal")
+    snr_thr, under_thr = thresholds.recipe_limits(fmt, meta, gradient=gradient)
+    over = thresholds.overflow_for(fmt)
+    rules = (
+        ("overflow", f"overflow_{fmt}", "max", over, "gt"),
+        ("underflow", f"underflow_{fmt}", "max", under_thr, "gt"),
+        ("snr", f"snr_{fmt}", "min", snr_thr, "lt"),
+    )
+    edge = rounding_edge(info) if recipe_element(fmt) is None else math.nan
+    handled: dict[int, np.ndarray] = {}  # op -> the steps of its handled overflow
+    for rule, col, worst, thr, how in rules:
+        values = cells.cols[col]
+        mask = _compare(values, how, thr) & sel
+        peaks = {}
+        if rule == "overflow" and math.isfinite(edge) and "absmax" in cells.cols:
+            hits = _hit_rows(_hits(cells, cells.cols["absmax"], mask, "max"))
+            peaks = {op: peak for op, _, _, peak, _ in hits}
+        for op, first, k, v, at in _hit_rows(_hits(cells, values, mask, worst)):
+            n = int(cells.sizes[np.searchsorted(cells.ids, op)])
+            # every overflowing element under the edge rounds to the max (an abs-max
+            # not above the max disagrees with the overflow: no claim then)
+            saturated = bool(limit < peaks.get(op, math.inf) < edge) if peaks else False
+            contained = False
+            if rule == "overflow":
+                bound = f" (|x| > {_num(limit)})" if limit else ""
+                text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
+                if saturated:
+                    text += (
+                        f", none beyond {_num(edge)} (largest {_num(peaks[op])}): they "
+                        f"round to ±{_num(limit)}, not to inf/NaN, but no headroom is left"
+                    )
+                elif math.isfinite(edge):
+                    contained = _handled(cells, op, mask, finite_out, k, n)
+                    if contained:
+                        handled[op] = _op_steps(cells, op, mask)
+                if contained:
+                    text += (
+                        "; dropped downstream: the step's outputs (parameters, optimizer "
+                        "state, loss) stay finite at those steps, at a minority of the "
+                        "recorded ones (a dynamic loss scaler probing upward skips such "
+                        "a step and halves its scale)"
+                    )
+            elif rule == "underflow":
+                bound = f" (|x| < {_num(tiny)})" if tiny else ""
+                text = f"{pct(v)} of non-zero values flush to zero in {fmt}{bound} at step {at}"
+                wide = _too_wide(cells, op, at, info)
+                if wide is not None:
+                    text += (
+                        f"; its dynamic range, {wide[0]:.1f} octaves, is wider than "
+                        f"{fmt}'s {wide[1]:.1f} (max to smallest subnormal): no single "
+                        "scale keeps every element"
+                    )
+            else:
+                text = f"SNR in {fmt} falls to {v:.1f} dB (threshold {thr:g} dB) at step {at}"
+                # lost only at the steps of a handled overflow: that overflow's inf
+                contained = op in handled and bool(
+                    np.isin(_op_steps(cells, op, mask), handled[op]).all()
+                )
+                if contained:
+                    text += ", only where it overflows and the step drops the inf"
+            rows.append(
+                dict(
+                    op=op,
+                    rule=rule,
+                    format=fmt,
+                    first_step=first,
+                    steps=k,
+                    value=v,
+                    threshold=float(thr),
+                    evidence=f"{text}; {_steps_text(k, n, first)}.",
+                    _at=at,
+                    _saturated=saturated,
+                    _contained=contained,
+                )
+            )
     return rows
 
 

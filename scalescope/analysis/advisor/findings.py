@@ -224,7 +224,8 @@ def advise(
 
     outputs = output_ops(table)
     rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table), outputs)
-    rows += _format_findings(cells, checked, thresholds, meta, outputs)
+    gradients = ids[table["pass"].astype(str).to_numpy() == "bwd"]
+    rows += _format_findings(cells, checked, thresholds, meta, outputs, gradients)
     rows += _drift_findings(cells, band, thresholds)
     rows += _trend_findings(cells, band, thresholds, horizon)
     if replay_delayed:
