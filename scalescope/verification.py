@@ -106,6 +106,12 @@ class Verification:
         if self.predicted:
             agree = {True: "agrees", False: "disagrees", None: "cannot be compared"}[self.agrees]
             line += f"\npredicted by the what-if: {self.predicted} ({agree})"
+            if self.predicted == "safe" and len(self.prediction) > 1:
+                line += (
+                    f", value by value: each of the {len(self.prediction)} values passes "
+                    "alone; what their errors cost together only training shows (every "
+                    "matmul operand of a small LM in NVFP4, each value safe: +50 %)"
+                )
         return line
 
     def __str__(self) -> str:

@@ -218,6 +218,12 @@ def test_verify_counts_the_tails_own_spread_as_noise():
     low = dataclasses.replace(res, gap=-0.5, threshold=0.01, verdict="unsafe")
     assert "rounds the loss's own computation" not in low.summary()
     assert "a rounding does not train better" in low.summary()
+    # a prediction of many values is one value at a time: said so, not a policy's "safe"
+    rows = [{"op": 1, "safe": True}, {"op": 2, "safe": True}]
+    many = dataclasses.replace(res, predicted="safe", prediction=rows)
+    assert "value by value: each of the 2 values passes alone" in many.summary()
+    one = dataclasses.replace(res, predicted="safe", prediction=rows[:1])
+    assert "value by value" not in one.summary()
 
 
 def test_verify_judges_the_training_not_the_returned_number():

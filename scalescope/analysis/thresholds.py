@@ -21,10 +21,6 @@ from typing import Any
 # 20.4 dB on N(0, 1) data (1024 x 1024, blocks along the last axis), 19.5 by the rule.
 SNR_GAUSSIAN_DB: dict[str, float] = {"e4m3": 31.5, "e5m2": 25.5, "fp16": 73.7, "bf16": 55.6}
 SNR_MARGIN_DB = 6.0
-#: A gradient in a block-scaled recipe with 8-bit elements is held to its element
-#: format's threshold less this (dB): set between the logits gradients measured harmed
-#: in MXFP8 FLOOR (18.9, 20.1 dB) and those that were not (23.5, 24.5 dB).
-GRAD_SNR_MARGIN_DB = 3.0
 DEFAULT_SNR_DB: dict[str, float] = {
     "e4m3": 25.5,
     "e5m2": 19.5,
@@ -62,15 +58,16 @@ class Thresholds:
     hold a recipe to less clipping); ``recipe_underflow``: largest tolerated fraction of
     non-zero elements flushed to zero (default 0.75, the fraction of a gradient whose
     flush broke training in the verdict corpus).
-    A gradient (a backward value) in a recipe is held to more: half a bit under its
-    element format's own SNR threshold (`GRAD_SNR_MARGIN_DB`: E4M3 22.5 dB, E5M2 16.5
-    dB; E2M1 keeps 13.5 dB; `recipe_limits`) and at most
+    A gradient (a backward value) in a recipe is held to more (`recipe_limits`): with
+    8-bit elements an SNR of at least ``recipe_grad_snr_db`` (default 22.5 dB, E4M3's
+    threshold less half a bit; E2M1 elements keep ``recipe_snr_db``), and at most
     ``recipe_grad_underflow`` (default 0.5) of its elements flushed. A weight gradient
     sums each gradient element over every token, so an error that is systematic rather
     than random adds up: FLOOR scales clip the largest element of a block, which in a
     logits gradient is the target's, and E2M1 flushes the small ones, whose sum equals
     it. Measured (docs/advisor.md): the logits gradient alone in MXFP8 FLOOR at
-    18.9-20.1 dB trained +0.7 % (sample GPT) and +13 % (an NNX LM) worse, while a ViT's
+    18.9-20.1 dB trained +2.6 % (sample GPT; with E5M2 elements at 18.9 dB the same: the
+    cost is the clipping, not the rounding) and +13 % (an NNX LM) worse, while a ViT's
     and an MLP's at 23.5 and 24.5 dB cost nothing measurable; in NVFP4, with 53-55 %
     flushed, +3.5 % and +47 %, the ViT's with 39 % flushed nothing; every other gradient
     operand of those models sat at 27.6 dB or more in MXFP8 and flushed 49 % or less in
@@ -106,6 +103,7 @@ class Thresholds:
     recipe_overflow: float = 1.0
     recipe_underflow: float = 0.75
     recipe_snr_db: float = 13.5
+    recipe_grad_snr_db: float = 22.5
     recipe_grad_underflow: float = 0.5
     stall: float = 0.05
 
@@ -120,6 +118,7 @@ class Thresholds:
             "recipe_overflow",
             "recipe_underflow",
             "recipe_snr_db",
+            "recipe_grad_snr_db",
             "recipe_grad_underflow",
             "stall",
         )
@@ -176,15 +175,14 @@ class Thresholds:
         self, name: str, meta: Mapping[str, Any] | None = None, *, gradient: bool = False
     ) -> tuple[float, float]:
         """``(lowest SNR in dB, largest flushed fraction)`` tolerated for format or recipe
-        ``name``; a ``gradient`` (backward value) in a recipe is held to its element
-        format's SNR threshold less `GRAD_SNR_MARGIN_DB` (when that is higher) and to
+        ``name``; a ``gradient`` (backward value) in a recipe with 8-bit elements is held
+        to `recipe_grad_snr_db` (when that is higher), in any recipe to
         `recipe_grad_underflow`."""
         snr, under = self.snr_for(name, meta), self.underflow_for(name)
         element = recipe_element(name)
         if gradient and element is not None:
-            own = self.snr_db.get(element.name)
-            own = snr_from_mantissa(element.mantissa_bits) if own is None else float(own)
-            snr = max(snr, own - GRAD_SNR_MARGIN_DB)
+            if 1 + element.exponent_bits + element.mantissa_bits == 8:
+                snr = max(snr, float(self.recipe_grad_snr_db))
             under = min(under, self.recipe_grad_underflow)
         return snr, under
 

@@ -148,9 +148,10 @@ def format_whatif(
     its SNR at or above ``thresholds.recipe_snr_db``, clips at most
     ``thresholds.recipe_overflow`` and flushes at most ``thresholds.recipe_underflow``
     of its non-zero elements (see `Thresholds`: recipes are judged by the noise they
-    add, clipping and flushed blocks included), a gradient (a ``bwd`` value) to its
-    element format's SNR threshold and ``thresholds.recipe_grad_underflow`` when those
-    are stricter (`Thresholds.recipe_limits`). ``thresholds``: the advisor's
+    add, clipping and flushed blocks included), a gradient (a ``bwd`` value) to
+    ``thresholds.recipe_grad_snr_db`` (8-bit elements) and
+    ``thresholds.recipe_grad_underflow`` when those are stricter
+    (`Thresholds.recipe_limits`). ``thresholds``: the advisor's
     (`Thresholds`); ``meta``: run metadata, only to derive the SNR threshold of a format
     missing from ``thresholds.snr_db``.
 
@@ -344,8 +345,6 @@ def recipe_rule_text(thresholds: Thresholds) -> str:
         f"its flushed blocks lose), {clip}, it flushes at most {pct(t.recipe_underflow)} "
         "of the non-zero values to zero and the op holds no NaN/inf. A gradient (a "
         "backward value) is held to more, since a weight gradient adds its errors up over "
-        "every token: an SNR at or above "
-        f"{t.recipe_limits('mxfp8_e4m3', gradient=True)[0]:g} dB with E4M3 elements and "
-        f"{t.recipe_limits('mxfp8_e5m2', gradient=True)[0]:g} dB with E5M2 ones, and at "
-        f"most {pct(t.recipe_grad_underflow)} flushed."
+        f"every token: an SNR at or above {t.recipe_grad_snr_db:g} dB with 8-bit elements, "
+        f"and at most {pct(t.recipe_grad_underflow)} flushed."
     )
