@@ -198,6 +198,9 @@ def test_a_rule_that_reaches_nothing_names_the_nearest_ops():
         ss.Policy([("bwd/**", "e5m2"), ("bwd/mul", "bf16")]).describe(table)
     # ... and says which rule takes its ops, not "nearest op names" that it matches
     assert "taken by the earlier rule 'bwd/**'" in str(err.value), err.value
+    # a label copied with its shape, as the report and the dashboard show it: said so
+    with pytest.raises(ss.PolicyError, match=r"ends in a shape.*alone: 'fwd/dot_general#1'"):
+        ss.Policy({"fwd/dot_general#1 [4x8]": "e4m3"}).describe(table)
     assert "nearest" not in str(err.value)
     with pytest.raises(TypeError, match="target: an op label"):
         policy.target(3)

@@ -432,6 +432,15 @@ def _no_match(
             f"the earlier rule{'s' if len(takers) > 1 else ''} {', '.join(map(repr, takers))} "
             "(the first matching rule wins: put the narrower rule first)"
         )
+    shape = re.search(r" \[[0-9x]*\]$", rule.pattern)
+    if shape is not None:
+        bare = rule.pattern[: shape.start()]
+        if any(Rule(bare, rule.spec).matches(lab) for lab in labels):
+            return (
+                f"rule {rule.pattern!r} -> {rule.spec!r} reaches no op: it ends in a shape, "
+                f"as the report and the dashboard show a label; the rule names the label "
+                f"alone: {bare!r}"
+            )
     probe = rule.pattern.removeprefix(_REGEX_PREFIX).replace("*", "")
     near = difflib.get_close_matches(probe, list(dict.fromkeys(labels)), n=3, cutoff=0.3)
     hint = f"; nearest op names: {', '.join(near)}" if near else ""
