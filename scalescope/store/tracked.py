@@ -422,10 +422,7 @@ class Tracked:
         None when not detecting."""
         if self.in_step:
             return res
-        if not self.detect:
-            return res, None
-        self._warm.add("check")  # compiled by this call if it was the first
-        return res, _HEALTH(args[:1], res)
+        return res, (_HEALTH(args[:1], res) if self.detect else None)
 
     # -- the flight recorder ---------------------------------------------------------------
 
