@@ -14,6 +14,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pandas as pd
 
@@ -126,17 +127,12 @@ def exact_pattern(label: str) -> str:
 
 
 def _float_bits(dtype: str) -> int:
-    """Bits of a floating-point dtype named ``dtype`` (0 when it is not one)."""
+    """Bits of a floating-point dtype named ``dtype`` (float8 and float4 included; 0
+    when it is not one)."""
     try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        import ml_dtypes  # noqa: F401  (registers float8_* and friends with NumPy)
-
-        try:
-            dt = np.dtype(getattr(ml_dtypes, dtype))
-        except (AttributeError, TypeError):
-            return 0
-    return 8 * dt.itemsize if dt.kind == "f" or "float" in dt.name else 0
+        return int(ml_dtypes.finfo(dtype).bits)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _already_rounded(ops: pd.DataFrame, stats_op: pd.Series, keep: np.ndarray) -> list[str]:
