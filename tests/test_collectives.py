@@ -129,3 +129,26 @@ def test_pbroadcast_sends_the_scale_with_the_data():
     inner = jax.make_jaxpr(fn)(jnp.ones((4, 2))).jaxpr.eqns[0].params["jaxpr"]
     shapes = [e.outvars[0].aval.shape for e in inner.eqns if e.primitive.name == "pbroadcast"]
     assert sorted(shapes) == [(), (4, 2)], shapes
+
+
+@pytest.mark.parametrize("name", ["psum", "pmean", "pmax", "pmin", "psum_scatter"])
+def test_a_vmap_axis_collective_inside_scalify_reduces_the_datas_own_axis(name):
+    """``jax.vmap(..., axis_name="i")`` inside the scalified function: once batched, the
+    collective names a positional axis of the data, which one scale covers."""
+    ops = {
+        "psum": lambda v: lax.psum(v, "i"),
+        "pmean": lambda v: lax.pmean(v, "i"),
+        "pmax": lambda v: lax.pmax(v, "i"),
+        "pmin": lambda v: lax.pmin(v, "i"),
+        "psum_scatter": lambda v: lax.psum_scatter(v, "i", tiled=True),
+    }
+    values = np.array([[0.5, -1.25, 3.0, 2.0], [2.0, 0.75, -4.0, 0.25]], np.float32)
+    x = ScaledArray(jnp.asarray(values / 4.0), jnp.float32(4.0))
+    fn = lambda a: jax.vmap(ops[name], axis_name="i")(a)  # noqa: E731
+    got = np.asarray(ss.asarray(ss.scalify(fn)(x)))
+    reduce = {"psum": np.sum, "pmean": np.mean, "pmax": np.max, "pmin": np.min}
+    if name == "psum_scatter":
+        want = values.sum(0).reshape(2, 2)  # example i keeps the i-th half of the sum
+    else:
+        want = np.broadcast_to(reduce[name](values, axis=0), values.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-6)

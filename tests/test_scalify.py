@@ -976,3 +976,74 @@ def test_a_quotient_of_data_far_from_unit_fits_a_narrow_format(dtype):
         np.float64(np.asarray(b.data, np.float64)[0]) * 2.0**14
     )
     np.testing.assert_allclose(got, want, rtol=1e-2)
+
+
+def _conv1d(x, w):
+    return lax.conv_general_dilated(x, w, (1,), "VALID")
+
+
+@pytest.mark.parametrize(
+    "dtype, data, scale, k, op",
+    [
+        (jnp.float8_e4m3fn, 1.0, 1.0, 512, "dot"),  # 512 > 448 before the division
+        (jnp.float8_e4m3fn, 1.0, 1.0, 4096, "dot"),
+        (jnp.float16, 16.0, 2.0**-10, 1024, "dot"),  # 262144 > 65504 before it
+        (jnp.float16, 16.0, 2.0**-10, 1024, "conv"),
+        (jnp.float16, 8.0, 2.0**-10, 4096, "dot"),
+    ],
+)
+def test_narrow_contractions_add_up_before_they_are_narrowed(dtype, data, scale, k, op):
+    """A contraction's terms can each fit FP16 or FP8 and their sum not, until unit scaling
+    divides it by pow2(sqrt(k)): ones(512) @ ones(512) in E4M3 is 512 (NaN in the format),
+    32 once divided. The plain computation on the values is finite, so scalify's must be."""
+    if op == "dot":
+        shapes, fn = ((2, k), (k, 3)), lambda a, b: a @ b
+    else:
+        shapes, fn = ((1, 1, k), (1, 1, k)), _conv1d
+    a, b = (ss.ScaledArray(jnp.full(s, data, dtype), jnp.float32(scale)) for s in shapes)
+    out = jax.jit(ss.scalify(fn))(a, b)
+    assert out.dtype == dtype
+    assert np.isfinite(np.asarray(out.data, np.float64)).all()
+    want = k * (data * scale) ** 2  # NumPy: every term is the same product
+    np.testing.assert_allclose(np.asarray(out.to_array(jnp.float32), np.float64), want, rtol=0)
+
+
+def test_an_fp16_cube_of_data_far_from_unit_stays_in_range():
+    """FP16 data of 50 at scale 2^-6 (values 0.78): its cube (gelu's ``x**3``) is 125000
+    in the data, past 65504, while the value's cube is 0.48. Data is brought back to unit
+    first when its power would leave FP16, not only beyond 2^16 as for float32."""
+    data = np.array([50.0, -40.0, 10.0], np.float16)
+    x = ss.ScaledArray(jnp.asarray(data), jnp.float32(2.0**-6))
+    value = data.astype(np.float64) * 2.0**-6
+    cube = np.asarray(ss.asarray(ss.scalify(lambda v: v**3)(x), jnp.float32), np.float64)
+    np.testing.assert_allclose(cube, value**3, rtol=1e-3)
+    gelu = np.asarray(ss.asarray(ss.scalify(jax.nn.gelu)(x), jnp.float32), np.float64)
+    want = 0.5 * value * (1 + np.tanh(np.sqrt(2 / np.pi) * (value + 0.044715 * value**3)))
+    np.testing.assert_allclose(gelu, want, rtol=2e-3)
+
+
+def test_vmap_of_a_scalified_function_gives_one_scale_per_example():
+    """``jax.vmap(ss.scalify(f))``: each example gets its own scale; the value of the batch
+    is each example's data times its scale."""
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=(6, 4)).astype(np.float32) * 2.0 ** rng.integers(-8, 8, (6, 1))
+    x = ss.ScaledArray(jnp.asarray(values / 2.0), jnp.float32(2.0))
+    out = jax.vmap(ss.scalify(lambda a: a * 3.0 + 1.0), in_axes=(ss.ScaledArray(0, None),))(x)
+    assert np.shape(out.scale) == (6,)
+    np.testing.assert_allclose(np.asarray(ss.asarray(out)), values * 3.0 + 1.0, rtol=1e-6)
+    moved = ss.ScaledArray(jnp.swapaxes(out.data, 0, 1), out.scale)  # batch axis not leading
+    with pytest.raises(ValueError, match=r"scale has shape \(6,\).*data has shape \(4, 6\)"):
+        ss.asarray(moved)
+
+
+def test_a_scaled_array_outside_scalify_says_how_to_compute_on_it():
+    w = ss.ScaledArray(jnp.ones((4, 3)), 0.5)
+    x = ss.as_scaled_array(jnp.ones((2, 4)))
+    with pytest.raises(TypeError, match="captured by closure"):
+        ss.scalify(lambda a: a @ w)(x)  # w never reaches scalify
+    with pytest.raises(TypeError, match="ss.asarray"):
+        jnp.ones(3) + w
+    # NumPy operands read the value, as before
+    np.testing.assert_array_equal(w * np.ones((4, 3)), np.full((4, 3), 0.5))
+    with pytest.raises(ValueError, match=r"argument leaf 0 is a ScaledArray whose scale has shape"):
+        ss.scalify(lambda a: a * 2)(ss.ScaledArray(jnp.ones(3), jnp.ones(3)))

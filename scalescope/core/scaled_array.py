@@ -114,7 +114,7 @@ class ScaledArray:
         returned as ``dtype`` (default: the data dtype)."""
         out_dtype = self.dtype if dtype is None else np.dtype(dtype)
         wide = max(wide_float(self.dtype), wide_float(out_dtype), key=lambda d: d.itemsize)
-        value = jnp.asarray(self.data).astype(wide) * jnp.asarray(self.scale).astype(wide)
+        value = jnp.asarray(self.data).astype(wide) * _batched(self.scale, self.shape).astype(wide)
         return value.astype(out_dtype)
 
     def astype(self, dtype: Any) -> ScaledArray:
@@ -136,6 +136,52 @@ class ScaledArray:
 
     def __repr__(self) -> str:
         return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+
+    def __neg__(self):
+        return _refuse_arithmetic("neg", None)
+
+
+def _refuse_arithmetic(op: str, other: Any) -> Any:
+    if other is not None and not isinstance(other, jax.Array | ScaledArray):
+        return NotImplemented
+    raise TypeError(
+        f"ScaledArray has no arithmetic of its own (`{op}`): compute on it inside a function "
+        "under ss.scalify that takes it as an argument (a ScaledArray captured by closure "
+        "or read from a global is a constant scalify cannot see), or take its value "
+        "first with ss.asarray(x)"
+    )
+
+
+def _arithmetic(op: str):
+    return lambda self, other: _refuse_arithmetic(op, other)
+
+
+# A ScaledArray meeting a JAX array (a tracer, most often: one captured by closure inside
+# a scalified function, which scalify never sees) gets an error that says so, not
+# Python's "unsupported operand". NumPy operands and numbers are left to NumPy and
+# Python, as before (NumPy reads the value through __array__).
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "matmul", "pow", "mod"):
+    setattr(ScaledArray, f"__{_op}__", _arithmetic(_op))
+    setattr(ScaledArray, f"__r{_op}__", _arithmetic(_op))
+del _op
+
+
+def _batched(scale: Any, shape: tuple[int, ...]) -> jax.Array:
+    """``scale`` ready to multiply data of ``shape``: a scalar as it is; a scale of shape
+    ``S`` (a batch of scaled arrays, as ``jax.vmap`` over a scalified function returns
+    them, one scale per example) over the data's leading axes ``S``."""
+    scale = jnp.asarray(scale)
+    if scale.ndim == 0:
+        return scale
+    if tuple(shape[: scale.ndim]) != tuple(scale.shape):
+        raise ValueError(
+            f"ScaledArray: the scale has shape {tuple(scale.shape)}; a scale is a scalar, or "
+            f"one per example of a batch along the data's leading axes, but the data has "
+            f"shape {tuple(shape)}. (jax.vmap with out_axes other than 0 moves the data's "
+            "batch axis away from the scale's: take the value inside the vmapped function "
+            "with ss.asarray.)"
+        )
+    return scale.reshape(scale.shape + (1,) * (len(shape) - scale.ndim))
 
 
 def wide_float(dtype: Any) -> np.dtype:

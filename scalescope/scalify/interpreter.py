@@ -410,6 +410,13 @@ def _signature(leaves: Sequence[Any]) -> tuple[list[Any], list[Any], tuple[Any, 
     dyn, avals, key = [], [], []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, ScaledArray):
+            if np.ndim(leaf.scale) != 0:
+                raise ValueError(
+                    f"scalify: argument leaf {i} is a ScaledArray whose scale has shape "
+                    f"{tuple(np.shape(leaf.scale))}; a scale is a scalar (one scale per "
+                    "example comes from jax.vmap over a scalified function: vmap the "
+                    "scalified function over these, or ss.asarray them first)"
+                )
             shape, dtype = tuple(np.shape(leaf.data)), np.dtype(leaf.data.dtype)
             mat, varying = _manual_type(leaf.data)
             dyn.append(leaf)

@@ -67,10 +67,20 @@ def _axes(names: Any) -> tuple:
     return tuple(names) if isinstance(names, (tuple, list)) else (names,)
 
 
-def _group_size(axes: tuple, groups: Any) -> int:
+def _named(axes: tuple) -> tuple:
+    """The named (device or ``vmap``) axes among ``axes``. A named ``vmap`` axis reaches
+    the engine batched, as a positional (integer) axis of the data: the collective then
+    reduces over the data's own dimension, which one scale already covers."""
+    return tuple(a for a in axes if not isinstance(a, int))
+
+
+def _group_size(axes: tuple, groups: Any, shape: tuple) -> int:
+    """Terms each output sums: the devices of the group (or of the named axes) times the
+    extent of the positional axes."""
+    positional = math.prod(shape[a] for a in axes if isinstance(a, int))
     if groups:
-        return len(groups[0])
-    return int(math.prod(lax.axis_size(a) for a in axes))
+        return len(groups[0]) * positional
+    return int(math.prod(lax.axis_size(a) for a in _named(axes)) * positional)
 
 
 def _tracked(data: Any, axes: tuple) -> bool:
@@ -91,9 +101,10 @@ def _common(x: Any, axes: Any, groups: Any = None, divide: float = 1.0) -> tuple
     """``x``'s data expressed in one scale shared by every device along ``axes`` (and
     divided by ``divide``), and that scale: the largest per-device scale (scale 0, an
     exact-zero shard, never wins over a positive one; all zero gives 1). A scale typed
-    invariant along ``axes`` is already everyone's: no collective, no rescale."""
-    axes = _axes(axes)
-    if _tracked(x.data, axes) and not set(axes) & varying_axes(x.scale):
+    invariant along ``axes`` is already everyone's: no collective, no rescale; so is a
+    scale over positional axes only (a batched ``vmap`` axis)."""
+    axes = _named(_axes(axes))
+    if not axes or (_tracked(x.data, axes) and not set(axes) & varying_axes(x.scale)):
         data = x.data if divide == 1.0 else rescale_data(x.data, 1.0 / divide)
         return data, x.scale
     s = positive_or_one(lax.pmax(x.scale, axes, axis_index_groups=groups))
@@ -107,7 +118,7 @@ def _summed(prim, x, axes, keyword: str, params):
     """A sum over devices: one scale, the data divided by pow2(sqrt(N)), summed (the axes
     passed back under ``keyword``, as the primitive names them)."""
     groups = params.get("axis_index_groups")
-    f = pow2_sqrt_static(_group_size(_axes(axes), groups))
+    f = pow2_sqrt_static(_group_size(_axes(axes), groups, x.shape))
     data, s = _common(x, axes, groups, divide=f)
     return make_scaled(prim.bind(data, **{keyword: axes}, **params), s * f)
 

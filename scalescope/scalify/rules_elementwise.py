@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
@@ -311,10 +312,21 @@ def scaled_is_finite(x, **params):
 SQUARE_BAND = 16
 
 
-def _before_power(x):
+def _power_band(dtype, y: int) -> int:
+    """How far (in octaves) data may be from unit before its ``y``-th power leaves its
+    dtype's normal range: `SQUARE_BAND` for float32 and BF16, 6 for an FP16 square and 4
+    for an FP16 cube (``jax.nn.gelu``'s ``x**3``: FP16 data of 50 cubes past 65504)."""
+    info = ml_dtypes.finfo(dtype)
+    room = min(math.log2(float(info.max)), -math.log2(float(info.smallest_normal)))
+    return max(0, min(SQUARE_BAND, math.floor((room - 1) / y)))
+
+
+def _before_power(x, y: int = 2):
+    """``x`` ready to be raised to the power ``y``: data beyond `_power_band` brought
+    back to unit abs-max (the value unchanged)."""
     if np.dtype(x.dtype).itemsize == 1:  # FP8 data is the user's representation
         return x
-    return renormalized(x, data_absmax(x.data), SQUARE_BAND)
+    return renormalized(x, data_absmax(x.data), _power_band(x.dtype, y))
 
 
 def scaled_square(x, **params):
@@ -328,7 +340,7 @@ def scaled_integer_pow(x, *, y, **params):
         # exact-zero mark) is inf, as lax.integer_pow gives, not inf * 0
         return scaled_div(jnp.ones((), x.dtype), scaled_integer_pow(x, y=-y, **params))
     if y >= 2:
-        x = _before_power(x)
+        x = _before_power(x, y)
     data = lax.integer_pow_p.bind(x.data, y=y, **params)
     if y == 0:
         return make_scaled(data, unit_scale())

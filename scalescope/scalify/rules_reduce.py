@@ -138,6 +138,34 @@ def _same_value(lhs, rhs) -> bool:
     return is_scaled(lhs) and is_scaled(rhs) and lhs.scale is rhs.scale
 
 
+def _short_range(dtype) -> bool:
+    """Floating dtypes whose largest value a sum of in-range terms can pass: FP16 and
+    the 8- and 4-bit floats (not BF16, which has float32's exponent range)."""
+    dtype = np.dtype(dtype)
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and float(ml_dtypes.finfo(dtype).max) < 2.0**32
+
+
+def _out_dtype(lhs_data, rhs_data, params: dict):
+    """The dtype a contraction returns: its ``preferred_element_type``, else its operands'
+    shared dtype (None when they differ: the primitive decides, and is left to)."""
+    preferred = params.get("preferred_element_type")
+    if preferred is not None:
+        return np.dtype(preferred)
+    return np.dtype(lhs_data.dtype) if lhs_data.dtype == rhs_data.dtype else None
+
+
+def _contraction(bind, out_dtype, params: dict, k: int, *scales):
+    """A contraction of ``k`` terms per output (``bind(**params)``), scaled as
+    `_sum_like`. Into FP16 or an 8-bit float the sum is returned in float32, divided by
+    pow2(sqrt(k)) and only then narrowed: terms that each fit the format can add up past
+    its max before the division brings them back (``ones(512) @ ones(512)`` in E4M3 is
+    512, beyond 448; divided, 32). The value the plain step computes is finite there."""
+    if out_dtype is None or not _short_range(out_dtype):
+        return _sum_like(bind(**params), k, *scales)
+    wide = _sum_like(bind(**{**params, "preferred_element_type": np.dtype(np.float32)}), k, *scales)
+    return make_scaled(wide.data.astype(out_dtype), wide.scale)
+
+
 def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
     if _same_value(lhs, rhs):
         # a product of a value with itself is a power: it multiplies the data's distance
@@ -150,8 +178,15 @@ def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
     lhs_data = data_of(lhs)
     rhs_data = data_of(rhs)
     k = math.prod(lhs_data.shape[d] for d in lhs_contract)
-    out = lax.dot_general_p.bind(lhs_data, rhs_data, dimension_numbers=dimension_numbers, **params)
-    return _sum_like(out, k, *_scales(lhs, rhs))
+    return _contraction(
+        lambda **p: lax.dot_general_p.bind(
+            lhs_data, rhs_data, dimension_numbers=dimension_numbers, **p
+        ),
+        _out_dtype(lhs_data, rhs_data, params),
+        params,
+        k,
+        *_scales(lhs, rhs),
+    )
 
 
 def scaled_ragged_dot_general(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, **params):
@@ -166,8 +201,14 @@ def scaled_ragged_dot_general(lhs, rhs, group_sizes, *, ragged_dot_dimension_num
     k = math.prod(lhs_data.shape[d] for d in lhs_contract)
     if set(dims.lhs_ragged_dimensions) & set(lhs_contract):
         k = max(1, k // max(1, group_sizes.shape[0]))
-    out = lax.ragged_dot_general(lhs_data, rhs_data, unscale(group_sizes), dims, **params)
-    return _sum_like(out, k, *_scales(lhs, rhs))
+    sizes = unscale(group_sizes)
+    return _contraction(
+        lambda **p: lax.ragged_dot_general(lhs_data, rhs_data, sizes, dims, **p),
+        _out_dtype(lhs_data, rhs_data, params),
+        params,
+        k,
+        *_scales(lhs, rhs),
+    )
 
 
 def scaled_conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
@@ -175,10 +216,15 @@ def scaled_conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
     rhs_data = data_of(rhs)
     out_feature_dim = dimension_numbers.rhs_spec[0]
     k = math.prod(rhs_data.shape) // max(rhs_data.shape[out_feature_dim], 1)
-    out = lax.conv_general_dilated_p.bind(
-        lhs_data, rhs_data, dimension_numbers=dimension_numbers, **params
+    return _contraction(
+        lambda **p: lax.conv_general_dilated_p.bind(
+            lhs_data, rhs_data, dimension_numbers=dimension_numbers, **p
+        ),
+        _out_dtype(lhs_data, rhs_data, params),
+        params,
+        k,
+        *_scales(lhs, rhs),
     )
-    return _sum_like(out, k, *_scales(lhs, rhs))
 
 
 RULES = {
