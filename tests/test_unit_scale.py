@@ -305,8 +305,10 @@ def _manual_attention(q, k, v, causal):
         (lambda q, k, v: _manual_attention(q, k, v, True), True),
         (lambda q, k, v: _manual_attention(q, k, v, False), False),
         (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), True),
+        # non-causal, JAX transposes the logits and their max apart (nnx.MultiHeadAttention)
+        (lambda q, k, v: jax.nn.dot_product_attention(q, k, v), False),
     ],
-    ids=["manual-causal", "manual", "jax.nn.dot_product_attention"],
+    ids=["manual-causal", "manual", "jax.nn.dot_product_attention", "dot_product_attention"],
 )
 def test_attention_is_one_op(attention, causal):
     """``softmax(q k^T / sqrt(d) [mask]) v`` becomes U.scaled_dot_product_attention (with
@@ -590,3 +592,74 @@ def test_scan_layers_gpt_is_transformed():
     kinds = [r.kind for r in loss.rewrites]
     assert kinds.count("residual") == 2 and kinds.count("gelu") == 1  # the body, once
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def _np_logsumexp(x, axis=-1):
+    m = x.max(axis=axis, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(axis=axis, keepdims=True))).squeeze(axis)
+
+
+def test_a_loss_written_with_logsumexp_keeps_its_value():
+    """optax's integer-label cross-entropy is ``logsumexp(z) - z[y]``; logsumexp adds back
+    its ``stop_gradient(max)`` shift. That add is not a residual connection nor a sum of
+    two activations: rescaling it changed the loss (2.62 for 3.78)."""
+    import optax
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 32)).astype(np.float32)
+    labels = rng.integers(0, 32, 64)
+    want_ce = float(np.mean(_np_logsumexp(logits) - logits[np.arange(64), labels]))
+    ce = ss.unit_scale(lambda z: optax.softmax_cross_entropy_with_integer_labels(z, labels).mean())
+    np.testing.assert_allclose(float(ce(logits)), want_ce, rtol=1e-5)
+    lse = ss.unit_scale(lambda z: jnp.mean(jax.nn.logsumexp(z, -1)))
+    np.testing.assert_allclose(float(lse(logits)), np.mean(_np_logsumexp(logits)), rtol=1e-5)
+    assert not any(r.kind in ("add", "residual") for r in ce.rewrites + lse.rewrites)
+
+
+def test_a_piecewise_activation_keeps_its_shape():
+    """CELU is ``max(x, 0) + expm1(min(x, 0))``: its max is one branch, not a ReLU, and
+    the sum is the activation, not two activations added. Scaling either made the
+    negative side 0.71x the positive one."""
+    x = np.linspace(-3.0, 3.0, 13, dtype=np.float32)
+    out = np.asarray(ss.unit_scale(jax.nn.celu)(x), np.float64)
+    want = np.where(x > 0, x, np.expm1(np.minimum(x, 0.0)))
+    ratio = out[x != 0] / want[x != 0]
+    np.testing.assert_allclose(ratio, ratio[0], rtol=1e-6)
+
+
+def test_convolutions_are_unit_scaled_as_u_conv1d():
+    """A convolution by a kernel parameter gets `U.conv1d`'s scales (any number of spatial
+    axes): two unit-normal conv layers give unit output and gradients, not std 800."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(8, 64, 32)), jnp.float32)  # [batch, length, channels]
+    k0, k1 = (jnp.asarray(rng.normal(size=(5, 32, 32)), jnp.float32) for _ in range(2))
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(
+            x, w, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+        )
+
+    def model(k0, k1, x):
+        return conv(jax.nn.gelu(conv(x, k0)), k1)
+
+    scaled = ss.unit_scale(model)
+
+    def reference(k0, k1, x):
+        h = U.conv1d(x, k0, padding="SAME", constraint=None)
+        h = U.gelu(h, constraint=None, approximate=True)
+        return U.conv1d(h, k1, padding="SAME", constraint=None)
+
+    np.testing.assert_allclose(scaled(k0, k1, x), reference(k0, k1, x), rtol=1e-4, atol=1e-4)
+    assert [r.kind for r in scaled.rewrites].count("conv") == 2
+    # 2-D, strided: unit output and input gradient, kernel gradient near unit
+    x2 = jnp.asarray(rng.normal(size=(4, 16, 16, 8)), jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(3, 3, 8, 16)), jnp.float32)
+    conv2 = ss.unit_scale(
+        lambda w, x: jax.lax.conv_general_dilated(
+            x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+    )
+    out, vjp = jax.vjp(conv2, w2, x2)
+    gw, gx = vjp(jnp.asarray(rng.normal(size=out.shape), jnp.float32))
+    for name, v in (("out", out), ("x grad", gx), ("kernel grad", gw)):
+        assert 0.7 < float(np.std(np.asarray(v))) < 1.4, (name, float(np.std(np.asarray(v))))

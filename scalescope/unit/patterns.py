@@ -254,10 +254,61 @@ def _only_into_a_total(g: _Graph, v: Any, hops: int = 4) -> bool:
     return reached and not frontier
 
 
+#: Ops that compute each element from the same element of their operands.
+_POINTWISE = _ELEMENTWISE | {
+    "min", "max", "abs", "sign", "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic",
+    "erf", "sqrt", "rsqrt", "select_n", "gt", "ge", "lt", "le", "eq", "ne",
+}  # fmt: skip
+
+
+def pointwise_root(g: _Graph, v: Any, hops: int = 8) -> Any:
+    """The one variable ``v`` is computed from by pointwise ops (and constants) alone, or
+    None: ``max(x, 0)`` and ``expm1(min(x, 0))`` both have root ``x``."""
+    if isinstance(v, Literal):
+        return None
+    if v not in g.producer or hops == 0:
+        return v
+    eqn = g.eqns[g.producer[v]]
+    if eqn.primitive.name not in _POINTWISE:
+        return v
+    roots = [pointwise_root(g, u, hops - 1) for u in eqn.invars if not isinstance(u, Literal)]
+    if not roots or any(r is None or r is not roots[0] for r in roots):
+        return None
+    return roots[0]
+
+
+def branches_of_one_input(g: _Graph, a: Any, b: Any) -> bool:
+    """Two terms computed pointwise from one variable: the branches of a piecewise (or
+    compound) activation, such as CELU's ``max(x, 0) + expm1(min(x, 0))``. Their sum is
+    the activation; scaling a branch or the sum as two activations would change it."""
+    ra, rb = pointwise_root(g, a), pointwise_root(g, b)
+    return ra is not None and ra is rb and a is not ra and b is not rb
+
+
+def stopped(g: _Graph, v: Any) -> bool:
+    """``v`` is (through shape ops) a ``stop_gradient``: a shift for numerical stability
+    (logsumexp's ``max + log(sum(exp(x - max)))``), not a branch of the model."""
+    while (j := g.prod(v, *_SHAPE_OPS, "stop_gradient")) is not None:
+        if g.eqns[j].primitive.name == "stop_gradient":
+            return True
+        v = g.eqns[j].invars[0]
+    return False
+
+
+def _a_branch(g: _Graph, out: Any) -> bool:
+    """``out`` is added to (or subtracted from) another term of the same input."""
+    uses = g.consumers.get(out, [])
+    if len(uses) != 1 or g.eqns[uses[0][0]].primitive.name not in ("add", "sub"):
+        return False
+    j, pos = uses[0]
+    return branches_of_one_input(g, out, g.eqns[j].invars[1 - pos])
+
+
 def _not_an_activation(g: _Graph, x: Any, out: Any) -> bool:
-    """``max(x, 0)`` (or ``jax.nn.relu``) that clamps a statistic or is a loss term: the
-    ReLU's unit scale (√2, for unit-normal inputs) would change its value."""
-    return _a_statistic(g, x) or _only_into_a_total(g, out)
+    """``max(x, 0)`` (or ``jax.nn.relu``) that clamps a statistic, is a loss term, or is one
+    branch of a piecewise activation (CELU, ELU written with max): the ReLU's unit scale
+    (√2, for unit-normal inputs) would change its value."""
+    return _a_statistic(g, x) or _only_into_a_total(g, out) or _a_branch(g, out)
 
 
 def _match_relu(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
@@ -272,6 +323,18 @@ def _match_relu(g: _Graph, i: int) -> tuple[set[int], Any, Any] | None:
     return {i}, x, out
 
 
+def _axis_of(g: _Graph, x: Any, y: Any, axis: int) -> int | None:
+    """``y``'s ``axis`` as an axis of ``x``, when ``x`` is ``y`` or a transpose of it (JAX's
+    non-causal ``dot_product_attention`` transposes the logits and their max apart
+    before it subtracts one from the other)."""
+    if x is y:
+        return axis
+    t = g.prod(x, "transpose")
+    if t is None or g.eqns[t].invars[0] is not y:
+        return None
+    return tuple(g.eqns[t].params["permutation"]).index(axis)
+
+
 def _max_shift(g: _Graph, shifted: Any) -> tuple[set[int], Any, int] | None:
     """``x - stop_gradient(max(x))``: the eqns, ``x`` and the reduced axis."""
     s = g.prod(shifted, "sub")
@@ -279,14 +342,14 @@ def _max_shift(g: _Graph, shifted: Any) -> tuple[set[int], Any, int] | None:
         return None
     x, m = g.eqns[s].invars
     group, v = {s}, m
-    while (j := g.prod(v, "stop_gradient", "broadcast_in_dim", "max", "reduce_max")) is not None:
+    walk = ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max")
+    while (j := g.prod(v, *walk)) is not None:
         group.add(j)
         eqn = g.eqns[j]
         if eqn.primitive.name == "reduce_max":
             axes = eqn.params["axes"]
-            if eqn.invars[0] is not x or len(axes) != 1:
-                return None
-            return group, x, int(axes[0])
+            axis = None if len(axes) != 1 else _axis_of(g, x, eqn.invars[0], int(axes[0]))
+            return None if axis is None else (group, x, axis)
         v = eqn.invars[1] if eqn.primitive.name == "max" and _const(eqn.invars[0]) else None
         v = v if v is not None else eqn.invars[0]
     return None

@@ -37,6 +37,8 @@ from .patterns import (
     _size,
     _softcap_input,
     _where,
+    branches_of_one_input,
+    stopped,
 )
 
 
@@ -264,7 +266,7 @@ def _residual_operands(
     a, b = eqn.invars
     if any(isinstance(v, Literal) for v in (a, b)) or not (live.get(a) and live.get(b)):
         return None
-    if not (eqn.outvars and _is_float(eqn.outvars[0])):
+    if not (eqn.outvars and _is_float(eqn.outvars[0])) or stopped(g, a) or stopped(g, b):
         return None
     for skip, res, skip_pos, res_pos in ((a, b, 0, 1), (b, a, 1, 0)):
         if anc.get(res, 0) >> index[skip] & 1:
@@ -375,6 +377,8 @@ def _analyse(
             continue
         if name == "dot_general":
             _plan_dot(plan, eqn, i, i in readouts, constraint(i), log)
+        elif name == "conv_general_dilated":
+            _plan_conv(plan, eqn, i, constraint(i), log)
         elif name == "div" and (drop := _match_dropout(g, i, live)) is not None:
             j, keep = drop
             s = keep**0.5  # U.dropout: kept values / sqrt(keep), forward and backward
@@ -447,6 +451,41 @@ def _plan_dot(
     log.append(Rewrite(kind, ("dot_general",), out_s, (lhs_s, rhs_s), _where(eqn)))
 
 
+def _plan_conv(plan: _Plan, eqn: Any, i: int, constraint: str | None, log: list) -> None:
+    """A convolution by a kernel parameter, as `U.conv1d` scales it in any number of
+    spatial dimensions: output ``(in / groups * kernel)^-1/2``, input gradient
+    ``(stride * groups / (out * kernel))^1/2``, kernel gradient ``positions^-1/2`` (the
+    output's positions over every batch row). Others (two activations, a transposed or
+    batch-grouped convolution, the forms JAX's own gradients take) are not unit-scaled,
+    and the log says so."""
+    p = eqn.params
+    lhs, rhs = eqn.invars
+    dims = p["dimension_numbers"]
+    plain = all(d == 1 for d in p.get("lhs_dilation") or ()) and p.get("batch_group_count", 1) == 1
+    if not (plan.param_like.get(rhs) and plain):  # (a data input is param-like too)
+        kind = "conv (not unit-scaled)"
+        log.append(Rewrite(kind, ("conv_general_dilated",), 1.0, (), _where(eqn)))
+        return
+    shape = rhs.aval.shape
+    out_features, in_per_group = shape[dims.rhs_spec[0]], shape[dims.rhs_spec[1]]
+    kernel = math.prod(shape[d] for d in dims.rhs_spec[2:])
+    groups = p.get("feature_group_count", 1)
+    stride = math.prod(p.get("window_strides") or (1,))
+    out_shape = eqn.outvars[0].aval.shape
+    positions = max(math.prod(out_shape) // max(out_shape[dims.out_spec[1]], 1), 1)
+    out_s, x_s = apply_constraint(
+        constraint,
+        (in_per_group * kernel) ** -0.5,
+        (stride * groups / (out_features * kernel)) ** 0.5,
+        op="conv",
+    )
+    w_s = positions**-0.5
+    plan.operand[(i, 0)] = (1.0, x_s)
+    plan.operand[(i, 1)] = (1.0, w_s)
+    plan.output[eqn.outvars[0]] = out_s
+    log.append(Rewrite("conv", ("conv_general_dilated",), out_s, (x_s, w_s), _where(eqn)))
+
+
 def _affine_output(g: _Graph, v: Any, param_like: dict[Any, bool]) -> bool:
     """Whether ``v`` comes (through shape ops) from a dot_general or a multiply by a
     parameter: what a bias or a norm's shift is added to."""
@@ -491,6 +530,8 @@ def _plan_add(plan: _Plan, g: _Graph, eqn: Any, i: int, opts: _Options, log: lis
     pl = plan.param_like
     if pl.get(a) and pl.get(b):
         return  # parameters combined: not an activation
+    if stopped(g, a) or stopped(g, b) or branches_of_one_input(g, a, b):
+        return  # logsumexp's shift, or the branches of one piecewise activation: its value
     for param, act in ((a, b), (b, a)):
         if pl.get(param) and (_extent(param) <= 1 or _affine_output(g, act, pl)):
             return  # a bias (or a norm's shift) keeps its value
