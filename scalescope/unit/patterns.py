@@ -342,7 +342,7 @@ def _max_shift(g: _Graph, shifted: Any) -> tuple[set[int], Any, int] | None:
         return None
     x, m = g.eqns[s].invars
     group, v = {s}, m
-    walk = ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max")
+    walk = ("stop_gradient", "broadcast_in_dim", "transpose", "max", "select_n", "reduce_max")
     while (j := g.prod(v, *walk)) is not None:
         group.add(j)
         eqn = g.eqns[j]
@@ -350,13 +350,22 @@ def _max_shift(g: _Graph, shifted: Any) -> tuple[set[int], Any, int] | None:
             axes = eqn.params["axes"]
             axis = None if len(axes) != 1 else _axis_of(g, x, eqn.invars[0], int(axes[0]))
             return None if axis is None else (group, x, axis)
+        if eqn.primitive.name == "select_n":  # logsumexp's max, or 0 where it is not finite
+            v = eqn.invars[-1]
+            continue
         v = eqn.invars[1] if eqn.primitive.name == "max" and _const(eqn.invars[0]) else None
         v = v if v is not None else eqn.invars[0]
     return None
 
 
+def _stopped_in(g: _Graph, group: set[int]) -> set[Any]:
+    """The outputs of the ``stop_gradient`` equations of ``group``."""
+    return {g.eqns[j].outvars[0] for j in group if g.eqns[j].primitive.name == "stop_gradient"}
+
+
 def _match_softmax(g: _Graph, i: int) -> tuple[str, set[int], Any, Any, int] | None:
-    """Softmax (``exp / sum exp``) or log-softmax (``shifted - log sum exp``) at exp ``i``."""
+    """Softmax (``exp / sum exp``), log-softmax (``shifted - log sum exp``) or logsumexp
+    (``max + log sum exp(x - max)``, as `jax.nn.logsumexp` is inlined) at exp ``i``."""
     shift = _max_shift(g, g.eqns[i].invars[0])
     if shift is None:
         return None
@@ -377,11 +386,16 @@ def _match_softmax(g: _Graph, i: int) -> tuple[str, set[int], Any, Any, int] | N
         eqn = g.eqns[j]
         if eqn.primitive.name == "div" and pos == 1 and eqn.invars[0] is e:
             return "softmax", group | {j}, x, eqn.outvars[0], axis
+        if eqn.primitive.name == "abs" and (log := g.sole_consumer(eqn.outvars[0], "log")):
+            j, eqn, group = log[0], g.eqns[log[0]], group | {j}  # logsumexp's |sum|
         if eqn.primitive.name == "log":
             use = g.sole_consumer(eqn.outvars[0], "sub")
             shifted = g.eqns[i].invars[0]
             if use is not None and use[1] == 1 and g.eqns[use[0]].invars[0] is shifted:
                 return "log_softmax", group | {j, use[0]}, x, g.eqns[use[0]].outvars[0], axis
+            add = g.sole_consumer(eqn.outvars[0], "add")
+            if add is not None and g.eqns[add[0]].invars[1 - add[1]] in _stopped_in(g, group):
+                return "logsumexp", group | {j, add[0]}, x, g.eqns[add[0]].outvars[0], axis
     return None
 
 

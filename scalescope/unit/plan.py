@@ -205,6 +205,29 @@ def _loss_mean(g: _Graph, out: Any, depth: int = 12) -> int | None:
     return None
 
 
+def _logsumexp_loss(g: _Graph, x: Any, lse: Any) -> tuple[tuple[int, int], int] | None:
+    """``mean(logsumexp(x) - x[label])`` (optax's integer-label cross-entropy): the
+    ``(eqn, operand)`` where the label's logit is read from ``x`` (a gather, or a call
+    such as ``take_along_axis`` around one, through shape ops) and the mean's index."""
+    use = g.sole_consumer(lse, "sub")
+    if use is None or use[1] != 0:
+        return None
+    v = g.eqns[use[0]].invars[1]
+    for _ in range(8):
+        j = g.producer.get(v)
+        if j is None or isinstance(v, Literal):
+            return None
+        eqn = g.eqns[j]
+        name = eqn.primitive.name
+        if name not in _SHAPE_OPS and name != "gather" and name not in _CALL_PRIMS:
+            return None
+        if eqn.invars[0] is x:
+            mean = _loss_mean(g, g.eqns[use[0]].outvars[0])
+            return None if mean is None else ((j, 0), mean)
+        v = eqn.invars[0]
+    return None
+
+
 def _readout(g: _Graph, logits: Any) -> int | None:
     """The dot_general whose output reaches ``logits`` through shape-only ops (and a
     soft-cap)."""
@@ -349,6 +372,22 @@ def _analyse(
             vocab = x.aval.shape[axis]
             s = cross_entropy_grad_scale(vocab)
             scale_group(group, x, out, 1.0, s)
+            plan.loss_mean[mean] = 1.0 / _const(g.eqns[mean].invars[1])
+            log.append(Rewrite("cross_entropy", prims, 1.0, (s,), _where(first)))
+            if opts.readout and (r := _readout(g, x)) is not None:
+                readouts.add(r)
+            continue
+        if kind == "logsumexp":
+            ce = _logsumexp_loss(g, x, out)
+            if ce is None:
+                continue  # a logsumexp that is not a loss: run unchanged
+            pick, mean = ce
+            s = cross_entropy_grad_scale(x.aval.shape[axis])
+            scale_group(group, x, out, 1.0, s)
+            plan.operand[pick] = (1.0, s)
+            plan.grouped.add(pick[0])  # the label's logit: not an embedding lookup
+            if g.eqns[pick[0]].primitive.name in _CALL_PRIMS:
+                plan.call_groups.add(pick[0])
             plan.loss_mean[mean] = 1.0 / _const(g.eqns[mean].invars[1])
             log.append(Rewrite("cross_entropy", prims, 1.0, (s,), _where(first)))
             if opts.readout and (r := _readout(g, x)) is not None:
