@@ -285,6 +285,19 @@ def branches_of_one_input(g: _Graph, a: Any, b: Any) -> bool:
     return ra is not None and ra is rb and a is not ra and b is not rb
 
 
+def one_hot(g: _Graph, v: Any) -> bool:
+    """``v`` is a one-hot array: `jax.nn.one_hot`'s call, or a comparison (``eq``) converted
+    to float, through shape ops: a lookup when multiplied into a table."""
+    while (j := g.prod(v, *_SHAPE_OPS, "eq", *_CALL_PRIMS)) is not None:
+        eqn = g.eqns[j]
+        if eqn.primitive.name == "eq":
+            return True
+        if eqn.primitive.name in _CALL_PRIMS:
+            return eqn.params.get("name") in ("_one_hot", "one_hot")
+        v = eqn.invars[0]
+    return False
+
+
 def stopped(g: _Graph, v: Any) -> bool:
     """``v`` is (through shape ops) a ``stop_gradient``: a shift for numerical stability
     (logsumexp's ``max + log(sum(exp(x - max)))``), not a branch of the model."""

@@ -38,6 +38,7 @@ from .patterns import (
     _softcap_input,
     _where,
     branches_of_one_input,
+    one_hot,
     stopped,
 )
 
@@ -414,7 +415,11 @@ def _analyse(
             continue
         if not live.get(eqn.outvars[0], False):
             continue
-        if name == "dot_general":
+        if name == "dot_general" and (pos := _one_hot_lookup(g, eqn, pl)) is not None:
+            s = (_size(eqn.invars[pos]) / max(_size(eqn.outvars[0]), 1)) ** 0.5
+            plan.operand[(i, pos)] = (1.0, s)  # U.embedding's table gradient
+            log.append(Rewrite("embedding", (name,), 1.0, (s,), _where(eqn)))
+        elif name == "dot_general":
             _plan_dot(plan, eqn, i, i in readouts, constraint(i), log)
         elif name == "conv_general_dilated":
             _plan_conv(plan, eqn, i, constraint(i), log)
@@ -488,6 +493,15 @@ def _plan_dot(
     plan.operand[(i, 1)] = (1.0, rhs_s)
     plan.output[eqn.outvars[0]] = out_s
     log.append(Rewrite(kind, ("dot_general",), out_s, (lhs_s, rhs_s), _where(eqn)))
+
+
+def _one_hot_lookup(g: _Graph, eqn: Any, param_like: dict[Any, bool]) -> int | None:
+    """For ``one_hot(ids) @ table`` (a lookup written as a product, as TPU code does): the
+    table's operand position."""
+    for pos in (1, 0):
+        if param_like.get(eqn.invars[pos]) and one_hot(g, eqn.invars[1 - pos]):
+            return pos
+    return None
 
 
 def _plan_conv(plan: _Plan, eqn: Any, i: int, constraint: str | None, log: list) -> None:
