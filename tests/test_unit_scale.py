@@ -690,3 +690,33 @@ def test_a_one_hot_product_is_an_embedding_lookup():
     want *= (vocab / ids.size) ** 0.5
     np.testing.assert_allclose(np.asarray(vjp(ct)[0]), want, rtol=1e-5, atol=1e-6)
     assert [r.kind for r in scaled.rewrites] == ["embedding"]
+
+
+def test_attention_with_dropout_on_its_probabilities_is_one_op():
+    """Flax's attention dropout multiplies the probabilities by ``keep / keep_prob``
+    before the product with ``v``: still one attention (the output scaled by its one
+    scale), not a softmax and two matmuls (output std 1.21 -> 0.81 at rate 0.1)."""
+    b, t, h, d = 4, 16, 2, 8
+    keys = jax.random.split(jax.random.PRNGKey(4), 4)
+    q, k, v = (jax.random.normal(key, (b, t, h, d)) for key in keys[:3])
+    keep = jax.random.bernoulli(keys[3], 0.9, (b, h, t, t))
+
+    def attention(q, k, v, keep):
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(d)
+        probs = jax.nn.softmax(scores, axis=-1) * (keep.astype(jnp.float32) / 0.9)
+        return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+    scaled = ss.unit_scale(attention)
+    out = scaled(q, k, v, keep)
+    assert [r.kind for r in scaled.rewrites] == ["attention"]
+    s = attention_scale(t, d, mult=d**0.5, is_causal=False)
+    np.testing.assert_allclose(out, s * attention(q, k, v, keep), rtol=1e-5, atol=1e-6)
+    import flax.linen as nn
+
+    x = jax.random.normal(keys[0], (2, 8, 16))
+    m = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.1, deterministic=False)
+    params = m.init({"params": keys[1], "dropout": keys[2]}, x, x)
+    mha = ss.unit_scale(lambda p, x, key: m.apply(p, x, x, rngs={"dropout": key}))
+    mha(params, x, keys[3])
+    kinds = [r.kind for r in mha.rewrites]
+    assert kinds.count("attention") == 1 and "softmax" not in kinds and "matmul" not in kinds

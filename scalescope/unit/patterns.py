@@ -604,6 +604,27 @@ def _logits_source(g: _Graph, v: Any, depth: int = 10) -> tuple[int, float, bool
     return None
 
 
+def _dropout_multiplier(g: _Graph, v: Any, hops: int = 6) -> bool:
+    """``v`` is a dropout multiplier: a boolean mask converted to float, through shape ops
+    and multiplies or divides by literals (Flax's ``keep / keep_prob``)."""
+    for _ in range(hops):
+        if isinstance(v, Literal) or v not in g.producer:
+            return False
+        eqn = g.eqns[g.producer[v]]
+        name = eqn.primitive.name
+        if name == "convert_element_type" and eqn.invars[0].aval.dtype == np.bool_:
+            return True
+        if name in ("mul", "div") and (
+            _const(eqn.invars[1]) is not None or _const(eqn.invars[0]) is not None
+        ):
+            v = eqn.invars[0] if _const(eqn.invars[1]) is not None else eqn.invars[1]
+        elif name in _SHAPE_OPS:
+            v = eqn.invars[0]
+        else:
+            return False
+    return False
+
+
 def _match_attention(
     g: _Graph, x: Any, out: Any, axis: int
 ) -> tuple[int, int, int, float, bool] | None:
@@ -616,9 +637,14 @@ def _match_attention(
     qk_eqn = g.eqns[qk]
     c *= _through_scaling(g, qk_eqn.invars[0]) * _through_scaling(g, qk_eqn.invars[1])
     probs, axis = out, axis % len(x.aval.shape)
-    # (grouped-query attention reshapes the probabilities to 5-D before the product)
-    while (use := g.sole_consumer(probs, *_PASS_THROUGH, "reshape")) is not None:
+    # (grouped-query attention reshapes the probabilities to 5-D before the product;
+    # dropout multiplies them by a mask)
+    while (use := g.sole_consumer(probs, *_PASS_THROUGH, "reshape", "mul")) is not None:
         nxt = g.eqns[use[0]].outvars[0]
+        if g.eqns[use[0]].primitive.name == "mul":
+            mask = g.eqns[use[0]].invars[1 - use[1]]
+            if not _dropout_multiplier(g, mask) or nxt.aval.shape != probs.aval.shape:
+                return None
         if g.eqns[use[0]].primitive.name == "reshape":
             before, after = probs.aval.shape, nxt.aval.shape
             if axis != len(before) - 1 or after[-1:] != before[-1:]:
