@@ -88,6 +88,25 @@ def test_a_single_element_has_no_spread():
     )
 
 
+@pytest.mark.parametrize("which", ["native", "xla"])
+def test_std_is_never_beyond_half_the_range(which):
+    """std comes from the mean and the mean square in float32, which cancel where the
+    mean dwarfs the spread: a constant 0.1 read 3.5e-4 and 2^20 plus integers in
+    [-8, 8) read 362 on the XLA kernel. It is bounded by half the range (Popoviciu), so a
+    constant reads 0 and nothing reads more spread than it has."""
+    rng = np.random.default_rng(7)
+    values = [
+        np.full(512, 0.1, np.float32),
+        (2.0**20 + rng.integers(-8, 8, 512)).astype(np.float32),
+        rng.normal(size=4096).astype(np.float32),
+    ]
+    got = _stats(values, which)
+    assert float(got[0]["std"]) == 0.0
+    half_range = (values[1].max() - values[1].min()) / 2.0
+    assert 0.0 <= float(got[1]["std"]) <= half_range
+    np.testing.assert_allclose(float(got[2]["std"]), values[2].astype(np.float64).std(), rtol=1e-5)
+
+
 def test_a_value_of_one_magnitude_has_dynamic_range_zero():
     """log2(absmax) - log2(absmin) of equal magnitudes is 0 exactly, not the difference of
     two roundings: fused into different kernels (instrumented and isolated programs) the

@@ -285,9 +285,11 @@ def _block_stats(x: jax.Array, spec: StatSpec):
     # Extremes read float32 subnormals as zeros, as the native kernel does.
     normal = a >= np.float32(np.finfo(np.float32).tiny)
     xn = jnp.where(normal, xf, 0.0)
+    # float32 subnormals are zeros here, explicitly: XLA on CPU flushes them anyway, on a
+    # GPU it does not, and both kernels must read the same definition
     zero, nonfinite, amax, top, negmin, negabsmin = _reduce(
         [
-            as_f(x == 0),
+            as_f(a < np.float32(np.finfo(np.float32).tiny)),
             as_f(~finite),
             jnp.where(finite, a, 0.0),
             jnp.where(finite, xn, low),
@@ -311,7 +313,7 @@ def _block_stats(x: jax.Array, spec: StatSpec):
         e2, under, sub, over = _reduce(
             [
                 err * err,
-                as_f(finite & (x != 0) & (q == 0)),
+                as_f(finite & normal & (q == 0)),
                 as_f((aq > 0) & (aq < np.float32(fmt.min_normal))),
                 as_f(a > np.float32(fmt.max)),
             ]
@@ -332,7 +334,7 @@ def _hist_bins(x: jax.Array) -> jax.Array:
     """Column of `HIST_COLUMNS` for each element of ``x``."""
     last = len(HIST_COLUMNS) - 1
     k = jnp.clip(_exponent(x) - (HIST_LO - 2), 1, last - 1)
-    k = jnp.where(x == 0, 0, k)
+    k = jnp.where(jnp.abs(x) < np.float32(np.finfo(np.float32).tiny), 0, k)  # subnormals too
     return jnp.where(jnp.abs(x) < np.float32(np.inf), k, last)
 
 
@@ -717,6 +719,15 @@ def _std_u(mean_u: jax.Array, meansq_u: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.maximum(meansq_u - mean_u * mean_u, 0.0))
 
 
+def _bounded_std(std: jax.Array, top: jax.Array, negmin: jax.Array) -> jax.Array:
+    """``std`` at most half the range of the finite elements (Popoviciu's bound), so 0
+    where every finite element is the same: float32's ``meansq - mean**2`` cancels where
+    the mean is far larger than the spread (a constant 0.1 read 3.5e-4; 2^20 plus
+    integers in [-8, 8) read 362, at most 8 here)."""
+    half_range = jnp.maximum(top + negmin, 0.0) * np.float32(0.5)
+    return jnp.minimum(std, half_range)
+
+
 def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
     """Published statistics from raw rows (see docs/probe.md, "Two kernels, one definition").
 
@@ -742,7 +753,11 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
         "rms": jnp.sqrt(meansq_u) * unit,
         "absmax": jnp.where(ran & (finite_n > 0), raw["max"][:, 0], nan),
         "mean": mean_u * unit,
-        "std": jnp.where(finite_n == 1, 0.0, _std_u(mean_u, meansq_u)) * unit,
+        "std": _bounded_std(
+            jnp.where(finite_n == 1, 0.0, _std_u(mean_u, meansq_u)) * unit,
+            raw["max"][:, 1],
+            raw["max"][:, 2],
+        ),
         "frac_zero": frac(counts[:, col["zero"]]),
         "frac_nonfinite": frac(counts[:, col["nonfinite"]]),
         **_extremes(raw["max"], ran & (finite_n > 0)),
