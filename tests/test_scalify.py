@@ -1017,6 +1017,9 @@ def test_an_fp16_cube_of_data_far_from_unit_stays_in_range():
     value = data.astype(np.float64) * 2.0**-6
     cube = np.asarray(ss.asarray(ss.scalify(lambda v: v**3)(x), jnp.float32), np.float64)
     np.testing.assert_allclose(cube, value**3, rtol=1e-3)
+    sixth = ss.ScaledArray(jnp.asarray([7.0, 1.0], jnp.float16), jnp.float32(2.0**-3))
+    got = np.asarray(ss.asarray(ss.scalify(lambda v: v**6)(sixth), jnp.float32), np.float64)
+    np.testing.assert_allclose(got, (np.array([7.0, 1.0]) * 2.0**-3) ** 6, rtol=2e-3)
     gelu = np.asarray(ss.asarray(ss.scalify(jax.nn.gelu)(x), jnp.float32), np.float64)
     want = 0.5 * value * (1 + np.tanh(np.sqrt(2 / np.pi) * (value + 0.044715 * value**3)))
     np.testing.assert_allclose(gelu, want, rtol=2e-3)
@@ -1031,6 +1034,7 @@ def test_vmap_of_a_scalified_function_gives_one_scale_per_example():
     out = jax.vmap(ss.scalify(lambda a: a * 3.0 + 1.0), in_axes=(ss.ScaledArray(0, None),))(x)
     assert np.shape(out.scale) == (6,)
     np.testing.assert_allclose(np.asarray(ss.asarray(out)), values * 3.0 + 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out, np.float64), values * 3.0 + 1.0, rtol=1e-6)
     moved = ss.ScaledArray(jnp.swapaxes(out.data, 0, 1), out.scale)  # batch axis not leading
     with pytest.raises(ValueError, match=r"scale has shape \(6,\).*data has shape \(4, 6\)"):
         ss.asarray(moved)

@@ -699,18 +699,18 @@ def test_attention_with_dropout_on_its_probabilities_is_one_op():
     b, t, h, d = 4, 16, 2, 8
     keys = jax.random.split(jax.random.PRNGKey(4), 4)
     q, k, v = (jax.random.normal(key, (b, t, h, d)) for key in keys[:3])
-    keep = jax.random.bernoulli(keys[3], 0.9, (b, h, t, t))
 
-    def attention(q, k, v, keep):
+    def attention(q, k, v, key):
+        keep = jax.random.bernoulli(key, 0.9, (b, h, t, t))  # drawn in the step, as Flax does
         scores = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(d)
         probs = jax.nn.softmax(scores, axis=-1) * (keep.astype(jnp.float32) / 0.9)
         return jnp.einsum("bhts,bshd->bthd", probs, v)
 
     scaled = ss.unit_scale(attention)
-    out = scaled(q, k, v, keep)
+    out = scaled(q, k, v, keys[3])
     assert [r.kind for r in scaled.rewrites] == ["attention"]
     s = attention_scale(t, d, mult=d**0.5, is_causal=False)
-    np.testing.assert_allclose(out, s * attention(q, k, v, keep), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, s * attention(q, k, v, keys[3]), rtol=1e-5, atol=1e-6)
     import flax.linen as nn
 
     x = jax.random.normal(keys[0], (2, 8, 16))
@@ -720,3 +720,28 @@ def test_attention_with_dropout_on_its_probabilities_is_one_op():
     mha(params, x, keys[3])
     kinds = [r.kind for r in mha.rewrites]
     assert kinds.count("attention") == 1 and "softmax" not in kinds and "matmul" not in kinds
+
+
+def test_lookalikes_of_the_new_patterns_are_left_to_the_general_rules():
+    """Neither a comparison without an iota (not a one-hot), nor a logsumexp minus any
+    other function of the logits (not a cross-entropy), nor two slices of one tensor
+    added (two values, not branches of a pointwise function) is taken for one."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    mask = ss.unit_scale(lambda w, x: (jnp.round(x) == 0).astype(jnp.float32) @ w)
+    mask(w, x)
+    assert [r.kind for r in mask.rewrites] == ["linear"]
+    lse = ss.unit_scale(
+        lambda z: jnp.mean(jax.nn.logsumexp(z, -1) - jax.jit(jnp.max, static_argnums=1)(z, -1))
+    )
+    np.testing.assert_allclose(
+        np.asarray(jax.grad(lse)(x)),
+        np.asarray(jax.grad(lambda z: jnp.mean(jax.nn.logsumexp(z, -1) - z.max(-1)))(x)),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    assert "cross_entropy" not in [r.kind for r in lse.rewrites]
+    halves = ss.unit_scale(lambda w, x: (lambda h: h[:, :4] + h[:, 4:])(x @ w))
+    halves(w, x)
+    assert "add" in [r.kind for r in halves.rewrites]

@@ -128,7 +128,8 @@ class ScaledArray:
             return np.asarray(self.to_array())
         dtype = np.dtype(dtype)
         if dtype.itemsize == 8:  # float64 (or int64) even where JAX runs without x64
-            wide = np.asarray(self.data).astype(np.float64) * np.float64(np.asarray(self.scale))
+            scale = np.asarray(_batched(self.scale, self.shape), np.float64)
+            wide = np.asarray(self.data).astype(np.float64) * scale
             return np.asarray(wide, dtype)
         # computed in the requested dtype: float16 data at a large scale may only be
         # representable in float32

@@ -314,11 +314,14 @@ SQUARE_BAND = 16
 
 def _power_band(dtype, y: int) -> int:
     """How far (in octaves) data may be from unit before its ``y``-th power leaves its
-    dtype's normal range: `SQUARE_BAND` for float32 and BF16, 6 for an FP16 square and 4
-    for an FP16 cube (``jax.nn.gelu``'s ``x**3``: FP16 data of 50 cubes past 65504)."""
+    dtype's normal range: `SQUARE_BAND` for float32 and BF16; for FP16, 6 for a square, 4
+    for a cube (``jax.nn.gelu``'s ``x**3``: FP16 data of 50 cubes past 65504), 1 for a
+    sixth power."""
     info = ml_dtypes.finfo(dtype)
-    room = min(math.log2(float(info.max)), -math.log2(float(info.smallest_normal)))
-    return max(0, min(SQUARE_BAND, math.floor((room - 1) / y)))
+    # data with exponent e <= band is below 2^(band + 1), and at least 2^-band
+    above = math.floor(math.log2(float(info.max)) / y) - 1
+    below = math.floor(-math.log2(float(info.smallest_normal)) / y)
+    return max(0, min(SQUARE_BAND, above, below))
 
 
 def _before_power(x, y: int = 2):

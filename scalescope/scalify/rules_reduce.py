@@ -159,7 +159,8 @@ def _contraction(bind, out_dtype, params: dict, k: int, *scales):
     `_sum_like`. Into FP16 or an 8-bit float the sum is returned in float32, divided by
     pow2(sqrt(k)) and only then narrowed: terms that each fit the format can add up past
     its max before the division brings them back (``ones(512) @ ones(512)`` in E4M3 is
-    512, beyond 448; divided, 32). The value the plain step computes is finite there."""
+    512, beyond 448; divided, 32). The division is static: data far from unit (which
+    scalify's other rules avoid) can still leave the format."""
     if out_dtype is None or not _short_range(out_dtype):
         return _sum_like(bind(**params), k, *scales)
     wide = _sum_like(bind(**{**params, "preferred_element_type": np.dtype(np.float32)}), k, *scales)

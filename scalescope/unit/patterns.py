@@ -255,9 +255,12 @@ def _only_into_a_total(g: _Graph, v: Any, hops: int = 4) -> bool:
 
 
 #: Ops that compute each element from the same element of their operands.
-_POINTWISE = _ELEMENTWISE | {
-    "min", "max", "abs", "sign", "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic",
-    "erf", "sqrt", "rsqrt", "select_n", "gt", "ge", "lt", "le", "eq", "ne",
+#: (Not slices, transposes or reshapes: two slices of one tensor added are two values.)
+_POINTWISE = {
+    "add", "sub", "mul", "div", "neg", "integer_pow", "square", "min", "max", "abs", "sign",
+    "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "sqrt", "rsqrt",
+    "select_n", "gt", "ge", "lt", "le", "eq", "ne", "convert_element_type", "copy", "copy_p",
+    "reduce_precision",
 }  # fmt: skip
 
 
@@ -285,13 +288,23 @@ def branches_of_one_input(g: _Graph, a: Any, b: Any) -> bool:
     return ra is not None and ra is rb and a is not ra and b is not rb
 
 
+def _an_iota(g: _Graph, v: Any) -> bool:
+    """``v`` is (through shape ops) an ``iota``: the class indices a one-hot compares to."""
+    while (j := g.prod(v, *_SHAPE_OPS, "iota")) is not None:
+        if g.eqns[j].primitive.name == "iota":
+            return True
+        v = g.eqns[j].invars[0]
+    return False
+
+
 def one_hot(g: _Graph, v: Any) -> bool:
-    """``v`` is a one-hot array: `jax.nn.one_hot`'s call, or a comparison (``eq``) converted
-    to float, through shape ops: a lookup when multiplied into a table."""
+    """``v`` is a one-hot array: `jax.nn.one_hot`'s call, or indices compared (``eq``) with
+    an ``iota`` and converted to float, through shape ops: a lookup when multiplied into a
+    table."""
     while (j := g.prod(v, *_SHAPE_OPS, "eq", *_CALL_PRIMS)) is not None:
         eqn = g.eqns[j]
         if eqn.primitive.name == "eq":
-            return True
+            return any(_an_iota(g, u) for u in eqn.invars)
         if eqn.primitive.name in _CALL_PRIMS:
             return eqn.params.get("name") in ("_one_hot", "one_hot")
         v = eqn.invars[0]
@@ -604,16 +617,35 @@ def _logits_source(g: _Graph, v: Any, depth: int = 10) -> tuple[int, float, bool
     return None
 
 
+def _random(g: _Graph, v: Any, hops: int = 8) -> bool:
+    """``v`` is drawn at random: computed, within a few equations, from ``random_bits`` or
+    a call named like ``jax.random.bernoulli``'s (not a causal mask, which is fixed)."""
+    frontier = [v]
+    for _ in range(hops):
+        nxt = []
+        for u in frontier:
+            if isinstance(u, Literal) or u not in g.producer:
+                continue
+            eqn = g.eqns[g.producer[u]]
+            if eqn.primitive.name == "random_bits" or "bernoulli" in str(
+                eqn.params.get("name", "")
+            ):
+                return True
+            nxt.extend(eqn.invars)
+        frontier = nxt
+    return False
+
+
 def _dropout_multiplier(g: _Graph, v: Any, hops: int = 6) -> bool:
-    """``v`` is a dropout multiplier: a boolean mask converted to float, through shape ops
-    and multiplies or divides by literals (Flax's ``keep / keep_prob``)."""
+    """``v`` is a dropout multiplier: a random boolean mask converted to float, through
+    shape ops and multiplies or divides by literals (Flax's ``keep / keep_prob``)."""
     for _ in range(hops):
         if isinstance(v, Literal) or v not in g.producer:
             return False
         eqn = g.eqns[g.producer[v]]
         name = eqn.primitive.name
         if name == "convert_element_type" and eqn.invars[0].aval.dtype == np.bool_:
-            return True
+            return _random(g, eqn.invars[0])
         if name in ("mul", "div") and (
             _const(eqn.invars[1]) is not None or _const(eqn.invars[0]) is not None
         ):

@@ -206,6 +206,10 @@ def _loss_mean(g: _Graph, out: Any, depth: int = 12) -> int | None:
     return None
 
 
+#: The calls `jnp.take_along_axis` and `jnp.take` trace as (a gather inside each).
+_TAKE_CALLS = {"take_along_axis", "_take", "take"}
+
+
 def _logsumexp_loss(g: _Graph, x: Any, lse: Any) -> tuple[tuple[int, int], int] | None:
     """``mean(logsumexp(x) - x[label])`` (optax's integer-label cross-entropy): the
     ``(eqn, operand)`` where the label's logit is read from ``x`` (a gather, or a call
@@ -220,7 +224,8 @@ def _logsumexp_loss(g: _Graph, x: Any, lse: Any) -> tuple[tuple[int, int], int] 
             return None
         eqn = g.eqns[j]
         name = eqn.primitive.name
-        if name not in _SHAPE_OPS and name != "gather" and name not in _CALL_PRIMS:
+        take = name in _CALL_PRIMS and eqn.params.get("name") in _TAKE_CALLS
+        if name not in _SHAPE_OPS and name != "gather" and not take:
             return None
         if eqn.invars[0] is x:
             mean = _loss_mean(g, g.eqns[use[0]].outvars[0])
@@ -524,6 +529,8 @@ def _plan_conv(plan: _Plan, eqn: Any, i: int, constraint: str | None, log: list)
     kernel = math.prod(shape[d] for d in dims.rhs_spec[2:])
     groups = p.get("feature_group_count", 1)
     stride = math.prod(p.get("window_strides") or (1,))
+    if not (out_features and in_per_group and kernel):
+        return  # an empty convolution: nothing to scale
     out_shape = eqn.outvars[0].aval.shape
     positions = max(math.prod(out_shape) // max(out_shape[dims.out_spec[1]], 1), 1)
     out_s, x_s = apply_constraint(
