@@ -29,6 +29,7 @@ RECIPES = (
     "mxfp8_e4m3",
     "mxfp8_e5m2",
     "mxfp8_e4m3_rceil",
+    "mxfp8_e5m2_rceil",
     "mxfp4",
     "nvfp4",
     "fp8_block128",
@@ -178,14 +179,19 @@ def _mx_floor(emax_elem: int) -> Callable[[float], int]:
     return lambda amax: _clamp(floor_log2(Fraction(amax)) - emax_elem)
 
 
-def _rceil(amax: float) -> int:
-    """Smallest E with ``amax <= 448 * 2**E``, clamped to [-127, 127]."""
-    e = floor_log2(Fraction(amax)) - 8
-    while Fraction(amax) > 448 * Fraction(2) ** e:
-        e += 1
-    while Fraction(amax) <= 448 * Fraction(2) ** (e - 1):
-        e -= 1
-    return _clamp(e)
+def _rceil(top: int) -> Callable[[float], int]:
+    """Smallest E with ``amax <= top * 2**E`` (``top``: the element format's max, 448 for
+    E4M3, 57344 for E5M2), clamped to [-127, 127]."""
+
+    def exponent(amax: float) -> int:
+        e = floor_log2(Fraction(amax)) - floor_log2(Fraction(top))
+        while Fraction(amax) > top * Fraction(2) ** e:
+            e += 1
+        while Fraction(amax) <= top * Fraction(2) ** (e - 1):
+            e -= 1
+        return _clamp(e)
+
+    return exponent
 
 
 def _block128(amax: float) -> int:
@@ -273,7 +279,8 @@ def _quantiser(recipe: str, amax_t: float) -> Callable[[np.ndarray], Quantised]:
             "mxfp8_e4m3": (E4M3, _mx_floor(8)),
             "mxfp8_e5m2": (E5M2, _mx_floor(15)),
             "mxfp4": (E2M1, _mx_floor(2)),
-            "mxfp8_e4m3_rceil": (E4M3, _rceil),
+            "mxfp8_e4m3_rceil": (E4M3, _rceil(448)),
+            "mxfp8_e5m2_rceil": (E5M2, _rceil(57344)),
             "fp8_block128": (E4M3, _block128),
             "fp8_block128x128": (E4M3, _block128),
         }[recipe]

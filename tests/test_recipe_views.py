@@ -186,6 +186,7 @@ def test_cheapest_safe_recipe_fewest_bits_then_per_tensor_then_larger_blocks():
         "mxfp8_e4m3",
         "mxfp8_e5m2",
         "mxfp8_e4m3_rceil",
+        "mxfp8_e5m2_rceil",
     ]
     fp4_bad = {"snr_mxfp4": 10.0, "snr_nvfp4": 10.0}
     ops = make_ops(

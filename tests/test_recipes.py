@@ -597,7 +597,10 @@ def test_dot_operands_are_blocked_along_the_contracting_axis(kernel, monkeypatch
         if recipe not in ("e4m3_tensor", "fp8_block128x128"):  # same blocks either way
             for value in (w, v):  # the test tells the axes apart
                 along_k, along_n = recipe_stats(value, recipe, 0), recipe_stats(value, recipe, -1)
-                assert along_k["snr"] != along_n["snr"], recipe
+                # (a scale that never clips leaves E5M2's relative error the same either
+                # way: the block scales tell the axes apart)
+                told = ("snr", "underflow", "scale_log2_min", "scale_log2_max")
+                assert any(along_k[s] != along_n[s] for s in told), recipe
 
 
 # -- the native kernel's code paths against the XLA kernel -----------------------------------

@@ -93,6 +93,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe("mxfp8_e4m3", _E4M3, "mx_floor", 32),
         Recipe("mxfp8_e5m2", _E5M2, "mx_floor", 32),
         Recipe("mxfp8_e4m3_rceil", _E4M3, "mx_rceil", 32),
+        Recipe("mxfp8_e5m2_rceil", _E5M2, "mx_rceil", 32),
         Recipe("mxfp4", E2M1, "mx_floor", 32),
         Recipe("nvfp4", E2M1, "nvfp4", 16),
         Recipe("fp8_block128", _E4M3, "pow2_floor", 128),
