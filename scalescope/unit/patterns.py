@@ -288,10 +288,10 @@ def branches_of_one_input(g: _Graph, a: Any, b: Any) -> bool:
     return ra is not None and ra is rb and a is not ra and b is not rb
 
 
-def _an_iota(g: _Graph, v: Any) -> bool:
-    """``v`` is (through shape ops) an ``iota``: the class indices a one-hot compares to."""
-    while (j := g.prod(v, *_SHAPE_OPS, "iota")) is not None:
-        if g.eqns[j].primitive.name == "iota":
+def _made_by(g: _Graph, v: Any, prim: str) -> bool:
+    """``v`` is (through shape ops) the output of a ``prim`` equation."""
+    while (j := g.prod(v, *_SHAPE_OPS, prim)) is not None:
+        if g.eqns[j].primitive.name == prim:
             return True
         v = g.eqns[j].invars[0]
     return False
@@ -304,7 +304,7 @@ def one_hot(g: _Graph, v: Any) -> bool:
     while (j := g.prod(v, *_SHAPE_OPS, "eq", *_CALL_PRIMS)) is not None:
         eqn = g.eqns[j]
         if eqn.primitive.name == "eq":
-            return any(_an_iota(g, u) for u in eqn.invars)
+            return any(_made_by(g, u, "iota") for u in eqn.invars)  # the class indices
         if eqn.primitive.name in _CALL_PRIMS:
             return eqn.params.get("name") in ("_one_hot", "one_hot")
         v = eqn.invars[0]
@@ -314,11 +314,7 @@ def one_hot(g: _Graph, v: Any) -> bool:
 def stopped(g: _Graph, v: Any) -> bool:
     """``v`` is (through shape ops) a ``stop_gradient``: a shift for numerical stability
     (logsumexp's ``max + log(sum(exp(x - max)))``), not a branch of the model."""
-    while (j := g.prod(v, *_SHAPE_OPS, "stop_gradient")) is not None:
-        if g.eqns[j].primitive.name == "stop_gradient":
-            return True
-        v = g.eqns[j].invars[0]
-    return False
+    return _made_by(g, v, "stop_gradient")
 
 
 def _a_branch(g: _Graph, out: Any) -> bool:
