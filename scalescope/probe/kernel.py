@@ -77,6 +77,8 @@ GROUP_ELEMENTS = 1 << 25
 GROUP_MIN_ELEMENTS = 1 << 22
 GROUPS_PER_SCOPE = 8
 _F32 = jnp.float32
+#: The smallest normal float32: statistics read the subnormals below it as zeros.
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,7 @@ def _pow2(k: jax.Array) -> jax.Array:
 def _row_exponent(absmax: jax.Array) -> jax.Array:
     """Exponent of each row's (or block's) abs-max: sums are kept in units of 2**it so
     squares of values up to float32's max neither overflow nor underflow."""
-    tiny = np.float32(np.finfo(np.float32).tiny)
+    tiny = _F32_TINY
     return jnp.where(absmax >= tiny, jnp.clip(_exponent(absmax), -126, 126), 0)
 
 
@@ -283,13 +285,13 @@ def _block_stats(x: jax.Array, spec: StatSpec):
     as_f = lambda m: m.astype(_F32)
     low = np.float32(-np.inf)
     # Extremes read float32 subnormals as zeros, as the native kernel does.
-    normal = a >= np.float32(np.finfo(np.float32).tiny)
+    normal = a >= _F32_TINY
     xn = jnp.where(normal, xf, 0.0)
     # float32 subnormals are zeros here, explicitly: XLA on CPU flushes them anyway, on a
     # GPU it does not, and both kernels must read the same definition
     zero, nonfinite, amax, top, negmin, negabsmin = _reduce(
         [
-            as_f(a < np.float32(np.finfo(np.float32).tiny)),
+            as_f(a < _F32_TINY),
             as_f(~finite),
             jnp.where(finite, a, 0.0),
             jnp.where(finite, xn, low),
@@ -334,8 +336,9 @@ def _hist_bins(x: jax.Array) -> jax.Array:
     """Column of `HIST_COLUMNS` for each element of ``x``."""
     last = len(HIST_COLUMNS) - 1
     k = jnp.clip(_exponent(x) - (HIST_LO - 2), 1, last - 1)
-    k = jnp.where(jnp.abs(x) < np.float32(np.finfo(np.float32).tiny), 0, k)  # subnormals too
-    return jnp.where(jnp.abs(x) < np.float32(np.inf), k, last)
+    a = jnp.abs(x)
+    k = jnp.where(a < _F32_TINY, 0, k)  # float32 subnormals too
+    return jnp.where(a < np.float32(np.inf), k, last)
 
 
 def _sample(flat: jax.Array, cap: int | None) -> jax.Array:

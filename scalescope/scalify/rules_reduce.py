@@ -154,13 +154,14 @@ def _out_dtype(lhs_data, rhs_data, params: dict):
     return np.dtype(lhs_data.dtype) if lhs_data.dtype == rhs_data.dtype else None
 
 
-def _contraction(bind, out_dtype, params: dict, k: int, *scales):
+def _contraction(bind, lhs_data, rhs_data, params: dict, k: int, *scales):
     """A contraction of ``k`` terms per output (``bind(**params)``), scaled as
     `_sum_like`. Into FP16 or an 8-bit float the sum is returned in float32, divided by
     pow2(sqrt(k)) and only then narrowed: terms that each fit the format can add up past
     its max before the division brings them back (``ones(512) @ ones(512)`` in E4M3 is
     512, beyond 448; divided, 32). The division is static: data far from unit (which
     scalify's other rules avoid) can still leave the format."""
+    out_dtype = _out_dtype(lhs_data, rhs_data, params)
     if out_dtype is None or not _short_range(out_dtype):
         return _sum_like(bind(**params), k, *scales)
     wide = _sum_like(bind(**{**params, "preferred_element_type": np.dtype(np.float32)}), k, *scales)
@@ -183,7 +184,8 @@ def scaled_dot_general(lhs, rhs, *, dimension_numbers, **params):
         lambda **p: lax.dot_general_p.bind(
             lhs_data, rhs_data, dimension_numbers=dimension_numbers, **p
         ),
-        _out_dtype(lhs_data, rhs_data, params),
+        lhs_data,
+        rhs_data,
         params,
         k,
         *_scales(lhs, rhs),
@@ -205,7 +207,8 @@ def scaled_ragged_dot_general(lhs, rhs, group_sizes, *, ragged_dot_dimension_num
     sizes = unscale(group_sizes)
     return _contraction(
         lambda **p: lax.ragged_dot_general(lhs_data, rhs_data, sizes, dims, **p),
-        _out_dtype(lhs_data, rhs_data, params),
+        lhs_data,
+        rhs_data,
         params,
         k,
         *_scales(lhs, rhs),
@@ -221,7 +224,8 @@ def scaled_conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
         lambda **p: lax.conv_general_dilated_p.bind(
             lhs_data, rhs_data, dimension_numbers=dimension_numbers, **p
         ),
-        _out_dtype(lhs_data, rhs_data, params),
+        lhs_data,
+        rhs_data,
         params,
         k,
         *_scales(lhs, rhs),

@@ -371,29 +371,22 @@ def _analyse(
         plan.grouped.update(group)
         if kind == "softcap" or not live.get(x, False):
             continue  # soft-capping, or computed from constants alone: left as it is
-        if kind == "log_softmax":
-            mean = _loss_mean(g, out)
+        if kind in ("log_softmax", "logsumexp"):
+            # the two spellings of a cross-entropy: log_softmax(x)[label], or
+            # logsumexp(x) - x[label] (whose label pick reads x outside the group)
+            if kind == "log_softmax":
+                pick, mean = None, _loss_mean(g, out)
+            else:
+                pick, mean = _logsumexp_loss(g, x, out) or (None, None)
             if mean is None:
-                continue  # a log-softmax that is not a loss: run unchanged
-            vocab = x.aval.shape[axis]
-            s = cross_entropy_grad_scale(vocab)
-            scale_group(group, x, out, 1.0, s)
-            plan.loss_mean[mean] = 1.0 / _const(g.eqns[mean].invars[1])
-            log.append(Rewrite("cross_entropy", prims, 1.0, (s,), _where(first)))
-            if opts.readout and (r := _readout(g, x)) is not None:
-                readouts.add(r)
-            continue
-        if kind == "logsumexp":
-            ce = _logsumexp_loss(g, x, out)
-            if ce is None:
-                continue  # a logsumexp that is not a loss: run unchanged
-            pick, mean = ce
+                continue  # not a loss: run unchanged
             s = cross_entropy_grad_scale(x.aval.shape[axis])
             scale_group(group, x, out, 1.0, s)
-            plan.operand[pick] = (1.0, s)
-            plan.grouped.add(pick[0])  # the label's logit: not an embedding lookup
-            if g.eqns[pick[0]].primitive.name in _CALL_PRIMS:
-                plan.call_groups.add(pick[0])
+            if pick is not None:
+                plan.operand[pick] = (1.0, s)
+                plan.grouped.add(pick[0])  # the label's logit: not an embedding lookup
+                if g.eqns[pick[0]].primitive.name in _CALL_PRIMS:
+                    plan.call_groups.add(pick[0])
             plan.loss_mean[mean] = 1.0 / _const(g.eqns[mean].invars[1])
             log.append(Rewrite("cross_entropy", prims, 1.0, (s,), _where(first)))
             if opts.readout and (r := _readout(g, x)) is not None:
