@@ -144,3 +144,19 @@ def test_without_a_gpu_the_full_suite_refuses_to_start(tmp_path, capsys):
     assert g.main(["--out", str(tmp_path)]) == 2
     assert "JAX found no GPU" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_smoke_run_compiles_with_the_test_suites_xla_flags(monkeypatch):
+    gpu_suite = _suite()
+    # a caller's optimisation level is kept as it is (the test suite sets its own)
+    chosen = "--xla_backend_optimization_level=1"
+    assert gpu_suite.smoke_xla_flags(chosen) == chosen
+    # otherwise the flags this XLA takes are added after the caller's
+    flags = gpu_suite.smoke_xla_flags("--xla_cpu_enable_fast_math=false").split()
+    assert flags[0] == "--xla_cpu_enable_fast_math=false"
+    assert "--xla_backend_optimization_level=0" in flags
+    # a flag this XLA does not know is left out rather than aborting the run
+    monkeypatch.setattr(
+        gpu_suite, "SMOKE_XLA_FLAGS", ("--xla_backend_optimization_level=0", "--no_such_xla_flag")
+    )
+    assert gpu_suite.smoke_xla_flags("") == "--xla_backend_optimization_level=0"
