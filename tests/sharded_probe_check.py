@@ -62,7 +62,32 @@ def main() -> None:
         else:
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
     print(f"{table.n_rows} rows, {len(single)} statistics")
+    spread_across_devices(mesh)
     print("sharded stats equal single-device stats")
+
+
+def spread_across_devices(mesh: Mesh) -> None:
+    """A value whose shards have means 0.5 apart around 1000 and a spread of 0.01
+    within each: folded across devices, its std is NumPy's (Chan's pooling; the float32
+    mean square minus the squared mean cancelled to nothing here)."""
+    from scalescope.probe import kernel
+
+    rng = np.random.default_rng(3)
+    value = 1000 + np.repeat(np.arange(4) * 0.5, 300) + 0.01 * rng.normal(size=1200)
+    value = value.astype(np.float32)
+    spec = kernel.StatSpec((), histograms=False)
+
+    def body(x):
+        raw = kernel.across_devices(kernel.group_raw([(x, None)], spec), None, ("data",))
+        stats = kernel.finalize(raw, spec)
+        return stats["std"], stats["mean"]
+
+    std, mean = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+    )(value)
+    exact = value.astype(np.float64)
+    np.testing.assert_allclose(float(std[0]), exact.std(), rtol=1e-4)
+    np.testing.assert_allclose(float(mean[0]), exact.mean(), rtol=1e-7)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,7 @@ class StatSpec:
         return (
             "sum",
             "sumsq",
+            "m2",  # sum of squared deviations from the row's mean (`_pooled`)
             *(f"err2_{f.name}" for f in self.formats),
             *(f"err2_{r.name}" for r in self.recipes),
         )
@@ -131,7 +132,11 @@ class StatSpec:
 
 
 #: Raw statistics: float sums, integer counts, maxima, last values (the scale) and, with
-#: histograms, integer bin counts; each ``[rows, columns]``.
+#: histograms, integer bin counts; each ``[rows, columns]``. Sums are in units of the
+#: row's abs-max power of two (`_row_exponent`; its square for every column but the
+#: first); the spread is kept as ``m2``, the squared deviations from the row's own mean,
+#: pooled by Chan's formula wherever rows are folded, since ``sumsq/n - mean**2`` cancels
+#: in float32 where the mean dwarfs the spread (a LayerNorm gain of 1 +- 1e-4 read 0).
 RAW_KEYS = ("sum", "cnt", "max", "last")
 _AGGREGATE = {"sum": "add", "cnt": "add", "max": "max", "last": "last", "hist": "add"}
 
@@ -151,16 +156,46 @@ def empty_raw(spec: StatSpec) -> dict[str, jax.Array]:
 
 def accumulate(acc: dict[str, jax.Array], new: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Fold one more while-loop iteration into raw statistics (sums are re-expressed in
-    the units of the larger abs-max first)."""
+    the units and about the mid-range of the folded row first, `_reexpress`)."""
     out = {}
     for k, v in new.items():
         how = _AGGREGATE[k]
         out[k] = acc[k] + v if how == "add" else v
     out["max"] = jnp.maximum(_ran_maxima(acc), _ran_maxima(new))
-    k_acc, k_new = _row_exponent(acc["max"][:, 0]), _row_exponent(new["max"][:, 0])
-    k_out = _row_exponent(out["max"][:, 0])
-    out["sum"] = _rescale_sums(acc["sum"], k_acc, k_out) + _rescale_sums(new["sum"], k_new, k_out)
+    n_a, n_b = _finite(acc["cnt"]), _finite(new["cnt"])
+    a = _reexpress(acc["sum"], n_a, acc["max"], out["max"])
+    b = _reexpress(new["sum"], n_b, new["max"], out["max"])
+    # Chan's pairwise update: the two means' difference weighs n_a n_b / (n_a + n_b)
+    d = _mean(a, n_a) - _mean(b, n_b)
+    shift = n_a * n_b / jnp.maximum(n_a + n_b, 1.0) * d * d
+    out["sum"] = (a + b).at[:, _M2].add(shift)
     return out
+
+
+#: Column of ``m2`` among the sum columns (`StatSpec.sum_columns`).
+_M2 = 2
+
+
+def _finite(cnt: jax.Array) -> jax.Array:
+    """Finite elements of each row (float32 subnormals counted as zeros): the moments'
+    count, from the ``n`` and ``nonfinite`` count columns."""
+    return (cnt[:, 0] - cnt[:, 2]).astype(_F32)
+
+
+def _mean(sums: jax.Array, finite: jax.Array) -> jax.Array:
+    """Each row's mean in its sums' units; 0 for a row with no finite element."""
+    return sums[:, 0] / jnp.maximum(finite, 1.0)
+
+
+def _pooled(sums: jax.Array, finite: jax.Array, sum_of, back) -> jax.Array:
+    """``sum_of(sums)`` (pieces' sum columns, in the units of the rows they fold into),
+    with ``m2`` pooled by Chan's formula: each piece's own, plus its count times its
+    mean's squared distance to the folded row's mean (``back`` maps folded rows onto
+    the pieces). Every term is non-negative: nothing cancels."""
+    total = sum_of(sums)
+    row_mean = back(_mean(total, sum_of(finite)))
+    d = _mean(sums, finite) - row_mean
+    return total.at[:, _M2].set(sum_of(sums[:, _M2] + finite * d * d))
 
 
 def _ran_maxima(raw: dict[str, jax.Array]) -> jax.Array:
@@ -188,12 +223,14 @@ def across_devices(
 def _fold(raw: dict[str, jax.Array], top_of, sum_of, back=lambda v: v) -> dict[str, jax.Array]:
     """Raw rows folded by ``top_of`` (a maximum) and ``sum_of`` (a sum) over devices or
     over the pieces of a value: counts and histograms add, maxima and scales take the
-    largest, sums are re-expressed in the units of the folded abs-max before adding.
+    largest, sums are re-expressed in the units and about the mid-range of the folded
+    row before adding (`_reexpress`; ``m2`` pooled, `_pooled`).
     ``back`` maps folded rows onto the rows of ``raw``."""
     top = top_of(_ran_maxima(raw))
-    k_own, k_top = _row_exponent(raw["max"][:, 0]), _row_exponent(back(top)[:, 0])
+    finite = _finite(raw["cnt"])
+    sums = _reexpress(raw["sum"], finite, raw["max"], back(top))
     out = {
-        "sum": sum_of(_rescale_sums(raw["sum"], k_own, k_top)),
+        "sum": _pooled(sums, finite, sum_of, back),
         "cnt": sum_of(raw["cnt"]),
         "max": top,
         "last": top_of(raw["last"]),
@@ -306,7 +343,19 @@ def _block_stats(x: jax.Array, spec: StatSpec):
     # Each pass below reads x itself and masks non-finite elements out at the end: a
     # shared ``where(finite, x, 0)`` would be a second copy of the buffer in memory.
     xs = jnp.where(finite, x * unit, 0.0)
-    sums = _reduce([xs, xs * xs])
+    # The block's spread, sum((x-c)^2) - sum(x-c)^2/n, loses about as many roundings of
+    # the larger term as the block has elements: taken about its mid-range c (known from
+    # pass one, so no extra pass) or about 0, whichever leaves the smaller squares. A
+    # mean that dwarfs the spread then costs nothing (`_pooled` folds the blocks).
+    mid = jnp.where(top > low, top * np.float32(0.5) - negmin * np.float32(0.5), 0.0)
+    xc = jnp.where(finite, (x - mid[:, None]) * unit, 0.0)
+    s1, s2, c1, c2 = _reduce([xs, xs * xs, xc, xc * xc])
+    n_fin = jnp.maximum(np.float32(x.shape[1]) - nonfinite, 1.0)
+    about_mid = c2 < s2
+    m2 = jnp.where(about_mid, c2 - c1 * c1 / n_fin, s2 - s1 * s1 / n_fin)
+    # the first moment about the mid-range (`_reference`): a float32 sum of large values
+    # rounds by an ulp of the sum, which pooling blocks would read as a spread of means
+    sums = [c1, s2, jnp.maximum(m2, 0.0)]
     counts = [zero, nonfinite]
     for fmt in spec.formats:
         q = _round_to(x, fmt)
@@ -326,10 +375,24 @@ def _block_stats(x: jax.Array, spec: StatSpec):
     return jnp.stack(sums, axis=1), jnp.stack(counts, axis=1), maxima, k
 
 
-def _rescale_sums(sums: jax.Array, k_from: jax.Array, k_to: jax.Array) -> jax.Array:
-    """Sums in units of ``2**k_from`` (column 0 linear, the rest squares) -> ``2**k_to``."""
+def _reference(maxima: jax.Array) -> jax.Array:
+    """The mid-range of each row's finite elements, from its `BASIC_MAXIMA` (0 where it
+    has none): the first sum column is taken about it, so that the mean keeps the
+    digits of the spread (`finalize`)."""
+    top, negmin = maxima[:, 1], maxima[:, 2]
+    return jnp.where(top > -np.inf, top * np.float32(0.5) - negmin * np.float32(0.5), 0.0)
+
+
+def _reexpress(
+    sums: jax.Array, finite: jax.Array, max_from: jax.Array, max_to: jax.Array
+) -> jax.Array:
+    """Sums of rows with maxima ``max_from`` (units of 2 to their abs-max's exponent,
+    column 0 about their `_reference`, the others squares) in the units and about the
+    reference of rows with maxima ``max_to``; ``finite``: each row's finite count."""
+    k_from, k_to = _row_exponent(max_from[:, 0]), _row_exponent(max_to[:, 0])
     f = _pow2(k_from - k_to)[:, None]
-    return jnp.concatenate([sums[:, :1] * f, sums[:, 1:] * (f * f)], axis=1)
+    shift = finite * ((_reference(max_from) - _reference(max_to)) * _pow2(-k_to))
+    return jnp.concatenate([sums[:, :1] * f + shift[:, None], sums[:, 1:] * (f * f)], axis=1)
 
 
 def _hist_bins(x: jax.Array) -> jax.Array:
@@ -543,9 +606,9 @@ def _native_raw(values: Sequence[Any], spec: StatSpec) -> dict[str, jax.Array]:
     )
     f, i = jnp.stack(floats), jnp.stack(ints)
     raw = {
-        "sum": f[:, : 2 + nf],
+        "sum": f[:, : 3 + nf],
         "cnt": i[:, : 3 + 3 * nf],
-        "max": f[:, 2 + nf :],
+        "max": f[:, 3 + nf :],
         "last": _scales(values),
     }
     if spec.histograms:
@@ -608,11 +671,12 @@ def group_raw(
     x = (jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]).reshape(-1, b)
     rows = len(values)
     seg = np.repeat(np.arange(rows, dtype=np.int32), blocks_per_value)
-    s, c, m, k, block_hist = _block_passes(x, spec)
+    s, c, m, _, block_hist = _block_passes(x, spec)
     seg_sum = lambda v: jax.ops.segment_sum(v, seg, rows, indices_are_sorted=True)
     maxima = jax.ops.segment_max(m, seg, rows, indices_are_sorted=True)
-    row_k = _row_exponent(maxima[:, 0])
-    s = _rescale_sums(s, k, row_k[seg])
+    finite_blocks = np.float32(b) - c[:, 1]  # the padding is NaN: not counted
+    s = _reexpress(s, finite_blocks, m, maxima[seg])
+    s = _pooled(s, finite_blocks, seg_sum, lambda v: v[seg])
     counts = seg_sum(c.astype(jnp.int32))
     # Padding adds NaNs only: correct the non-finite count; the element count is static.
     pads = np.asarray(pads, np.int32)
@@ -620,7 +684,7 @@ def group_raw(
     fix[:, 0] = sizes
     fix[:, 2] = -pads
     raw = {
-        "sum": seg_sum(s),
+        "sum": s,
         "cnt": jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), counts], axis=1) + fix,
         "max": maxima,
         "last": _scales(values),
@@ -715,18 +779,9 @@ def _extremes(maxima: jax.Array, measured: jax.Array) -> dict[str, jax.Array]:
     }
 
 
-def _std_u(mean_u: jax.Array, meansq_u: jax.Array) -> jax.Array:
-    """Standard deviation from the mean and the mean square (in units). Callers give a
-    single element 0: there ``meansq - mean**2`` is the rounding of two products, and
-    its square root would read as a spread (1e-4 of the value, in float32)."""
-    return jnp.sqrt(jnp.maximum(meansq_u - mean_u * mean_u, 0.0))
-
-
 def _bounded_std(std: jax.Array, top: jax.Array, negmin: jax.Array) -> jax.Array:
-    """``std`` at most half the range of the finite elements (Popoviciu's bound), so 0
-    where every finite element is the same: float32's ``meansq - mean**2`` cancels where
-    the mean is far larger than the spread (a constant 0.1 read 3.5e-4; 2^20 plus
-    integers in [-8, 8) read 362, at most 8 here)."""
+    """``std`` at most half the range of the finite elements (Popoviciu's bound): a
+    guard, so that no rounding reads a constant as spread."""
     half_range = jnp.maximum(top + negmin, 0.0) * np.float32(0.5)
     return jnp.minimum(std, half_range)
 
@@ -748,16 +803,16 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
     frac = lambda c: jnp.where(ran, c.astype(_F32) / jnp.maximum(nf, 1.0), nan)
     finite_n = (n - counts[:, col["nonfinite"]]).astype(_F32)
     unit = _pow2(_row_exponent(raw["max"][:, 0]))
-    mean_u = sums[:, 0] / finite_n
+    mean_u = sums[:, 0] / finite_n  # about the mid-range (`_reference`)
     meansq_u = sums[:, 1] / finite_n
     out = {
         "count": n,
         "scale": jnp.where(ran, raw["last"][:, 0], nan),
         "rms": jnp.sqrt(meansq_u) * unit,
         "absmax": jnp.where(ran & (finite_n > 0), raw["max"][:, 0], nan),
-        "mean": mean_u * unit,
+        "mean": _reference(raw["max"]) + mean_u * unit,
         "std": _bounded_std(
-            jnp.where(finite_n == 1, 0.0, _std_u(mean_u, meansq_u)) * unit,
+            jnp.sqrt(jnp.maximum(sums[:, _M2], 0.0) / finite_n) * unit,
             raw["max"][:, 1],
             raw["max"][:, 2],
         ),
@@ -767,7 +822,7 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
     }
     for i, fmt in enumerate(spec.formats):
         name = fmt.name
-        err2 = sums[:, 2 + i]
+        err2 = sums[:, _M2 + 1 + i]
         snr = jnp.where(err2 > 0, 10.0 * jnp.log10(sums[:, 1] / err2), np.float32(np.inf))
         out[f"underflow_{name}"] = frac(counts[:, col[f"under_{name}"]])
         out[f"subnormal_{name}"] = frac(counts[:, col[f"sub_{name}"]])
@@ -777,7 +832,7 @@ def finalize(raw: dict[str, jax.Array], spec: StatSpec) -> dict[str, jax.Array]:
     maxima = raw["max"]
     for i, recipe in enumerate(spec.recipes):
         name = recipe.name
-        err2 = sums[:, 2 + n_fmt + i]
+        err2 = sums[:, _M2 + 1 + n_fmt + i]
         snr = jnp.where(err2 > 0, 10.0 * jnp.log10(sums[:, 1] / err2), np.float32(np.inf))
         blocks = counts[:, col[f"blocks_{name}"]]
         flush = counts[:, col[f"flush_{name}"]].astype(_F32) / jnp.maximum(blocks, 1)

@@ -247,7 +247,7 @@ def _raw_shapes(formats: Sequence[Format], hist_range: tuple[int, int] | None):
     lo, hi = hist_range if hist_range is not None else (0, -1)
     n_hist = hi - lo + 5 if hist_range is not None else 0
     shapes = (
-        jax.ShapeDtypeStruct((6 + nf,), jnp.float32),
+        jax.ShapeDtypeStruct((7 + nf,), jnp.float32),
         jax.ShapeDtypeStruct((3 + 3 * nf + n_hist,), jnp.int32),
     )
     return shapes, lo, hi
@@ -257,7 +257,7 @@ def value_raw(
     data: jax.Array, formats: Sequence[Format], hist_range: tuple[int, int] | None
 ) -> tuple[jax.Array, jax.Array]:
     """Raw statistics of one value: ``(floats, ints)`` where floats are ``[sum, sumsq,
-    err2 per format..., absmax, max, -min, -absmin]`` (sums in units of the abs-max's
+    m2, err2 per format..., absmax, max, -min, -absmin]`` (sums in units of the abs-max's
     power of two; the last three over finite elements, -inf when none) and ints
     are ``[n, zero, nonfinite, (under, sub, over) per format..., histogram...]``."""
     if not available():

@@ -1,9 +1,10 @@
 // Statistics of one float32 value in one read, as an XLA FFI custom call (CPU).
 //
 // Computes exactly what `kernel.finalize` publishes from raw rows (see DESIGN.md, "The
-// probe"): sums of x and x^2, the squared rounding error against each audited format,
-// zero / non-finite / underflow / subnormal / overflow counts, the abs-max and the
-// exponent histogram. Rounding to a format is integer work on the float32 bit pattern
+// probe"): sums of x and x^2, the squared deviations from the mean (each chunk's about
+// its own mean, pooled by Chan's formula), the squared rounding error against each
+// audited format, zero / non-finite / underflow / subnormal / overflow counts, the
+// abs-max and the exponent histogram. Rounding to a format is integer work on the float32 bit pattern
 // (round to nearest even on the dropped mantissa bits; a fixed step in the format's
 // subnormal range), so no float8 conversion is needed and every format costs the same.
 //
@@ -75,6 +76,10 @@ struct Fmt {
 
 struct Totals {
   double sum = 0, sumsq = 0;
+  // Squared deviations from the mean, over `finite` elements, pooled chunk by chunk by
+  // Chan's formula: sumsq / n - mean^2 cancels where the mean dwarfs the spread.
+  double m2 = 0;
+  int64_t finite = 0;
   double err2[kMaxFormats] = {};
   int64_t nonzero_q[kMaxFormats] = {}, normal_q[kMaxFormats] = {}, over[kMaxFormats] = {};
   int64_t nan = 0;
@@ -126,6 +131,18 @@ inline v8f finite_lanes(const float* p, v8u& ab, v8u& keep) {
   return as_f(xb & keep);
 }
 
+// Chan's formula: `n` more finite elements, of sum `sum` and squared deviations `m2`
+// from their own mean, pooled into t's m2 (before t.sum takes `sum` in).
+inline void pool_moments(Totals& t, int64_t n, double sum, double m2) {
+  if (n == 0) return;
+  if (t.finite > 0) {
+    double d = sum / double(n) - t.sum / double(t.finite);
+    m2 += d * d * (double(t.finite) * double(n) / double(t.finite + n));
+  }
+  t.m2 += m2;
+  t.finite += n;
+}
+
 // One chunk of n8 elements (a multiple of kLanes and of 8, n8 <= kChunk) into totals.
 void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t) {
   // Pass one: sums, abs-max, NaN count; |x| (finite, normal, else 0) and its bits (all)
@@ -136,7 +153,7 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
   v8f s1 = {}, s2 = {}, vmax = {};
   const v8f ninf = -INFINITY - v8f{};
   v8f vtop = ninf, vnegmin = ninf, vnegabs = ninf;
-  v8i c_nan = {};
+  v8i c_nan = {}, c_nonfinite = {};
   alignas(64) float abs_buf[kChunk];
   alignas(64) uint32_t bits_buf[kChunk];
   for (int64_t i = 0; i < n8; i += kLanes) {
@@ -145,6 +162,7 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     s1 += xf;
     s2 += xf * xf;
     c_nan += (v8i)(ab > kInfBits);
+    c_nonfinite += (v8i)(ab >= kInfBits);
     v8f af = as_f(ab & keep);
     vmax = af > vmax ? af : vmax;
     v8f hi = ab < kInfBits ? xf : ninf, lo = ab < kInfBits ? -xf : ninf;
@@ -174,6 +192,28 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     }
   }
   const v8f u = std::ldexp(1.0f, -k) - v8f{};
+
+  // The chunk's squared deviations from its own mean (in units of 2^k; the chunk is in
+  // L1), minus the square of their sum, which the rounding of the mean leaves.
+  const int64_t n_fin = n8 - hcount(c_nonfinite);
+  double chunk_m2 = 0, chunk_mean = 0, chunk_sum = hsum(s1);
+  if (n_fin > 0) {
+    chunk_mean = hsum(s1) / double(n_fin);
+    const v8f mean = float(chunk_mean) - v8f{};
+    v8f d1 = {}, d2 = {};
+    for (int64_t i = 0; i < n8; i += kLanes) {
+      v8u ab, keep;
+      v8f xs = finite_lanes(x + i, ab, keep) * u;
+      v8f d = ab < kInfBits ? xs - mean : v8f{};  // subnormals are zeros, and counted
+      d1 += d;
+      d2 += d * d;
+    }
+    double sd = hsum(d1);
+    chunk_m2 = std::max(hsum(d2) - sd * sd / double(n_fin), 0.0);
+    // The chunk's sum from its small deviations: float32 lanes summing large values
+    // round by an ulp of the sum, which the pooling would read as a spread of the means.
+    chunk_sum = double(n_fin) * double(float(chunk_mean)) + sd;
+  }
 
   // Then one pass per format over the (L1-resident) chunk, so each format's constants and
   // accumulators stay in registers: rounding error (in units of 2^k) and range flags.
@@ -210,7 +250,8 @@ void chunk_stats(const float* x, int64_t n8, const Fmt* fmts, int nf, Totals& t)
     c_over[f] = over;
   }
   double unit_back = std::ldexp(1.0, k);
-  t.sum += hsum(s1) * unit_back;
+  pool_moments(t, n_fin, chunk_sum * unit_back, chunk_m2 * unit_back * unit_back);
+  t.sum += chunk_sum * unit_back;
   t.sumsq += hsum(s2) * unit_back * unit_back;
   t.nan += hcount(c_nan);
   for (int f = 0; f < nf; ++f) {
@@ -259,6 +300,7 @@ void range_stats(const Loader& in, int64_t lo, int64_t hi, const Fmt* fmts, int 
 }
 
 void merge(Totals& into, const Totals& t, int nf) {
+  pool_moments(into, t.finite, t.sum, t.m2);
   into.sum += t.sum;
   into.sumsq += t.sumsq;
   into.nan += t.nan;
@@ -302,7 +344,7 @@ ffi::Error prepare(Job& job, ffi::AnyBuffer x, ffi::Span<const float> lut,
   job.nf = nf;
   job.n_hist = hist_hi >= hist_lo ? hist_hi - hist_lo + 5 : 0;
   job.hist_lo = hist_lo;
-  if (out_f->element_count() != static_cast<size_t>(6 + nf) ||
+  if (out_f->element_count() != static_cast<size_t>(7 + nf) ||
       out_i->element_count() != static_cast<size_t>(3 + 3 * nf + job.n_hist)) {
     return ffi::Error::InvalidArgument("scalescope_stats: bad output sizes");
   }
@@ -364,13 +406,17 @@ void run_job(const Job& job) {
   int k = exponent_of(total.amax);
   double lin = std::ldexp(1.0, -k), sq = lin * lin;
   float* of = job.of;
-  of[0] = static_cast<float>(total.sum * lin);
+  // The sum about the mid-range of the finite elements (kernel._reference), so that the
+  // mean keeps the digits of the spread however far it is from 0.
+  const float mid = total.top > -INFINITY ? total.top * 0.5f - total.negmin * 0.5f : 0.0f;
+  of[0] = static_cast<float>((total.sum - double(total.finite) * double(mid)) * lin);
   of[1] = static_cast<float>(total.sumsq * sq);
-  for (int f = 0; f < nf; ++f) of[2 + f] = static_cast<float>(total.err2[f] * sq);
-  of[2 + nf] = total.amax;
-  of[3 + nf] = total.top;
-  of[4 + nf] = total.negmin;
-  of[5 + nf] = total.negabsmin;
+  of[2] = static_cast<float>(total.m2 * sq);
+  for (int f = 0; f < nf; ++f) of[3 + f] = static_cast<float>(total.err2[f] * sq);
+  of[3 + nf] = total.amax;
+  of[4 + nf] = total.top;
+  of[5 + nf] = total.negmin;
+  of[6 + nf] = total.negabsmin;
 
   int32_t* oi = job.oi;
   oi[0] = static_cast<int32_t>(n);
