@@ -258,3 +258,31 @@ def test_scale_graph_names_nnx_modules():
     frame = ss.scale_graph(loss, params)
     assert "layers/0/q/dot_general" in set(frame["name"])
     assert not (frame["source"] == "<unknown>").any()
+
+
+def test_a_quantisation_librarys_ops_are_placed_at_the_users_line(tmp_path, monkeypatch):
+    """Ops a quantisation library (qwix, AQT) emits inside a model are placed at the
+    user's line that called it, as flax's and optax's are: the advisor's fix then names a
+    line the user can edit, not one inside the library."""
+    pkg = tmp_path / "qwix"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import jax.numpy as jnp\n\n\n"
+        "def fake_quant(x):\n"
+        "    s = jnp.max(jnp.abs(x)) / 448.0\n"
+        "    return jnp.clip(x / s, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(x.dtype) * s\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "qwix", raising=False)
+    import qwix  # the stand-in above
+
+    def step(x):
+        return qwix.fake_quant(x) * 2.0
+
+    line = inspect.getsourcelines(step)[1] + 1
+    table = ss.instrument(step, scalify=False).op_table(jnp.ones((4, 8)))
+    converts = [r for r in table if "convert_element_type" in r.name]
+    assert converts and all(r.source.endswith(f":{line}") for r in converts), [
+        r.source for r in converts
+    ]
+    assert all("qwix" not in r.source for r in table)

@@ -757,3 +757,33 @@ def test_values_at_scale_2_127_align_and_divide_without_flushing_to_zero():
     out = jax.jit(ss.scalify(lambda a, b: a / b, normalize=False))(small, y)
     got = np.asarray(out.data).astype(np.float64) * float(out.scale)
     np.testing.assert_allclose(got, xd.astype(np.float64) * 2.0**100 / yv, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float16])
+def test_a_clip_at_a_formats_max_casts_the_value_the_code_scaled(dtype):
+    """MX-style fake quantisation with its own power-of-two scale per column (qwix's
+    mxfp8): ``clip(w / s, -max, max).astype(fp8) * s``. Under scalify ``w / s`` was held
+    as data ~3 500 at scale 1/8 and the cast cast the data: 91 % NaN. A clip at a
+    format's max is the code's own scaling: its result is held at scale 1, and the whole
+    function equals the plain one bit for bit."""
+    fmax = float(jnp.finfo(dtype).max)
+
+    def fq(w):
+        amax = jnp.max(jnp.abs(w), axis=0, keepdims=True)
+        s = 2.0 ** jnp.ceil(jnp.log2(amax / fmax))
+        return jnp.clip(w / s, -fmax, fmax).astype(dtype).astype(jnp.float32) * s
+
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) * 0.05, jnp.float32)
+    plain = np.asarray(jax.jit(fq)(w))
+    for scale in ("rms", 2.0**-10):
+        out = np.asarray(ss.asarray(jax.jit(ss.scalify(fq))(ss.as_scaled_array(w, scale))))
+        np.testing.assert_array_equal(out, plain)
+
+
+def test_a_clip_elsewhere_keeps_the_common_scale():
+    """Only a bound at a narrow format's largest value reads as the code's own scaling:
+    another clip is aligned on a common scale as before (not held at scale 1)."""
+    v = jnp.linspace(-3.0, 3.0, 16)
+    out = jax.jit(ss.scalify(lambda v: jnp.clip(v, -1.0, 2.0)))(ss.as_scaled_array(v, 2.0**-5))
+    assert float(out.scale) != 1.0
+    np.testing.assert_allclose(ss.asarray(out), np.clip(np.asarray(v), -1, 2), rtol=1e-6)

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Literal
 
+from ..core.pow2 import is_static
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray
 from .registry import get_rule
 from .source import UNKNOWN, format_source
@@ -159,6 +160,19 @@ def bind_unscaled(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return bind_plain(eqn, [x.to_array() if isinstance(x, ScaledArray) else x for x in invals])
 
 
+def _static_cast(eqn: Any, invals: Sequence[Any]) -> np.ndarray | None:
+    """A static scalar cast to a float type, in NumPy (``jnp.clip(x, -448, 448)`` casts
+    its literal bounds inside its jit): rules then see the constant (a clip at a format's
+    max, `rules_elementwise._clipping`), and the program holds no operation for it."""
+    if eqn.primitive is not lax.convert_element_type_p or len(invals) != 1:
+        return None
+    (x,) = invals
+    dtype = eqn.params.get("new_dtype")
+    if not (is_static(x) and np.ndim(x) == 0 and jnp.issubdtype(dtype, jnp.floating)):
+        return None
+    return np.asarray(x, dtype)
+
+
 def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     prim = eqn.primitive
     scaled = any(isinstance(x, ScaledArray) for x in invals)
@@ -166,6 +180,8 @@ def _apply(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     if rule is not None and rule.higher_order and (scaled or ctx.recurse_plain):
         return list(rule.fn(ctx, eqn, invals))
     if not scaled and not (rule is not None and rule.on_plain and ctx.scaling):
+        if (folded := _static_cast(eqn, invals)) is not None:
+            return [folded]
         return bind_plain(eqn, invals)
     if rule is None:
         source = ctx.source(eqn)

@@ -256,9 +256,46 @@ def _aligned(prim, *, scaled_out: bool = True):
     return rule
 
 
-scaled_max = _aligned(lax.max_p)
-scaled_min = _aligned(lax.min_p)
-scaled_clamp = _aligned(lax.clamp_p)
+#: The largest finite values of the narrow float formats: a clip at one of them is code
+#: that scales its values into that format itself (`_clipping`).
+_FORMAT_MAXIMA = frozenset(
+    float(ml_dtypes.finfo(t).max)
+    for t in (
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e4m3fnuz,
+        ml_dtypes.float8_e5m2,
+        ml_dtypes.float8_e5m2fnuz,
+        ml_dtypes.float4_e2m1fn,
+        np.float16,
+    )
+)
+
+
+def _at_format_max(bound: Any) -> bool:
+    return is_static(bound) and np.ndim(bound) == 0 and abs(float(bound)) in _FORMAT_MAXIMA
+
+
+def _clipping(prim):
+    """max, min and clamp: aligned on a common scale, except a clip at a narrow format's
+    largest value (``clip(x / s, -448, 448).astype(float8_e4m3fn)``, the fake
+    quantisation of qwix and AQT, MX formats with their own power-of-two scales). Such
+    code has scaled the value into the format itself: the result is held at scale 1, so
+    the cast that follows casts the value as written, not data that may lie far outside
+    the format (with ``x / s`` held as data ~3 500 at scale 1/8, 91 % of an MXFP8
+    weight became NaN)."""
+    aligned = _aligned(prim)
+
+    def rule(*args, **params):
+        if any(_at_format_max(a) for a in args):
+            return make_scaled(prim.bind(*map(unscale, args), **params), unit_scale())
+        return aligned(*args, **params)
+
+    return rule
+
+
+scaled_max = _clipping(lax.max_p)
+scaled_min = _clipping(lax.min_p)
+scaled_clamp = _clipping(lax.clamp_p)
 scaled_eq = _aligned(lax.eq_p, scaled_out=False)
 scaled_ne = _aligned(lax.ne_p, scaled_out=False)
 scaled_lt = _aligned(lax.lt_p, scaled_out=False)

@@ -17,7 +17,11 @@ _INTERNAL_PARTS = (
 )
 UNKNOWN = "<unknown>"
 
-_LIBRARY_PARTS = (f"{os.sep}flax{os.sep}", f"{os.sep}optax{os.sep}", f"{os.sep}chex{os.sep}")
+#: Libraries whose frames stand for the user's line that called them: model and optimizer
+#: libraries, and the quantisation libraries that wrap a model's ops (qwix, AQT).
+_LIBRARY_PARTS = tuple(
+    f"{os.sep}{name}{os.sep}" for name in ("flax", "optax", "chex", "qwix", "aqt")
+)
 
 
 _OPTAX = f"{os.sep}optax{os.sep}"
