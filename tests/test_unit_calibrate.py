@@ -114,6 +114,13 @@ def test_calibrate_bad_input(mlp_setup):
     scaled = ss.unit_scale(_mlp, constraint=None, calibrate=(params, x))
     with pytest.raises(ValueError, match="structured as calibrate="):
         scaled(params[:1], x[:, : WIDTHS[0]])
+    # another rank or dtype would take the multipliers measured on other values: refused,
+    # naming the argument; another batch size is the same program
+    with pytest.raises(ValueError, match=r"argument\[0\]\[1\] of rank 3 .* had rank 2"):
+        scaled(params, x[None])
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        scaled(params, x.astype(jnp.bfloat16))
+    assert np.isfinite(np.asarray(scaled(params, x[:3]))).all()
 
 
 def test_calibrating_a_scanned_layer_stack_matches_the_unrolled_one(calibrated_gpt):

@@ -39,6 +39,46 @@ class Calibration:
     forward: dict[tuple, float] = field(default_factory=dict)
     backward: dict[tuple, float] = field(default_factory=dict)
     mode: str = "apply"  # "forward" or "backward" while measuring
+    #: The arguments measured on: their pytree and each array's path, rank and dtype
+    #: (`signature`); a call must match it, as the multipliers are per value.
+    measured_on: tuple | None = None
+
+
+def signature(args: Any) -> tuple:
+    """``args``' pytree and, for each array leaf, its path, rank and dtype: what a
+    calibration's multipliers depend on (a batch size may change, a rank may not)."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(args)
+    arrays = tuple(
+        (jax.tree_util.keystr(path), np.ndim(leaf), str(jnp.result_type(leaf)))
+        for path, leaf in with_path
+        if _is_dynamic(leaf)
+    )
+    return treedef, arrays
+
+
+def check_signature(cal: Calibration, args: Any) -> None:
+    """Record the arguments of the first measuring call; refuse a later call whose
+    arrays differ in structure, rank or dtype (its values would take the multipliers of
+    others), naming the first that differs."""
+    sig = signature(args)
+    if cal.measured_on is None:
+        cal.measured_on = sig
+        return
+    if sig == cal.measured_on:
+        return
+    (tree, arrays), (tree0, arrays0) = sig, cal.measured_on
+    if tree != tree0 or len(arrays) != len(arrays0):
+        what = f"a pytree {tree} where calibrate= had {tree0}"
+    else:
+        now, then = next((a, b) for a, b in zip(arrays, arrays0, strict=True) if a != b)
+        what = (
+            f"argument{now[0]} of rank {now[1]} and dtype {now[2]} where calibrate= had "
+            f"rank {then[1]} and dtype {then[2]}"
+        )
+    raise ValueError(
+        f"unit_scale: called with {what}; a calibrated function takes arguments "
+        "structured as calibrate= (the same pytree, dtypes and ranks; sizes may differ)"
+    )
 
 
 # A scan body's place in a calibration key: ``(_ITER, t)`` for iteration ``t`` while

@@ -34,6 +34,7 @@ from .calibrate import (
     _is_dynamic,
     _replaced,
     _rms,
+    check_signature,
 )
 from .constraints import validate_constraint
 from .patterns import _CALL_PRIMS, _is_float
@@ -369,6 +370,8 @@ def unit_scale(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if cal is not None:
+            check_signature(cal, (args, kwargs))
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dyn = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
 
