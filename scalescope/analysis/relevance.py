@@ -15,6 +15,13 @@ however extreme their statistics:
 Neither is ranked among the "worst ops", and neither raises drift, trend or delayed
 findings. A format they are cast to (or audited against) still judges them: a -2.4e38
 mask cast to fp16 turns into -inf, which is a finding.
+
+A third kind is judged by its formats only: **self-scaled casts**, the values of code
+that scales into a narrow format itself, ``clip(x / s, -448, 448).astype(e4m3)`` (Flax's
+``fp8_ops``, qwix, AQT; the probe's ``origin == "scaled_cast"``). Their RMS sits near the
+format's max by design, where the code's own scale puts it, so drift, trend and delayed
+scaling say nothing of them; what the clip saturates (their overflow) and what the cast
+rounds away do.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ FILL_MAGNITUDE = 1e30
 
 #: The probe's ``origin`` values of ops constant by construction.
 CONSTANT_ORIGINS = ("constant", "fill")
+#: The probe's ``origin`` of the values of code that scales into a format itself.
+SELF_SCALED_ORIGINS = ("scaled_cast",)
 
 
 def value_absmax(stats: pd.DataFrame) -> np.ndarray:
@@ -71,6 +80,16 @@ def constant_ops(ops: pd.DataFrame, stats: pd.DataFrame | None = None) -> np.nda
     if not ids:
         return np.zeros(0, np.int64)
     return np.unique(np.concatenate(ids)).astype(np.int64)
+
+
+def self_scaled_ops(ops: pd.DataFrame) -> np.ndarray:
+    """Sorted op ids of self-scaled casts (module docstring): a clip at a narrow format's
+    max that a cast to that format reads (measured before the clip: its overflow is the
+    share clipped), and that cast."""
+    if "origin" not in ops.columns:
+        return np.zeros(0, np.int64)
+    origin = ops["origin"].fillna("").astype(str)
+    return np.sort(ops.index.to_numpy(np.int64)[origin.isin(SELF_SCALED_ORIGINS).to_numpy()])
 
 
 def judged(ops: pd.DataFrame, stats: pd.DataFrame | None = None) -> pd.Series:

@@ -86,6 +86,36 @@ def get(name) -> Format:
     return FORMATS[key]
 
 
+#: Narrow float dtypes whose largest value marks code that scales values into the format
+#: itself: ``clip(x / s, -max, max).astype(dtype)`` (qwix, AQT, Flax's ``fp8_ops``, MX
+#: emulations). A clip at one of these bounds is such code's, not the model's.
+SELF_SCALED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t)
+    for t in (
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e4m3fnuz,
+        ml_dtypes.float8_e5m2,
+        ml_dtypes.float8_e5m2fnuz,
+        ml_dtypes.float4_e2m1fn,
+        np.float16,
+    )
+)
+#: The largest finite values of `SELF_SCALED_DTYPES`.
+FORMAT_MAXIMA: frozenset[float] = frozenset(
+    float(ml_dtypes.finfo(t).max) for t in SELF_SCALED_DTYPES
+)
+
+
+def narrow_max(dtype) -> float | None:
+    """The largest finite value of ``dtype`` when it is one of `SELF_SCALED_DTYPES`,
+    else None."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    return float(ml_dtypes.finfo(dtype).max) if dtype in SELF_SCALED_DTYPES else None
+
+
 def narrower_than_float32(dtype) -> bool:
     """A float dtype with less range than float32 (FP16, FP8, FP4): where an overflow
     is the usual cause of an Inf, and data must not grow. False for float32, bfloat16,

@@ -13,6 +13,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from ..core.formats import narrow_max
 from ..scalify import traverse
 
 #: Parameters holding the body of a call whose inputs are the equation's inputs, in order.
@@ -137,3 +138,37 @@ def _visit_gemm(jaxpr: Any, out: set[Any], seen: set[int]) -> None:
         for var, inner in zip(eqn.invars, body.invars):
             if inner in out and not isinstance(var, jcore.Literal):
                 out.add(var)
+
+
+def narrow_casts(jaxpr: Any) -> dict[Any, set[float]]:
+    """Variables of ``jaxpr`` (and of every nested jaxpr) that a ``convert_element_type``
+    casts to one of the narrow dtypes code scales into itself
+    (`scalescope.core.formats.SELF_SCALED_DTYPES`), each mapped to those dtypes' largest
+    values; a call's output is followed into its body (a body JAX traced once for calls
+    cast to different formats holds each). The probe tells by it a clip at a
+    format's max that feeds a cast to that format (code that scaled the value into the
+    format: what it clips is what the cast loses)."""
+    out: dict[Any, set[float]] = {}
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    _visit_casts(jaxpr, out, set())
+    return out
+
+
+def _visit_casts(jaxpr: Any, out: dict[Any, set[float]], seen: set[int]) -> None:
+    if id(jaxpr) in seen:
+        return
+    seen.add(id(jaxpr))
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type":
+            top = narrow_max(eqn.params.get("new_dtype"))
+            var = eqn.invars[0]
+            if top is not None and not isinstance(var, jcore.Literal):
+                out.setdefault(var, set()).add(top)
+    for eqn in jaxpr.eqns:  # then into bodies: a call's output cast is its body's
+        body = _body_or_scan(eqn)
+        if body is not None:
+            for var, inner in zip(eqn.outvars, body.outvars):
+                if var in out and not isinstance(inner, jcore.Literal):
+                    out.setdefault(inner, set()).update(out[var])
+        for inner in _sub_jaxprs(eqn):
+            _visit_casts(inner, out, seen)

@@ -44,6 +44,11 @@ class OpRecord:
     holds a large constant fill (a mask's -1e9 or ``finfo.min``, and what keeps it
     elementwise, e.g. softmax's ``s - max(s)``), "" otherwise. The advisor judges neither
     kind's scale (they are constant by construction), only the formats they are cast to.
+    "scaled_cast" marks code that scales into a narrow format itself: a clip at the
+    format's max that a cast to it reads (its statistics are those of the value before
+    the clip, so that its overflow is the share clipped) and that cast. "guarded": every
+    reader is a ``jnp.where`` (``where(x > 0, c / x, d)``): NaN/inf it holds may be
+    discarded by design.
 
     Inside a ``shard_map`` body ``shape`` is one device's shape and ``varying`` names the
     manual mesh axes along which the value differs between devices: its statistics cover

@@ -169,6 +169,63 @@ def _fills(prim: str, invars: Sequence[Any], ins: Sequence[_Info | None]) -> boo
     return big and dynamic
 
 
+#: Primitives that clip a value at a bound (`_format_clip`).
+_CLIPS = frozenset({"min", "max", "clamp"})
+
+
+def _static_scalar(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, float, int)) and np.ndim(x) == 0
+
+
+def _format_clip(eqn: Any, invals: Sequence[Any]) -> tuple[int, float] | None:
+    """``(operand, bound)`` when ``eqn`` clips operand ``operand`` at ``±bound``, the
+    largest value of a narrow format (`scalescope.core.formats.FORMAT_MAXIMA`): a min or
+    max with a static scalar operand of that magnitude, or a clamp with such bounds."""
+    name = eqn.primitive.name
+    if name not in _CLIPS or len(invals) != (3 if name == "clamp" else 2):
+        return None
+    value = 1 if name == "clamp" else None
+    bounds = []
+    for k, (var, val) in enumerate(zip(eqn.invars, invals)):
+        c = var.val if isinstance(var, Literal) else val
+        if _static_scalar(c) and not (name == "clamp" and k == 1):
+            bounds.append(abs(float(c)))
+        elif value is None:
+            value = k
+        elif value != k:
+            return None
+    if value is None or not bounds or len(set(bounds)) != 1:
+        return None
+    bound = bounds[0]
+    return (value, bound) if bound in _formats.FORMAT_MAXIMA else None
+
+
+def _guarded(
+    records: Sequence[OpRecord],
+    reads: dict[int, list[OpRecord]],
+    outputs: Sequence[tuple[str, _Info | None]],
+) -> list[OpRecord]:
+    """Records every path of which to the step's outputs goes through a ``select_n`` (a
+    ``jnp.where``): every reader is a where, or such a record itself, and none is an
+    output. ``where(amax > 0, 448 / amax / 2**m, scale)``, the safe-division idiom, holds
+    NaN/inf the where may discard by design (`OpRecord.origin` "guarded"). Readers that
+    only re-view the value (aliases) are looked through."""
+    readers: dict[int, list[OpRecord]] = {}
+    for rec in records:
+        if rec.note == "alias":
+            continue
+        for src in reads.get(id(rec), ()):
+            readers.setdefault(id(src), []).append(rec)
+    out = {id(i.record) for _, i in outputs if i is not None and i.record is not None}
+    guarded: set[int] = set()
+    for rec in reversed(records):  # a reader comes after what it reads
+        mine = readers.get(id(rec), ())
+        if mine and id(rec) not in out:
+            if all(r.primitive == "select_n" or id(r) in guarded for r in mine):
+                guarded.add(id(rec))
+    return [rec for rec in records if id(rec) in guarded]
+
+
 @dataclass(eq=False)
 class _Info:
     """What the recorder knows about a value flowing through the interpretation."""
@@ -183,6 +240,9 @@ class _Info:
     parents: tuple[_Info, ...] = ()  # what it is computed from (for `provenance`)
     own: OpRecord | None = None  # the record made for this value itself
     seen: bool = False  # in `_Shared.order`
+    #: for a clip at a narrow format's max (`_format_clip`): the value before the first
+    #: clip of the chain (``clip(x, -448, 448)`` is a max, then a min)
+    unclipped: Any = None
 
 
 @dataclass(eq=False)
@@ -308,6 +368,8 @@ class _Shared:
     measured: dict[int, kernel.Measured] = field(default_factory=dict)  # by id of the data
     block_axes: dict[Any, tuple[int, ...]] = field(default_factory=dict)  # recipes' axes
     gemm: set[Any] = field(default_factory=set)  # variables a dot_general reads
+    #: variables cast to a narrow format, with its largest value (`blocking.narrow_casts`)
+    narrow_casts: dict[Any, set[float]] = field(default_factory=dict)
     order: list[_Info] = field(default_factory=list)  # every value's info, in order
     scans: list[bool] = field(default_factory=list)  # each adopted scan: reversed?
     inputs: list[str] = field(default_factory=list)  # argument paths of the inputs
@@ -418,6 +480,7 @@ class Recorder(Observer):
             shared.block_axes = blocking.block_axes(jaxpr)
         if jaxpr is not None:
             shared.gemm = blocking.gemm_operands(jaxpr)
+            shared.narrow_casts = blocking.narrow_casts(jaxpr)
         return cls(shared, _Scope(), Scope())
 
     # -- Observer ------------------------------------------------------------------------
@@ -535,6 +598,15 @@ class Recorder(Observer):
         source = ctx.source(eqn)
         if eqn.primitive.name == "convert_element_type" and ins and ins[0] is not None:
             self._mark_cast(ins[0], eqn.params.get("new_dtype"))
+        unclipped, measure = self._clip_chain(eqn, invals, ins, outvals)
+        # the cast of a value the code clipped into the format is part of that code too
+        self_scaled = measure is not None or (
+            eqn.primitive.name == "convert_element_type"
+            and bool(ins)
+            and ins[0] is not None
+            and ins[0].own is not None
+            and ins[0].own.origin == "scaled_cast"
+        )
         outs = []
         first = len(self.shared.created)
         for k, (var, out) in enumerate(zip(eqn.outvars, outvals)):
@@ -557,6 +629,9 @@ class Recorder(Observer):
                     early=early,
                     parents=parents,
                     origin=(static, big, fill),
+                    measure=measure,
+                    unclipped=unclipped,
+                    self_scaled=self_scaled,
                 )
             )
         if eqn.primitive.name == "dot_general":  # the values this GEMM reads
@@ -578,6 +653,35 @@ class Recorder(Observer):
                 self.shared.poles[id(self.shared.created[first])] = ins[at].record
         return outs
 
+    def _clip_chain(
+        self, eqn: Any, invals: Sequence[Any], ins: Sequence[_Info | None], outvals: Sequence[Any]
+    ) -> tuple[Any, Any]:
+        """``(unclipped, measure)`` for an equation that clips a value at a narrow format's
+        largest value (`_format_clip`; else ``(None, None)``): the value before the
+        chain's first clip, and, when a cast to that format reads the output and the
+        output is plain (or at scale 1), that value unscaled, which is measured for the
+        output instead: its overflow is then the share the clip saturates, its SNR the
+        clip's error and the cast's (Flax's ``fp8_ops``, qwix, AQT scale into the format
+        themselves, and a clipped value never overflows)."""
+        clip = _format_clip(eqn, invals)
+        if clip is None or len(outvals) != 1:
+            return None, None
+        k, bound = clip
+        src = ins[k]
+        unclipped = src.unclipped if src is not None and src.unclipped is not None else invals[k]
+        out = outvals[0]
+        at_one = not isinstance(out, ScaledArray) or (
+            _static_scalar(out.scale) and float(out.scale) == 1.0
+        )
+        if not at_one or bound not in self.shared.narrow_casts.get(eqn.outvars[0], ()):
+            return unclipped, None
+        value = unclipped.to_array() if isinstance(unclipped, ScaledArray) else unclipped
+        if getattr(value, "dtype", None) != getattr(out, "dtype", None) or np.shape(
+            value
+        ) != np.shape(out):
+            return unclipped, None
+        return unclipped, value
+
     # -- recording -----------------------------------------------------------------------
 
     def _record(
@@ -594,7 +698,13 @@ class Recorder(Observer):
         early=False,
         parents: tuple[_Info, ...] = (),
         origin: tuple[bool, bool, bool] = (False, False, False),
+        measure: Any = None,
+        unclipped: Any = None,
+        self_scaled: bool = False,
     ):
+        """Record the value ``value`` of ``prim``; ``measure``: what is measured for it
+        instead (`_clip_chain`), ``self_scaled``: a value of code that scales into a
+        format itself (``OpRecord.origin`` "scaled_cast")."""
         scaled = isinstance(value, ScaledArray)
         data = value.data if scaled else value
         dtype = getattr(aval, "dtype", None)
@@ -610,7 +720,10 @@ class Recorder(Observer):
         grad = pass_ != "fwd" and pass_ != "input"
         static, big, fill = origin
         info = _Info(rec, const, grad, early, static, big, fill, parents=parents, own=rec)
+        info.unclipped = unclipped
         rec.origin = "fill" if fill else "constant" if static else ""
+        if self_scaled and not rec.origin:
+            rec.origin = "scaled_cast"
         src_dtype = None if src is None or src.record is None else src.record.dtype
         if not _is_float(dtype):
             rec.note = "not float"
@@ -630,8 +743,12 @@ class Recorder(Observer):
             scale = value.scale if scaled else None
             axes = self.shared.block_axes.get(var) if var is not None else None
             rec.block_axes = axes or ()
+            if measure is not None:
+                data = measure  # measured in the output's place; the output goes on as it is
             if self.devices is not None:
                 self.scope.values.append((*self._on_devices(data, scale), axes))
+            elif measure is not None:
+                self.scope.values.append((data, scale, axes))
             elif (seen := self.shared.measured.get(id(data))) is not None:
                 # The same data as a value measured before (a rule changed only the
                 # scale): the same statistics of the data, no second read.
@@ -802,6 +919,8 @@ class Recorder(Observer):
         records = self.scope.records()
         for i, rec in enumerate(records):
             rec.id = i
+        for rec in _guarded(records, shared.reads, shared.outputs):
+            rec.origin = rec.origin or "guarded"
         rows = self.scope.rows()
         raw = self.scope.raw(spec, self.shared.mask)
         order = sorted(range(len(rows)), key=lambda r: (rows[r][0].id, rows[r][1]))

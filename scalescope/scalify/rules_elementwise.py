@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from ..core.formats import narrower_than_float32
+from ..core.formats import FORMAT_MAXIMA, narrower_than_float32
 from ..core.pow2 import is_static, pow2_reciprocal, pow2_round_down, pow2_sqrt_even
 from ..core.scaled_array import SCALE_DTYPE
 from .common import (
@@ -256,23 +256,8 @@ def _aligned(prim, *, scaled_out: bool = True):
     return rule
 
 
-#: The largest finite values of the narrow float formats: a clip at one of them is code
-#: that scales its values into that format itself (`_clipping`).
-_FORMAT_MAXIMA = frozenset(
-    float(ml_dtypes.finfo(t).max)
-    for t in (
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-        ml_dtypes.float4_e2m1fn,
-        np.float16,
-    )
-)
-
-
 def _at_format_max(bound: Any) -> bool:
-    return is_static(bound) and np.ndim(bound) == 0 and abs(float(bound)) in _FORMAT_MAXIMA
+    return is_static(bound) and np.ndim(bound) == 0 and abs(float(bound)) in FORMAT_MAXIMA
 
 
 def _clipping(prim):

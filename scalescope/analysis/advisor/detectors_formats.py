@@ -24,10 +24,13 @@ def _format_findings(
     meta: Mapping[str, Any] | None,
     outputs: np.ndarray | None = None,
     gradients: np.ndarray | None = None,
+    clipped: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
     """Findings of the format rules per format or recipe of ``checked`` (op ids each);
     ``gradients``: the backward ops, which a recipe holds to `Thresholds.recipe_limits`
-    with ``gradient=True``; ``outputs``: the step's output ops (a handled overflow)."""
+    with ``gradient=True``; ``outputs``: the step's output ops (a handled overflow);
+    ``clipped``: self-scaled casts (`scalescope.analysis.relevance.self_scaled_ops`),
+    whose overflow the code's clip saturates."""
     rows: list[dict[str, Any]] = []
     finite_out = (
         _finite_output_steps(cells, np.asarray(outputs, np.int64))
@@ -41,7 +44,14 @@ def _format_findings(
             ids = all_ids[grad == gradient]
             if len(ids):
                 rows += _findings_of(
-                    cells, fmt, ids, thresholds, meta, finite_out, gradient=gradient
+                    cells,
+                    fmt,
+                    ids,
+                    thresholds,
+                    meta,
+                    finite_out,
+                    gradient=gradient,
+                    clipped=clipped,
                 )
     return rows
 
@@ -55,8 +65,14 @@ def _findings_of(
     finite_out: np.ndarray,
     *,
     gradient: bool,
+    clipped: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
-    """The format rules' findings of ops ``ids`` against ``fmt``."""
+    """The format rules' findings of ops ``ids`` against ``fmt``. The overflow of a
+    ``clipped`` op (a self-scaled cast, measured before its clip) is what the code's clip
+    saturates; it is not judged at steps where it stays within a binade of the max (each
+    clipped element keeps over half of itself: delayed scaling a step behind a growing
+    amax does this at every step the amax grows), and its SNR not where it clips."""
+    clipped = np.zeros(0, np.int64) if clipped is None else np.asarray(clipped, np.int64)
     rows: list[dict[str, Any]] = []
     sel = cells.rows_of(ids)
     info = _format_info(fmt, meta)
@@ -71,9 +87,14 @@ def _findings_of(
     )
     edge = rounding_edge(info) if recipe_element(fmt) is None else math.nan
     handled: dict[int, np.ndarray] = {}  # op -> the steps of its handled overflow
+    clipping: dict[int, np.ndarray] = {}  # self-scaled op -> the steps the code clips at
     for rule, col, worst, thr, how in rules:
         values = cells.cols[col]
         mask = _compare(values, how, thr) & sel
+        if rule == "overflow" and len(clipped) and "absmax" in cells.cols and limit:
+            with np.errstate(invalid="ignore"):
+                mild = cells.cols["absmax"] < 2.0 * float(limit)
+            mask = mask & ~(cells.rows_of(clipped) & mild)
         peaks = {}
         if rule == "overflow" and math.isfinite(edge) and "absmax" in cells.cols:
             hits = _hit_rows(_hits(cells, cells.cols["absmax"], mask, "max"))
@@ -84,7 +105,17 @@ def _findings_of(
             # not above the max disagrees with the overflow: no claim then)
             saturated = bool(limit < peaks.get(op, math.inf) < edge) if peaks else False
             contained = False
-            if rule == "overflow":
+            clips = rule == "overflow" and op in clipped
+            if clips:
+                saturated = False
+                clipping[op] = _op_steps(cells, op, mask)
+                text = (
+                    f"{pct(v)} of values exceed {fmt}'s max ({_num(limit)}) at step {at}, "
+                    f"largest {_num(peaks.get(op, math.nan))}: the code clips them to "
+                    f"±{_num(limit)} before its cast (the scale it divides by is too small "
+                    "for them)"
+                )
+            elif rule == "overflow":
                 bound = f" (|x| > {_num(limit)})" if limit else ""
                 text = f"{pct(v)} of values overflow {fmt}{bound} at step {at}"
                 if saturated:
@@ -121,6 +152,10 @@ def _findings_of(
                 )
                 if contained:
                     text += ", only where it overflows and the step drops the inf"
+                elif op in clipping and np.isin(_op_steps(cells, op, mask), clipping[op]).all():
+                    # lost to the code's clip, which the overflow finding names
+                    contained = True
+                    text += ", only where the code clips it (its overflow finding)"
             rows.append(
                 dict(
                     op=op,
@@ -134,6 +169,7 @@ def _findings_of(
                     _at=at,
                     _saturated=saturated,
                     _contained=contained,
+                    _clipped=clips,
                 )
             )
     return rows

@@ -79,17 +79,25 @@ def _nonfinite_findings(
     labels: pd.Series,
     fills: np.ndarray,
     outputs: np.ndarray | None = None,
+    guarded: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
+    """``guarded``: ops read only by a ``jnp.where`` (the safe-division idiom): NaN/inf
+    they hold at steps whose outputs stay finite were discarded by design, no finding."""
     values = cells.cols["frac_nonfinite"]
     # a fill the probe saw (a -inf mask) is a mask from its first recorded step on
     need = np.where(np.isin(cells.ids, fills), 1, thresholds.mask_min_steps)
     kept = ~cells.per_op(_mask_groups(cells, values, need))
     bad = _compare(values, "gt", thresholds.nonfinite) & kept
+    outputs = np.zeros(0, np.int64) if outputs is None else np.asarray(outputs, np.int64)
+    finite_out = _finite_output_steps(cells, outputs)
+    guarded = np.zeros(0, np.int64) if guarded is None else np.asarray(guarded, np.int64)
+    for op in np.intersect1d(guarded, cells.ids):
+        steps = _op_steps(cells, int(op), bad)
+        if len(steps) and op not in outputs and np.isin(steps, finite_out).all():
+            bad = bad & ~cells.rows_of(np.asarray([op]))
     hits = _hits(cells, values, bad, "max")
     if not hits.op:
         return []
-    outputs = np.zeros(0, np.int64) if outputs is None else np.asarray(outputs, np.int64)
-    finite_out = _finite_output_steps(cells, outputs)
     first_steps = np.asarray(hits.first_step)
     k0 = int(np.argmin(first_steps))  # earliest; ties: the smallest op id
     origin, origin_step = hits.op[k0], int(first_steps[k0])

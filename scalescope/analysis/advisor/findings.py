@@ -25,7 +25,7 @@ from ..frames import (
     require_columns,
 )
 from ..masks import fill_ops
-from ..relevance import constant_ops
+from ..relevance import constant_ops, self_scaled_ops
 from ..thresholds import Thresholds, _format_info
 from ..whatif import cheapest_recipe, format_whatif
 from .cells import _Cells, _cells_of, _Dense, _dense_blocks, _value_amax
@@ -214,7 +214,9 @@ def advise(
     # Drift matters where the data is stored or cast in a narrow format: an FP32 value of
     # RMS 2^8 loses nothing, an FP16 or FP8 one heads for overflow or underflow.
     low = table["dtype"].astype(str).isin(list(_LOW_PRECISION)).to_numpy()
-    judged = ~np.isin(ids, constant_ops(table, stats))  # not constant by construction
+    # not constant by construction, nor scaled into its format by the code itself
+    self_scaled = self_scaled_ops(table)
+    judged = ~np.isin(ids, constant_ops(table, stats)) & ~np.isin(ids, self_scaled)
     drift_ops = ids[((table["scaled"].to_numpy(bool) & low) | (cast_to != "")) & judged]
     band = np.tile([-math.inf, math.inf], (len(cells.ids), 1))
     judged_drift = np.isin(cells.ids, drift_ops)
@@ -223,9 +225,16 @@ def advise(
     horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
 
     outputs = output_ops(table)
-    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table), outputs)
+    guarded = (
+        table.index.to_numpy(np.int64)[table["origin"].astype(str).eq("guarded").to_numpy()]
+        if "origin" in table.columns
+        else None
+    )
+    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table), outputs, guarded)
     gradients = ids[table["pass"].astype(str).to_numpy() == "bwd"]
-    rows += _format_findings(cells, checked, thresholds, meta, outputs, gradients)
+    rows += _format_findings(
+        cells, checked, thresholds, meta, outputs, gradients, clipped=self_scaled
+    )
     rows += _drift_findings(cells, band, thresholds)
     rows += _trend_findings(cells, band, thresholds, horizon)
     if replay_delayed:

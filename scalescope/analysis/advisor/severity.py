@@ -81,9 +81,9 @@ def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> 
     share = (
         found["_share"].to_numpy(np.float64) if "_share" in found else np.full(len(found), np.nan)
     )
-    saturated, contained = (
+    saturated, contained, clipped = (
         found[c].eq(True).to_numpy(bool) if c in found else np.zeros(len(found), bool)
-        for c in ("_saturated", "_contained")
+        for c in ("_saturated", "_contained", "_clipped")
     )
     with np.errstate(invalid="ignore", over="ignore"):
         for i in range(len(found)):
@@ -91,8 +91,8 @@ def _impact(found: pd.DataFrame, cells: _Cells | _Dense, passes: np.ndarray) -> 
                 out[i] = 0.0 if contained[i] else 1.0
             elif rule[i] in ("overflow", "snr") and contained[i]:
                 out[i] = 0.0  # the inf is discarded with the step (a loss scaler's skip)
-            elif rule[i] == "overflow" and recipe_element(fmt[i]) is not None:
-                out[i] = value[i]  # clipped elements saturate
+            elif rule[i] == "overflow" and (clipped[i] or recipe_element(fmt[i]) is not None):
+                out[i] = value[i]  # clipped elements saturate (a recipe's, or the code's)
             elif rule[i] == "overflow" and saturated[i]:
                 out[i] = value[i] * _SATURATED_LOSS  # they round to the max
             elif rule[i] == "overflow":
@@ -159,6 +159,10 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
     value = findings["value"].to_numpy(np.float64)
     thr = findings["threshold"].to_numpy(np.float64)
     recipe = fmt.map({f: recipe_element(f) is not None for f in fmt.unique()}).to_numpy(bool)
+    clipped = np.zeros(n, bool)
+    if "_clipped" in findings.columns:  # a self-scaled cast's overflow saturates, as a recipe's
+        clipped = findings["_clipped"].eq(True).to_numpy(bool)
+        recipe = recipe | clipped
     with np.errstate(invalid="ignore", divide="ignore"):
         for name in np.unique(rule):
             m = rule == name
@@ -211,6 +215,14 @@ def severity_level(findings: pd.DataFrame) -> np.ndarray:
             lost = findings["impact"].to_numpy(np.float64)
             handled = np.isin(rule, ("overflow", "snr")) & (lost == 0.0)
             out[handled] = np.minimum(out[handled], 0.999)
+    if "severity" in findings.columns:
+        # graded already (`advise`): the grade stands, as it may rest on what the frame
+        # no longer holds (a self-scaled cast's clip); the magnitude orders within it
+        rank = {s: 3 - i for i, s in enumerate(SEVERITY_ORDER)}
+        stored = findings["severity"].map(rank).to_numpy(np.float64)
+        known = ~np.isnan(stored)
+        within = np.where(np.floor(out) == stored, out - np.floor(out), 0.5)
+        out = np.where(known, stored + within, out)
     return out
 
 

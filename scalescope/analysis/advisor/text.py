@@ -199,6 +199,8 @@ def fix_line(
         if better == fmt or (better == "mxfp8_e4m3" and element.mantissa_bits >= 3):
             better = "bf16"
         return f"{what} than {fmt} at {where}, e.g. {better}"
+    if op.get("origin") == "scaled_cast":
+        return _self_scaled_fix(where, fmt, rule, recipe)
     if rule == "underflow" and too_wide:
         other = _MORE_RANGE.get(fmt, "fp32")
         block = recipe or DEFAULT_RECIPE
@@ -228,6 +230,30 @@ def fix_line(
             f"{fmt or 'its format'}"
         )
     return _rescale(op, "l2")
+
+
+def _self_scaled_fix(where: str, fmt: str, rule: str, recipe: str | None) -> str:
+    """The fix for a format finding on code that scales into ``fmt`` itself (a clip at
+    its max, then the cast: Flax's ``fp8_ops``, qwix, AQT): its own scale is the lever,
+    not scalify (which holds such a value as the code wrote it) nor a rescale."""
+    fmt = fmt or "its format"
+    if rule == "overflow":
+        return (
+            f"the scale the code divides by before its clip and {fmt} cast lags the value: "
+            "a shorter amax history or algo='most_recent', or current scaling (the scale "
+            f"from this step's amax), at {where}"
+        )
+    block = recipe or DEFAULT_RECIPE
+    if rule == "underflow":
+        return (
+            f"a block-scaled recipe ({block}: a scale per block) or a format with more "
+            f"range ({_MORE_RANGE.get(fmt, 'fp32')}) at {where}  # the code's own scale "
+            f"already puts the value's abs-max at {fmt}'s max"
+        )
+    return (
+        f"a format with more mantissa ({_MORE_MANTISSA.get(fmt, 'fp32')}) at {where}  # "
+        f"the code's own scale already puts the value's abs-max at {fmt}'s max"
+    )
 
 
 def delayed_fix_line(op: Mapping[str, Any], history: int, scalified: bool) -> str:

@@ -1,0 +1,200 @@
+"""Code that scales values into a narrow format itself, ``clip(x / s, -448, 448)`` then a
+cast (Flax's ``fp8_ops`` delayed scaling, qwix, AQT): the probe measures the clip's input,
+so that what the clip saturates is the cast's overflow; the advisor judges such values by
+their formats only (their RMS sits near the format's max by design), and the safe-division
+idiom of their scale update (``where(amax > 0, 448 / amax, scale)``) raises nothing while
+the step's outputs stay finite. Checked on Flax's own ``Fp8DirectDotGeneralOp``: a healthy
+run has no finding, a jump of the inputs the delayed scale cannot follow is named at its
+step, with the share clipped that NumPy computes from the step's inputs and scale."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as OWG
+from probe_reference import reference
+
+import scalescope as ss
+
+E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+
+
+def _op_stats(fn, args, **kw):
+    """(op table, {op id: statistics row}) of ``instrument(fn, **kw)`` on ``args``."""
+    inst = ss.instrument(fn, **kw)
+    _, stats = jax.jit(inst)(*args)
+    table = inst.op_table(*args)
+    rows = {}
+    for op in table:
+        if op.recorded:
+            r = table.rows(op).start
+            rows[op.id] = {k: np.asarray(v)[r] for k, v in stats.items()}
+    return table, rows
+
+
+def _fake_quant(x, s):
+    """Flax's ``qdq``: divide by the scale, clip at E4M3's max, cast, cast back."""
+    q = jnp.clip(x / s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q.astype(jnp.float32) * s
+
+
+@pytest.mark.parametrize("scalify", [False, True])
+def test_a_clip_at_a_formats_max_before_its_cast_is_measured_before_the_clip(scalify):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((32, 32)) * 300.0).astype(np.float32)  # ~14 % beyond 448
+    s = np.float32(0.5)
+    args = (ss.as_scaled_array(jnp.asarray(x), "rms") if scalify else jnp.asarray(x), s)
+    table, rows = _op_stats(_fake_quant, args, scalify=scalify)
+    clip = [op for op in table if op.primitive == "min"]
+    assert len(clip) == 1, [op.name for op in table]
+    clip = clip[0]
+    assert clip.origin == "scaled_cast" and clip.cast_to == "e4m3"
+    casts = [op for op in table if op.primitive == "convert_element_type" and op.recorded]
+    assert [op.origin for op in casts if op.dtype == "float8_e4m3fn"] == ["scaled_cast"]
+    got, ref = rows[clip.id], reference(x / s)
+    assert ref["overflow_e4m3"] > 0.1  # what the clip saturates, the cast's overflow
+    for key in ("overflow_e4m3", "underflow_e4m3", "absmax"):
+        assert np.isclose(float(got[key]), ref[key], rtol=1e-6, atol=1e-7), key
+    assert abs(float(got["snr_e4m3"]) - ref["snr_e4m3"]) < 1e-3
+    if scalify:
+        assert float(got["scale"]) == 1.0  # the value as the code clips it
+
+
+def test_a_clip_at_a_formats_max_that_no_cast_reads_is_an_ordinary_value():
+    """ReLU6 clips at 6, E2M1's max: without a cast to E2M1 after it, it is measured as
+    computed (its abs-max is 6, nothing overflows) and judged as any value."""
+    x = jnp.asarray(np.linspace(-10.0, 10.0, 64, dtype=np.float32))
+    table, rows = _op_stats(lambda v: jnp.minimum(jnp.maximum(v, 0.0), 6.0) * 2.0, (x,))
+    (clip,) = [op for op in table if op.primitive == "min"]
+    assert clip.origin == "" and clip.cast_to == ""
+    assert float(rows[clip.id]["absmax"]) == 6.0
+
+
+def _guarded(x):
+    return jnp.where(x > 0, 1.0 / x, 0.0) * 2.0
+
+
+def _unguarded(x):
+    return jnp.where(x >= 0, 1.0 / x, 0.0) * 2.0  # selects 1/0 = inf at x == 0
+
+
+def _advise(tmp_path, fn, name):
+    x = jnp.asarray(np.array([0.0, 1.0, 2.0, -3.0], np.float32))
+    with ss.Run(tmp_path / name, every=1) as run:
+        step = run.track(fn, scalify=False)
+        for _ in range(2):
+            step(x)
+    reader = ss.open_run(tmp_path / name)
+    return reader.ops, reader.advise()
+
+
+def test_nan_inf_a_where_discards_raises_no_finding(tmp_path):
+    """``where(x > 0, 1 / x, 0)``: the division's inf at x == 0 never reaches the output
+    (the division is "guarded": every reader is a where); the same division whose where
+    keeps the inf is a NaN/inf finding."""
+    ops, found = _advise(tmp_path, _guarded, "guarded")
+    (div,) = ops.index[ops["primitive"].eq("div")]
+    assert ops.loc[div, "origin"] == "guarded"
+    assert not len(found[found["rule"] == "nonfinite"]), found
+    ops, found = _advise(tmp_path, _unguarded, "unguarded")
+    bad = found[found["rule"] == "nonfinite"]
+    assert len(bad) and (bad["severity"] == "critical").any(), found
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, dot_general_cls=nn.Fp8DirectDotGeneralOp, name="fc1")(x)
+        return nn.Dense(8, dot_general_cls=nn.Fp8DirectDotGeneralOp, name="fc2")(nn.gelu(h))
+
+
+STEPS, JUMP_AT, JUMP = 12, 6, 1e4
+
+
+def _flax_fp8():
+    """A Flax FP8 MLP trained the way Flax's tests train its FP8 ops: the FP8 meta
+    (scales, amax histories) is replaced by its "gradient"."""
+    model = _MLP()
+    x = jax.random.normal(jax.random.PRNGKey(0), (16, 16))
+    y = jax.random.randint(jax.random.PRNGKey(1), (16,), 0, 8)
+    variables = model.init(jax.random.PRNGKey(2), x)
+    tx = optax.adam(1e-2)
+
+    def loss_fn(params, meta, x, y):
+        logits = model.apply({"params": params, OWG: meta}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(params, meta, opt_state, x, y):
+        loss, (g, new_meta) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, meta, x, y)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), new_meta, opt_state, loss
+
+    keys = jax.random.split(jax.random.PRNGKey(10), STEPS)
+    batches = [(x + 0.1 * jax.random.normal(k, x.shape), y) for k in keys]
+    state = (variables["params"], variables[OWG], tx.init(variables["params"]))
+    return step, state, batches
+
+
+def _train(tmp_path, name, jump: float):
+    step, (params, meta, opt), batches = _flax_fp8()
+    metas = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with ss.Run(tmp_path / name, every=1) as run:
+            tracked = run.track(step, scalify=False)
+            for i, (xb, yb) in enumerate(batches):
+                xb = xb * (jump if i >= JUMP_AT else 1.0)
+                metas.append(meta)
+                params, meta, opt, loss = tracked(params, meta, opt, xb, yb)
+                run.log(i, loss=float(loss))
+    return ss.open_run(tmp_path / name), batches, metas
+
+
+def test_flax_fp8_delayed_scaling_healthy_run_raises_nothing(tmp_path):
+    reader, _, _ = _train(tmp_path, "healthy", 1.0)
+    ops = reader.ops
+    clips = ops[ops["primitive"].eq("min") & ops["origin"].eq("scaled_cast")]
+    assert len(clips) == 6  # x and kernel forward (E4M3), the gradient (E5M2), per layer
+    found = reader.advise()
+    # before: medium drift and delayed findings on every cast (their RMS sits near 448
+    # by design) and a NaN/inf finding on every scale update (448 / 0 at step 0)
+    assert not found["rule"].isin(["drift", "trend", "delayed", "nonfinite"]).any(), found
+    assert found["severity"].isin(["low"]).all(), found
+    assert reader.verdict().status == "healthy"
+
+
+def test_flax_fp8_inputs_the_delayed_scale_cannot_follow_are_named_at_their_step(tmp_path):
+    reader, batches, metas = _train(tmp_path, "jump", JUMP)
+    ops, found = reader.ops, reader.advise()
+    clip = ops[
+        ops["primitive"].eq("min")
+        & ops["name"].str.contains("fc1")
+        & ops["pass"].eq("fwd")
+        & ops["shape"].astype(str).eq(str((16, 16)))
+    ]
+    assert len(clip) == 1, ops[ops["primitive"].eq("min")]
+    over = found[(found["op"] == clip.index[0]) & (found["rule"] == "overflow")]
+    assert len(over) == 1, found
+    row = over.iloc[0]
+    assert row["format"] == "e4m3" and row["first_step"] == JUMP_AT
+    assert row["severity"] == "high"
+    # the share Flax's clip saturates at the jump: its scale comes from the amax history
+    # of the steps before (max amax / 448), the inputs are 10^4 times larger
+    fc1 = metas[JUMP_AT]["fc1"]["Fp8DirectDotGeneralOp_0"]
+    s = np.float32(np.max(np.asarray(fc1["input_amax_history"])) / E4M3_MAX)
+    v = np.asarray(batches[JUMP_AT][0] * JUMP, np.float32) / s
+    assert row["value"] == pytest.approx(np.mean(np.abs(v) > E4M3_MAX), abs=1e-6)
+    assert "clips them" in row["evidence"] and "amax history" in row["fix"]
+    verdict = reader.verdict()
+    assert verdict.status in ("failing", "at risk") and verdict.step == JUMP_AT
+    assert "e4m3 overflow" in verdict.reasons[0].cause
+    # its SNR there is the clip's loss, which the overflow names: not a cause of its own
+    snr = found[(found["op"] == clip.index[0]) & (found["rule"] == "snr")]
+    assert (snr["severity"] == "low").all()
