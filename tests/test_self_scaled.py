@@ -198,3 +198,30 @@ def test_flax_fp8_inputs_the_delayed_scale_cannot_follow_are_named_at_their_step
     # its SNR there is the clip's loss, which the overflow names: not a cause of its own
     snr = found[(found["op"] == clip.index[0]) & (found["rule"] == "snr")]
     assert (snr["severity"] == "low").all()
+
+
+def test_flax_fp8_meta_in_its_max_gradient_dtype_runs_under_scalify():
+    """Flax keeps FP8 meta in ``fp32_max_grad`` (an extended dtype whose gradients combine
+    by max; Flax's own ``test_fp8_meta_dtype``): the casts into and out of it
+    (``to_edtype`` / ``from_edtype``) had no scaled rule, and scalify stopped there."""
+    from flax.linen import fp8_ops
+
+    fm32 = fp8_ops.fp32_max_grad
+
+    def outer(x, history, scale):
+        history = jax.lax.convert_element_type(history, fm32)
+        scale = jax.lax.convert_element_type(scale, fm32)
+
+        def body(c, _):
+            return fp8_ops.in_qdq(jnp.float32, jnp.float8_e4m3fn, c, scale, history), None
+
+        out, _ = jax.lax.scan(body, jnp.array([x], jnp.float32), None, length=3)
+        return out[0]
+
+    grad = jax.grad(outer, (0, 1, 2))
+    args = (jnp.float32(3.0), jnp.array([2.0, 0.0, 0.0]), jnp.array([1.0]))
+    want = jax.jit(grad)(*args)
+    scaled = (args[0], ss.as_scaled_array(args[1], "rms"), ss.as_scaled_array(args[2], "rms"))
+    got = ss.asarray(jax.jit(ss.scalify(grad))(*scaled))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

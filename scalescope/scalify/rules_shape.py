@@ -79,6 +79,13 @@ def scaled_bitcast_convert_type(x, **params):
     return lax.bitcast_convert_type_p.bind(unscale(x), **params)
 
 
+def scaled_extended_cast(prim, x, **params):
+    """A cast into or out of an extended dtype (``to_edtype`` / ``from_edtype``: Flax's
+    ``fm32`` for FP8 meta, a float32 whose gradients combine by max). Such a value carries
+    no scale: the cast reads the value."""
+    return prim.bind(unscale(x), **params)
+
+
 def scaled_stop_gradient(x, **params):
     return make_scaled(lax.stop_gradient(x.data), lax.stop_gradient(x.scale))
 
@@ -173,3 +180,5 @@ if _NAME is not None:
 
 for _name, _rule in RULES.items():
     register_rule(_name, _rule)
+for _name in ("to_edtype", "from_edtype"):
+    register_rule(_name, scaled_extended_cast, with_primitive=True)
