@@ -12,6 +12,12 @@ FORMATS = {
     "fp16": (np.float16, 65504.0),
     "bf16": (ml_dtypes.bfloat16, float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)),
 }
+#: The fnuz FP8 formats (AMD MI300's): no -0 or inf, E4M3FNUZ's max 240 and smallest
+#: normal 2^-7. Not among the formats a recording measures by default.
+FNUZ = {
+    "e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fnuz).max)),
+    "e5m2fnuz": (ml_dtypes.float8_e5m2fnuz, float(ml_dtypes.finfo(ml_dtypes.float8_e5m2fnuz).max)),
+}
 HIST_LO, HIST_HI = -40, 23
 
 
@@ -45,7 +51,7 @@ def reference(data, formats=tuple(FORMATS)) -> dict[str, float]:
         np.log2(out["absmax"]) - np.log2(out["absmin"]) if nonzero.size else np.nan
     )
     for name in formats:
-        dtype, fmax = FORMATS[name]
+        dtype, fmax = {**FORMATS, **FNUZ}[name]
         info = ml_dtypes.finfo(dtype)
         min_normal = float(info.smallest_normal)
         q = np.zeros_like(d, dtype=np.float64)

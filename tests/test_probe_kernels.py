@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from probe_reference import FORMATS, reference
+from probe_reference import FNUZ, FORMATS, reference
 from test_probe import _check
 
 import scalescope as ss
@@ -36,11 +36,11 @@ def _grid(dtype) -> np.ndarray:
     return np.unique(v)
 
 
-def _hard_values() -> np.ndarray:
+def _hard_values(formats: dict = FORMATS) -> np.ndarray:
     """Ties between neighbours of each format, one float32 ulp either side, the max and
     past it, and the subnormal range, with both signs."""
     vals = []
-    for dtype, fmax in FORMATS.values():
+    for dtype, fmax in formats.values():
         g = _grid(dtype).astype(np.float64)
         mid = ((g[:-1] + g[1:]) / 2).astype(np.float32)  # exact ties in float32
         for v in (mid, np.float32(g[0]) / 2, np.float32(fmax)):
@@ -54,11 +54,11 @@ def _hard_values() -> np.ndarray:
     return np.concatenate([v, -v])
 
 
-def _stats(values: list[np.ndarray], which: str) -> list[dict]:
+def _stats(values: list[np.ndarray], which: str, spec: kernel.StatSpec = SPEC) -> list[dict]:
     def fn(*xs):
         vals = [(x, None) for x in xs]
-        raw = kernel._native_raw(vals, SPEC) if which == "native" else kernel.group_raw(vals, SPEC)
-        return kernel.finalize(raw, SPEC)
+        raw = kernel._native_raw(vals, spec) if which == "native" else kernel.group_raw(vals, spec)
+        return kernel.finalize(raw, spec)
 
     out = jax.jit(fn)(*[jnp.asarray(v) for v in values])
     return [{k: np.asarray(v)[i] for k, v in out.items()} for i in range(len(values))]
@@ -172,6 +172,23 @@ def test_rounding_boundaries_match_reference(which):
     got = _stats(list(pieces.values()), which)
     for (name, data), g in zip(pieces.items(), got, strict=True):
         _check(g, reference(data), f"{which}:{name}")
+
+
+@pytest.mark.parametrize("which", ["native", "xla"])
+def test_fnuz_formats_match_reference(which):
+    """E4M3FNUZ and E5M2FNUZ (what AMD's MI300 casts to; Flax's NANOO FP8 ops): their own
+    max (240 for E4M3FNUZ, not E4M3FN's 448) and subnormals, in both kernels."""
+    if which == "native" and not native.available():
+        pytest.fail("native kernel unavailable")
+    spec = kernel.StatSpec(tuple(F.get(n) for n in FNUZ), histograms=True)
+    hard = _hard_values(FNUZ)
+    rng = np.random.default_rng(4)
+    pieces = {"hard": hard, "normal": (rng.normal(size=999) * 100).astype(np.float32)}
+    got = _stats(list(pieces.values()), which, spec)
+    for (name, data), g in zip(pieces.items(), got, strict=True):
+        ref = reference(data, tuple(FNUZ))
+        assert ref["overflow_e4m3fnuz"] > 0  # values between 240 and 448 overflow
+        _check(g, ref, f"{which}:{name}", formats=tuple(FNUZ))
 
 
 @pytest.mark.parametrize("which", ["native", "xla"])

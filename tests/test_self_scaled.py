@@ -225,3 +225,19 @@ def test_flax_fp8_meta_in_its_max_gradient_dtype_runs_under_scalify():
     got = ss.asarray(jax.jit(ss.scalify(grad))(*scaled))
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_fnuz_casts_are_judged_in_their_own_format():
+    """Flax's NANOO FP8 ops cast to E4M3FNUZ (max 240): the cast is marked as such, a
+    recording that does not measure that format says so, and one that does counts
+    values between 240 and 448 as overflow (E4M3FN's limits would pass them)."""
+    x = jnp.asarray(np.linspace(-400.0, 400.0, 257, dtype=np.float32))
+    fn = lambda v: (v * 1.0).astype(jnp.float8_e4m3fnuz).astype(jnp.float32)  # noqa: E731
+    with pytest.warns(UserWarning, match="casts values to e4m3fnuz, which this recording"):
+        table, _ = _op_stats(fn, (x,), scalify=False)
+    (mul,) = [op for op in table if op.primitive == "mul"]
+    assert mul.cast_to == "e4m3fnuz"
+    table, rows = _op_stats(fn, (x,), scalify=False, formats=("e4m3", "e4m3fnuz"))
+    got, ref = rows[mul.id], reference(np.asarray(x), ("e4m3fnuz",))
+    assert float(got["overflow_e4m3"]) == 0.0 and ref["overflow_e4m3fnuz"] > 0.35
+    assert np.isclose(float(got["overflow_e4m3fnuz"]), ref["overflow_e4m3fnuz"], atol=1e-7)

@@ -1,4 +1,6 @@
-"""Number formats scalescope audits against: FP8 (E4M3, E5M2), FP16, BF16 and FP32.
+"""Number formats scalescope audits against: FP8 (E4M3, E5M2, and the fnuz variants AMD's
+MI300 casts to: no negative zero or infinity, one exponent more, E4M3FNUZ's max 240),
+FP16, BF16 and FP32.
 
 Every constant is read from `ml_dtypes.finfo`, so the figures are those of the dtypes
 JAX actually casts to.
@@ -55,6 +57,8 @@ FORMATS: dict[str, Format] = {
     "fp16": _from_dtype("fp16", np.float16),
     "bf16": _from_dtype("bf16", ml_dtypes.bfloat16),
     "fp32": _from_dtype("fp32", np.float32),
+    "e4m3fnuz": _from_dtype("e4m3fnuz", ml_dtypes.float8_e4m3fnuz),
+    "e5m2fnuz": _from_dtype("e5m2fnuz", ml_dtypes.float8_e5m2fnuz),
 }
 
 _ALIASES = {
@@ -64,6 +68,8 @@ _ALIASES = {
     "half": "fp16",
     "bfloat16": "bf16",
     "float32": "fp32",
+    "float8_e4m3fnuz": "e4m3fnuz",
+    "float8_e5m2fnuz": "e5m2fnuz",
 }
 
 

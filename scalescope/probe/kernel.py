@@ -264,10 +264,16 @@ def unstack_scan(raw: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def _round_to(x: jax.Array, fmt: Format) -> jax.Array:
-    """``q_F``: clip to the format's range, then round to nearest even by a cast."""
+    """``q_F``: clip to the format's range, then round to nearest even by a cast. A
+    format without a negative zero (the fnuz FP8 formats) rounds the magnitude and takes
+    the sign back: XLA's CPU elemental emitter (``--xla_cpu_use_fusion_emitters=false``)
+    casts a negative value that rounds to zero to that format's NaN (the bits of -0)."""
     if np.dtype(fmt.dtype) == np.float32:
         return x
     big = np.float32(fmt.max)
+    if np.dtype(fmt.dtype).name.endswith("fnuz"):
+        q = jnp.minimum(jnp.abs(x), big).astype(fmt.dtype).astype(_F32)
+        return jnp.where(x < 0, -q, q)
     return lax.clamp(-big, x, big).astype(fmt.dtype).astype(_F32)
 
 

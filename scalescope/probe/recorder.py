@@ -26,6 +26,7 @@ moments, maxima and fractions are unaffected.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,7 +108,7 @@ _ELEMENTWISE = ALIAS_PRIMITIVES | {
 
 _CAST_FORMATS = {
     np.dtype(_formats.get(name).dtype): _formats.get(name).name
-    for name in ("e4m3", "e5m2", "fp16", "bf16")
+    for name in ("e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "fp16", "bf16")
 }
 
 
@@ -198,6 +199,21 @@ def _format_clip(eqn: Any, invals: Sequence[Any]) -> tuple[int, float] | None:
         return None
     bound = bounds[0]
     return (value, bound) if bound in _formats.FORMAT_MAXIMA else None
+
+
+def _warn_unmeasured_casts(records: Sequence[OpRecord], spec: kernel.StatSpec) -> None:
+    """Warn when the step casts values to a format this recording does not measure: the
+    advisor can judge a cast only in a measured format (an E4M3FNUZ cast read with
+    E4M3FN's limits would be judged against a max of 448 instead of 240)."""
+    measured = {f.name for f in spec.formats} | {r.name for r in spec.recipes}
+    missing = sorted({rec.cast_to for rec in records if rec.cast_to} - measured)
+    if missing:
+        names = ", ".join(missing)
+        warnings.warn(
+            f"scalescope: the step casts values to {names}, which this recording does not "
+            f"measure, so those casts are not judged; add {names} to formats= to judge them",
+            stacklevel=3,
+        )
 
 
 def _guarded(
@@ -966,6 +982,7 @@ class Recorder(Observer):
             group_elements=_group_elements(records, self.shared.groups),
             sequence=tuple(rec.id for rec in self.shared.created),
         )
+        _warn_unmeasured_casts(records, spec)
         return table, stats
 
 

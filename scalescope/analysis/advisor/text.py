@@ -42,8 +42,22 @@ _LOW_PRECISION = {
 }
 # a format -> the one to keep a value in when it needs more range (underflow at unit
 # scale) or more mantissa (SNR at unit scale) than the format has
-_MORE_RANGE = {"e4m3": "e5m2", "e5m2": "bf16", "fp16": "bf16", "bf16": "fp32"}
-_MORE_MANTISSA = {"e5m2": "e4m3", "e4m3": "bf16", "bf16": "fp16", "fp16": "fp32"}
+_MORE_RANGE = {
+    "e4m3": "e5m2",
+    "e5m2": "bf16",
+    "e4m3fnuz": "e5m2fnuz",
+    "e5m2fnuz": "bf16",
+    "fp16": "bf16",
+    "bf16": "fp32",
+}
+_MORE_MANTISSA = {
+    "e5m2": "e4m3",
+    "e4m3": "bf16",
+    "e5m2fnuz": "e4m3fnuz",
+    "e4m3fnuz": "bf16",
+    "bf16": "fp16",
+    "fp16": "fp32",
+}
 #: Recipe a naive-cast finding suggests when no recorded recipe statistics say better:
 #: current (per-tensor) scaling against overflow, MX block scaling otherwise.
 SUGGESTED_RECIPE = {"overflow": "e4m3_tensor"}
