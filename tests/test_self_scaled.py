@@ -241,3 +241,28 @@ def test_fnuz_casts_are_judged_in_their_own_format():
     got, ref = rows[mul.id], reference(np.asarray(x), ("e4m3fnuz",))
     assert float(got["overflow_e4m3"]) == 0.0 and ref["overflow_e4m3fnuz"] > 0.35
     assert np.isclose(float(got["overflow_e4m3fnuz"]), ref["overflow_e4m3fnuz"], atol=1e-7)
+
+
+def test_every_op_of_a_flax_fp8_layer_is_placed_at_the_layers_line():
+    """Flax's FP8 ops trace parts of their bodies lazily (a custom VJP's output
+    dequantisation, with flax's own frames only) and JAX reuses what it traced for the
+    next layer with the same shapes (its gradient's ``where``/``roll`` kept the first
+    layer's frames): every op named after a layer now has that layer's line."""
+    import inspect
+
+    step, (params, meta, opt), batches = _flax_fp8()
+    lines, first = inspect.getsourcelines(_MLP.__call__)
+    at = {
+        layer: f"{__file__}:{first + i}"
+        for i, text in enumerate(lines)
+        for layer in ("fc1", "fc2")
+        if f'name="{layer}"' in text
+    }
+    table = ss.instrument(step, scalify=False).op_table(params, meta, opt, *batches[0])
+    placed = 0
+    for op in table:
+        layer = op.name.split("/")[1] if op.name.startswith("_MLP/") else ""
+        if layer in at and op.pass_ in ("fwd", "bwd"):
+            assert op.source == at[layer], (op.name, op.pass_, op.source, at[layer])
+            placed += 1
+    assert placed > 50

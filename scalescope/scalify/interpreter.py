@@ -27,7 +27,7 @@ from jax.extend.core import Literal
 from ..core.pow2 import is_static
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray
 from .registry import get_rule
-from .source import UNKNOWN, format_source
+from .source import UNKNOWN, body_source, format_source
 
 FALLBACK_POLICIES = ("raise", "unscale")
 
@@ -125,8 +125,11 @@ class Context:
         return dataclasses.replace(self, observer=observer, where=where)
 
     def source(self, eqn: Any) -> str:
-        """``file:line`` of ``eqn`` in the user's code, else of the enclosing call."""
-        return format_source(eqn.source_info, self.where)
+        """``file:line`` of ``eqn`` in the user's code; in a body, its line inside the
+        body, else the enclosing call's (`source.body_source`)."""
+        if self.where == UNKNOWN:
+            return format_source(eqn.source_info)
+        return body_source(eqn.source_info, self.where)
 
     def body_outputs(self) -> Any:
         return () if self.observer is None else self.observer.body_outputs()

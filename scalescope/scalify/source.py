@@ -24,6 +24,21 @@ _LIBRARY_PARTS = tuple(
 )
 
 
+#: JAX frames where a body was entered (a jit, a custom derivative, a loop, a
+#: transformation): frames past them are the caller's. JAX reuses a body it traced for
+#: later calls with the same types, frames and all, so those may be another call's.
+_BOUNDARY_PARTS = tuple(
+    os.sep.join(("", "jax", "_src", *part))
+    for part in (
+        ("pjit.py",),
+        ("custom_derivatives.py",),
+        ("api.py",),
+        ("linear_util.py",),
+        ("interpreters", "ad.py"),
+        ("lax", "control_flow", ""),
+    )
+)
+
 _OPTAX = f"{os.sep}optax{os.sep}"
 #: Optimizer code: optax, and Flax's wrappers of it (their step counters).
 _OPTIMIZER_PARTS = (
@@ -65,6 +80,23 @@ def user_frame(source_info: Any) -> tuple[str, int, str] | None:
     if library is not None:
         return library.file_name, library.line_num, library.function_name
     return None
+
+
+def body_source(source_info: Any, enclosing: str) -> str:
+    """``file:line`` of an equation of a body (of a jit, a loop, a custom derivative)
+    called from the user's line ``enclosing``: the innermost user frame inside the body
+    (before the first frame where JAX entered a body, `_BOUNDARY_PARTS`), else
+    ``enclosing``. A frame past that boundary is a caller's, and may be another call's
+    (JAX reuses a body it traced: the second layer's gradient got the first layer's
+    line); a library frame (flax, optax) stands for less than the user's call."""
+    for frame in _frames(source_info):
+        path = frame.file_name
+        if any(part in path for part in _BOUNDARY_PARTS):
+            break
+        if any(part in path for part in _INTERNAL_PARTS + _LIBRARY_PARTS):
+            continue
+        return f"{path}:{frame.line_num}"
+    return enclosing
 
 
 def in_optimizer(source_info: Any) -> bool:
