@@ -286,3 +286,27 @@ def test_a_quantisation_librarys_ops_are_placed_at_the_users_line(tmp_path, monk
         r.source for r in converts
     ]
     assert all("qwix" not in r.source for r in table)
+
+
+@jax.jit
+def _jitted_body(x):
+    y = jnp.sqrt(x)
+    z = jnp.where(y > 1, y, 0.0)
+    return z * 3.0
+
+
+def test_ops_in_a_jitted_function_get_their_own_lines():
+    """A ``@jax.jit`` train step called from another function (Flax's examples decorate
+    theirs): each op is placed at its own line in the body, not at the caller's. jnp's
+    helpers (``jnp.sqrt``, ``x * 3``) are inlined jits whose frames sit innermost: they
+    are not where the body begins."""
+    lines, first = inspect.getsourcelines(_jitted_body)
+    at = ((2, "sqrt"), (3, "select_n"), (4, "mul"))
+    here = {prim: f"{__file__}:{first + k}" for k, prim in at}
+
+    def step(x):
+        return _jitted_body(x)
+
+    table = ss.instrument(step, scalify=False).op_table(jnp.ones(4))
+    got = {r.primitive: r.source for r in table if r.primitive in here and r.pass_ == "fwd"}
+    assert got == here

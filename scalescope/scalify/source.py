@@ -24,13 +24,14 @@ _LIBRARY_PARTS = tuple(
 )
 
 
-#: JAX frames where a body was entered (a jit, a custom derivative, a loop, a
-#: transformation): frames past them are the caller's. JAX reuses a body it traced for
-#: later calls with the same types, frames and all, so those may be another call's.
+#: JAX frames where a body was entered (a custom derivative, a loop, a transformation):
+#: frames past them are the caller's. JAX reuses a body it traced for later calls with
+#: the same types, frames and all, so those may be another call's. Not ``pjit.py``: a
+#: jit body's frames end at its own edge, and the jit frames inside them are jnp's
+#: inlined helpers (``jnp.sqrt``, ``x * 3``), called from the body's own lines.
 _BOUNDARY_PARTS = tuple(
     os.sep.join(("", "jax", "_src", *part))
     for part in (
-        ("pjit.py",),
         ("custom_derivatives.py",),
         ("api.py",),
         ("linear_util.py",),
