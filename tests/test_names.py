@@ -310,3 +310,32 @@ def test_ops_in_a_jitted_function_get_their_own_lines():
     table = ss.instrument(step, scalify=False).op_table(jnp.ones(4))
     got = {r.primitive: r.source for r in table if r.primitive in here and r.pass_ == "fwd"}
     assert got == here
+
+
+def test_nnx_names_do_not_depend_on_an_earlier_plain_trace():
+    """Flax's NNX examples jit their train step with ``nnx.jit``; a plain call of it (a
+    baseline, a first step) filled JAX's trace cache with a trace made without the module
+    hook, and the probe then read every layer's ops unnamed (``dot_general``)."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(8, 16, rngs=rngs)
+            self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.relu(self.l1(x)))
+
+    @nnx.jit
+    def train_step(model, x):
+        return nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)[0]
+
+    model, x = Net(nnx.Rngs(0)), jnp.ones((2, 8))
+    train_step(model, x)  # the plain call, traced first
+    graph, state = nnx.split(model)
+
+    def step(state, x):
+        return train_step(nnx.merge(graph, state), x)
+
+    table = ss.instrument(step, scalify=False).op_table(state, x)
+    dots = [r.name for r in table if r.primitive == "dot_general" and r.pass_ == "fwd"]
+    assert dots == ["l1/dot_general", "l2/dot_general"]

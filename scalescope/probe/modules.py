@@ -27,6 +27,11 @@ import jax
 
 _local = threading.local()
 
+#: Part of `jax.jit`'s cache key while `module_scopes` is on: a jitted function (an
+#: ``nnx.jit`` train step) traced before without the hook would otherwise be reused from
+#: JAX's trace cache, unnamed.
+_NAMING = jax.make_user_context(default_value=False)
+
 
 @contextlib.contextmanager
 def module_scopes() -> Iterator[None]:
@@ -42,7 +47,8 @@ def module_scopes() -> Iterator[None]:
     _local.active = True
     sys.setprofile(tracker.event)
     try:
-        yield
+        with _NAMING(True):
+            yield
     finally:
         sys.setprofile(previous)
         _local.active = False
