@@ -339,3 +339,26 @@ def test_nnx_names_do_not_depend_on_an_earlier_plain_trace():
     table = ss.instrument(step, scalify=False).op_table(state, x)
     dots = [r.name for r in table if r.primitive == "dot_general" and r.pass_ == "fwd"]
     assert dots == ["l1/dot_general", "l2/dot_general"]
+
+
+def test_a_users_folder_named_like_a_library_is_the_users_code(tmp_path, monkeypatch):
+    """Running Flax's examples from a clone of google/flax puts the model in
+    ``.../flax/examples/...``: a library is told by the folder it is imported from, not by
+    a folder name, so the model's ops keep the model's lines."""
+    folder = tmp_path / "flax" / "examples" / "toy"
+    folder.mkdir(parents=True)
+    (folder / "toy_model.py").write_text(
+        "from flax import linen as nn\n\n\n"
+        "class MLP(nn.Module):\n"
+        "    @nn.compact\n"
+        "    def __call__(self, x):\n"
+        "        return nn.Dense(3)(nn.relu(nn.Dense(5)(x)))\n"
+    )
+    monkeypatch.syspath_prepend(str(folder))
+    from toy_model import MLP
+
+    model, x = MLP(), jnp.ones((2, 4))
+    params = model.init(jax.random.key(0), x)
+    table = ss.instrument(lambda p: model.apply(p, x).sum(), scalify=False).op_table(params)
+    dots = [r.source for r in table if r.primitive == "dot_general"]
+    assert dots and all(s == f"{folder / 'toy_model.py'}:7" for s in dots), dots

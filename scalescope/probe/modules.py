@@ -17,13 +17,14 @@ name.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+
+from ..scalify.source import in_package
 
 _local = threading.local()
 
@@ -55,10 +56,6 @@ def module_scopes() -> Iterator[None]:
         tracker.close()
 
 
-_FLAX_NNX = f"{os.sep}flax{os.sep}nnx{os.sep}"
-_FLAX_LAYERS = f"{_FLAX_NNX}nn{os.sep}"
-
-
 def _may_be_layer_method(code: Any) -> bool:
     """A method that may compute a layer: its first argument is ``self``, it is not a
     special method other than ``__call__``, and it is not Flax's own graph and pytree
@@ -69,7 +66,7 @@ def _may_be_layer_method(code: Any) -> bool:
     if name.startswith("__") and name.endswith("__") and name != "__call__":
         return False
     path = code.co_filename
-    return _FLAX_NNX not in path or _FLAX_LAYERS in path
+    return not in_package(path, "flax", "nnx") or in_package(path, "flax", "nnx", "nn")
 
 
 class _Tracker:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import sys
 from typing import Any
 
 _INTERNAL_PARTS = (
@@ -18,10 +21,54 @@ _INTERNAL_PARTS = (
 UNKNOWN = "<unknown>"
 
 #: Libraries whose frames stand for the user's line that called them: model and optimizer
-#: libraries, and the quantisation libraries that wrap a model's ops (qwix, AQT).
-_LIBRARY_PARTS = tuple(
-    f"{os.sep}{name}{os.sep}" for name in ("flax", "optax", "chex", "qwix", "aqt")
-)
+#: libraries, and the quantisation libraries that wrap a model's ops (qwix, AQT). Told by
+#: the folder each is imported from (`package_dir`), not by a folder name in the path: a
+#: clone of google/flax running its own examples is the user's code.
+LIBRARIES = ("flax", "optax", "chex", "qwix", "aqt")
+
+
+@functools.lru_cache(maxsize=64)
+def _package_dirs(name: str, search_path: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return ()
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    return tuple(os.path.join(os.path.realpath(p), "") for p in spec.submodule_search_locations)
+
+
+@functools.lru_cache(maxsize=256)
+def _dirs(locations: tuple[str, ...], sub: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(os.path.join(os.path.realpath(p), *sub, "") for p in locations)
+
+
+def package_dir(name: str, *sub: str) -> tuple[str, ...]:
+    """The folders (each ending in a separator) package ``name`` is imported from, with
+    ``sub`` appended (``package_dir("flax", "nnx")``); empty when it cannot be found.
+    Looked up again when ``sys.path`` changes."""
+    mod = sys.modules.get(name)
+    locations = getattr(mod, "__path__", None) if mod is not None else None
+    if locations is None:
+        locations = _package_dirs(name, tuple(sys.path))
+    return _dirs(tuple(locations), sub)
+
+
+@functools.lru_cache(maxsize=4096)
+def _real(path: str) -> str:
+    return os.path.realpath(path)
+
+
+def in_package(path: str, name: str, *sub: str) -> bool:
+    """Whether the file ``path`` lies in package ``name`` (under ``sub``)."""
+    if f"{os.sep}{name}{os.sep}" not in path:
+        return False  # (cheap: most frames are not)
+    real = _real(path)
+    return any(real.startswith(d) for d in package_dir(name, *sub))
+
+
+def _library(path: str) -> bool:
+    return any(in_package(path, name) for name in LIBRARIES)
 
 
 #: JAX frames where a body was entered (a custom derivative, a loop, a transformation):
@@ -40,17 +87,34 @@ _BOUNDARY_PARTS = tuple(
     )
 )
 
-_OPTAX = f"{os.sep}optax{os.sep}"
-#: Optimizer code: optax, and Flax's wrappers of it (their step counters).
-_OPTIMIZER_PARTS = (
-    _OPTAX,
-    os.sep.join(("", "flax", "nnx", "training", "optimizer.py")),
-    os.sep.join(("", "flax", "training", "train_state.py")),
+#: Optimizer code: optax, and Flax's wrappers of it (their step counters), as files of
+#: the installed packages: (package, path inside it).
+_OPTIMIZER_FILES = (
+    ("flax", os.path.join("nnx", "training", "optimizer.py")),
+    ("flax", os.path.join("training", "train_state.py")),
 )
-#: optax packages that compute the loss or other forward work, not the optimizer's.
-_OPTAX_FORWARD = tuple(
-    f"{_OPTAX}{sub}{os.sep}" for sub in ("losses", "perturbations", "assignment")
-) + (f"{_OPTAX}_src{os.sep}loss.py",)
+#: optax's parts that compute the loss or other forward work, not the optimizer's.
+_OPTAX_FORWARD = ("losses", "perturbations", "assignment", os.path.join("_src", "loss.py"))
+
+
+def _optimizer(path: str) -> bool:
+    if in_package(path, "optax"):
+        return True
+    return any(
+        in_package(path, name) and _real(path).endswith(os.sep + rel)
+        for name, rel in _OPTIMIZER_FILES
+    )
+
+
+def _optax_forward(path: str) -> bool:
+    if not in_package(path, "optax"):
+        return False
+    real = _real(path)
+    return any(
+        real.startswith(os.path.join(d, part))
+        for d in package_dir("optax")
+        for part in _OPTAX_FORWARD
+    )
 
 
 def _frames(source_info: Any) -> list[Any]:
@@ -74,7 +138,7 @@ def user_frame(source_info: Any) -> tuple[str, int, str] | None:
         path = frame.file_name
         if any(part in path for part in _INTERNAL_PARTS):
             continue
-        if any(part in path for part in _LIBRARY_PARTS):
+        if _library(path):
             library = library or frame
             continue
         return path, frame.line_num, frame.function_name
@@ -94,7 +158,7 @@ def body_source(source_info: Any, enclosing: str) -> str:
         path = frame.file_name
         if any(part in path for part in _BOUNDARY_PARTS):
             break
-        if any(part in path for part in _INTERNAL_PARTS + _LIBRARY_PARTS):
+        if any(part in path for part in _INTERNAL_PARTS) or _library(path):
             continue
         return f"{path}:{frame.line_num}"
     return enclosing
@@ -107,9 +171,9 @@ def in_optimizer(source_info: Any) -> bool:
     read optimizer state and parameters, not gradients, so only where they were written
     tells them apart from the forward pass."""
     paths = [frame.file_name for frame in _frames(source_info)]
-    if any(part in path for path in paths for part in _OPTAX_FORWARD):
+    if any(_optax_forward(path) for path in paths):
         return False
-    return any(part in path for path in paths for part in _OPTIMIZER_PARTS)
+    return any(_optimizer(path) for path in paths)
 
 
 def format_source(source_info: Any, default: str = UNKNOWN) -> str:
