@@ -362,3 +362,24 @@ def test_a_users_folder_named_like_a_library_is_the_users_code(tmp_path, monkeyp
     table = ss.instrument(lambda p: model.apply(p, x).sum(), scalify=False).op_table(params)
     dots = [r.source for r in table if r.primitive == "dot_general"]
     assert dots and all(s == f"{folder / 'toy_model.py'}:7" for s in dots), dots
+
+
+def test_a_trainstates_moment_updates_are_named_after_their_parameter():
+    """Flax's ``TrainState`` (every linen example) holds the inner parameter dict, so
+    Adam's moments ``opt_state/0/mu/kernel`` do not mirror a ``params/...`` tree leaf for
+    leaf: their updates kept bare names (``mul``, ``integer_pow``)."""
+    from flax.training import train_state
+
+    model = linen.Dense(4)
+    params = model.init(jax.random.key(0), jnp.ones((2, 8)))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+    def train_step(state, x):
+        loss = lambda p: (state.apply_fn({"params": p}, x) ** 2).mean()  # noqa: E731
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    table = ss.instrument(train_step, scalify=False).op_table(state, jnp.ones((2, 8)))
+    shaped = [r for r in table if r.pass_ == "opt" and r.shape in ((8, 4), (4,))]
+    assert shaped and not [r.name for r in shaped if "/" not in r.name]
+    moments = {r.name for r in shaped if r.primitive in ("integer_pow", "mul")}
+    assert {"params/kernel/integer_pow", "params/kernel/mul", "params/bias/mul"} <= moments

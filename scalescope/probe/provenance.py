@@ -69,12 +69,21 @@ def _common_suffix(paths: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
 def parameter_of(reached: int, output_paths: Sequence[str], leaves: set[tuple[str, ...]]) -> str:
     """The parameter path the outputs in bitmask ``reached`` all belong to ("" when
     they do not share one): the longest input leaf path (``leaves``) that ends their
-    common path suffix."""
+    common path suffix; where none does, the shortest of the outputs' own paths when it
+    is such a leaf and the only one that short. Flax's ``TrainState`` holds the inner
+    parameter dict: a moment's update reaches ``params/dense/kernel`` and
+    ``opt_state/mu/dense/kernel``, whose common suffix ``dense/kernel`` is no leaf, and
+    the parameter is the path the optimizer's copies extend."""
     paths = [_leaf_of_output(output_paths[j]) for j in range(len(output_paths)) if reached >> j & 1]
     suffix = _common_suffix(paths)
     for k in range(len(suffix)):
         if suffix[k:] in leaves:
             return "/".join(suffix[k:])
+    if suffix and paths:
+        short = min(len(p) for p in paths)
+        shortest = {p for p in paths if len(p) == short}
+        if len(shortest) == 1 and (only := next(iter(shortest))) in leaves:
+            return "/".join(only)
     return ""
 
 
