@@ -266,3 +266,25 @@ def test_every_op_of_a_flax_fp8_layer_is_placed_at_the_layers_line():
             assert op.source == at[layer], (op.name, op.pass_, op.source, at[layer])
             placed += 1
     assert placed > 50
+
+
+def test_a_padding_mask_whose_share_follows_the_batch_is_no_finding(tmp_path):
+    """``where(mask, scores, -inf)`` before a softmax (Flax's SST-2 example): the -inf
+    share follows each batch's lengths, so it is not the same at every step, yet it is a
+    mask (the probe saw the fill) and no NaN/inf finding."""
+
+    def step(w, x, lengths):
+        scores = (x @ w)[..., 0]
+        mask = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+        p = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+        return w - 0.1 * jax.grad(lambda w: (p * (x @ w)[..., 0]).sum())(w)
+
+    w, x = jnp.ones((4, 1)), jnp.ones((2, 7, 4))
+    with ss.Run(tmp_path / "mask", every=1) as run:
+        tracked = run.track(step, scalify=False)
+        for lengths in ([3, 7], [5, 2], [7, 6]):
+            w = tracked(w, x, jnp.asarray(lengths))
+    reader = ss.open_run(tmp_path / "mask")
+    ops, found = reader.ops, reader.advise()
+    assert ops["origin"].eq("fill").any()
+    assert not (found["rule"] == "nonfinite").any(), found

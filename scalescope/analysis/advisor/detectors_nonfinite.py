@@ -16,11 +16,17 @@ from .text import _steps_text
 
 
 def _mask_groups(
-    cells: _Cells | _Dense, values: np.ndarray, min_steps: int | np.ndarray
+    cells: _Cells | _Dense,
+    values: np.ndarray,
+    min_steps: int | np.ndarray,
+    fills: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per op (bool, aligned with ``cells.ids``): a non-finite fraction that is the same,
     non-zero and below 1, at every recorded step (at least ``min_steps`` of them, per op
-    when an array): masks, see `Thresholds.mask_min_steps`."""
+    when an array): masks, see `Thresholds.mask_min_steps`. ``fills`` (per op): a value
+    the probe saw hold a constant fill (``where(mask, s, -inf)``) is a mask whatever its
+    fraction, as long as some of it and never all of it is masked: a padding mask's
+    share follows each batch's lengths."""
     if not np.size(values):
         return np.zeros(len(cells.ids), bool)
     with np.errstate(invalid="ignore"):
@@ -30,7 +36,10 @@ def _mask_groups(
             lo = np.fmin.reduceat(values, cells.starts)
             hi = np.fmax.reduceat(values, cells.starts)
         lo, hi = lo.astype(np.float64), hi.astype(np.float64)  # min/max: exact either way
-        return (cells.sizes >= min_steps) & (lo > 0) & (hi < 1) & ((hi - lo) <= 1e-12)
+        same = (hi - lo) <= 1e-12
+        if fills is not None:
+            same = same | fills
+        return (cells.sizes >= min_steps) & (lo > 0) & (hi < 1) & same
 
 
 def output_ops(ops: pd.DataFrame) -> np.ndarray:
@@ -85,8 +94,9 @@ def _nonfinite_findings(
     they hold at steps whose outputs stay finite were discarded by design, no finding."""
     values = cells.cols["frac_nonfinite"]
     # a fill the probe saw (a -inf mask) is a mask from its first recorded step on
-    need = np.where(np.isin(cells.ids, fills), 1, thresholds.mask_min_steps)
-    kept = ~cells.per_op(_mask_groups(cells, values, need))
+    filled = np.isin(cells.ids, fills)
+    need = np.where(filled, 1, thresholds.mask_min_steps)
+    kept = ~cells.per_op(_mask_groups(cells, values, need, filled))
     bad = _compare(values, "gt", thresholds.nonfinite) & kept
     outputs = np.zeros(0, np.int64) if outputs is None else np.asarray(outputs, np.int64)
     finite_out = _finite_output_steps(cells, outputs)
