@@ -93,13 +93,20 @@ def _nonfinite_findings(
     """``guarded``: ops read only by a ``jnp.where`` (the safe-division idiom): NaN/inf
     they hold at steps whose outputs stay finite were discarded by design, no finding."""
     values = cells.cols["frac_nonfinite"]
-    # a fill the probe saw (a -inf mask) is a mask from its first recorded step on
-    filled = np.isin(cells.ids, fills)
-    need = np.where(filled, 1, thresholds.mask_min_steps)
-    kept = ~cells.per_op(_mask_groups(cells, values, need, filled))
-    bad = _compare(values, "gt", thresholds.nonfinite) & kept
     outputs = np.zeros(0, np.int64) if outputs is None else np.asarray(outputs, np.int64)
     finite_out = _finite_output_steps(cells, outputs)
+    # a fill the probe saw (a -inf mask) is a mask from its first recorded step on; one
+    # whose share changes (a padding mask follows each batch's lengths) while the step's
+    # outputs stay finite, too: where they do not, it may have gone bad, and is judged
+    filled = np.isin(cells.ids, fills)
+    need = np.where(filled, 1, thresholds.mask_min_steps)
+    over = _compare(values, "gt", thresholds.nonfinite)
+    held = filled.copy()
+    for g in np.flatnonzero(filled):
+        op = int(cells.ids[g])
+        held[g] = op not in outputs and bool(np.isin(_op_steps(cells, op, over), finite_out).all())
+    kept = ~cells.per_op(_mask_groups(cells, values, need, held))
+    bad = over & kept
     guarded = np.zeros(0, np.int64) if guarded is None else np.asarray(guarded, np.int64)
     for op in np.intersect1d(guarded, cells.ids):
         steps = _op_steps(cells, int(op), bad)
