@@ -383,3 +383,30 @@ def test_a_trainstates_moment_updates_are_named_after_their_parameter():
     assert shaped and not [r.name for r in shaped if "/" not in r.name]
     moments = {r.name for r in shaped if r.primitive in ("integer_pow", "mul")}
     assert {"params/kernel/integer_pow", "params/kernel/mul", "params/bias/mul"} <= moments
+
+
+def _tanh_model(p, x):
+    return jnp.tanh(x @ p["w"]).sum()
+
+
+def test_a_gradient_taken_inside_a_body_keeps_the_models_lines():
+    """``jax.grad`` inside a jit, a scan or a shard_map body: JAX's differentiation of
+    jnp's inlined helpers puts its own frames innermost, and the model's line must still
+    be found past them (not the line that called the body)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    line = f"{__file__}:{inspect.getsourcelines(_tanh_model)[1] + 1}"
+    step = jax.grad(_tanh_model)
+    jitted = jax.jit(step)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+
+    def scanned(p, x):
+        return jax.lax.scan(lambda c, _: (c, step(p, x)), 0.0, None, length=2)[1]
+
+    p, x = {"w": jnp.ones((4, 4))}, jnp.ones((2, 4))
+    for name, fn in (("jit", lambda p, x: jitted(p, x)), ("shard_map", mapped), ("scan", scanned)):
+        table = ss.instrument(fn, scalify=False).op_table(p, x)
+        got = {r.source for r in table if r.primitive in ("tanh", "dot_general")}
+        assert got == {line}, (name, got)

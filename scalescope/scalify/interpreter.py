@@ -27,7 +27,7 @@ from jax.extend.core import Literal
 from ..core.pow2 import is_static
 from ..core.scaled_array import SCALE_DTYPE, ScaledArray
 from .registry import get_rule
-from .source import UNKNOWN, body_source, format_source
+from .source import UNKNOWN, body_source, caller_functions, format_source
 
 FALLBACK_POLICIES = ("raise", "unscale")
 
@@ -106,6 +106,8 @@ class Context:
     scaling: bool = True  # False: a plain interpretation (no rule turns plain into scaled)
     check_scales: bool = False  # assert every rule's scales (see `check_scale_invariant`)
     where: str = UNKNOWN  # the user's line of the enclosing call, for equations without one
+    #: (file, function) of the frames the enclosing calls were traced from (`body_source`)
+    callers: frozenset = frozenset()
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         return eval_jaxpr(self, jaxpr, consts, args)
@@ -119,17 +121,18 @@ class Context:
         Equations of the body without a line of the user's own (those of JAX's jitted
         helpers such as ``jnp.where``) are placed at ``eqn``'s line (`where`)."""
         where = self.source(eqn)
+        callers = self.callers | caller_functions(eqn.source_info)
         if self.observer is None:
-            return dataclasses.replace(self, where=where)
+            return dataclasses.replace(self, where=where, callers=callers)
         observer = None if kind == "silent" else self.observer.nested(eqn, kind)
-        return dataclasses.replace(self, observer=observer, where=where)
+        return dataclasses.replace(self, observer=observer, where=where, callers=callers)
 
     def source(self, eqn: Any) -> str:
         """``file:line`` of ``eqn`` in the user's code; in a body, its line inside the
         body, else the enclosing call's (`source.body_source`)."""
         if self.where == UNKNOWN:
             return format_source(eqn.source_info)
-        return body_source(eqn.source_info, self.where)
+        return body_source(eqn.source_info, self.where, self.callers)
 
     def body_outputs(self) -> Any:
         return () if self.observer is None else self.observer.body_outputs()

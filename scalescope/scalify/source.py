@@ -71,22 +71,6 @@ def _library(path: str) -> bool:
     return any(in_package(path, name) for name in LIBRARIES)
 
 
-#: JAX frames where a body was entered (a custom derivative, a loop, a transformation):
-#: frames past them are the caller's. JAX reuses a body it traced for later calls with
-#: the same types, frames and all, so those may be another call's. Not ``pjit.py``: a
-#: jit body's frames end at its own edge, and the jit frames inside them are jnp's
-#: inlined helpers (``jnp.sqrt``, ``x * 3``), called from the body's own lines.
-_BOUNDARY_PARTS = tuple(
-    os.sep.join(("", "jax", "_src", *part))
-    for part in (
-        ("custom_derivatives.py",),
-        ("api.py",),
-        ("linear_util.py",),
-        ("interpreters", "ad.py"),
-        ("lax", "control_flow", ""),
-    )
-)
-
 #: Optimizer code: optax, and Flax's wrappers of it (their step counters), as files of
 #: the installed packages: (package, path inside it).
 _OPTIMIZER_FILES = (
@@ -147,20 +131,42 @@ def user_frame(source_info: Any) -> tuple[str, int, str] | None:
     return None
 
 
-def body_source(source_info: Any, enclosing: str) -> str:
+#: Where JAX runs a custom derivative's function: frames past it are the caller's, and in a
+#: body JAX traced once and reused (Flax's FP8 ops in a second layer) another call's.
+_CUSTOM_DERIVATIVES = os.sep.join(("", "jax", "_src", "custom_derivatives.py"))
+
+
+def caller_functions(source_info: Any) -> frozenset[tuple[str, str]]:
+    """``(file, function)`` of the frames of ``source_info`` outside JAX and scalescope:
+    the functions an equation that calls a body was traced from (`body_source`)."""
+    return frozenset(
+        (frame.file_name, frame.function_name)
+        for frame in _frames(source_info)
+        if not any(part in frame.file_name for part in _INTERNAL_PARTS)
+    )
+
+
+def body_source(
+    source_info: Any, enclosing: str, callers: frozenset[tuple[str, str]] = frozenset()
+) -> str:
     """``file:line`` of an equation of a body (of a jit, a loop, a custom derivative)
-    called from the user's line ``enclosing``: the innermost user frame inside the body
-    (before the first frame where JAX entered a body, `_BOUNDARY_PARTS`), else
-    ``enclosing``. A frame past that boundary is a caller's, and may be another call's
-    (JAX reuses a body it traced: the second layer's gradient got the first layer's
-    line); a library frame (flax, optax) stands for less than the user's call."""
+    called from the user's line ``enclosing``, by functions ``callers``
+    (`caller_functions` of the calls around it): its innermost user frame, unless that
+    frame is in one of the callers at another line than ``enclosing``: JAX reuses a body
+    it traced for later calls with the same types, frames and all, so such a frame is
+    another call's (the second layer's gradient got the first layer's line); then, or
+    when the equation has library frames only (flax, optax) before JAX's custom
+    derivative machinery, ``enclosing``."""
     for frame in _frames(source_info):
         path = frame.file_name
-        if any(part in path for part in _BOUNDARY_PARTS):
+        if path.endswith(_CUSTOM_DERIVATIVES):
             break
         if any(part in path for part in _INTERNAL_PARTS) or _library(path):
             continue
-        return f"{path}:{frame.line_num}"
+        here = f"{path}:{frame.line_num}"
+        if (path, frame.function_name) in callers and here != enclosing:
+            return enclosing
+        return here
     return enclosing
 
 
