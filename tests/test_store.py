@@ -918,3 +918,25 @@ def test_a_scalified_step_on_plain_arguments_says_it_runs_unscaled(tmp_path):
             assert graph["scalify"] is False
         else:
             assert said == [] and graph["scalify"] is True
+
+
+def test_a_python_int_in_the_state_keeps_every_step_recorded(tmp_path):
+    """Flax's ``TrainState.create`` starts ``step`` at the Python int 0; the step returns
+    it as an array. Traced weakly at the first call and strongly after, the second call's
+    graph differed and every call after the first ran unrecorded (wmt, lm1b: 29 of 30)."""
+    optax = pytest.importorskip("optax")
+    train_state = pytest.importorskip("flax.training.train_state")
+    tx = optax.sgd(optax.linear_schedule(0.1, 0.01, 10))
+    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 4))}, tx=tx)
+    assert type(state.step) is int
+
+    def step(state, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(state.params)
+        lr = optax.linear_schedule(0.1, 0.01, 10)(state.step)  # as wmt's train_step does
+        return loss + 0 * lr, state.apply_gradients(grads=g)
+
+    with ss.Run(tmp_path / "run", every=1) as run:
+        tracked = run.track(step, scalify=False)
+        for _ in range(4):
+            _, state = tracked(state, jnp.ones((2, 4)))
+    assert sorted(set(ss.open_run(tmp_path / "run").stats()["step"])) == [0, 1, 2, 3]

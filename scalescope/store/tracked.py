@@ -346,7 +346,7 @@ class Tracked:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
-        if any(getattr(leaf, "weak_type", False) for leaf in parts[1]):
+        if any(type(leaf) is int or getattr(leaf, "weak_type", False) for leaf in parts[1]):
             args, kwargs = _strongly_typed(args, kwargs)
             parts = partition(args, kwargs, where=_WHERE)
         if any(isinstance(leaf, jax.core.Tracer) for leaf in parts[1]):
@@ -743,13 +743,19 @@ def _canonical(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple
 
 def _strongly_typed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with each weakly typed JAX array (``jnp.full(n, -1.0)``: a
-    parameter made from a Python number) as a strongly typed one of its dtype. A
-    training step returns its state strongly typed (optax's updates are), so the second
-    call would trace another graph than the first (JAX inserts a cast where a weak value
-    meets a strong one) and, a run holding one graph, run unrecorded; every later call
-    traces the first call's graph instead."""
+    parameter made from a Python number) as a strongly typed one of its dtype, and each
+    Python ``int`` as an int32 (or int64) array. A training step returns its state
+    strongly typed (optax's updates are), so the second call would trace another graph
+    than the first (JAX inserts a cast where a weak value meets a strong one) and, a run
+    holding one graph, run unrecorded; every later call traces the first call's graph
+    instead. Flax's ``TrainState.create`` starts ``step`` at the Python int 0: the step
+    returns it as an array, and every call after the first ran unrecorded. (Python
+    floats stay weak, as under ``jax.jit``: made float32 they would promote a bfloat16
+    value they multiply.)"""
 
     def strong(leaf: Any) -> Any:
+        if type(leaf) is int:  # (jnp.asarray(0) alone is weakly typed)
+            return jnp.asarray(leaf, jax.dtypes.canonicalize_dtype(jnp.int_))
         if isinstance(leaf, jax.Array) and getattr(leaf, "weak_type", False):
             return jnp.asarray(leaf, leaf.dtype)
         return leaf
