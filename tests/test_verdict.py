@@ -339,14 +339,15 @@ def test_a_schedules_inf_branch_is_judged_by_what_reaches_the_parameters(tmp_pat
     _, _, view = _train(tmp_path / "run", tx, loss_fn, jnp.ones((4,)))
     found = view.advise()
     nonfinite = found[found["rule"] == "nonfinite"]
-    assert len(nonfinite), found
     v = view.verdict()
     if reaches:
+        assert len(nonfinite), found
         assert v.status == "failing", v
     else:
+        # made from the step count and dropped by its select while the weights stay
+        # finite: by design, no finding (it was a low one on every such healthy run)
         assert v.status == "healthy", v
-        assert (nonfinite["severity"] == "low").all(), nonfinite
-        assert nonfinite["evidence"].str.contains("dropped downstream").all()
+        assert not len(nonfinite), nonfinite
 
 
 def test_a_healthy_verdict_says_how_many_ops_were_measured_when_not_all_were():

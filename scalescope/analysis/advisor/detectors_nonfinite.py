@@ -90,7 +90,8 @@ def _nonfinite_findings(
     outputs: np.ndarray | None = None,
     guarded: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
-    """``guarded``: ops read only by a ``jnp.where`` (the safe-division idiom): NaN/inf
+    """``guarded``: ops read only through a ``jnp.where`` (the safe-division idiom), or
+    computed from constants and the step count (a schedule's unused branch): NaN/inf
     they hold at steps whose outputs stay finite were discarded by design, no finding."""
     values = cells.cols["frac_nonfinite"]
     outputs = np.zeros(0, np.int64) if outputs is None else np.asarray(outputs, np.int64)

@@ -225,8 +225,13 @@ def advise(
     horizon = _default_horizon(meta, last_step) if horizon is None else float(horizon)
 
     outputs = output_ops(table)
+    # NaN/inf the step drops by design: read only through a where ("guarded"), or made
+    # from constants and the step count ("constant": a schedule's unused rsqrt branch at
+    # step 0, which optax's join_schedules evaluates and a select drops)
     guarded = (
-        table.index.to_numpy(np.int64)[table["origin"].astype(str).eq("guarded").to_numpy()]
+        table.index.to_numpy(np.int64)[
+            table["origin"].astype(str).isin(["guarded", "constant"]).to_numpy()
+        ]
         if "origin" in table.columns
         else None
     )
