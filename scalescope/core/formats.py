@@ -9,6 +9,7 @@ JAX actually casts to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -110,6 +111,18 @@ SELF_SCALED_DTYPES: tuple[np.dtype, ...] = tuple(
 FORMAT_MAXIMA: frozenset[float] = frozenset(
     float(ml_dtypes.finfo(t).max) for t in SELF_SCALED_DTYPES
 )
+
+
+def format_bound(x: Any) -> float | None:
+    """``|x|`` when ``x`` is a static scalar (NumPy or Python, known at trace time) whose
+    magnitude is one of `FORMAT_MAXIMA`: a clip bound of code that scales into a format
+    itself. Else None."""
+    if isinstance(x, bool) or not isinstance(x, (np.ndarray, np.generic, float, int)):
+        return None
+    if np.ndim(x) != 0:
+        return None
+    bound = abs(float(x))
+    return bound if bound in FORMAT_MAXIMA else None
 
 
 def narrow_max(dtype) -> float | None:

@@ -38,6 +38,7 @@ from jax import lax
 from jax.extend.core import Literal, jaxprs_in_params
 
 from ..core import formats as _formats
+from ..core.pow2 import is_static
 from ..core.scaled_array import ScaledArray
 from ..scalify.common import positive_or_one, rescale_data
 from ..scalify.interpreter import Observer, explicit_sharding
@@ -174,10 +175,6 @@ def _fills(prim: str, invars: Sequence[Any], ins: Sequence[_Info | None]) -> boo
 _CLIPS = frozenset({"min", "max", "clamp"})
 
 
-def _static_scalar(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, float, int)) and np.ndim(x) == 0
-
-
 def _format_clip(eqn: Any, invals: Sequence[Any]) -> tuple[int, float] | None:
     """``(operand, bound)`` when ``eqn`` clips operand ``operand`` at ``±bound``, the
     largest value of a narrow format (`scalescope.core.formats.FORMAT_MAXIMA`): a min or
@@ -189,16 +186,17 @@ def _format_clip(eqn: Any, invals: Sequence[Any]) -> tuple[int, float] | None:
     bounds = []
     for k, (var, val) in enumerate(zip(eqn.invars, invals)):
         c = var.val if isinstance(var, Literal) else val
-        if _static_scalar(c) and not (name == "clamp" and k == 1):
-            bounds.append(abs(float(c)))
+        if not (name == "clamp" and k == 1) and (bound := _formats.format_bound(c)) is not None:
+            bounds.append(bound)
+        elif is_static(c):  # another constant: not a clip at a format's max
+            return None
         elif value is None:
             value = k
         elif value != k:
             return None
     if value is None or not bounds or len(set(bounds)) != 1:
         return None
-    bound = bounds[0]
-    return (value, bound) if bound in _formats.FORMAT_MAXIMA else None
+    return value, bounds[0]
 
 
 def _warn_unmeasured_casts(records: Sequence[OpRecord], spec: kernel.StatSpec) -> None:
@@ -687,7 +685,7 @@ class Recorder(Observer):
         unclipped = src.unclipped if src is not None and src.unclipped is not None else invals[k]
         out = outvals[0]
         at_one = not isinstance(out, ScaledArray) or (
-            _static_scalar(out.scale) and float(out.scale) == 1.0
+            is_static(out.scale) and np.ndim(out.scale) == 0 and float(out.scale) == 1.0
         )
         if not at_one or bound not in self.shared.narrow_casts.get(eqn.outvars[0], ()):
             return unclipped, None

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from ..core.formats import FORMAT_MAXIMA, narrower_than_float32
+from ..core.formats import format_bound, narrower_than_float32
 from ..core.pow2 import is_static, pow2_reciprocal, pow2_round_down, pow2_sqrt_even
 from ..core.scaled_array import SCALE_DTYPE
 from .common import (
@@ -257,7 +257,7 @@ def _aligned(prim, *, scaled_out: bool = True):
 
 
 def _at_format_max(bound: Any) -> bool:
-    return is_static(bound) and np.ndim(bound) == 0 and abs(float(bound)) in FORMAT_MAXIMA
+    return format_bound(bound) is not None
 
 
 def _clipping(prim):

@@ -82,6 +82,14 @@ def _op_steps(cells: _Cells | _Dense, op: int, mask: np.ndarray) -> np.ndarray:
     return cells.step[a:b][np.asarray(mask)[a:b]]
 
 
+def _dropped(
+    cells: _Cells | _Dense, op: int, mask: np.ndarray, outputs: np.ndarray, finite_out: np.ndarray
+) -> bool:
+    """Whether ``op`` (not an output) holds NaN/inf (``mask``) only at recorded steps
+    whose outputs are all finite: something downstream discards it."""
+    return op not in outputs and bool(np.isin(_op_steps(cells, op, mask), finite_out).all())
+
+
 def _nonfinite_findings(
     cells: _Cells | _Dense,
     thresholds: Thresholds,
@@ -104,14 +112,12 @@ def _nonfinite_findings(
     over = _compare(values, "gt", thresholds.nonfinite)
     held = filled.copy()
     for g in np.flatnonzero(filled):
-        op = int(cells.ids[g])
-        held[g] = op not in outputs and bool(np.isin(_op_steps(cells, op, over), finite_out).all())
+        held[g] = _dropped(cells, int(cells.ids[g]), over, outputs, finite_out)
     kept = ~cells.per_op(_mask_groups(cells, values, need, held))
     bad = over & kept
     guarded = np.zeros(0, np.int64) if guarded is None else np.asarray(guarded, np.int64)
-    for op in np.intersect1d(guarded, cells.ids):
-        steps = _op_steps(cells, int(op), bad)
-        if len(steps) and op not in outputs and np.isin(steps, finite_out).all():
+    for op in np.intersect1d(guarded, cells.ids).tolist():
+        if _op_steps(cells, op, bad).size and _dropped(cells, op, bad, outputs, finite_out):
             bad = bad & ~cells.rows_of(np.asarray([op]))
     hits = _hits(cells, values, bad, "max")
     if not hits.op:
@@ -131,7 +137,7 @@ def _nonfinite_findings(
             )
         # dropped downstream: at every step it holds NaN/inf, the step's outputs are
         # finite (a where/select discards it: a warm-up branch at step 0, an empty segment)
-        contained = op not in outputs and bool(np.isin(_op_steps(cells, op, bad), finite_out).all())
+        contained = _dropped(cells, op, bad, outputs, finite_out)
         if contained:
             tail += (
                 "; dropped downstream: the step's outputs (parameters, optimizer state, "
