@@ -322,7 +322,8 @@ def unjudged_if_unrecorded(v: Verdict, reader: Any, loss: pd.Series | None = Non
     if v.status == "healthy" and not v.trend and (said := loss_trend_text(loss)):
         v = dataclasses.replace(v, trend=said)
     if steps is not None and len(steps) and not v.coverage:
-        coverage = coverage_text(reader)
+        said = [coverage_text(reader), unrecorded_text(getattr(reader, "unrecorded_calls", None))]
+        coverage = "; ".join(s for s in said if s)
         return dataclasses.replace(v, coverage=coverage) if coverage else v
     if steps is None or len(steps) or v.unjudged:
         return v
@@ -400,6 +401,19 @@ def coverage_text(reader: Any) -> str:
     total = len(table)
     done = int(table["last_measured"].notna().sum()) if total else 0
     return f"{done} of {total} ops measured so far" if 0 < total and done < total else ""
+
+
+def unrecorded_text(unrecorded: dict[str, int] | None) -> str:
+    """``"29 calls from step 1 traced another graph and ran unrecorded"`` when some calls
+    of the tracked step ran unrecorded (`RunReader.unrecorded_calls`), else "": a verdict
+    on one recorded call of thirty must say what it did not see."""
+    if not unrecorded or not unrecorded.get("count"):
+        return ""
+    n = int(unrecorded["count"])
+    return (
+        f"{n:,} call{'s' if n != 1 else ''} from step {int(unrecorded.get('first_step', 0)):,} "
+        "traced another graph and ran unrecorded"
+    )
 
 
 def format_whatif_run(
