@@ -410,3 +410,46 @@ def test_a_gradient_taken_inside_a_body_keeps_the_models_lines():
         table = ss.instrument(fn, scalify=False).op_table(p, x)
         got = {r.source for r in table if r.primitive in ("tanh", "dot_general")}
         assert got == {line}, (name, got)
+
+
+def _relu_model(p, x):
+    return jax.nn.relu(x @ p["w"]).sum()
+
+
+def test_a_custom_jvp_differentiated_inside_a_body_keeps_the_models_line(tmp_path):
+    """``jax.nn.relu`` is a custom JVP: differentiated under a ``jax.grad`` inside a jit
+    body (``nnx.jit``, or any jit the step calls), its ops are traced past JAX's
+    custom-derivative machinery, live, and the model's line lies beyond it (they were
+    placed at the jit's call line, which for a tracked ``nnx.jit`` step was scalescope's
+    own wrapper in store/stateful.py)."""
+    import optax
+    from flax import nnx
+
+    line = f"{__file__}:{inspect.getsourcelines(_relu_model)[1] + 1}"
+    jitted = jax.jit(jax.grad(_relu_model))
+    p, x = {"w": jnp.ones((4, 4))}, jnp.ones((2, 4))
+    table = ss.instrument(lambda p, x: jitted(p, x), scalify=False).op_table(p, x)
+    got = {r.source for r in table if r.primitive in ("max", "gt", "select_n")}
+    assert got == {line}, got
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return jax.nn.relu(self.lin(x))
+
+    model = Model(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x):
+        opt.update(model, nnx.grad(lambda m: m(x).sum())(model))
+
+    with ss.Run(tmp_path / "run") as run:
+        run.track(step, scalify=False)(model, opt, x)
+    ops = ss.open_run(tmp_path / "run").ops
+    call = f"{__file__}:{inspect.getsourcelines(Model.__call__)[1] + 1}"
+    relu = ops[ops["primitive"].isin(["max", "gt", "select_n"])]
+    assert len(relu) and set(relu["source"]) == {call}, relu[["name", "source"]]
+    assert not ops["source"].str.contains("scalescope").any()

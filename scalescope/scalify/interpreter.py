@@ -108,6 +108,10 @@ class Context:
     where: str = UNKNOWN  # the user's line of the enclosing call, for equations without one
     #: (file, function) of the frames the enclosing calls were traced from (`body_source`)
     callers: frozenset = frozenset()
+    #: inside the body of a custom derivative (`custom_jvp_call`, `custom_vjp_call`): JAX
+    #: traced it once and reuses it, frames and all, so frames past its machinery are
+    #: another call's (`body_source`)
+    in_custom: bool = False
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         return eval_jaxpr(self, jaxpr, consts, args)
@@ -122,17 +126,19 @@ class Context:
         helpers such as ``jnp.where``) are placed at ``eqn``'s line (`where`)."""
         where = self.source(eqn)
         callers = self.callers | caller_functions(eqn.source_info)
+        custom = self.in_custom or eqn.primitive.name.startswith("custom_")
+        moved = {"where": where, "callers": callers, "in_custom": custom}
         if self.observer is None:
-            return dataclasses.replace(self, where=where, callers=callers)
+            return dataclasses.replace(self, **moved)
         observer = None if kind == "silent" else self.observer.nested(eqn, kind)
-        return dataclasses.replace(self, observer=observer, where=where, callers=callers)
+        return dataclasses.replace(self, observer=observer, **moved)
 
     def source(self, eqn: Any) -> str:
         """``file:line`` of ``eqn`` in the user's code; in a body, its line inside the
         body, else the enclosing call's (`source.body_source`)."""
         if self.where == UNKNOWN:
             return format_source(eqn.source_info)
-        return body_source(eqn.source_info, self.where, self.callers)
+        return body_source(eqn.source_info, self.where, self.callers, custom=self.in_custom)
 
     def body_outputs(self) -> Any:
         return () if self.observer is None else self.observer.body_outputs()

@@ -15,6 +15,7 @@ _INTERNAL_PARTS = (
     f"{os.sep}scalescope{os.sep}core{os.sep}",
     f"{os.sep}scalescope{os.sep}ops{os.sep}",
     f"{os.sep}scalescope{os.sep}probe{os.sep}",
+    f"{os.sep}scalescope{os.sep}store{os.sep}",
     f"{os.sep}contextlib.py",
     f"{os.sep}functools.py",
 )
@@ -147,7 +148,11 @@ def caller_functions(source_info: Any) -> frozenset[tuple[str, str]]:
 
 
 def body_source(
-    source_info: Any, enclosing: str, callers: frozenset[tuple[str, str]] = frozenset()
+    source_info: Any,
+    enclosing: str,
+    callers: frozenset[tuple[str, str]] = frozenset(),
+    *,
+    custom: bool = True,
 ) -> str:
     """``file:line`` of an equation of a body (of a jit, a loop, a custom derivative)
     called from the user's line ``enclosing``, by functions ``callers``
@@ -156,10 +161,13 @@ def body_source(
     it traced for later calls with the same types, frames and all, so such a frame is
     another call's (the second layer's gradient got the first layer's line); then, or
     when the equation has library frames only (flax, optax) before JAX's custom
-    derivative machinery, ``enclosing``."""
+    derivative machinery, ``enclosing``. ``custom``: the body is (inside) a custom
+    derivative's, whose frames past that machinery are another call's; elsewhere they are
+    the live trace's (`jax.nn.relu`'s derivative, traced under a `jax.grad` inside the
+    body, reaches the model's line only past it)."""
     for frame in _frames(source_info):
         path = frame.file_name
-        if path.endswith(_CUSTOM_DERIVATIVES):
+        if custom and path.endswith(_CUSTOM_DERIVATIVES):
             break
         if any(part in path for part in _INTERNAL_PARTS) or _library(path):
             continue
