@@ -288,3 +288,37 @@ def test_a_padding_mask_whose_share_follows_the_batch_is_no_finding(tmp_path):
     ops, found = reader.ops, reader.advise()
     assert ops["origin"].eq("fill").any()
     assert not (found["rule"] == "nonfinite").any(), found
+
+
+def test_the_fix_of_a_self_scaled_cast_follows_its_recorded_abs_max(tmp_path):
+    """A fixed calibration range (qwix's ``fixed,-4,4``: a scale of 4/448) on values a
+    million times smaller underflows E4M3 because the code's scale is too large for
+    them: the fix names that scale and the abs-max it leaves (NumPy's ratio), not a
+    format or recipe with the claim that the scale already fits. A range too small
+    clips, and the SNR finding's fix says so."""
+
+    def step(w, x, s):
+        q = _fake_quant(x, s)
+        return w - 0.01 * jax.grad(lambda w: jnp.mean((q @ w) ** 2))(w)
+
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((32, 16)).astype(np.float32)
+    cases = {
+        "small": (base * 1e-6, np.float32(4.0 / E4M3_MAX)),
+        "large": (base * 8.0, np.float32(4.0 / E4M3_MAX)),
+    }
+    for name, (x, s) in cases.items():
+        with ss.Run(tmp_path / name) as run:
+            tracked, w = run.track(step, scalify=False), jnp.ones((16, 4)) * 0.1
+            for _ in range(3):
+                w = tracked(w, jnp.asarray(x), s)
+        found = ss.open_run(tmp_path / name).advise()
+        peak = float(np.max(np.abs(x / s))) / E4M3_MAX  # what the code's scale leaves
+        if name == "small":
+            (fix,) = set(found[found["rule"] == "underflow"]["fix"])
+            assert "does not fit the value" in fix and "already" not in fix, fix
+            assert f"abs-max at {peak:.2g}x e4m3's max: too large a scale" in fix, (fix, peak)
+        else:
+            snr = found[found["rule"] == "snr"]
+            assert len(snr), found[["rule", "format", "fix"]]
+            assert all(f"it clips: the value's abs-max is {peak:.3g}x" in f for f in snr["fix"])

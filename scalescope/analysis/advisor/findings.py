@@ -399,6 +399,11 @@ def _finish(
             and cells is not None
             and _too_wide(cells, op_ids[i], int(at[i]), _format_info(fmt, meta)) is not None
         )
+        peak = math.nan
+        if op.get("origin") == "scaled_cast" and cells is not None and "absmax" in cells.cols:
+            limit = _format_info(fmt, meta).get("max") if fmt and not pd.isna(at[i]) else None
+            if limit:
+                peak = cells.at("absmax", op_ids[i], int(at[i])) / float(limit)
         origin = None
         if rule == "nonfinite" and origin_of[i] is not None and not pd.isna(origin_of[i]):
             origin = by_op.get(int(origin_of[i]))
@@ -418,6 +423,7 @@ def _finish(
                 recorded=recorded,
                 too_wide=too_wide,
                 headroom=headroom,
+                peak=peak,
             )
         )
     found["fix"] = fixes

@@ -163,6 +163,7 @@ def fix_line(
     recorded: Sequence[str] = (),
     too_wide: bool = False,
     headroom: float = math.inf,
+    peak: float = math.nan,
 ) -> str:
     """The one-line fix for a ``rule`` finding on ``op`` (a row of the op table with a
     ``label``), naming the op's source line.
@@ -186,7 +187,8 @@ def fix_line(
     earliest op with NaN/inf (``origin`` None) gets ``jax_debug_nans``, or, in the
     optimizer in a low-precision dtype, fp32 optimizer arithmetic; a later one
     (``origin``: the earliest op's row) points to it. A finding on a block-scaled recipe
-    ``fmt`` names the recipe that would do better."""
+    ``fmt`` names the recipe that would do better. ``peak``: a self-scaled cast's abs-max
+    over its format's max where the finding is worst (`_self_scaled_fix`)."""
     where = _where(op)
     if rule == "nonfinite":
         if origin is not None and origin["label"] != op["label"]:
@@ -214,7 +216,7 @@ def fix_line(
             better = "bf16"
         return f"{what} than {fmt} at {where}, e.g. {better}"
     if op.get("origin") == "scaled_cast":
-        return _self_scaled_fix(where, fmt, rule, recipe)
+        return _self_scaled_fix(where, fmt, rule, recipe, peak)
     if rule == "underflow" and too_wide:
         other = _MORE_RANGE.get(fmt, "fp32")
         block = recipe or DEFAULT_RECIPE
@@ -246,28 +248,48 @@ def fix_line(
     return _rescale(op, "l2")
 
 
-def _self_scaled_fix(where: str, fmt: str, rule: str, recipe: str | None) -> str:
+#: A self-scaled value whose abs-max sits this far under its format's max (4 binades) was
+#: put there by a scale too large for it (a stale or fixed calibration range), not by a
+#: scale that fits.
+_SCALE_TOO_LARGE = 2.0**-4
+
+
+def _self_scaled_fix(
+    where: str, fmt: str, rule: str, recipe: str | None, peak: float = math.nan
+) -> str:
     """The fix for a format finding on code that scales into ``fmt`` itself (a clip at
     its max, then the cast: Flax's ``fp8_ops``, qwix, AQT): its own scale is the lever,
-    not scalify (which holds such a value as the code wrote it) nor a rescale."""
+    not scalify (which holds such a value as the code wrote it) nor a rescale. ``peak``:
+    the value's abs-max over the format's max where the finding is worst (NaN: not
+    recorded). Above 1 the code clips, so an SNR loss is the clip's; under
+    `_SCALE_TOO_LARGE` the code's scale is too large for the value; only in between is a
+    format or recipe the lever."""
     fmt = fmt or "its format"
+    scale = (
+        f"the scale the code divides by before its clip and {fmt} cast does not fit the "
+        "value: take it from this step's amax (current scaling); with delayed scaling, a "
+        "shorter amax history (algo='most_recent'); with a static or fixed-range scale, a "
+        f"calibration that covers the data, at {where}"
+    )
     if rule == "overflow":
+        return scale
+    if rule == "snr" and peak > 1.0:
+        return f"{scale}  # it clips: the value's abs-max is {peak:.3g}x {fmt}'s max"
+    if peak < _SCALE_TOO_LARGE:
         return (
-            f"the scale the code divides by before its clip and {fmt} cast lags the value: "
-            "a shorter amax history or algo='most_recent', or current scaling (the scale "
-            f"from this step's amax), at {where}"
+            f"{scale}  # the code's scale puts the value's abs-max at {peak:.2g}x {fmt}'s "
+            "max: too large a scale for it"
         )
-    block = recipe or DEFAULT_RECIPE
+    known = math.isfinite(peak)
+    why = f"  # the code's own scale puts the value's abs-max at {peak:.2g}x {fmt}'s max"
+    why = why if known else ""
     if rule == "underflow":
+        block = recipe or DEFAULT_RECIPE
         return (
             f"a block-scaled recipe ({block}: a scale per block) or a format with more "
-            f"range ({_MORE_RANGE.get(fmt, 'fp32')}) at {where}  # the code's own scale "
-            f"already puts the value's abs-max at {fmt}'s max"
+            f"range ({_MORE_RANGE.get(fmt, 'fp32')}) at {where}{why}"
         )
-    return (
-        f"a format with more mantissa ({_MORE_MANTISSA.get(fmt, 'fp32')}) at {where}  # "
-        f"the code's own scale already puts the value's abs-max at {fmt}'s max"
-    )
+    return f"a format with more mantissa ({_MORE_MANTISSA.get(fmt, 'fp32')}) at {where}{why}"
 
 
 def delayed_fix_line(op: Mapping[str, Any], history: int, scalified: bool) -> str:
