@@ -628,3 +628,25 @@ def test_sunk_fp16_gradients_are_offered_the_loss_scale_that_trains(tmp_path):
     gap = lambda run: abs(run[-1] - fp32[-1]) / fp32[-1]  # noqa: E731
     assert gap(plain) > 0.05 and gap(scaled) < 0.02, (plain[-1], scaled[-1], fp32[-1])
     assert view2.verdict().status == "healthy", view2.verdict()
+
+
+def test_a_run_at_risk_whose_loss_diverged_has_failed():
+    """A high cause puts a run at risk; beside a logged loss that went up and stayed up
+    (qwix's static activation scale overrun from step 10: 83 % clipped, the loss from
+    2.0 to 660) the run has failed, from the step the loss passed twice its first value,
+    and the first reason says so. A falling loss, or a spike it recovered from, leaves
+    it at risk; a divergence with no precision cause stays healthy, with the note."""
+    findings = _findings([(0.8, 20.0)])  # high, part of the value left
+    steps = np.arange(30)
+    diverged = pd.Series(np.where(steps < 10, 2.0 - 0.01 * steps, 600.0), index=steps, name="loss")
+    v = A.verdict(findings, diverged)
+    assert v.status == "failing" and v.step == 10, v
+    assert v.reasons[0].cause == "the loss diverged" and v.reasons[0].severity == "critical"
+    assert "2 at step 0" in v.reasons[0].evidence
+    assert v.reasons[1].cause == "e5m2 underflow in 1 bwd op of m0"
+    falling = pd.Series(2.0 - 0.01 * steps, index=steps, name="loss")
+    spike = falling.copy()
+    spike[12] = 40.0
+    for loss in (falling, spike, None):
+        assert A.verdict(findings, loss).status == "at risk"
+    assert A.verdict(_findings([(0.59, 20.0)]), diverged).status == "healthy"

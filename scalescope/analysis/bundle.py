@@ -28,7 +28,14 @@ from .masks import fill_ops, mask_ops
 from .measured import measurement_notes
 from .policies import predict_policy, recommend_policy
 from .thresholds import Thresholds
-from .verdict import Verdict, first_nonfinite, logged_loss, verdict
+from .verdict import (  # noqa: F401  (TREND_MIN_VALUES: read here before)
+    TREND_MIN_VALUES,
+    Verdict,
+    first_nonfinite,
+    logged_loss,
+    loss_trend_text,
+    verdict,
+)
 from .whatif import format_whatif
 
 
@@ -349,35 +356,6 @@ def incident_text(reader: Any) -> str:
     n = len(frame)
     what = f" ({triggers})" if triggers else ""
     return f"{n} incident{'s' if n != 1 else ''}{what}, no precision cause found"
-
-
-#: fewest finite logged loss values a trend is read from
-TREND_MIN_VALUES = 10
-
-
-def loss_trend_text(loss: pd.Series | None) -> str:
-    """``"the logged loss diverged: 4.56 at step 0, peak 288 at step 2, 7.49 at the
-    end"`` when ``loss`` (logged values indexed by step) went up rather than down: its
-    end (the median of its last 5 %, at least 3 values) above twice its first value,
-    or a peak above ten times it; else "". A verdict reads precision, and a run that
-    diverges for another reason (a learning rate too high) has no precision finding:
-    its "healthy" must not read as if training were. Read only from at least
-    `TREND_MIN_VALUES` finite values, all positive (a loss that can be negative, an RL
-    objective, has no such scale)."""
-    if loss is None or not len(loss):
-        return ""
-    values = pd.to_numeric(loss, errors="coerce").to_numpy(np.float64)
-    keep = np.isfinite(values)
-    values, steps = values[keep], np.asarray(loss.index)[keep]
-    if len(values) < TREND_MIN_VALUES or not (values > 0).all():
-        return ""
-    first = values[0]
-    end = float(np.median(values[-max(3, len(values) // 20) :]))
-    peak = int(np.argmax(values[1:])) + 1
-    if end <= 2 * first and values[peak] <= 10 * first:
-        return ""
-    top = f", peak {values[peak]:.3g} at step {steps[peak]}" if values[peak] > 2 * end else ""
-    return f"the logged loss diverged: {first:.3g} at step {steps[0]}{top}, {end:.3g} at the end"
 
 
 def nonfinite_loss_text(loss: pd.Series | None) -> str:

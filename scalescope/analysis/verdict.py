@@ -4,12 +4,15 @@
 
 - **failing**: the loss turned NaN/inf, or a cause is critical (NaN/inf in a value, a
   plain cast overflowing into inf/NaN), or a high cause loses nearly all of its value
-  (impact from `VerdictThresholds.failing_impact`, 90 %);
+  (impact from `VerdictThresholds.failing_impact`, 90 %), or a high cause beside a
+  logged loss that diverged (`loss_trend_text`: qwix's static activation scale overrun,
+  83 % clipped and the loss from 2.0 to 660, read "at risk" before);
 - **at risk**: any other high cause;
 - **healthy**: nothing above: medium and low findings are warnings.
 
 The step where it turned is the first recorded step of the causes that decide the
-status (for a NaN loss, the first logged step with one). The severities and the impact
+status (for a NaN loss, the first logged step with one; for a diverged one, the first
+step above twice its first value). The severities and the impact
 threshold are set from the labelled corpus of `benchmarks/bench_verdicts.py`
 (docs/advisor.md holds its table).
 """
@@ -193,6 +196,49 @@ def logged_loss(scalar_rows: pd.DataFrame, name: str = "loss") -> pd.Series:
     return pd.Series(rows["value"].to_numpy(np.float64), index=rows["step"].to_numpy(), name=name)
 
 
+#: fewest finite logged loss values a trend is read from
+TREND_MIN_VALUES = 10
+
+
+def loss_trend_text(loss: pd.Series | None) -> str:
+    """``"the logged loss diverged: 4.56 at step 0, peak 288 at step 2, 7.49 at the
+    end"`` when ``loss`` (logged values indexed by step) went up rather than down: its
+    end (the median of its last 5 %, at least 3 values) above twice its first value,
+    or a peak above ten times it; else "". A verdict reads precision, and a run that
+    diverges for another reason (a learning rate too high) has no precision finding:
+    its "healthy" must not read as if training were. Read only from at least
+    `TREND_MIN_VALUES` finite values, all positive (a loss that can be negative, an RL
+    objective, has no such scale)."""
+    if loss is None or not len(loss):
+        return ""
+    values = pd.to_numeric(loss, errors="coerce").to_numpy(np.float64)
+    keep = np.isfinite(values)
+    values, steps = values[keep], np.asarray(loss.index)[keep]
+    if len(values) < TREND_MIN_VALUES or not (values > 0).all():
+        return ""
+    first = values[0]
+    end = float(np.median(values[-max(3, len(values) // 20) :]))
+    peak = int(np.argmax(values[1:])) + 1
+    if end <= 2 * first and values[peak] <= 10 * first:
+        return ""
+    top = f", peak {values[peak]:.3g} at step {steps[peak]}" if values[peak] > 2 * end else ""
+    return f"the logged loss diverged: {first:.3g} at step {steps[0]}{top}, {end:.3g} at the end"
+
+
+def divergence_step(loss: pd.Series | None) -> int | None:
+    """The first logged step whose loss is above twice the first finite value, when
+    `loss_trend_text` reads a divergence that lasted (the end above twice the first
+    value: a spike the run recovered from is no failure); else None."""
+    if not loss_trend_text(loss):
+        return None
+    values = pd.to_numeric(loss, errors="coerce").to_numpy(np.float64)
+    keep = np.isfinite(values)
+    values, steps = values[keep], np.asarray(loss.index)[keep]
+    end = float(np.median(values[-max(3, len(values) // 20) :]))
+    above = np.flatnonzero(values > 2 * values[0])
+    return int(steps[above[0]]) if end > 2 * values[0] and len(above) else None
+
+
 def _status_of(row: Mapping[str, Any], thresholds: VerdictThresholds) -> int:
     severity, impact = row["severity"], row["impact"]
     impact = -1.0 if impact is None or not math.isfinite(float(impact)) else float(impact)
@@ -224,6 +270,10 @@ def verdict(
     step: int | None = None
     nan_step = first_nonfinite(loss)
     if nan_step is not None:
+        status = 2
+    # a run at risk whose loss diverged has failed: the outcome, not a threshold, says so
+    diverged = divergence_step(loss) if status == 1 else None
+    if diverged is not None:
         status = 2
     deciding = [i for i, lv in enumerate(levels) if lv == status and lv > 0]
     # the earliest cause first, in time then program order: a cast overflowing into NaN
@@ -258,6 +308,22 @@ def verdict(
             )
         )
         step = nan_step
+    if diverged is not None:
+        name = loss.name or "loss"
+        first = table.iloc[shown[0]]
+        picked.append(
+            Reason(
+                cause=f"the {name} diverged",
+                severity="critical",
+                impact=math.nan,
+                op=str(first["label"]),
+                source=str(first["source"]),
+                step=diverged,
+                fix=f"it follows the next reason, {first['cause']}: fix that first",
+                evidence=loss_trend_text(loss),
+            )
+        )
+        step = diverged
     for i in shown[: max(reasons - len(picked), 0)]:
         r = table.iloc[i]
         picked.append(
