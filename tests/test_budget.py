@@ -320,11 +320,13 @@ def test_train_cli_budget(tmp_path, capsys):
     run = tmp_path / "gpt"
     # fp32: the CLI's budget is what is tested here; a budgeted FP8 GPT under scalify runs
     # in the bench_run and GPU suite smoke tests (its two programs compile ~20x longer)
-    # 160 steps: under load (two test workers and more) 80 recorded 1 to 4 steps, as the
-    # flight recorder's check, a program of its own after each step on CPU, is paid from
-    # the budget first and a tiny step's check is a large share of it
+    # 160 steps of a step large enough that the flight recorder's check (a program of
+    # its own after each step on CPU, paid from the budget first) is a small share of it:
+    # at d=16, seq 8, batch 2 it recorded 12 steps on a quiet machine, 1 to 4 under load
+    # (three busy loops on two cores: 3); at d=64, seq 32, batch 8, 21 and 12, in the
+    # same time (13.6 s)
     argv = ["train", "gpt", "--precision", "fp32", "--steps", "160", "--budget", "0.5"]
-    argv += ["--layers", "1", "--d-model", "16", "--seq-len", "8", "--batch", "2"]
+    argv += ["--layers", "1", "--d-model", "64", "--seq-len", "32", "--batch", "8"]
     argv += ["--data", "vendored", "--every", "1", "--run", str(run), "--quiet"]
     assert main(argv) == 0
     reader = ss.open_run(run)
