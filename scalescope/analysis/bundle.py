@@ -25,17 +25,10 @@ from .advisor import advise
 from .causes import causes
 from .frames import op_labels, op_table, recorded_formats, recorded_recipes
 from .masks import fill_ops, mask_ops
-from .measured import measurement_notes
+from .measured import measurement_notes, unrecorded_text
 from .policies import predict_policy, recommend_policy
 from .thresholds import Thresholds
-from .verdict import (  # noqa: F401  (TREND_MIN_VALUES: read here before)
-    TREND_MIN_VALUES,
-    Verdict,
-    first_nonfinite,
-    logged_loss,
-    loss_trend_text,
-    verdict,
-)
+from .verdict import Verdict, first_nonfinite, logged_loss, loss_trend_text, verdict
 from .whatif import format_whatif
 
 
@@ -379,19 +372,6 @@ def coverage_text(reader: Any) -> str:
     total = len(table)
     done = int(table["last_measured"].notna().sum()) if total else 0
     return f"{done} of {total} ops measured so far" if 0 < total and done < total else ""
-
-
-def unrecorded_text(unrecorded: dict[str, int] | None) -> str:
-    """``"29 calls from step 1 traced another graph and ran unrecorded"`` when some calls
-    of the tracked step ran unrecorded (`RunReader.unrecorded_calls`), else "": a verdict
-    on one recorded call of thirty must say what it did not see."""
-    if not unrecorded or not unrecorded.get("count"):
-        return ""
-    n = int(unrecorded["count"])
-    return (
-        f"{n:,} call{'s' if n != 1 else ''} from step {int(unrecorded.get('first_step', 0)):,} "
-        "traced another graph and ran unrecorded"
-    )
 
 
 def format_whatif_run(

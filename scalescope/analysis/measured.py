@@ -32,17 +32,35 @@ def budget_note(budget: float | None, period: float | None = None) -> str:
     return head + how
 
 
+def _unrecorded(unrecorded: dict[str, int] | None) -> tuple[int, int] | None:
+    """(calls, first step) of a run's `RunReader.unrecorded_calls`, None when none."""
+    if not unrecorded or not unrecorded.get("count"):
+        return None
+    return int(unrecorded["count"]), int(unrecorded.get("first_step", 0))
+
+
 def unrecorded_note(unrecorded: dict[str, int] | None) -> str:
     """The note for a run some of whose calls traced another graph and ran unrecorded
     ("" when none did): its figures and verdict cover the recorded graph's steps only."""
-    if not unrecorded or not unrecorded.get("count"):
+    if (said := _unrecorded(unrecorded)) is None:
         return ""
-    n = int(unrecorded["count"])
+    n, first = said
     return (
         f"{n:,} call{'s' if n != 1 else ''} of the tracked step (the first at step "
-        f"{int(unrecorded.get('first_step', 0)):,}) traced another graph than the run's "
+        f"{first:,}) traced another graph than the run's "
         "and ran unrecorded and unchecked: figures and verdict cover the other steps only"
     )
+
+
+def unrecorded_text(unrecorded: dict[str, int] | None) -> str:
+    """`unrecorded_note` as a clause of a healthy headline, ``"29 calls from step 1
+    traced another graph and ran unrecorded"`` ("" when none did): a verdict on one
+    recorded call of thirty must say what it did not see."""
+    if (said := _unrecorded(unrecorded)) is None:
+        return ""
+    n, first = said
+    calls = f"{n:,} call{'s' if n != 1 else ''}"
+    return f"{calls} from step {first:,} traced another graph and ran unrecorded"
 
 
 def ended_note(ended_by: str) -> str:

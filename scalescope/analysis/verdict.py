@@ -200,24 +200,33 @@ def logged_loss(scalar_rows: pd.DataFrame, name: str = "loss") -> pd.Series:
 TREND_MIN_VALUES = 10
 
 
-def loss_trend_text(loss: pd.Series | None) -> str:
-    """``"the logged loss diverged: 4.56 at step 0, peak 288 at step 2, 7.49 at the
-    end"`` when ``loss`` (logged values indexed by step) went up rather than down: its
-    end (the median of its last 5 %, at least 3 values) above twice its first value,
-    or a peak above ten times it; else "". A verdict reads precision, and a run that
-    diverges for another reason (a learning rate too high) has no precision finding:
-    its "healthy" must not read as if training were. Read only from at least
-    `TREND_MIN_VALUES` finite values, all positive (a loss that can be negative, an RL
-    objective, has no such scale)."""
+def _trend_values(loss: pd.Series | None) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """The finite values of ``loss``, their steps and its end (the median of its last
+    5 %, at least 3 values), when a trend can be read from them: at least
+    `TREND_MIN_VALUES`, all positive (a loss that can be negative, an RL objective, has
+    no such scale); else None."""
     if loss is None or not len(loss):
-        return ""
+        return None
     values = pd.to_numeric(loss, errors="coerce").to_numpy(np.float64)
     keep = np.isfinite(values)
     values, steps = values[keep], np.asarray(loss.index)[keep]
     if len(values) < TREND_MIN_VALUES or not (values > 0).all():
+        return None
+    return values, steps, float(np.median(values[-max(3, len(values) // 20) :]))
+
+
+def loss_trend_text(loss: pd.Series | None) -> str:
+    """``"the logged loss diverged: 4.56 at step 0, peak 288 at step 2, 7.49 at the
+    end"`` when ``loss`` (logged values indexed by step) went up rather than down: its
+    end above twice its first value, or a peak above ten times it (`_trend_values`);
+    else "". A verdict reads precision, and a run that diverges for another reason (a
+    learning rate too high) has no precision finding: its "healthy" must not read as if
+    training were."""
+    read = _trend_values(loss)
+    if read is None:
         return ""
+    values, steps, end = read
     first = values[0]
-    end = float(np.median(values[-max(3, len(values) // 20) :]))
     peak = int(np.argmax(values[1:])) + 1
     if end <= 2 * first and values[peak] <= 10 * first:
         return ""
@@ -226,17 +235,14 @@ def loss_trend_text(loss: pd.Series | None) -> str:
 
 
 def divergence_step(loss: pd.Series | None) -> int | None:
-    """The first logged step whose loss is above twice the first finite value, when
-    `loss_trend_text` reads a divergence that lasted (the end above twice the first
-    value: a spike the run recovered from is no failure); else None."""
-    if not loss_trend_text(loss):
+    """The first logged step whose loss is above twice the first value, when the
+    divergence lasted (its end above twice the first value, `_trend_values`: a spike the
+    run recovered from is no failure); else None."""
+    read = _trend_values(loss)
+    if read is None or not read[2] > 2 * read[0][0]:
         return None
-    values = pd.to_numeric(loss, errors="coerce").to_numpy(np.float64)
-    keep = np.isfinite(values)
-    values, steps = values[keep], np.asarray(loss.index)[keep]
-    end = float(np.median(values[-max(3, len(values) // 20) :]))
-    above = np.flatnonzero(values > 2 * values[0])
-    return int(steps[above[0]]) if end > 2 * values[0] and len(above) else None
+    values, steps, _ = read
+    return int(steps[np.flatnonzero(values > 2 * values[0])[0]])
 
 
 def _status_of(row: Mapping[str, Any], thresholds: VerdictThresholds) -> int:
