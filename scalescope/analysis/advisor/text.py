@@ -280,9 +280,11 @@ def _self_scaled_fix(
             f"{scale}  # the code's scale puts the value's abs-max at {peak:.2g}x {fmt}'s "
             "max: too large a scale for it"
         )
-    known = math.isfinite(peak)
-    why = f"  # the code's own scale puts the value's abs-max at {peak:.2g}x {fmt}'s max"
-    why = why if known else ""
+    why = (
+        f"  # the code's own scale puts the value's abs-max at {peak:.2g}x {fmt}'s max"
+        if math.isfinite(peak)
+        else ""
+    )
     if rule == "underflow":
         block = recipe or DEFAULT_RECIPE
         return (
