@@ -453,3 +453,43 @@ def test_a_custom_jvp_differentiated_inside_a_body_keeps_the_models_line(tmp_pat
     relu = ops[ops["primitive"].isin(["max", "gt", "select_n"])]
     assert len(relu) and set(relu["source"]) == {call}, relu[["name", "source"]]
     assert not ops["source"].str.contains("scalescope").any()
+
+
+def _dp_loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_the_gradients_all_reduce_is_the_backward_pass(check_vma):
+    """Data parallelism's ``lax.pmean`` (or ``psum``) of the gradients finishes the
+    backward pass: its collective and pmean's division are ``bwd``; the update that reads
+    them is ``opt``, the loss's pmean ``fwd``; a collective inside the optimizer's own
+    scope stays there."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+
+    def local(w, x):
+        loss, g = jax.value_and_grad(_dp_loss)(w, x)
+        g = jax.lax.pmean(g, "batch")
+        loss = jax.lax.pmean(loss, "batch")
+        g2 = jax.lax.psum(g * g, "batch")  # computed from the all-reduced gradients
+        return w - 0.1 * g - 0.01 * g2, loss
+
+    step = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P("batch")), out_specs=(P(), P()), check_vma=check_vma
+    )
+    w, x = jnp.full((8, 4), 0.1), jnp.ones((4, 8))
+    ops = [r for r in ss.instrument(step, scalify=False).op_table(w, x) if r.pass_ != "input"]
+    by_pass = {}
+    for r in ops:
+        by_pass.setdefault(r.pass_, []).append(r.primitive)
+    # the gradients' pmean ends the backward pass: its collective, then its division
+    assert by_pass["bwd"][-2:] in (["psum", "div"], ["psum_invariant", "div"]), by_pass
+    assert "div" not in by_pass["opt"], by_pass
+    # the loss's pmean in fwd; the update, and the psum of the squared (updated)
+    # gradients it reads, in opt
+    assert {"psum", "psum_invariant"} & set(by_pass["fwd"]), by_pass
+    assert {"mul", "sub"} <= set(by_pass["opt"]), by_pass
+    assert {"psum", "psum_invariant"} & set(by_pass["opt"]), by_pass

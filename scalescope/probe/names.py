@@ -10,12 +10,32 @@ without repeating the common part.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _WRAPPED = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)$")
 
 #: Top-level scopes that name a pass of their own (``with jax.named_scope("opt"):``).
 PASS_SCOPES = ("opt",)
+
+#: Primitives that reduce or move a value across devices. Applied to gradients as the
+#: backward pass leaves them (data parallelism's all-reduce, `lax.pmean` of the grads),
+#: they finish the backward pass rather than start the update (`gradient_comm`).
+COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "pvary",
+        "pbroadcast",
+        "all_gather",
+        "all_gather_invariant",
+        "reduce_scatter",
+        "all_to_all",
+        "ppermute",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -67,17 +87,38 @@ def _split(stack: str) -> list[str]:
 
 
 def pass_of(
-    scope: Scope, after_backward: bool, pass_scopes=PASS_SCOPES, optimizer: bool = False
+    scope: Scope,
+    after_backward: bool,
+    pass_scopes=PASS_SCOPES,
+    optimizer: bool = False,
+    gradient_comm: bool = False,
 ) -> str:
     """``bwd`` under ``transpose``; a pass scope's name (``opt``) for a value under a
     top-level scope of that name; ``opt`` for a value computed from gradients outside
     the backward pass, or by an optimizer library (``optimizer``: optax's moment and
-    weight decays read no gradient); ``fwd`` otherwise."""
+    weight decays read no gradient), but ``bwd`` for the gradients' communication
+    across devices (``gradient_comm``, `gradient_comm`); ``fwd`` otherwise."""
     if "transpose" in scope.transforms:
         return "bwd"
     if scope.path and scope.path[0] in pass_scopes:
         return scope.path[0]
+    if gradient_comm and not optimizer:
+        return "bwd"
     return "opt" if after_backward or optimizer else "fwd"
+
+
+def gradient_comm(primitive: str, passes: Sequence[str], reads: Sequence[str]) -> bool:
+    """Whether an op communicates gradients as the backward pass left them: a collective
+    (`COLLECTIVES`) whose every operand is a ``bwd`` value, or the division of one
+    collective's ``bwd`` output by constants that `lax.pmean` adds.
+
+    ``passes``: the pass of each operand that is not a constant; ``reads``: the
+    primitive of each."""
+    if not passes or any(p != "bwd" for p in passes):
+        return False
+    if primitive in COLLECTIVES:
+        return True
+    return primitive == "div" and len(reads) == 1 and reads[0] in COLLECTIVES
 
 
 def op_name(scope: Scope, primitive: str) -> str:

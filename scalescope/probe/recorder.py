@@ -46,7 +46,7 @@ from ..scalify.registry import get_rule
 from ..scalify.rules_collective import check_vma_of, manual_axes, to_varying, varying_axes
 from ..scalify.source import in_optimizer
 from . import blocking, kernel, native, provenance
-from .names import PASS_SCOPES, Scope, op_name, parse, pass_of
+from .names import PASS_SCOPES, Scope, gradient_comm, op_name, parse, pass_of
 from .optable import OpRecord, OpTable
 
 #: Primitives whose output holds exactly the input's elements (each repeated equally
@@ -607,7 +607,15 @@ class Recorder(Observer):
         )
         scope = self.prefix.join(parse(eqn.source_info.name_stack))
         optimizer = self.optimizer or in_optimizer(eqn.source_info)
-        pass_ = pass_of(scope, grad_in, self.shared.pass_scopes, optimizer)
+        fed = [i.own for i in ins if i is not None and not i.static]
+        comm = (
+            grad_in
+            and all(r is not None for r in fed)
+            and gradient_comm(
+                eqn.primitive.name, [r.pass_ for r in fed], [r.primitive for r in fed]
+            )
+        )
+        pass_ = pass_of(scope, grad_in, self.shared.pass_scopes, optimizer, comm)
         name = op_name(scope, eqn.primitive.name)
         source = ctx.source(eqn)
         if eqn.primitive.name == "convert_element_type" and ins and ins[0] is not None:
