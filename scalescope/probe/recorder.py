@@ -92,6 +92,7 @@ _ELEMENTWISE = ALIAS_PRIMITIVES | {
     "exp2",
     "integer_pow",
     "log",
+    "log2",
     "max",
     "min",
     "mul",
@@ -348,7 +349,7 @@ def _sharded_type(data: Any) -> bool:
 
 #: Primitives infinite where one input (by position) is an exact zero: ``log(0)``,
 #: ``rsqrt(0)``, ``a / 0``, and the poles of ``lgamma``/``digamma``.
-_POLE_AT_ZERO = {"log": 0, "rsqrt": 0, "div": 1, "lgamma": 0, "digamma": 0}
+_POLE_AT_ZERO = {"log": 0, "log2": 0, "rsqrt": 0, "div": 1, "lgamma": 0, "digamma": 0}
 
 
 def pole_at_zero(eqn: Any) -> int | None:

@@ -445,6 +445,9 @@ RULES = {
     "sqrt": scaled_sqrt,
     "rsqrt": scaled_rsqrt,
 }
+# Non-linear primitives of newer JAX releases (JAX 0.11: ``log2``, what ``jnp.log2`` binds,
+# and ``one_minus_square``, 1 - x**2 in the derivatives of tanh, asin, acos and atanh).
+_NON_LINEAR += [name for name in ("log2", "one_minus_square") if hasattr(lax, f"{name}_p")]
 RULES.update({name: on_unscaled(getattr(lax, f"{name}_p")) for name in _NON_LINEAR})
 # Total-order comparisons (``jnp.searchsorted``, ``jnp.interp``): a positive power-of-two
 # scale keeps the order, signed zeros and NaNs included. (The set changes between JAX

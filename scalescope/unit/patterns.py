@@ -258,7 +258,8 @@ def _only_into_a_total(g: _Graph, v: Any, hops: int = 4) -> bool:
 #: (Not slices, transposes or reshapes: two slices of one tensor added are two values.)
 _POINTWISE = {
     "add", "sub", "mul", "div", "neg", "integer_pow", "square", "min", "max", "abs", "sign",
-    "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "sqrt", "rsqrt",
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "logistic", "erf", "sqrt", "rsqrt",
+    "one_minus_square",
     "select_n", "gt", "ge", "lt", "le", "eq", "ne", "convert_element_type", "copy", "copy_p",
     "reduce_precision",
 }  # fmt: skip
