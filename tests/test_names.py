@@ -288,6 +288,30 @@ def test_a_quantisation_librarys_ops_are_placed_at_the_users_line(tmp_path, monk
     assert all("qwix" not in r.source for r in table)
 
 
+def test_an_installed_librarys_ops_are_placed_at_the_users_line(tmp_path, monkeypatch):
+    """Any installed package's frames (Equinox's ``nn.Linear``, Haiku's, a model zoo's)
+    stand for the user's line that called it, not only the libraries named in
+    ``LIBRARIES``: before, an Equinox model's every op, and the verdict's fix, named a
+    line inside ``site-packages/equinox``."""
+    site_dir = tmp_path / "lib" / "site-packages"
+    pkg = site_dir / "zoolayers"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "import jax.numpy as jnp\n\n\ndef dense(w, x):\n    return jnp.tanh(x @ w)\n"
+    )
+    monkeypatch.syspath_prepend(str(site_dir))
+    import zoolayers  # the stand-in above, installed in a site-packages folder
+
+    def loss(w, x):
+        return zoolayers.dense(w, x).sum()
+
+    line = f"{__file__}:{inspect.getsourcelines(loss)[1] + 1}"
+    step = jax.grad(loss)
+    table = ss.instrument(step, scalify=False).op_table(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    got = {r.source for r in table if r.primitive in ("tanh", "dot_general")}
+    assert got == {line}, got
+
+
 @jax.jit
 def _jitted_body(x):
     y = jnp.sqrt(x)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import site
 import sys
+import sysconfig
 from typing import Any
 
 _INTERNAL_PARTS = (
@@ -24,8 +26,11 @@ UNKNOWN = "<unknown>"
 #: Libraries whose frames stand for the user's line that called them: model and optimizer
 #: libraries, and the quantisation libraries that wrap a model's ops (qwix, AQT). Told by
 #: the folder each is imported from (`package_dir`), not by a folder name in the path: a
-#: clone of google/flax running its own examples is the user's code.
-LIBRARIES = ("flax", "optax", "chex", "qwix", "aqt")
+#: clone of google/flax running its own examples is the user's code. Beyond these, any
+#: file of an installed package (`_site_dirs`: Equinox's ``nn.Linear``, Haiku's) is a
+#: library's; these are named for where they are not installed there (an editable
+#: install, a ``pip --target`` folder).
+LIBRARIES = ("flax", "optax", "chex", "qwix", "aqt", "equinox", "haiku", "jraph")
 
 
 @functools.lru_cache(maxsize=64)
@@ -68,8 +73,32 @@ def in_package(path: str, name: str, *sub: str) -> bool:
     return any(real.startswith(d) for d in package_dir(name, *sub))
 
 
+@functools.lru_cache(maxsize=8)
+def _site_dirs(search_path: tuple[str, ...]) -> tuple[str, ...]:
+    """The folders installed packages live in (``site-packages``, ``dist-packages``; each
+    ending in a separator), as real paths."""
+    dirs = set()
+    for key in ("purelib", "platlib"):
+        dirs.add(sysconfig.get_paths().get(key, ""))
+    try:
+        dirs.update(site.getsitepackages())
+        dirs.add(site.getusersitepackages())
+    except AttributeError:  # pragma: no cover - a virtualenv's old site module
+        pass
+    dirs.update(p for p in search_path if os.path.basename(p) in ("site-packages", "dist-packages"))
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+def _installed(path: str) -> bool:
+    """Whether ``path`` is a file of an installed package (`_site_dirs`)."""
+    if "-packages" not in path:
+        return False  # (cheap: most frames are not)
+    real = _real(path)
+    return any(real.startswith(d) for d in _site_dirs(tuple(sys.path)))
+
+
 def _library(path: str) -> bool:
-    return any(in_package(path, name) for name in LIBRARIES)
+    return _installed(path) or any(in_package(path, name) for name in LIBRARIES)
 
 
 #: Optimizer code: optax, and Flax's wrappers of it (their step counters), as files of
