@@ -16,7 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pandas as pd
 import pytest
 from conftest import cli_process, served_dashboard
@@ -187,6 +189,47 @@ def test_a_step_returning_a_str_names_the_users_function(how, tmp_path):
         else:
             with ss.Run(tmp_path / "r", every=1) as run:
                 run.track(_bad_step)(jnp.ones(3))
+
+
+def _sgd_with_function_leaf(model, x):
+    """An Equinox-style step: the model holds its activation function as a leaf and the
+    step returns the updated model, function and all (``eqx.apply_updates``)."""
+
+    def loss(params):
+        return jnp.sum(model["act"](x @ params) ** 2)
+
+    g = jax.grad(loss)(model["w"])
+    return {"act": model["act"], "w": model["w"] - 0.1 * g}, loss(model["w"])
+
+
+@pytest.mark.parametrize("how", ["scalify", "instrument", "track", "emulate"])
+def test_a_step_may_return_the_function_leaves_of_its_arguments(how, tmp_path):
+    """Non-array leaves of the arguments are static; returned as they are (an Equinox
+    model's activation function, in the model a step returns) they come back as they
+    are, as under ``eqx.filter_jit``, instead of a TypeError. A str the step made is
+    still one (above)."""
+    model = {"act": jnp.tanh, "w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)}
+    x = jnp.linspace(0.5, 2.0, 8).reshape(2, 4)
+    want, want_loss = _sgd_with_function_leaf(model, x)
+    if how == "scalify":
+        got, loss = ss.scalify(_sgd_with_function_leaf)(ss.as_scaled_array(model), x)
+        got, loss = ss.asarray(got), ss.asarray(loss)
+    elif how == "instrument":
+        (got, loss), stats = ss.instrument(_sgd_with_function_leaf, scalify=False)(model, x)
+        assert stats  # the step's values were recorded
+    elif how == "emulate":
+        policy = ss.Policy.from_dict({"fwd/**": "bf16"})
+        got, loss = ss.emulate(_sgd_with_function_leaf, policy)(model, x)
+    else:
+        with ss.Run(tmp_path / "r", every=1) as run:
+            step = run.track(_sgd_with_function_leaf, scalify=False)
+            for _ in range(2):  # a recorded call, then the plain program's
+                got, loss = step(model, x)
+        assert len(ss.open_run(tmp_path / "r").stats()) > 0
+    assert got["act"] is jnp.tanh
+    tol = 1e-2 if how == "emulate" else 1e-6
+    np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=tol)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=tol)
 
 
 def test_serve_skips_a_link_to_a_run_outside_its_folder(intact, tmp_path, capsys):

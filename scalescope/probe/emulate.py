@@ -21,8 +21,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
 from ..core.policy import Policy, PolicyError, as_policy
 from ..core.scaled_array import ScaledArray
 from ..scalify.interpreter import (
@@ -131,7 +129,7 @@ def emulate(
         for i in exact_outputs:
             outs[i] = replacer.original.get(id(outs[i]), outs[i])
         outs = array_scales(outs) if scalify else outs
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return out_tree.unflatten(outs)
 
     def describe(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         """Which ops each rule reaches on these arguments (`Policy.describe`)."""

@@ -20,6 +20,7 @@ from ..scalify.common import materialized
 from ..scalify.interpreter import (
     FALLBACK_POLICIES,
     Context,
+    OutTree,
     array_scales,
     eval_jaxpr,
     flatten_args,
@@ -314,7 +315,10 @@ def instrument(
         shadow_outs = eval_jaxpr(ctx, closed.jaxpr, closed.consts, observed)
         if outs is None:
             outs = shadow_outs
-        out_paths = _leaf_paths(jax.tree_util.tree_unflatten(out_tree, list(range(len(outs)))))
+        if isinstance(out_tree, OutTree):
+            out_paths = [_path_name(p) for p in out_tree.dynamic_paths()]
+        else:
+            out_paths = _leaf_paths(out_tree.unflatten(list(range(len(outs)))))
         for path, value in zip(out_paths, shadow_outs):
             recorder.record_output(path, value)
         table, stats = recorder.finish()
@@ -327,7 +331,7 @@ def instrument(
             )
         if pluck is not None:
             instrumented.plucked = recorder.scope.pluck, recorder.shared.pluck_devices
-        return jax.tree_util.tree_unflatten(out_tree, array_scales(outs)), stats, table
+        return out_tree.unflatten(array_scales(outs)), stats, table
 
     @functools.wraps(fn)
     def instrumented(*args, **kwargs):
@@ -351,8 +355,8 @@ def instrument(
                 full = list(leaves)
                 for pos, val in zip(positions, dyn_vals):
                     full[pos] = val
-                out, stats, _ = run(*flatten_args(*jax.tree_util.tree_unflatten(treedef, full)))
-                return out, stats
+                _, stats, _ = run(*flatten_args(*jax.tree_util.tree_unflatten(treedef, full)))
+                return stats  # (the outputs may hold non-array leaves, `OutTree`)
 
             jax.eval_shape(abstract, *dyn)
         return tables[key]

@@ -538,27 +538,69 @@ def describe_function(fn: Any) -> str:
 _RETURNABLE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
-def _check_returned(fn: Any, out: Any) -> None:
-    """A traced function returns arrays and numbers (any pytree of them); anything else
-    (a string, an object) is a `TypeError` naming the function and where in its output,
-    not JAX's complaint about our internal wrapper."""
-    leaves = jax.tree_util.tree_leaves_with_path(out, is_leaf=lambda x: isinstance(x, ScaledArray))
-    for path, leaf in leaves:
+class OutTree:
+    """The output structure of a traced function that returns some of its non-array
+    arguments' leaves (an Equinox model's activation function, in the updated model it
+    returns): the program returns the other leaves, and ``unflatten`` puts those back
+    around them, as ``eqx.filter_jit`` does. Used where a `PyTreeDef` would be."""
+
+    def __init__(self, treedef: Any, fixed: dict[int, Any]) -> None:
+        self.treedef, self.fixed = treedef, fixed
+
+    def unflatten(self, dynamic: Sequence[Any]) -> Any:
+        it = iter(dynamic)
+        leaves = [self.fixed.get(i) if i in self.fixed else next(it) for i in range(self.size)]
+        return self.treedef.unflatten(leaves)
+
+    @property
+    def size(self) -> int:
+        return self.treedef.num_leaves
+
+    def dynamic_paths(self) -> list[Any]:
+        """The key paths of the leaves the program returns, in order."""
+        zeros = self.treedef.unflatten([0] * self.size)
+        paths = jax.tree_util.tree_flatten_with_path(zeros)[0]
+        return [p for i, (p, _) in enumerate(paths) if i not in self.fixed]
+
+
+def split_static_outputs(fn: Any, out: Any, static: Sequence[Any]) -> tuple[Any, OutTree | None]:
+    """``(out, None)`` when every leaf of ``out`` is an array or a number; else the leaves
+    that are, and the `OutTree` that puts the others back, each of which must be one of
+    ``static`` (the arguments' non-array leaves, returned as they are). Any other leaf (a
+    string, an object the function made) is a `TypeError` naming the function and where in
+    its output, not JAX's complaint about our internal wrapper."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        out, is_leaf=lambda x: isinstance(x, ScaledArray)
+    )
+    fixed = {}
+    for i, (path, leaf) in enumerate(flat):
         if isinstance(leaf, (ScaledArray, *_RETURNABLE)) or is_array_like(leaf):
+            continue
+        if any(leaf is s for s in static):
+            fixed[i] = leaf
             continue
         where = f" at {jax.tree_util.keystr(path)}" if path else ""
         shown = repr(leaf)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise TypeError(
             f"{describe_function(fn)} returned a {type(leaf).__name__}{where} ({shown}); "
-            "a traced function must return arrays and numbers (any pytree of them)"
+            "a traced function must return arrays and numbers (any pytree of them), or "
+            "non-array leaves of its arguments as they are (an Equinox model's functions)"
         )
+    if not fixed:
+        return out, None
+    return [leaf for i, (_, leaf) in enumerate(flat) if i not in fixed], OutTree(treedef, fixed)
 
 
 def trace_flat(fn, leaves, treedef, avals):
+    """``(closed jaxpr, output tree)`` of ``fn`` on the arguments ``leaves`` (``treedef``),
+    the dynamic ones given as ``avals``; the output tree is an `OutTree` where ``fn``
+    returns non-array leaves of its arguments (`split_static_outputs`)."""
     dyn_pos = [
         i for i, leaf in enumerate(leaves) if isinstance(leaf, ScaledArray) or is_array_like(leaf)
     ]
+    static = [leaf for i, leaf in enumerate(leaves) if i not in set(dyn_pos)]
+    kept: list[OutTree] = []
 
     def flat_fn(*dyn_vals):
         full = list(leaves)
@@ -566,12 +608,14 @@ def trace_flat(fn, leaves, treedef, avals):
             full[pos] = val
         a, k = jax.tree_util.tree_unflatten(treedef, full)
         out = fn(*a, **k)
-        _check_returned(fn, out)
+        returned, tree = split_static_outputs(fn, out, static)
         _warn_if_arguments_changed(full, (a, k), out, fn)
-        return out
+        if tree is not None:
+            kept.append(tree)
+        return returned
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
-    return closed, jax.tree_util.tree_structure(out_shape)
+    return closed, kept[-1] if kept else jax.tree_util.tree_structure(out_shape)
 
 
 def scalify(
@@ -633,7 +677,7 @@ def scalify(
                 f"scalify: '{fb.primitive}' ran on unscaled values (at {fb.source})",
                 stacklevel=2,
             )
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return out_tree.unflatten(outs)
 
     scalified.fallbacks = []
     scalified.cache_size = lambda: len(cache)

@@ -195,7 +195,7 @@ def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
     if norm_kind(args, out) == "update":
         new, old = jax.tree_util.tree_leaves(out[0]), jax.tree_util.tree_leaves(args[0])
         for n, o in zip(new, old, strict=True):
-            if jnp.issubdtype(n.dtype, jnp.inexact):
+            if hasattr(n, "dtype") and jnp.issubdtype(n.dtype, jnp.inexact):
                 add(n, _real(n - o) if jnp.iscomplexobj(n) else _real(n) - _real(o))
         for x in _float_leaves(tuple(out[1:])):
             add(x)

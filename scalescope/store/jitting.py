@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..scalify.interpreter import is_array_like
+from ..scalify.interpreter import OutTree, is_array_like, split_static_outputs
 
 _NUMBERS = (bool, int, float, complex)
 #: Leaf types known to be traced, so the common case skips `is_array_like`'s checks; JAX's
@@ -109,21 +109,30 @@ class StaticLeafJit:
 
     def __init__(self, fn: Callable[..., Any], where: str, name: str | None = None) -> None:
         self.where = where
+        # static part of the arguments -> how to put back the non-array leaves of them
+        # that ``fn`` returns (`split_static_outputs`), for the calls that do
+        self._outs: dict[Hashable, OutTree] = {}
 
         def core(static: Hashable, dynamic: list) -> Any:
             args, kwargs = _rebuild(static, dynamic)
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            returned, tree = split_static_outputs(fn, out, [leaf for _, leaf in static[1]])
+            if tree is not None:
+                self._outs[static] = tree
+            return returned
 
         core.__name__ = core.__qualname__ = name or program_name(fn, "core")
         self._jitted = jax.jit(core, static_argnums=0)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._jitted(*partition(args, kwargs, where=self.where))
+        return self.call_parts(partition(args, kwargs, where=self.where))
 
     def call_parts(self, parts: tuple[Hashable, list]) -> Any:
         """Call on arguments already split by `partition` (a caller that needs the split
         itself does not pay for it twice)."""
-        return self._jitted(*parts)
+        out = self._jitted(*parts)
+        tree = self._outs.get(parts[0]) if self._outs else None
+        return out if tree is None else tree.unflatten(out)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted.trace(*partition(args, kwargs, where=self.where))
