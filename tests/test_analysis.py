@@ -3,12 +3,16 @@ under test), plus one tiny recorded run."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pytest
 
+import scalescope as ss
 from scalescope import analysis as A
 
 FORMATS = ("e4m3", "e5m2", "fp16", "bf16")
@@ -19,7 +23,7 @@ FORMATS = ("e4m3", "e5m2", "fp16", "bf16")
 
 def make_ops(*rows: dict) -> pd.DataFrame:
     """Op table; each row: name, pass (default fwd), primitive (default: last name
-    component), shape, dtype, scaled, source, cast_to. Ids are 0, 1, 2..."""
+    component), shape, dtype, scaled, source, cast_to, cast_at. Ids are 0, 1, 2..."""
     recs = []
     for i, row in enumerate(rows):
         name = row["name"]
@@ -41,6 +45,7 @@ def make_ops(*rows: dict) -> pd.DataFrame:
                 "in_while": False,
                 "in_cond": False,
                 "cast_to": row.get("cast_to", ""),
+                "cast_at": row.get("cast_at", ""),
             }
         )
     return pd.DataFrame(recs).set_index("op")
@@ -418,6 +423,32 @@ def test_fix_text_by_pass_and_scalify():
     # without meta, an op's own `scaled` flag decides
     ops_scaled = ops.assign(scaled=True)
     assert "dynamic_rescale_max_grad" in A.advise(stats, ops_scaled).set_index("op")["fix"][1]
+
+
+def _made_then_cast(x):
+    h = jax.nn.relu(x * 300.0)
+    c = h.astype(jnp.float8_e4m3fn)  # the cast, a line of its own
+    return c.astype(jnp.float32).sum()
+
+
+def test_a_naive_cast_fix_names_the_casts_line_not_only_the_values():
+    """The overflow of a value cast to FP8 on another line than the one that made it
+    (``h = relu(...)``, then ``h.astype(e4m3)``): the fix names the cast's line, where
+    the user changes it, and the value's. Before, only the value's line (an Equinox
+    model's relu line for the cast a line above)."""
+    first = inspect.getsourcelines(_made_then_cast)[1]
+    made, cast = f"{__file__}:{first + 1}", f"{__file__}:{first + 2}"
+    table = ss.instrument(_made_then_cast, scalify=False).op_table(jnp.ones((4, 8)))
+    (value,) = [r for r in table if r.cast_to == "e4m3"]
+    assert (value.primitive, value.source, value.cast_at) == ("max", made, cast)
+    ops = make_ops(
+        {"name": "max", "pass": "fwd", "cast_to": "e4m3", "source": made, "cast_at": cast},
+        {"name": "same", "pass": "fwd", "cast_to": "e4m3", "source": cast, "cast_at": cast},
+    )
+    stats = make_stats(series(0, [0], overflow_e4m3=0.1) + series(1, [0], overflow_e4m3=0.1))
+    fix = A.advise(stats, ops, meta={"graph": {"scalify": False}}).set_index("op")["fix"]
+    assert f"naive e4m3 casts at {cast} (of fwd/max" in fix[0] and f"at {made})" in fix[0]
+    assert f"naive e4m3 casts at {cast};" in fix[1]  # made and cast on one line: said once
 
 
 def test_severity_is_graded_by_magnitude():

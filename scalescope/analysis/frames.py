@@ -51,6 +51,7 @@ _OP_DEFAULTS: dict[str, Any] = {
     "source": "",
     "note": "",
     "cast_to": "",
+    "cast_at": "",
 }
 
 
@@ -93,6 +94,7 @@ def op_table(ops: pd.DataFrame, arg: str = "ops") -> pd.DataFrame:
     for col, default in missing.items():
         table[col] = [default] * len(table)
     table["cast_to"] = table["cast_to"].fillna("").astype(str)
+    table["cast_at"] = table["cast_at"].fillna("").astype(str)
     table["source"] = table["source"].fillna("").astype(str)
     table["note"] = table["note"].fillna("").astype(str)
     table["scaled"] = table["scaled"].fillna(False).astype(bool)

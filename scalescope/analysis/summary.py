@@ -30,6 +30,7 @@ _INFO_COLUMNS = [
     "scaled",
     "source",
     "cast_to",
+    "cast_at",
 ]
 
 

@@ -32,7 +32,8 @@ class OpRecord:
     iteration. Inside a while loop (``in_while``) a row aggregates every iteration; inside
     a cond branch (``in_cond``) a row is NaN with count 0 when the branch did not run.
     ``cast_to`` names the format (``e4m3``, ``e5m2``, ``fp16``, ``bf16``) a later op
-    rounds this value to (a ``convert_element_type`` that loses precision), or "".
+    rounds this value to (a ``convert_element_type`` that loses precision), or "";
+    ``cast_at`` that cast's ``file:line``.
     ``group``: the value group a masked recording switches this op's statistics with
     (see `instrument`'s ``groups``), -1 when not recorded or not grouped.
     ``gemm``: a ``dot_general`` reads this value as an operand (a matmul input: what an
@@ -72,6 +73,8 @@ class OpRecord:
     in_while: bool = False
     in_cond: bool = False
     cast_to: str = ""
+    #: the ``file:line`` of that cast (the value may be made at another line)
+    cast_at: str = ""
     group: int = -1
     varying: tuple[str, ...] = ()
     block_axes: tuple[int, ...] = ()
@@ -121,6 +124,7 @@ class OpRecord:
             "in_while": self.in_while,
             "in_cond": self.in_cond,
             "cast_to": self.cast_to,
+            "cast_at": self.cast_at,
             "group": self.group,
             "origin": self.origin,
             "gemm": self.gemm,

@@ -620,7 +620,7 @@ class Recorder(Observer):
         name = op_name(scope, eqn.primitive.name)
         source = ctx.source(eqn)
         if eqn.primitive.name == "convert_element_type" and ins and ins[0] is not None:
-            self._mark_cast(ins[0], eqn.params.get("new_dtype"))
+            self._mark_cast(ins[0], eqn.params.get("new_dtype"), source)
         unclipped, measure = self._clip_chain(eqn, invals, ins, outvals)
         # the cast of a value the code clipped into the format is part of that code too
         self_scaled = measure is not None or (
@@ -869,14 +869,15 @@ class Recorder(Observer):
         sh.weight += size * self.mult
 
     @staticmethod
-    def _mark_cast(src: _Info, new_dtype: Any) -> None:
-        """Note on the source op the narrow format a cast rounds it to."""
+    def _mark_cast(src: _Info, new_dtype: Any, source: str = "") -> None:
+        """Note on the source op the narrow format a cast rounds it to, and the cast's
+        line (``source``)."""
         rec = src.record
         if rec is None or new_dtype is None or not _is_float(rec.dtype):
             return
         fmt = _CAST_FORMATS.get(np.dtype(new_dtype))
         if fmt is not None and not _exact_widening(np.dtype(rec.dtype), new_dtype):
-            rec.cast_to = fmt
+            rec.cast_to, rec.cast_at = fmt, source
 
     @staticmethod
     def _aliases(prim: str, src_dtype: Any, dtype: Any) -> bool:

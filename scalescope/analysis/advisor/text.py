@@ -226,6 +226,10 @@ def fix_line(
         )
     if not scalified:
         what = f"naive {fmt} casts" if fmt else "naive low-precision casts"
+        cast_at = str(op.get("cast_at") or "")
+        if fmt and op.get("cast_to") == fmt and cast_at and not cast_at.startswith("<"):
+            # the cast's own line, where the value is made elsewhere (`h = cast(x)`)
+            where = cast_at if cast_at == where else f"{cast_at} (of {op['label']} at {where})"
         lift = _loss_scaling_text(op, rule, log2_rms, fmt, headroom)
         blocks = _recipe_text(rule, recipe, recorded)
         # "(no recorded recipe ... is safe)" qualifies the scalify line; a recipe is an "or"
