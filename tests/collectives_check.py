@@ -554,6 +554,17 @@ def check_explicit_mesh() -> None:
         close(f"explicit mesh, {name}, instrumented loss", unscaled(out)[-1], plain[-1], 1e-5)
         if not np.isfinite(np.asarray(stats["rms"])).any():
             fail(f"explicit mesh, {name}: the instrumented step measured nothing")
+    # select of a sharded value and a constant (JAX 0.11's relu derivative): the
+    # constant, rescaled by a scale computed from sharded values, was typed replicated
+    # on the mesh, and select refused the two layouts
+    x = jax.device_put(np.linspace(-1, 1, N * 32, dtype=np.float32).reshape(N * 8, 4),
+                       NamedSharding(mesh, P("data", None)))  # fmt: skip
+
+    def relu_like(x):
+        return lax.select_n(x > 0, lax.broadcast_in_dim(np.float32(0), x.shape, ()), x * 3.0)
+
+    got = jax.jit(ss.scalify(relu_like))(ss.as_scaled_array(x, "rms"))
+    close("explicit mesh, select of a constant", unscaled(got), jax.jit(relu_like)(x), 1e-6)
     with tempfile.TemporaryDirectory() as tmp:
         with ss.Run(tmp, every=1) as run:
             loss = run.track(plain_step)(*scaled)[-1]

@@ -109,11 +109,15 @@ def test_fail_on_is_a_ci_gate(runs, naive_report, capsys):
 
     # in-process: an SNR floor, findings counts, a what-if scope
     naive_run = runs / "naive"
+    # the NaN spreads to as many ops as the JAX release's softmax and loss have
+    critical = int((ss.open_run(naive_run).advise()["severity"] == "critical").sum())
+    assert critical > 10
     cases = {
         "snr_e4m3<10": 0,
         "snr_e4m3<=20": 1,
         "findings_high>1": 0,
-        "findings_critical>=22": 1,
+        f"findings_critical>={critical}": 1,
+        f"findings_critical>{critical}": 0,
         "findings_drift>0": 1,
         "underflow_e5m2:all>0": 1,  # an input flushes to zero in e5m2 (not cast there)
         "overflow_e5m2:all>0": 0,

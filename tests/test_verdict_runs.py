@@ -117,8 +117,10 @@ def test_constants_by_construction_are_never_worst_nor_flagged(gpt_run):
     for metric in ("log2_rms", "absmax"):
         worst = A.worst_ops(summary, metric, n=20, exclude=A.constant_ops(ops))
         assert not constants & set(worst.index)
-    # with them left in, a constant would rank first: the exclusion keeps it out
-    assert summary["log2_rms"].abs().idxmax() in constants
+    # with them left in, a constant would rank first (tied, on JAX 0.11, with softmax's
+    # guarded -inf initial): the exclusion keeps it out
+    size = summary["log2_rms"].abs()
+    assert size[sorted(constants & recorded)].max() == size.max()
     found = reader.advise(audit=("e4m3", "fp16"))
     judged = found[found["rule"].isin(["drift", "trend", "delayed"])]
     assert not constants & set(judged["op"]), judged

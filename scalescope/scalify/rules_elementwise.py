@@ -294,9 +294,39 @@ def scaled_atan2(a, b, **params):
     return make_scaled(lax.atan2_p.bind(da, db, **params), unit_scale())
 
 
+def _explicit_sharding(x: Any) -> Any:
+    """The sharding in ``x``'s type on a mesh of explicit axes, else None."""
+    sharding = getattr(getattr(x, "aval", None), "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
+
+
+def _laid_out_alike(which: Any, datas: list[Any]) -> list[Any]:
+    """``datas`` (select's cases) laid out as the sharded one among ``which`` and them,
+    on a mesh of explicit axes. A case made from a constant (JAX 0.11's relu derivative
+    selects ``broadcast_in_dim 0.0``, typed without a mesh) and rescaled by a scale
+    computed from sharded values is typed replicated on the mesh, which select refuses
+    beside a sharded case (plain JAX's constant has no mesh in its type and passes)."""
+    values = (which, *datas)
+    laid = [(x, sh) for x in values if (sh := _explicit_sharding(x)) is not None]
+    sharded = [(x, sh) for x, sh in laid if any(a is not None for a in sh.spec)]
+    if not sharded:
+        return datas
+    like, target = sharded[0]
+    return [
+        jax.sharding.reshard(d, target)
+        if (sh := _explicit_sharding(d)) is not None
+        and sh.spec != target.spec
+        and np.shape(d) == np.shape(like)
+        else d
+        for d in datas
+    ]
+
+
 def scaled_select_n(which, *cases, **params):
     datas, s = align(list(cases))
-    return make_scaled(lax.select_n_p.bind(unscale(which), *datas, **params), s)
+    which = unscale(which)
+    return make_scaled(lax.select_n_p.bind(which, *_laid_out_alike(which, datas), **params), s)
 
 
 # -- unary, exact on the data ------------------------------------------------------------
