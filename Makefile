@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # second run cannot reuse pytest's rewritten test modules (~7 s of collection per worker).
 RUN := env -u PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv demo test lint bench bench-numerics bench-verdicts clean
+.PHONY: venv demo test test-jax011 lint bench bench-numerics bench-verdicts clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,22 @@ demo: venv
 test: venv
 	$(RUN) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=60
 
+# The GPU image's JAX (0.11.2, which needs Python 3.12) on this CPU, in a venv of its own:
+# the suite (or TESTS=...) against the JAX a first GPU run meets (docs/gpu.md). With pyenv:
+# make test-jax011 PY312=$$(pyenv root)/versions/3.12.1/bin/python  (~35 min on 2 cores)
+PY312 ?= python3.12
+VENV011 := .venv-jax011
+TESTS ?= tests
+$(VENV011)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENV011)
+	$(VENV011)/bin/pip install -q uv && \
+	  $(VENV011)/bin/uv pip install -q --python $(VENV011)/bin/python -e ".[dev]" "jax==0.11.2"
+	touch $@
+
+test-jax011: $(VENV011)/.installed
+	$(RUN) $(VENV011)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+	  -p no:cacheprovider $(TESTS)
+
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
@@ -53,4 +69,4 @@ bench-verdicts: venv
 	$(BIN)/python benchmarks/bench_verdicts.py --check
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV011) build *.egg-info
