@@ -312,6 +312,103 @@ def test_an_installed_librarys_ops_are_placed_at_the_users_line(tmp_path, monkey
     assert got == {line}, got
 
 
+_FAKE_EQUINOX = """
+import dataclasses
+
+import jax
+
+
+class Module:
+    \"\"\"Equinox's Module in miniature: a dataclass that is a pytree of its fields.\"\"\"
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        dataclasses.dataclass(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        jax.tree_util.register_pytree_with_keys(
+            cls,
+            lambda m: ([(jax.tree_util.GetAttrKey(n), getattr(m, n)) for n in names], None),
+            lambda _, kids: cls(*kids),
+        )
+"""
+_FAKE_EQUINOX_NN = """
+import jax
+import jax.numpy as jnp
+
+from equinox import Module
+
+
+class Linear(Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        with jax.named_scope("eqx.nn.Linear"):  # what Equinox's layers do
+            return x @ self.weight
+"""
+
+
+def test_equinox_layers_are_named_by_their_field_paths(tmp_path, monkeypatch):
+    """Equinox's layers name their calls by class (``eqx.nn.Linear``): two layers of a
+    model read alike, and ``select="fc2"`` matched nothing but the outputs. Their ops
+    are named by the model's field paths (``fc1``, ``blocks/1/fc``), as NNX modules' are,
+    and placed at the user's line (a stand-in package of Equinox's shape; Equinox itself
+    is no dependency)."""
+    import sys
+
+    pkg = tmp_path / "site-packages" / "equinox"
+    (pkg / "nn").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(_FAKE_EQUINOX)
+    (pkg / "nn" / "__init__.py").write_text(_FAKE_EQUINOX_NN)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    for name in ("equinox", "equinox.nn"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import equinox
+    import equinox.nn
+
+    for name in ("equinox", "equinox.nn"):  # gone again after the test
+        monkeypatch.setitem(sys.modules, name, sys.modules[name])
+
+    class Block(equinox.Module):
+        fc: equinox.nn.Linear
+
+        def __call__(self, x):
+            return jnp.tanh(self.fc(x))
+
+    class Net(equinox.Module):
+        fc1: equinox.nn.Linear
+        blocks: list
+        fc2: equinox.nn.Linear
+
+        def __call__(self, x):
+            x = self.fc1(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.fc2(x)
+
+    def lin(n, m):
+        return equinox.nn.Linear(jnp.full((n, m), 0.1))
+
+    net = Net(lin(4, 8), [Block(lin(8, 8)), Block(lin(8, 8))], lin(8, 2))
+
+    def loss(net, x):
+        return jnp.sum(net(x) ** 2)
+
+    table = ss.instrument(jax.grad(loss), scalify=False).op_table(net, jnp.ones((3, 4)))
+    fwd = [r.name for r in table if r.primitive == "dot_general" and r.pass_ == "fwd"]
+    assert fwd == [
+        "fc1/dot_general",
+        "blocks/0/fc/dot_general",
+        "blocks/1/fc/dot_general",
+        "fc2/dot_general",
+    ], fwd
+    assert all("eqx." not in r.name for r in table)
+    # the model's lines that call each layer, not the layer's line inside the package
+    first = inspect.getsourcelines(Net)[1]
+    calls = {f"{__file__}:{first + k}" for k in (6, 9)}  # self.fc1(x), self.fc2(x)
+    dots = {r.source for r in table if r.primitive == "dot_general"}
+    assert calls < dots and all(s.startswith(f"{__file__}:") for s in dots), dots
+
+
 @jax.jit
 def _jitted_body(x):
     y = jnp.sqrt(x)

@@ -1,4 +1,4 @@
-"""Flax NNX module paths as JAX name scopes, while a function is traced.
+"""Flax NNX and Equinox module paths as JAX name scopes, while a function is traced.
 
 Flax linen wraps each module call in a named scope, so an op inside
 ``decoder/block_0/attn`` carries that path in its name stack. Flax NNX adds no scope: its
@@ -11,7 +11,9 @@ whose own ops get no prefix), so they read like the parameters' paths
 (``params/layers/0/attn/q/kernel``). A module the root does not reach (one built inside
 a transformed function, such as the layer an ``nnx.scan`` body is given) takes the path
 of the one module of its class below its caller (the stacked layers), else its class
-name.
+name. Equinox's modules are pytrees: the paths are their field names and indices
+(``layers/0``), and the scope Equinox gives each layer call, its class name
+(``eqx.nn.Linear``), is left out of op names (`names.parse`).
 """
 
 from __future__ import annotations
@@ -34,17 +36,63 @@ _local = threading.local()
 _NAMING = jax.make_user_context(default_value=False)
 
 
+def _key_name(key: Any) -> str:
+    """A pytree key path element as a path component: ``layers``, ``0``, ``fc1``."""
+    for attr in ("name", "idx", "key"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _equinox_modules(module_type: type) -> Any:
+    """``iter_modules`` for Equinox: every ``eqx.Module`` a root reaches through its
+    pytree fields, with its path of field names and indices (``layers/0``), the root
+    first with the empty path, as ``nnx.iter_modules`` gives them."""
+
+    def iter_modules(root: Any) -> list[tuple[tuple[str, ...], Any]]:
+        found = [((), root)]
+
+        def walk(node: Any, prefix: tuple[str, ...]) -> None:
+            def below(x: Any) -> bool:
+                return x is not node and isinstance(x, module_type)
+
+            for path, child in jax.tree_util.tree_flatten_with_path(node, is_leaf=below)[0]:
+                if below(child):
+                    full = (*prefix, *(_key_name(k) for k in path))
+                    found.append((full, child))
+                    walk(child, full)
+
+        walk(root, ())
+        return found
+
+    return iter_modules
+
+
+def _kinds() -> list[tuple[type, Any]]:
+    """``(module class, iter_modules)`` of each module library imported: Flax NNX's
+    (whose calls carry no scope of their own) and Equinox's (whose layers' scopes name
+    their class, ``eqx.nn.Linear``, not which one)."""
+    kinds = []
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None:
+        kinds.append((nnx.Module, nnx.iter_modules))
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and isinstance(getattr(eqx, "Module", None), type):
+        kinds.append((eqx.Module, _equinox_modules(eqx.Module)))
+    return kinds
+
+
 @contextlib.contextmanager
 def module_scopes() -> Iterator[None]:
-    """Within this context, calls of Flax NNX modules traced on this thread run under
-    named scopes of their attribute paths. Does nothing when ``flax.nnx`` is not
+    """Within this context, calls of Flax NNX and Equinox modules traced on this thread
+    run under named scopes of their attribute paths. Does nothing when neither is
     imported; nests (an inner context is a no-op)."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None or getattr(_local, "active", False):
+    kinds = _kinds()
+    if not kinds or getattr(_local, "active", False):
         yield
         return
     previous = sys.getprofile()
-    tracker = _Tracker(nnx, previous)
+    tracker = _Tracker(kinds, previous)
     _local.active = True
     sys.setprofile(tracker.event)
     try:
@@ -66,16 +114,18 @@ def _may_be_layer_method(code: Any) -> bool:
     if name.startswith("__") and name.endswith("__") and name != "__call__":
         return False
     path = code.co_filename
+    if in_package(path, "equinox"):  # its layers, not its module machinery
+        return in_package(path, "equinox", "nn")
     return not in_package(path, "flax", "nnx") or in_package(path, "flax", "nnx", "nn")
 
 
 class _Tracker:
     """The profile function and its stack of entered module calls."""
 
-    def __init__(self, nnx: Any, previous: Any = None) -> None:
+    def __init__(self, kinds: list[tuple[type, Any]], previous: Any = None) -> None:
         self.previous = previous  # a profile function already set, still called
-        self.module_type = nnx.Module
-        self.iter_modules = nnx.iter_modules
+        self.kinds = kinds  # (module class, iter_modules) per library
+        self.module_type = tuple(k for k, _ in kinds)
         self.methods: dict[Any, bool] = {}  # code object -> `_may_be_layer_method`
         self.paths: dict[int, tuple[Any, tuple[str, ...]]] = {}  # id -> (module, path)
         self.stack: list[tuple[Any, Any, tuple[str, ...], list[Any]]] = []
@@ -138,7 +188,8 @@ class _Tracker:
         return found[1] if found is not None and found[0] is module else None
 
     def _index(self, root: Any, prefix: tuple[str, ...]) -> None:
-        for path, node in self.iter_modules(root):
+        iter_modules = next(it for kind, it in self.kinds if isinstance(root, kind))
+        for path, node in iter_modules(root):
             key, full = id(node), (*prefix, *(str(p) for p in path))
             old = self.paths.get(key)
             # A module seen as a root so far takes the path of a root that reaches it.

@@ -64,9 +64,14 @@ def parse(name_stack: str) -> Scope:
                 break
             transforms.add(m.group(1))
             part = m.group(2)
-        if part:
+        if part and not part.startswith(_EQUINOX_SCOPE):
             path.append(part)
     return Scope(tuple(path), frozenset(transforms))
+
+
+#: The scope Equinox's layers give their calls (``eqx.nn.Linear``): their class, which the
+#: module's path names better (`modules.module_scopes`), so it is left out of names.
+_EQUINOX_SCOPE = "eqx."
 
 
 def _split(stack: str) -> list[str]:
