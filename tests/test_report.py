@@ -529,3 +529,16 @@ def test_budget_report_opens_offline_with_notes_and_blank_cells(browser, budget_
         assert not errors, (errors, [r for r in requests if not r.startswith("data:")])
     finally:
         page.close()
+
+
+def test_python_m_scalescope_is_the_command():
+    """``python -m scalescope ...`` runs the ``scalescope`` command (it was "No module
+    named scalescope.__main__")."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "scalescope", "report", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: scalescope report"), proc.stdout[:200]
