@@ -45,6 +45,7 @@ from .common import (
     unscale,
     wide_dtype,
 )
+from .interpreter import explicit_sharding
 from .registry import register_rule
 
 
@@ -294,13 +295,6 @@ def scaled_atan2(a, b, **params):
     return make_scaled(lax.atan2_p.bind(da, db, **params), unit_scale())
 
 
-def _explicit_sharding(x: Any) -> Any:
-    """The sharding in ``x``'s type on a mesh of explicit axes, else None."""
-    sharding = getattr(getattr(x, "aval", None), "sharding", None)
-    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-    return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
-
-
 def _laid_out_alike(which: Any, datas: list[Any]) -> list[Any]:
     """``datas`` (select's cases) laid out as the sharded one among ``which`` and them,
     on a mesh of explicit axes. A case made from a constant (JAX 0.11's relu derivative
@@ -308,14 +302,14 @@ def _laid_out_alike(which: Any, datas: list[Any]) -> list[Any]:
     computed from sharded values is typed replicated on the mesh, which select refuses
     beside a sharded case (plain JAX's constant has no mesh in its type and passes)."""
     values = (which, *datas)
-    laid = [(x, sh) for x in values if (sh := _explicit_sharding(x)) is not None]
+    laid = [(x, sh) for x in values if (sh := explicit_sharding(x)) is not None]
     sharded = [(x, sh) for x, sh in laid if any(a is not None for a in sh.spec)]
     if not sharded:
         return datas
     like, target = sharded[0]
     return [
         jax.sharding.reshard(d, target)
-        if (sh := _explicit_sharding(d)) is not None
+        if (sh := explicit_sharding(d)) is not None
         and sh.spec != target.spec
         and np.shape(d) == np.shape(like)
         else d
