@@ -33,6 +33,7 @@ RANKS: tuple[tuple[str, ...], ...] = (
     ("run_view",),
     ("__init__",),
     ("cli",),
+    ("__main__",),  # python -m scalescope: the CLI
 )
 LEAVES = ("_version",)
 RANK = {part: i for i, parts in enumerate(RANKS) for part in parts}
