@@ -12,30 +12,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from ..scalify.rules_collective import COLLECTIVES
 
 _WRAPPED = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)$")
 
 #: Top-level scopes that name a pass of their own (``with jax.named_scope("opt"):``).
 PASS_SCOPES = ("opt",)
-
-#: Primitives that reduce or move a value across devices. Applied to gradients as the
-#: backward pass leaves them (data parallelism's all-reduce, `lax.pmean` of the grads),
-#: they finish the backward pass rather than start the update (`gradient_comm`).
-COLLECTIVES = frozenset(
-    {
-        "psum",
-        "psum_invariant",
-        "pmax",
-        "pmin",
-        "pvary",
-        "pbroadcast",
-        "all_gather",
-        "all_gather_invariant",
-        "reduce_scatter",
-        "all_to_all",
-        "ppermute",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -112,18 +96,20 @@ def pass_of(
     return "opt" if after_backward or optimizer else "fwd"
 
 
-def gradient_comm(primitive: str, passes: Sequence[str], reads: Sequence[str]) -> bool:
+def gradient_comm(primitive: str, operands: Sequence[Any]) -> bool:
     """Whether an op communicates gradients as the backward pass left them: a collective
-    (`COLLECTIVES`) whose every operand is a ``bwd`` value, or the division of one
-    collective's ``bwd`` output by constants that `lax.pmean` adds.
+    (`rules_collective.COLLECTIVES`: data parallelism's all-reduce, `lax.pmean` of the
+    grads) whose every operand is a ``bwd`` value, or the division of one collective's
+    ``bwd`` output by constants that `lax.pmean` adds. Such an op finishes the backward
+    pass rather than starts the update.
 
-    ``passes``: the pass of each operand that is not a constant; ``reads``: the
-    primitive of each."""
-    if not passes or any(p != "bwd" for p in passes):
+    ``operands``: the record (``pass_``, ``primitive``) of each operand that is not a
+    constant, None where there is none."""
+    if not operands or any(r is None or r.pass_ != "bwd" for r in operands):
         return False
     if primitive in COLLECTIVES:
         return True
-    return primitive == "div" and len(reads) == 1 and reads[0] in COLLECTIVES
+    return primitive == "div" and len(operands) == 1 and operands[0].primitive in COLLECTIVES
 
 
 def op_name(scope: Scope, primitive: str) -> str:

@@ -608,13 +608,8 @@ class Recorder(Observer):
         )
         scope = self.prefix.join(parse(eqn.source_info.name_stack))
         optimizer = self.optimizer or in_optimizer(eqn.source_info)
-        fed = [i.own for i in ins if i is not None and not i.static]
-        comm = (
-            grad_in
-            and all(r is not None for r in fed)
-            and gradient_comm(
-                eqn.primitive.name, [r.pass_ for r in fed], [r.primitive for r in fed]
-            )
+        comm = grad_in and gradient_comm(
+            eqn.primitive.name, [i.own for i in ins if i is not None and not i.static]
         )
         pass_ = pass_of(scope, grad_in, self.shared.pass_scopes, optimizer, comm)
         name = op_name(scope, eqn.primitive.name)

@@ -549,7 +549,7 @@ class OutTree:
 
     def unflatten(self, dynamic: Sequence[Any]) -> Any:
         it = iter(dynamic)
-        leaves = [self.fixed.get(i) if i in self.fixed else next(it) for i in range(self.size)]
+        leaves = [self.fixed[i] if i in self.fixed else next(it) for i in range(self.size)]
         return self.treedef.unflatten(leaves)
 
     @property
@@ -599,7 +599,8 @@ def trace_flat(fn, leaves, treedef, avals):
     dyn_pos = [
         i for i, leaf in enumerate(leaves) if isinstance(leaf, ScaledArray) or is_array_like(leaf)
     ]
-    static = [leaf for i, leaf in enumerate(leaves) if i not in set(dyn_pos)]
+    dynamic = set(dyn_pos)
+    static = [leaf for i, leaf in enumerate(leaves) if i not in dynamic]
     kept: list[OutTree] = []
 
     def flat_fn(*dyn_vals):

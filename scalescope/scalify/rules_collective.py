@@ -298,6 +298,10 @@ RULES = {
     "axis_index": scaled_axis_index,
 }
 
+#: Primitives that reduce or move a value across devices: every collective rule's but
+#: ``axis_index`` (which reads no value).
+COLLECTIVES = frozenset(RULES) - {"axis_index"}
+
 for _name, _rule in RULES.items():
     register_rule(_name, _rule, with_primitive=True)
 register_rule("shard_map", scaled_shard_map, higher_order=True)

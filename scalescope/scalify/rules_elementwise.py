@@ -301,9 +301,11 @@ def _laid_out_alike(which: Any, datas: list[Any]) -> list[Any]:
     selects ``broadcast_in_dim 0.0``, typed without a mesh) and rescaled by a scale
     computed from sharded values is typed replicated on the mesh, which select refuses
     beside a sharded case (plain JAX's constant has no mesh in its type and passes)."""
-    values = (which, *datas)
-    laid = [(x, sh) for x in values if (sh := explicit_sharding(x)) is not None]
-    sharded = [(x, sh) for x, sh in laid if any(a is not None for a in sh.spec)]
+    sharded = [
+        (x, sh)
+        for x in (which, *datas)
+        if (sh := explicit_sharding(x)) is not None and any(a is not None for a in sh.spec)
+    ]
     if not sharded:
         return datas
     like, target = sharded[0]
