@@ -46,6 +46,7 @@ def test_gpu_suite_smoke_runs_every_section(tmp_path):
     assert gemms["fp8_cast_gemms"] <= gemms["fp8_cast_gemms_per_step"]
     # on CPU no GEMM is FP8: the program compiled without excess precision is counted too
     assert gemms["fp8_gemms"] == 0 and gemms["without_excess_precision"]["gemms"] > 0
+    assert gemms["without_excess_precision"]["step"] == "fp8-naive"  # on CPU: the cheap one
     assert gemms["evidence"] is False  # on CPU: no claim about FP8 GEMMs
     assert (tmp_path / gemms["not_fp8_patterns"]).is_file()
     rows = results["throughput"]["steps"]
