@@ -3,7 +3,10 @@ module paths, ops inside JAX's own jitted helpers, and optax's optimizer work.""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -288,27 +291,71 @@ def test_a_quantisation_librarys_ops_are_placed_at_the_users_line(tmp_path, monk
     assert all("qwix" not in r.source for r in table)
 
 
-def test_an_installed_librarys_ops_are_placed_at_the_users_line(tmp_path, monkeypatch):
-    """Any installed package's frames (Equinox's ``nn.Linear``, Haiku's, a model zoo's)
-    stand for the user's line that called it, not only the libraries named in
-    ``LIBRARIES``: before, an Equinox model's every op, and the verdict's fix, named a
-    line inside ``site-packages/equinox``."""
+def _site_package(tmp_path, monkeypatch, name: str) -> Any:
+    """A package ``name`` whose ``dense(w, x)`` is ``tanh(x @ w)`` (line 5), installed in a
+    ``site-packages`` folder of ``tmp_path``, imported."""
     site_dir = tmp_path / "lib" / "site-packages"
-    pkg = site_dir / "zoolayers"
+    pkg = site_dir / name
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(
         "import jax.numpy as jnp\n\n\ndef dense(w, x):\n    return jnp.tanh(x @ w)\n"
     )
     monkeypatch.syspath_prepend(str(site_dir))
-    import zoolayers  # the stand-in above, installed in a site-packages folder
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
+
+
+def _dense_sources(pkg) -> tuple[set[str], str]:
+    """The sources of ``pkg.dense``'s ops (forward and backward) in a loss, and the loss's
+    line that calls it."""
 
     def loss(w, x):
-        return zoolayers.dense(w, x).sum()
+        return pkg.dense(w, x).sum()
 
     line = f"{__file__}:{inspect.getsourcelines(loss)[1] + 1}"
-    step = jax.grad(loss)
-    table = ss.instrument(step, scalify=False).op_table(jnp.ones((4, 4)), jnp.ones((2, 4)))
-    got = {r.source for r in table if r.primitive in ("tanh", "dot_general")}
+    table = ss.instrument(jax.grad(loss), scalify=False).op_table(
+        jnp.ones((4, 4)), jnp.ones((2, 4))
+    )
+    return {r.source for r in table if r.primitive in ("tanh", "dot_general")}, line
+
+
+def test_an_installed_model_packages_ops_are_placed_at_its_own_lines(tmp_path, monkeypatch):
+    """A package that is not a named library is model code wherever it is installed (a
+    model zoo's ``modeling_flax_gpt2.py``, the user's own package installed into a
+    container): its ops are at its own lines. Were every installed package's frames a
+    library's, each op would be placed at the one script line that calls the model."""
+    pkg = _site_package(tmp_path, monkeypatch, "zoomodels")
+    got, line = _dense_sources(pkg)
+    assert got == {f"{pkg.__file__}:5"}, got
+    assert line not in got
+
+
+def test_a_named_librarys_ops_are_placed_at_the_users_line(tmp_path, monkeypatch):
+    """A library of `source.LIBRARIES` (Equinox's ``nn.Linear``, Haiku's, einops), installed
+    in ``site-packages`` too: its frames stand for the user's line that called it (an
+    Equinox model's every op, and the verdict's fix, once named a line inside
+    ``site-packages/equinox``)."""
+    from scalescope.scalify import source
+
+    monkeypatch.setattr(source, "LIBRARIES", (*source.LIBRARIES, "zoolayers"))
+    got, line = _dense_sources(_site_package(tmp_path, monkeypatch, "zoolayers"))
+    assert got == {line}, got
+    assert {"equinox", "haiku", "einops", "jmp"} <= set(source.LIBRARIES)
+
+
+def test_unit_scaled_ops_are_placed_at_the_users_line():
+    """``U.linear`` and ``U.gelu`` are building blocks, as Flax's layers: their ops are at
+    the user's line, not inside ``scalescope/unit``."""
+    import scalescope.unit as U
+
+    def loss(w, x):
+        return U.gelu(U.linear(x, w)).sum()
+
+    line = f"{__file__}:{inspect.getsourcelines(loss)[1] + 1}"
+    table = ss.instrument(jax.grad(loss), scalify=False).op_table(
+        jnp.ones((4, 4)), jnp.ones((2, 4))
+    )
+    got = {r.source for r in table if r.primitive in ("dot_general", "tanh", "erf")}
     assert got == {line}, got
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import site
 import sys
-import sysconfig
 from typing import Any
 
 _INTERNAL_PARTS = (
@@ -23,14 +21,29 @@ _INTERNAL_PARTS = (
 )
 UNKNOWN = "<unknown>"
 
-#: Libraries whose frames stand for the user's line that called them: model and optimizer
-#: libraries, and the quantisation libraries that wrap a model's ops (qwix, AQT). Told by
+#: Libraries whose frames stand for the user's line that called them: the building blocks
+#: a model is written with (layers, optimizers, tensor utilities, mixed-precision
+#: policies) and the quantisation libraries that wrap a model's ops (qwix, AQT). Told by
 #: the folder each is imported from (`package_dir`), not by a folder name in the path: a
-#: clone of google/flax running its own examples is the user's code. Beyond these, any
-#: file of an installed package (`_site_dirs`: Equinox's ``nn.Linear``, Haiku's) is a
-#: library's; these are named for where they are not installed there (an editable
-#: install, a ``pip --target`` folder).
-LIBRARIES = ("flax", "optax", "chex", "qwix", "aqt", "equinox", "haiku", "jraph")
+#: clone of google/flax running its own examples is the user's code. Any other package,
+#: installed or not, is model code whose lines are the answer (a model zoo's
+#: ``modeling_flax_gpt2.py``, the user's own package installed into a container): were
+#: every installed package's frames a library's, each op of such a model would be placed
+#: at the one script line that calls the model.
+LIBRARIES = (
+    "flax",
+    "optax",
+    "chex",
+    "qwix",
+    "aqt",
+    "equinox",
+    "haiku",
+    "jraph",
+    "einops",
+    "jmp",
+)
+#: scalescope's own building blocks (``U.linear``): the user's line that called them.
+_OWN_LIBRARIES = (("scalescope", "unit"),)
 
 
 @functools.lru_cache(maxsize=64)
@@ -73,32 +86,10 @@ def in_package(path: str, name: str, *sub: str) -> bool:
     return any(real.startswith(d) for d in package_dir(name, *sub))
 
 
-@functools.lru_cache(maxsize=8)
-def _site_dirs(search_path: tuple[str, ...]) -> tuple[str, ...]:
-    """The folders installed packages live in (``site-packages``, ``dist-packages``; each
-    ending in a separator), as real paths."""
-    dirs = set()
-    for key in ("purelib", "platlib"):
-        dirs.add(sysconfig.get_paths().get(key, ""))
-    try:
-        dirs.update(site.getsitepackages())
-        dirs.add(site.getusersitepackages())
-    except AttributeError:  # pragma: no cover - a virtualenv's old site module
-        pass
-    dirs.update(p for p in search_path if os.path.basename(p) in ("site-packages", "dist-packages"))
-    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
-
-
-def _installed(path: str) -> bool:
-    """Whether ``path`` is a file of an installed package (`_site_dirs`)."""
-    if "-packages" not in path:
-        return False  # (cheap: most frames are not)
-    real = _real(path)
-    return any(real.startswith(d) for d in _site_dirs(tuple(sys.path)))
-
-
 def _library(path: str) -> bool:
-    return _installed(path) or any(in_package(path, name) for name in LIBRARIES)
+    return any(in_package(path, name) for name in LIBRARIES) or any(
+        in_package(path, *parts) for parts in _OWN_LIBRARIES
+    )
 
 
 #: Optimizer code: optax, and Flax's wrappers of it (their step counters), as files of
