@@ -359,6 +359,26 @@ def test_unit_scaled_ops_are_placed_at_the_users_line():
     assert got == {line}, got
 
 
+def test_a_unit_scaled_functions_ops_are_placed_at_the_users_lines():
+    """``ss.unit_scale(loss)`` re-traces the loss's equations (unit-scaled matmuls, the
+    scales between ops): each op and its scales keep the line the user wrote. Every op,
+    and so every fix of the verdict, was placed at one line of the transform before."""
+
+    def loss(w, x):
+        h = jax.nn.gelu(x @ w)
+        return (h @ w).sum()
+
+    first = inspect.getsourcelines(loss)[1]
+    lines = {f"{__file__}:{first + 1}", f"{__file__}:{first + 2}"}
+    table = ss.instrument(jax.grad(ss.unit_scale(loss)), scalify=False).op_table(
+        jnp.ones((4, 4)), jnp.ones((2, 4))
+    )
+    got = {r.source for r in table if not r.source.startswith("<")}
+    assert got == lines, got
+    # the rewritten matmuls are there, at those lines
+    assert {r.source for r in table if r.primitive == "dot_general"} == lines
+
+
 _FAKE_EQUINOX = """
 import dataclasses
 

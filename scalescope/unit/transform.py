@@ -19,6 +19,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from ..scalify import traverse
@@ -152,21 +153,25 @@ class _Interpreter:
             return cache[(v, fb)]
 
         for i, eqn in enumerate(jaxpr.eqns):
-            invals = [read(v, i, pos) for pos, v in enumerate(eqn.invars)]
-            if i in plan.loss_mean:
-                outvals = [scale_fwd(invals[0], plan.loss_mean[i])]
-            elif i in plan.call_groups:
-                outvals = bind_plain(eqn, invals)
-            else:
-                sub_flags = [_flag(v, plan.param_like, plan.live) for v in eqn.invars]
-                outer, self.before_residual = self.before_residual, i in plan.constrained
-                outer_path, self.path = self.path, (*self.path, i)
-                try:
-                    outvals = self.apply(eqn, invals, sub_flags)
-                finally:
-                    self.before_residual, self.path = outer, outer_path
-            for v, out in zip(eqn.outvars, outvals, strict=True):
-                env[v] = define(v, scale_fwd(out, plan.output[v]) if v in plan.output else out)
+            # what this equation becomes (its unit-scaled version, the scales around it)
+            # is placed where the user wrote it, not in this interpreter: the probe,
+            # the advisor's fixes and errors name the user's line
+            with _written_at(eqn):
+                invals = [read(v, i, pos) for pos, v in enumerate(eqn.invars)]
+                if i in plan.loss_mean:
+                    outvals = [scale_fwd(invals[0], plan.loss_mean[i])]
+                elif i in plan.call_groups:
+                    outvals = bind_plain(eqn, invals)
+                else:
+                    sub_flags = [_flag(v, plan.param_like, plan.live) for v in eqn.invars]
+                    outer, self.before_residual = self.before_residual, i in plan.constrained
+                    outer_path, self.path = self.path, (*self.path, i)
+                    try:
+                        outvals = self.apply(eqn, invals, sub_flags)
+                    finally:
+                        self.before_residual, self.path = outer, outer_path
+                for v, out in zip(eqn.outvars, outvals, strict=True):
+                    env[v] = define(v, scale_fwd(out, plan.output[v]) if v in plan.output else out)
         return [read(v, -1, -1) for v in jaxpr.outvars]
 
     def _definer(self, jaxpr: Any, plan: _Plan) -> Callable[[Any, Any], Any]:
@@ -273,6 +278,14 @@ class _Interpreter:
         """A scan body run unrolled: at the path of its iteration (``where.index``)."""
         path = (*self.path, (_ITER, where.index))
         return self._run_at(path, self.iteration, closed, args, flags, where), ()
+
+
+def _written_at(eqn: Any) -> Any:
+    """A context in which the operations traced carry ``eqn``'s traceback (the user's
+    frames where it was written; JAX's public `user_context`), the name stack kept."""
+    return source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
+    )
 
 
 def _traversed(eqn: Any) -> bool:
