@@ -3,8 +3,10 @@ module paths, ops inside JAX's own jitted helpers, and optax's optimizer work.""
 
 from __future__ import annotations
 
+import collections
 import importlib
 import inspect
+import os
 import sys
 from typing import Any
 
@@ -377,6 +379,53 @@ def test_a_unit_scaled_functions_ops_are_placed_at_the_users_lines():
     assert got == lines, got
     # the rewritten matmuls are there, at those lines
     assert {r.source for r in table if r.primitive == "dot_general"} == lines
+
+
+def _innermost_outside_jax(eqn) -> str | None:
+    tb = eqn.source_info.traceback
+    for f in tb.frames if tb is not None else ():
+        if f"{os.sep}jax{os.sep}" not in f.file_name:
+            return f"{f.file_name}:{f.line_num}"
+    return None
+
+
+def test_a_scalified_programs_ops_carry_the_users_lines():
+    """What scalify makes of an equation (its rule's data and scale arithmetic) carries
+    the equation's own traceback, as JAX's transformations do: the program names the
+    user's lines (HLO metadata for profilers, XLA dumps), not scalescope's helpers, and
+    a function interpreting an emulated step finds them too."""
+
+    def loss(w, x):
+        h = jax.nn.gelu(x @ w)
+        return (h @ w).sum()
+
+    first = inspect.getsourcelines(loss)[1]
+    lines = {f"{__file__}:{first + 1}", f"{__file__}:{first + 2}"}
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    closed = jax.make_jaxpr(ss.scalify(jax.grad(loss)))(
+        ss.as_scaled_array(w), ss.as_scaled_array(x)
+    )
+    eqns = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            eqns.append(e)
+            for p in e.params.values():
+                if hasattr(p, "jaxpr"):
+                    walk(getattr(p.jaxpr, "jaxpr", p.jaxpr))
+
+    walk(closed.jaxpr)
+    at = [_innermost_outside_jax(e) for e in eqns]
+    # the rules' ops are at the user's lines; the rest normalise the inputs (before any
+    # equation of the user's)
+    assert sum(a in lines for a in at) >= 0.8 * len(at), collections.Counter(at)
+    assert {a for a in at if a is not None and a.startswith(__file__)} == lines
+    # instrument of an emulated step: the probe finds the user's lines in what emulate made
+    emulated = ss.emulate(jax.grad(loss), ss.Policy.from_dict({"**": "e4m3"}))
+    table = ss.instrument(emulated, scalify=False).op_table(w, x)
+    sources = collections.Counter(r.source for r in table)
+    assert set(sources) - {"<input>", "<output>", "<unknown>"} == lines, sources
+    assert sources["<unknown>"] <= 0.1 * len(table)  # the arguments' own quantisation
 
 
 _FAKE_EQUINOX = """

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from ..core.pow2 import is_static
@@ -276,22 +277,40 @@ def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[A
     for v, a in zip(jaxpr.invars, args, strict=True):
         env[v] = a
     for eqn in jaxpr.eqns:
-        invals = [_read(env, v) for v in eqn.invars]
-        reads = invals if ctx.observer is None else ctx.observer.reads(eqn, invals)
-        outvals = _apply(ctx, eqn, list(reads))
-        if not _higher_order(eqn.primitive):
-            # (a body's own rules materialise their scales; its outputs keep their
-            # identity, which the observer relies on)
-            outvals = _materialize_scales(invals, outvals)
-        if ctx.check:
-            _check_outputs(ctx, eqn, outvals)
-        if ctx.check_scales:
-            check_scale_invariant(eqn, outvals, ctx.source(eqn))
-        if ctx.observer is not None:
-            outvals = ctx.observer.on_eqn(ctx, eqn, invals, outvals) or outvals
+        with written_at(eqn):
+            outvals = _eval_eqn(ctx, eqn, [_read(env, v) for v in eqn.invars])
         for v, out in zip(eqn.outvars, outvals):
             env[v] = out
     return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    reads = invals if ctx.observer is None else ctx.observer.reads(eqn, invals)
+    outvals = _apply(ctx, eqn, list(reads))
+    if not _higher_order(eqn.primitive):
+        # (a body's own rules materialise their scales; its outputs keep their
+        # identity, which the observer relies on)
+        outvals = _materialize_scales(invals, outvals)
+    if ctx.check:
+        _check_outputs(ctx, eqn, outvals)
+    if ctx.check_scales:
+        check_scale_invariant(eqn, outvals, ctx.source(eqn))
+    if ctx.observer is not None:
+        outvals = ctx.observer.on_eqn(ctx, eqn, invals, outvals) or outvals
+    return outvals
+
+
+def written_at(eqn: Any) -> Any:
+    """A context in which the operations traced carry ``eqn``'s traceback, the name
+    stack kept (JAX's public `user_context`): what an equation becomes under scalify or
+    emulate (its rule's data and scale arithmetic, the probe's reductions) is placed
+    where the user wrote it, as JAX's own transformations place theirs. A program built
+    by interpreting ``fn`` then names ``fn``'s lines in its HLO metadata (profilers, XLA
+    dumps), and a function that interprets it again (`instrument` of an emulated step)
+    finds them."""
+    return source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
+    )
 
 
 # -- inputs ------------------------------------------------------------------------------

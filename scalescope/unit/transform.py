@@ -19,11 +19,10 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from ..scalify import traverse
-from ..scalify.interpreter import bind_plain
+from ..scalify.interpreter import bind_plain, written_at
 from ..scalify.source import format_source
 from .calibrate import (
     _ITER,
@@ -156,7 +155,7 @@ class _Interpreter:
             # what this equation becomes (its unit-scaled version, the scales around it)
             # is placed where the user wrote it, not in this interpreter: the probe,
             # the advisor's fixes and errors name the user's line
-            with _written_at(eqn):
+            with written_at(eqn):
                 invals = [read(v, i, pos) for pos, v in enumerate(eqn.invars)]
                 if i in plan.loss_mean:
                     outvals = [scale_fwd(invals[0], plan.loss_mean[i])]
@@ -278,14 +277,6 @@ class _Interpreter:
         """A scan body run unrolled: at the path of its iteration (``where.index``)."""
         path = (*self.path, (_ITER, where.index))
         return self._run_at(path, self.iteration, closed, args, flags, where), ()
-
-
-def _written_at(eqn: Any) -> Any:
-    """A context in which the operations traced carry ``eqn``'s traceback (the user's
-    frames where it was written; JAX's public `user_context`), the name stack kept."""
-    return source_info_util.user_context(
-        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
-    )
 
 
 def _traversed(eqn: Any) -> bool:
