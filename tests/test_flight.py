@@ -294,6 +294,62 @@ def test_a_mask_that_is_inf_by_construction_is_not_the_incidents_op(tmp_path):
     assert (masked["value"] > 0).any()  # the mask's -inf is there at every step
 
 
+def _rsqrt_schedule(count):
+    """Flax lm1b's warm-up-then-rsqrt schedule: ``0 ** -0.5`` (inf) where the count is
+    the boundary's distance, which `optax.join_schedules` evaluates and drops."""
+    return 1e-3 * (count + 2) ** -0.5 * 2**0.5
+
+
+_JOINED = optax.join_schedules([optax.linear_schedule(0.0, 1e-3, 2), _rsqrt_schedule], [2])
+
+
+def _fp8_overflow_step(params, opt_state, step, x):
+    lr = _JOINED(step)  # computed before the forward pass, as lm1b's train_step does
+    tx = optax.adamw(_JOINED)
+
+    def loss_fn(p):
+        h = ss.ops.cast_on_forward(x * 1000.0, jnp.float8_e4m3fn)  # overflows e4m3
+        return jnp.mean((h @ p["w"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, lr
+
+
+def test_a_nan_nothing_downstream_keeps_is_not_blamed_for_the_one_that_spreads(tmp_path):
+    """A schedule's unused rsqrt branch is inf at step 0 and computed before the forward
+    pass; an FP8 overflow then makes the loss NaN. The incident and the verdict name
+    the overflowing cast, not the schedule's inf that `join_schedules` drops (found on
+    Flax's lm1b train_step: its verdict led with "NaN/inf in 6 opt ops" at the
+    schedule's line and ranked the overflow third)."""
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 4)) / 4}
+    opt_state = optax.adamw(_JOINED).init(params)
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    cast_line = f"{__file__}:{inspect.getsourcelines(_fp8_overflow_step)[1] + 5}"
+    with ss.Run(tmp_path / "r") as run:
+        step = run.track(_fp8_overflow_step, scalify=False)
+        for i in range(2):
+            params, opt_state, loss, lr = step(params, opt_state, jnp.int32(i), x)
+            run.log(i, loss=loss)
+            assert np.isnan(float(loss)) and np.isfinite(float(lr))
+    reader = ss.open_run(tmp_path / "r")
+    first = reader.incidents().iloc[0]
+    assert (first["step"], first["name"], first["source"]) == (
+        0,
+        "fwd/convert_element_type",
+        cast_line,
+    )
+    v = reader.verdict()
+    assert v.status == "failing", v
+    causes = [r.cause for r in v.reasons]
+    assert "e4m3 overflow" in causes[1] and "fix that first" in v.reasons[0].fix, str(v)
+    assert not any(" opt op" in c for c in causes), str(v)
+    assert "e4m3 overflow" in v.reasons[0].fix
+    # the schedule's inf is there, and held by design
+    sched = reader.stats("frac_nonfinite", ops=r"^opt/pow", steps=0)
+    assert (sched["value"] > 0).any()
+
+
 def test_the_replayed_step_equals_the_one_that_triggered(tmp_path):
     run = ss.Run(tmp_path / "r", every=1000)
     trail = _train(run, step, BAD_STEP + 1)

@@ -645,3 +645,37 @@ def test_op_table_names_the_format_a_value_is_cast_to():
     assert "e5m2" in {c for (p, _), c in cast.items() if p == "bwd"}
     widened = [op for op in table if op.primitive == "convert_element_type" and op.note == "alias"]
     assert widened and all(op.cast_to == "" for op in widened)
+
+
+def test_a_nan_is_followed_along_the_data_flow_to_the_outputs():
+    """`reach.dropped`: a NaN/Inf that every path drops (a select keeps the other
+    branch) against one that reaches an output, one read by a value not known (no
+    statistics, or not recorded at that step), and one nothing recorded reads."""
+    from scalescope.probe import reach
+
+    # 0 -> 1 -> 2 (finite: a select dropped it); 3 -> 4 -> 5 (the output);
+    # 6 -> an unrecorded float op; 7 -> a comparison (bool: drops it); 8 -> nothing
+    flow = reach.flow_of(
+        [
+            (0, (), "float32", False),
+            (1, (0,), "float32", False),
+            (2, (1,), "float32", False),
+            (3, (), "float32", False),
+            (4, (3,), "float32", False),
+            (5, (4,), "float32", False),
+            (5, (), "float32", True),  # the output record: op 5's statistics
+            (-1, (6,), "float32", False),
+            (-1, (7,), "bool", False),
+            (8, (), "bfloat16", False),
+            (1, (1,), "float32", False),  # an alias of 1 (a reshape): no edge to itself
+        ]
+    )
+    assert flow.sinks == {5} and flow.consumers[6] == {reach.UNKNOWN}
+    assert flow.consumers[7] == {reach.FINITE} and flow.consumers[1] == {2}
+    nonfinite = {0, 1, 3, 4, 5, 6, 7, 8}
+    assert reach.dropped(nonfinite, flow) == {0, 1, 7}
+    # once 2 holds a NaN too (the select kept it), nothing upstream of it is dropped
+    assert reach.dropped(nonfinite | {2}, flow) == {7}
+    # a reader not recorded at this step may carry it on
+    assert reach.dropped(nonfinite, flow, known={0, 1, 3, 4, 5}) == {7}
+    assert reach.dropped(nonfinite, flow, known={0, 1, 2, 3, 4, 5}) == {0, 1, 7}

@@ -82,8 +82,9 @@ class OpRecord:
     gemm: bool = False
     operands: tuple[int, ...] = ()
     alias_of: OpRecord | None = field(default=None, repr=False)
-    #: Op ids whose statistics describe this op's float inputs (in memory only, not in
-    #: the stored op table: what an incident quotes as the inputs of its op).
+    #: Op ids whose statistics describe this op's float inputs: what an incident quotes
+    #: as the inputs of its op, and the data flow a NaN/Inf is followed along
+    #: (`reach`).
     inputs: tuple[int, ...] = field(default=(), repr=False)
     #: every float input of the op is among ``inputs`` (none is a value without a record,
     #: such as a loop's output): what an incident needs to say the op made a NaN/Inf
@@ -129,6 +130,7 @@ class OpRecord:
             "origin": self.origin,
             "gemm": self.gemm,
             "operands": list(self.operands),
+            "inputs": list(self.inputs),
         }
 
 

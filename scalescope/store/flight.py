@@ -37,6 +37,7 @@ from jax import lax
 
 from ..core import formats as _formats
 from ..core.scaled_array import ScaledArray
+from ..probe import reach
 from . import layout as L
 from .processes import to_host
 
@@ -444,6 +445,20 @@ def _log2(x: np.ndarray) -> np.ndarray:
         return np.log2(np.where(x > 0, x, np.nan))
 
 
+def dropped_by_design(table: Any, nonfinite: set[int]) -> set[int]:
+    """Of ``nonfinite`` (op ids holding a NaN/Inf), the values computed from constants
+    and the step count, or read only through a ``where`` (`OpRecord.origin` "constant",
+    "guarded"), whose NaN/Inf no path carries to the step's outputs (`reach.dropped`)."""
+    by_design = {rec.stats_op for rec in table.ops if rec.origin in ("constant", "guarded")}
+    candidates = nonfinite & by_design
+    if not candidates:
+        return set()
+    flow = reach.flow_of(
+        (rec.stats_op, rec.inputs, rec.dtype, rec.primitive == "output") for rec in table.ops
+    )
+    return reach.dropped(nonfinite, flow) & candidates
+
+
 def describe_incident(
     table: Any,
     stats: Mapping[str, np.ndarray],
@@ -480,6 +495,9 @@ def describe_incident(
         if previous is not None:
             before = _per_op(table, previous["frac_nonfinite"])
             expected |= {o for o, f in before.items() if f > 0}
+        # nor one that nothing downstream keeps (a schedule's unused branch, a log under
+        # a where), even where the outputs went non-finite for another reason
+        expected |= dropped_by_design(table, {o for o, f in frac.items() if f > 0})
         row_op = np.asarray(table.row_op)
         shares = np.asarray(stats["frac_nonfinite"], np.float64)
         # the first row the step computed, not the lowest op id: inside a scan, an op

@@ -458,12 +458,16 @@ def ops_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     return frame.set_index("op")
 
 
+#: The op table's columns of integer lists.
+LIST_COLUMNS = ("shape", "loop", "operands", "inputs")
+
+
 def ops_table(frame: pd.DataFrame) -> pa.Table:
     """The op table as Arrow, ``shape`` and ``loop`` as lists of int64 even when every
     list is empty (an untyped empty list would be Parquet's null type, which some
     engines reading ``ops.parquet`` directly, Spark among them, refuse)."""
     table = pa.Table.from_pandas(frame.reset_index(), preserve_index=False)
-    for col in ("shape", "loop", "operands"):
+    for col in LIST_COLUMNS:
         if col in table.column_names and pa.types.is_list(table.schema.field(col).type):
             i = table.column_names.index(col)
             table = table.set_column(i, col, table.column(col).cast(pa.list_(pa.int64())))

@@ -350,7 +350,7 @@ class RunReader:
                 "is corrupt; the run cannot be read"
             ) from None
         frame = frame.set_index("op")
-        for col in ("shape", "loop", "operands"):
+        for col in L.LIST_COLUMNS:
             if col in frame.columns:
                 frame[col] = [tuple(int(v) for v in x) for x in frame[col]]
         return frame

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ...probe import reach
 from ..percent import pct
 from ..thresholds import Thresholds
 from .cells import _Cells, _compare, _Dense, _hit_rows, _hits
@@ -53,6 +54,23 @@ def output_ops(ops: pd.DataFrame) -> np.ndarray:
     return np.unique(src[np.isfinite(src) & (src >= 0)].astype(np.int64))  # -1: no stats
 
 
+def flow_of_table(ops: pd.DataFrame) -> reach.Flow | None:
+    """The data flow of the op table (`reach.flow_of`), None for a run stored without
+    its ops' inputs (before they were stored)."""
+    if not {"inputs", "stats_op", "dtype", "primitive"} <= set(ops.columns):
+        return None
+    stats_op = pd.to_numeric(ops["stats_op"], errors="coerce").fillna(-1).astype(np.int64)
+    return reach.flow_of(
+        zip(
+            stats_op.tolist(),
+            ops["inputs"].tolist(),
+            ops["dtype"].astype(str).tolist(),
+            (ops["primitive"].astype(str) == "output").tolist(),
+            strict=True,
+        )
+    )
+
+
 def _finite_output_steps(cells: _Cells | _Dense, outputs: np.ndarray) -> np.ndarray:
     """Recorded steps at which every output op (`output_ops`) is recorded and holds no
     NaN/inf (empty when the outputs are not all recorded)."""
@@ -90,6 +108,39 @@ def _dropped(
     return op not in outputs and bool(np.isin(_op_steps(cells, op, mask), finite_out).all())
 
 
+def _carried_nowhere(
+    cells: _Cells | _Dense, bad: np.ndarray, guarded: np.ndarray, flow: reach.Flow
+) -> np.ndarray:
+    """A flag per row of ``bad``'s shape: a ``guarded`` op's NaN/inf (``bad``) at a step
+    where no path carries it to the outputs (`reach.dropped` over the ops ``bad`` at that
+    step, the ops not recorded then counted as carrying it)."""
+    out = np.zeros(np.shape(bad), bool)
+    seen: dict[bytes, set[int]] = {}
+    if isinstance(cells, _Dense):
+        flags = np.broadcast_to(bad, (len(cells.steps), len(cells.ids)))
+        hit = np.isin(cells.ids, guarded)
+        out = np.zeros(flags.shape, bool)
+        for t in np.flatnonzero((flags & hit[None, :]).any(axis=1)).tolist():
+            nf = cells.ids[flags[t]]
+            key = nf.tobytes()
+            if key not in seen:
+                seen[key] = reach.dropped(nf.tolist(), flow) & set(guarded.tolist())
+            out[t] = np.isin(cells.ids, list(seen[key]))
+        return out
+    row_op = np.repeat(cells.ids, cells.sizes)
+    flags = np.asarray(bad, bool)
+    for s in np.unique(cells.step[flags & np.isin(row_op, guarded)]).tolist():
+        at = cells.step == s
+        nf, known = row_op[at & flags], row_op[at]
+        key = nf.tobytes() + b"|" + known.tobytes()
+        if key not in seen:
+            seen[key] = reach.dropped(nf.tolist(), flow, set(known.tolist())) & set(
+                guarded.tolist()
+            )
+        out |= at & np.isin(row_op, list(seen[key]))
+    return out
+
+
 def _nonfinite_findings(
     cells: _Cells | _Dense,
     thresholds: Thresholds,
@@ -97,10 +148,13 @@ def _nonfinite_findings(
     fills: np.ndarray,
     outputs: np.ndarray | None = None,
     guarded: np.ndarray | None = None,
+    flow: reach.Flow | None = None,
 ) -> list[dict[str, Any]]:
     """``guarded``: ops read only through a ``jnp.where`` (the safe-division idiom), or
     computed from constants and the step count (a schedule's unused branch): NaN/inf
-    they hold at steps whose outputs stay finite were discarded by design, no finding."""
+    they hold at steps whose outputs stay finite were discarded by design, no finding;
+    so is one they hold where ``flow`` (the op table's data flow, when stored) shows no
+    path carrying it to the outputs (`reach.dropped`)."""
     values = cells.cols["frac_nonfinite"]
     outputs = np.zeros(0, np.int64) if outputs is None else np.asarray(outputs, np.int64)
     finite_out = _finite_output_steps(cells, outputs)
@@ -119,6 +173,10 @@ def _nonfinite_findings(
     for op in np.intersect1d(guarded, cells.ids).tolist():
         if _op_steps(cells, op, bad).size and _dropped(cells, op, bad, outputs, finite_out):
             bad = bad & ~cells.rows_of(np.asarray([op]))
+    if flow is not None and len(guarded):
+        # where the outputs went non-finite for another reason (an FP8 overflow), a
+        # guarded value's NaN/inf that no path carries on is still no finding
+        bad = bad & ~_carried_nowhere(cells, bad, guarded, flow)
     hits = _hits(cells, values, bad, "max")
     if not hits.op:
         return []

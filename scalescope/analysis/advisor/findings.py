@@ -31,7 +31,7 @@ from ..whatif import cheapest_recipe, format_whatif
 from .cells import _Cells, _cells_of, _Dense, _dense_blocks, _value_amax
 from .detectors_delayed import _delayed_findings, _delayed_formats
 from .detectors_formats import _format_findings, _too_wide
-from .detectors_nonfinite import _nonfinite_findings, output_ops
+from .detectors_nonfinite import _nonfinite_findings, flow_of_table, output_ops
 from .detectors_scales import _drift_band, _drift_findings, _trend_findings
 from .detectors_updates import _stall_findings
 from .severity import (
@@ -235,7 +235,9 @@ def advise(
         if "origin" in table.columns
         else None
     )
-    rows = _nonfinite_findings(cells, thresholds, labels, fill_ops(table), outputs, guarded)
+    rows = _nonfinite_findings(
+        cells, thresholds, labels, fill_ops(table), outputs, guarded, flow_of_table(table)
+    )
     gradients = ids[table["pass"].astype(str).to_numpy() == "bwd"]
     rows += _format_findings(
         cells, checked, thresholds, meta, outputs, gradients, clipped=self_scaled
