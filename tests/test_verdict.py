@@ -85,6 +85,23 @@ def test_delayed_concerns_cast_values_or_an_audited_format():
     assert "e5m2" in evidence.iloc[0]
 
 
+def test_delayed_scaling_concerns_fp8_casts_not_bf16_or_fp16():
+    """BF16 and FP16 values are cast without a per-tensor scale: an amax that grows
+    (a zero-initialised norm scale in warm-up, on Flax's Gemma in BF16) is no "delayed
+    scaling" finding there, as it is for an FP8 cast."""
+    ops = make_ops(
+        {"name": "a/mul", "cast_to": "bf16"},
+        {"name": "b/mul", "cast_to": "fp16"},
+        {"name": "c/mul", "cast_to": "e5m2"},
+    )
+    rows = []
+    for op in range(3):
+        rows += series(op, STEPS, absmax=[2.0**k for k in range(5)])
+    found = _advise(ops, rows)
+    assert found.loc[found["rule"] == "delayed", "op"].tolist() == [2]
+    assert _advise(ops, rows, audit=("bf16",)).query("rule == 'delayed'")["op"].tolist() == [2]
+
+
 # -- impact -------------------------------------------------------------------------------
 
 

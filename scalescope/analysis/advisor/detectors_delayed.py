@@ -119,19 +119,33 @@ def _delayed_findings(
     return rows
 
 
+def _fp8(fmt: str) -> bool:
+    """A plain format of 8 bits or fewer with a max: what FP8 training scales per tensor,
+    and so what delayed scaling concerns (BF16 and FP16 are cast without a scale: a
+    healthy BF16 run got "delayed scaling" findings on values that grow from zero)."""
+    if not fmt or "max" not in _format_info(fmt, None):
+        return False
+    from ...core import formats  # local: the advisor works on frames alone
+
+    try:
+        return np.dtype(formats.get(fmt).dtype).itemsize <= 1
+    except (KeyError, ValueError, TypeError):
+        return False
+
+
 def _delayed_formats(info: pd.DataFrame, audit: Sequence[str] = ()) -> pd.Series:
     """Float ops (by op-table dtype; unknown dtype counts as float) -> the format their
-    delayed scaling is replayed in. Delayed scaling is a way to scale a cast: the rule
-    concerns the values a run casts to a plain format without a scale of their own (a
-    naive cast, replayed in its format; a scalified value is cast with this step's
-    scale), and, when a plain format with a max is audited, every float op (replayed in
-    its cast format, else the first such audited format)."""
+    delayed scaling is replayed in. Delayed scaling is a way to scale a cast to FP8
+    (`_fp8`): the rule concerns the values a run casts to such a format without a scale
+    of their own (a naive cast, replayed in its format; a scalified value is cast with
+    this step's scale), and, when such a format is audited, every float op (replayed in
+    its FP8 cast format, else the first such audited format)."""
     dtype = info["dtype"].astype(str)
     floats = info[(dtype == "") | dtype.str.contains("float")]
     cast = floats["cast_to"].astype(str)
-    limits = {f: bool(f) and "max" in _format_info(f, None) for f in cast.unique()}
+    limits = {f: _fp8(f) for f in cast.unique()}
     known = cast.map(limits).to_numpy(bool)
-    audited = [f for f in audit if recipe_element(f) is None and "max" in _format_info(f, None)]
+    audited = [f for f in audit if recipe_element(f) is None and _fp8(f)]
     if audited:
         return cast.where(known, audited[0])
     return cast[known & ~floats["scaled"].to_numpy(bool)]
