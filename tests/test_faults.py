@@ -6,6 +6,7 @@ server (DNS rebinding), a link under the served folder to a run outside it."""
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import math
@@ -381,3 +382,34 @@ def test_serve_lists_a_run_with_unreadable_metadata_with_the_reason(copy):
     meta.write_text(meta.read_text()[:40])  # cut short
     runs = RunSet(copy.parent)  # it used to say "no runs under" the folder
     assert runs.names == [] and "unreadable run metadata" in runs.broken["run"]
+
+
+def test_a_step_branching_on_a_traced_argument_is_told_which_and_what_to_do(tmp_path):
+    """Flax's lm1b/wmt train_step branches on ``config.decode`` (a flax.struct dataclass
+    of Python values, static under their ``jax.jit(static_argnums=...)``). scalescope
+    traces Python numbers as jax.jit does: the error names the user's argument and the
+    way out, not the interpreter's ``flat_fn``/``dyn_vals[N]``."""
+    from flax import struct
+
+    @struct.dataclass
+    class Config:
+        decode: bool = False
+        scale: float = 2.0
+
+    def step(params, batch, config):
+        if config.decode:
+            return params
+        return jax.tree.map(lambda p: p - 0.1 * jnp.mean(batch) * config.scale, params)
+
+    params, batch = {"w": jnp.ones((4,))}, jnp.ones((2, 4))
+    said = r"step \(.*test_faults.py:\d+\): its trace depends on the value of args\[2\]\.decode"
+    with ss.Run(tmp_path / "r") as run:
+        for scalify in (False, True):
+            with pytest.raises(TypeError, match=said) as info:
+                run.track(step, scalify=scalify)(params, batch, Config())
+            assert "functools.partial(step, config=config)" in str(info.value)
+            assert "flat_fn" not in str(info.value)
+    # bound, as the message says, it tracks
+    with ss.Run(tmp_path / "bound") as run:
+        out = run.track(functools.partial(step, config=Config()), scalify=False)(params, batch)
+    np.testing.assert_allclose(out["w"], 0.8, rtol=1e-6)

@@ -13,6 +13,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -634,8 +635,37 @@ def trace_flat(fn, leaves, treedef, avals):
             kept.append(tree)
         return returned
 
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+    try:
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as err:
+        raise _on_traced_value(err, fn, leaves, treedef, dyn_pos) from err
     return closed, kept[-1] if kept else jax.tree_util.tree_structure(out_shape)
+
+
+def _on_traced_value(err: Exception, fn: Any, leaves, treedef, dyn_pos) -> TypeError:
+    """JAX's error for Python control flow on a traced argument (``if config.decode:``),
+    said of the user's argument (``args[2].decode``) instead of this module's
+    ``flat_fn``/``dyn_vals[N]``, with what to do: bind it before tracking."""
+    found = re.search(r"dyn_vals\[(\d+)\]", str(err))
+    where = "an argument"
+    if found and int(found.group(1)) < len(dyn_pos):
+        index = dyn_pos[int(found.group(1))]
+        marked = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+        paths = {leaf: path for path, leaf in jax.tree_util.tree_flatten_with_path(marked)[0]}
+        path = paths.get(index)
+        if path:
+            head, rest = path[0], jax.tree_util.keystr(tuple(path[1:]))
+            where = ("args" if getattr(head, "idx", 0) == 0 else "kwargs") + rest
+            leaf = leaves[index]
+            if np.ndim(leaf) == 0 and getattr(getattr(leaf, "aval", None), "weak_type", False):
+                where += " (a Python number, traced as jax.jit traces it)"
+    first = str(err).strip().splitlines()[0]
+    return TypeError(
+        f"{describe_function(fn)}: its trace depends on the value of {where}: {first} "
+        "Bind a value the step branches on before it is traced, e.g. "
+        "functools.partial(step, config=config): Run.track traces Python numbers among "
+        "the arguments as jax.jit does, and has no static_argnums."
+    )
 
 
 def scalify(
