@@ -667,3 +667,37 @@ def test_a_run_at_risk_whose_loss_diverged_has_failed():
     for loss in (falling, spike, None):
         assert A.verdict(findings, loss).status == "at risk"
     assert A.verdict(_findings([(0.59, 20.0)]), diverged).status == "healthy"
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_guarded_nan_no_path_carries_on_is_no_finding_beside_one_that_spreads(sparse):
+    """A schedule's unused branch (0: inf, 1: its product, 2: the select keeping the other
+    branch, finite) beside a cast that overflows (3) into the loss (4, an output): only
+    the overflow's NaN is a finding, though the outputs are not finite. The ops' inputs
+    (`ops.parquet`'s ``inputs``) tell it; a run stored without them keeps the old
+    judgement. ``sparse``: one op is not recorded at every step (the advisor's sparse
+    cells), and a reader not recorded at a step may carry the NaN on."""
+    ops = make_ops(
+        {"name": "opt/pow", "pass": "opt"},
+        {"name": "opt/mul", "pass": "opt"},
+        {"name": "opt/select_n", "pass": "opt"},
+        {"name": "fwd/convert_element_type"},
+        {"name": "fwd/reduce_sum"},
+        {"name": "output/loss", "primitive": "output"},
+        {"name": "fwd/tanh"},
+    )
+    ops["origin"] = ["constant", "constant", "constant", "", "", "", ""]
+    ops["stats_op"] = [0, 1, 2, 3, 4, 4, 6]
+    ops["inputs"] = [(), (0,), (1,), (), (3,), (), ()]
+    bad = [1.0, 0.0, 0.0, 0.0, 0.0]  # step 0 only
+    rows = series(0, STEPS, frac_nonfinite=bad) + series(1, STEPS, frac_nonfinite=bad)
+    rows += series(2, STEPS, frac_nonfinite=0.0)
+    rows += series(3, STEPS, frac_nonfinite=[0.5, 0.6, 0.5, 0.7, 0.4])  # no mask: it varies
+    rows += series(4, STEPS, frac_nonfinite=1.0)
+    rows += series(6, STEPS[1:] if sparse else STEPS, frac_nonfinite=0.0)
+    nan_ops = lambda f: sorted(f.loc[f["rule"] == "nonfinite", "op"])  # noqa: E731
+    assert nan_ops(_advise(ops, rows)) == [3, 4]
+    assert nan_ops(_advise(ops.drop(columns="inputs"), rows)) == [0, 1, 3, 4]
+    if sparse:  # the select not recorded at step 0: it may have kept the inf
+        kept = [r for r in rows if not (r["op"] == 2 and r["step"] == 0)]
+        assert nan_ops(_advise(ops, kept)) == [0, 1, 3, 4]

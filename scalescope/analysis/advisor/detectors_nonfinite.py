@@ -113,31 +113,36 @@ def _carried_nowhere(
 ) -> np.ndarray:
     """A flag per row of ``bad``'s shape: a ``guarded`` op's NaN/inf (``bad``) at a step
     where no path carries it to the outputs (`reach.dropped` over the ops ``bad`` at that
-    step, the ops not recorded then counted as carrying it)."""
-    out = np.zeros(np.shape(bad), bool)
+    step, the ops not recorded then counted as carrying it). Steps with the same ops
+    non-finite (every step after a divergence) are followed once."""
+    keep = set(guarded.tolist())
     seen: dict[bytes, set[int]] = {}
-    if isinstance(cells, _Dense):
+
+    def dropped_at(nf: np.ndarray, known: np.ndarray | None) -> list[int]:
+        key = nf.tobytes() + b"|" + (b"" if known is None else known.tobytes())
+        if key not in seen:
+            seen[key] = (
+                reach.dropped(nf.tolist(), flow, None if known is None else set(known.tolist()))
+                & keep
+            )
+        return list(seen[key])
+
+    hit = np.isin(cells.ids, guarded)
+    if isinstance(cells, _Dense):  # every op at every step: all known
         flags = np.broadcast_to(bad, (len(cells.steps), len(cells.ids)))
-        hit = np.isin(cells.ids, guarded)
         out = np.zeros(flags.shape, bool)
         for t in np.flatnonzero((flags & hit[None, :]).any(axis=1)).tolist():
-            nf = cells.ids[flags[t]]
-            key = nf.tobytes()
-            if key not in seen:
-                seen[key] = reach.dropped(nf.tolist(), flow) & set(guarded.tolist())
-            out[t] = np.isin(cells.ids, list(seen[key]))
+            out[t] = np.isin(cells.ids, dropped_at(cells.ids[flags[t]], None))
         return out
     row_op = np.repeat(cells.ids, cells.sizes)
     flags = np.asarray(bad, bool)
-    for s in np.unique(cells.step[flags & np.isin(row_op, guarded)]).tolist():
-        at = cells.step == s
-        nf, known = row_op[at & flags], row_op[at]
-        key = nf.tobytes() + b"|" + known.tobytes()
-        if key not in seen:
-            seen[key] = reach.dropped(nf.tolist(), flow, set(known.tolist())) & set(
-                guarded.tolist()
-            )
-        out |= at & np.isin(row_op, list(seen[key]))
+    out = np.zeros(flags.shape, bool)
+    order = np.argsort(cells.step, kind="stable")  # rows grouped by step, once
+    steps = cells.step[order]
+    for s in np.unique(cells.step[flags & cells.per_op(hit)]).tolist():
+        rows = order[np.searchsorted(steps, s) : np.searchsorted(steps, s, side="right")]
+        gone = dropped_at(row_op[rows[flags[rows]]], row_op[rows])
+        out[rows] = np.isin(row_op[rows], gone)
     return out
 
 
