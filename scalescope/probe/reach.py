@@ -19,6 +19,10 @@ import numpy as np
 UNKNOWN = -1
 #: A consumer that cannot hold a NaN/Inf (a comparison, an integer op): it drops it.
 FINITE = -2
+#: `OpRecord.origin` of values whose NaN/Inf a step may drop by design: computed from
+#: constants and the step count (a schedule's unused branch), or read only through a
+#: ``where`` (the safe-division idiom).
+BY_DESIGN = ("constant", "guarded")
 
 
 @dataclass(frozen=True)

@@ -449,7 +449,7 @@ def dropped_by_design(table: Any, nonfinite: set[int]) -> set[int]:
     """Of ``nonfinite`` (op ids holding a NaN/Inf), the values computed from constants
     and the step count, or read only through a ``where`` (`OpRecord.origin` "constant",
     "guarded"), whose NaN/Inf no path carries to the step's outputs (`reach.dropped`)."""
-    by_design = {rec.stats_op for rec in table.ops if rec.origin in ("constant", "guarded")}
+    by_design = {rec.stats_op for rec in table.ops if rec.origin in reach.BY_DESIGN}
     candidates = nonfinite & by_design
     if not candidates:
         return set()

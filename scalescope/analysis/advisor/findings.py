@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ...probe import reach
 from .. import delayed
 from ..frames import (
     check_stats,
@@ -229,9 +230,7 @@ def advise(
     # from constants and the step count ("constant": a schedule's unused rsqrt branch at
     # step 0, which optax's join_schedules evaluates and a select drops)
     guarded = (
-        table.index.to_numpy(np.int64)[
-            table["origin"].astype(str).isin(["guarded", "constant"]).to_numpy()
-        ]
+        table.index.to_numpy(np.int64)[table["origin"].astype(str).isin(reach.BY_DESIGN).to_numpy()]
         if "origin" in table.columns
         else None
     )
