@@ -25,6 +25,13 @@ not). The recording runs keep going, so each round records as many steps.
     python benchmarks/bench_run.py --check-cost --layers 12 --d-model 768 --heads 12 \
         --seq 256 --batch 4   # the check's cost alone, by XLA's cost model
 
+``--memory`` compiles instead (no timing) the programs a tracked step runs, with and
+without ``donate_argnums=(0, 1)`` (the parameters and optimizer state overwritten in
+place), beside ``jax.jit(step)`` with and without the same donation, and prints each one's
+device memory by XLA's ``memory_analysis``: arguments + outputs + temporaries - what the
+outputs reuse of the arguments (the state held during a step). Goal: tracked with
+donation = the user's donated jit.
+
 ``--cold N`` times each of the first N steps of a ``Run(budget=...)`` started without
 ``warmup()``, the statistics program compiling in the background (the default) and, for
 comparison, inside the first recorded step (as before): the slowest step against the
@@ -182,6 +189,12 @@ def main() -> None:
         help="instead: only the flight recorder's check by XLA's cost model (no timing; "
         "leave out --scan, as XLA counts a scan body once)",
     )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead: device memory of the tracked programs with and without donation "
+        "(compile only)",
+    )
     args = parser.parse_args()
 
     cfg = GPTConfig(
@@ -195,6 +208,9 @@ def main() -> None:
     step, params, state = _state(cfg, args.precision)
     if args.cold:
         _cold(step, params, state, _batches(cfg, args.batch, args.cold), args.budget)
+        return
+    if args.memory:
+        _memory(step, params, state, _batches(cfg, args.batch, 1)[0])
         return
     if args.check_cost:
         costs = _check_cost(step, params, state, _batches(cfg, args.batch, 1)[0])
@@ -286,6 +302,46 @@ def main() -> None:
         f"replay latency (an incident kept): {replay:.3f} s median of 5 = "
         f"{replay / (base / args.steps):.1f}x an untracked step"
     )
+
+
+def _memory(step, params, state, batch) -> dict[str, float]:
+    """Print the device memory of each program a step runs (see ``--memory``); returns
+    it, MiB by program (a statistics program's under ``<program>: statistics``)."""
+
+    def held(compiled) -> float:
+        m = compiled.memory_analysis()
+        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        return (total - m.alias_size_in_bytes) / 2**20
+
+    args = (params, state, batch)
+    state_mib = sum(x.nbytes for x in jax.tree_util.tree_leaves((params, state))) / 2**20
+    rows = []
+    for donate in ((), (0, 1)):
+        compiled = jax.jit(ss.scalify(step), donate_argnums=donate).lower(*args).compile()
+        rows.append((f"jax.jit(scalify(step)), donate_argnums={donate}", held(compiled)))
+    tmp = tempfile.mkdtemp(prefix="bench_run_memory_")
+    try:
+        for donate, detect in (((), True), ((0, 1), True), ((0, 1), False)):
+            run = ss.Run(f"{tmp}/{len(donate)}{detect}", every=10**9, detect=detect)
+            fn = run.track(step, donate_argnums=donate)
+            plain = fn._plain.trace(*args).lower().compile()
+            name = f"run.track(step, donate_argnums={donate})"
+            rows.append((name + ("" if detect else ", detect=False"), held(plain)))
+            if detect:  # the statistics program does not depend on detect
+                recording = fn._recording.trace(*args).lower().compile()
+                rows.append(("    its statistics program (recorded steps)", held(recording)))
+            run.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = rows[1][1]
+    print(f"# bench_run --memory: parameters + optimizer state {state_mib:.1f} MiB")
+    print(f"{'program':58s} {'MiB':>8s} {'ratio':>7s}")
+    found, program = {}, ""
+    for name, mib in rows:
+        print(f"{name:58s} {mib:8.1f} {mib / base:7.3f}")
+        program = name if not name.startswith(" ") else program
+        found[name if name == program else f"{program}: statistics"] = mib
+    return found
 
 
 def _check_cost(step, params, state, batch) -> dict[str, tuple[float, float]]:

@@ -393,6 +393,39 @@ def test_bench_run_check_cost_compares_the_compiled_programs():
     assert "goal <= 1.02x" in line
 
 
+def test_bench_run_memory_shows_a_donated_tracked_step_holding_what_a_donated_jit_does(capsys):
+    """``--memory`` on a small Adam step: compiled memory with and without
+    ``donate_argnums=(0, 1)``; tracked without the check it is the user's donated jit's,
+    without donation the plain jit's (the state held twice), and donation saves most
+    of the state."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    mod = load_benchmark("bench_run")
+    opt = optax.adam(1e-3)
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    params = {"w": jnp.ones((256, 256)) * 0.01}
+    rows = mod._memory(step, params, opt.init(params), jnp.ones((8, 256)))
+    out = capsys.readouterr().out
+    jit = rows["jax.jit(scalify(step)), donate_argnums=()"]
+    jit_donated = rows["jax.jit(scalify(step)), donate_argnums=(0, 1)"]
+    state_mib = 3 * 256 * 256 * 4 / 2**20  # w, Adam's mu and nu
+    # what XLA can write in place (on CPU it keeps one array of the state apart here)
+    assert jit - jit_donated >= 0.5 * state_mib, out
+    assert rows["run.track(step, donate_argnums=())"] == jit, out
+    assert rows["run.track(step, donate_argnums=(0, 1)), detect=False"] == jit_donated, out
+    # with the check: the parameters before the update, at most, beside the donated jit
+    with_check = rows["run.track(step, donate_argnums=(0, 1))"]
+    assert with_check <= jit_donated + 1.5 * state_mib / 3, out
+    assert rows["run.track(step, donate_argnums=(0, 1)): statistics"] > jit_donated, out
+
+
 def test_bench_zoo_verdicts_labels_each_run_and_prints_the_table(capsys, tmp_path):
     """bench_zoo_verdicts in-process on the optax zoo's MLP, 4 steps: FP8 master weights
     held in place (w8) are judged (the parameters are marked cast to E4M3), the fp32 run

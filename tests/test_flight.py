@@ -506,6 +506,52 @@ def test_the_recorder_keeps_no_copy_of_the_training_state(tmp_path):
     assert live(True, "skip", "skip") <= base + 64
 
 
+def test_a_donated_state_is_not_held_twice_and_its_bad_step_is_named_not_replayed(tmp_path):
+    """``run.track(step, donate_argnums=0)``: the program overwrites the weights passed in
+    (the caller's arrays are deleted, as under ``jax.jit(..., donate_argnums=0)``), so the
+    training state is not held twice; outputs are those of the step without donation,
+    bit for bit. Nothing is left to replay a bad step from: the incident names its step
+    and trigger and says why no op; a bad step that was recorded names its op from its
+    own statistics. ``warmup`` leaves the caller's arrays alone."""
+    plain = [loss for _, loss in _train(ss.Run(tmp_path / "plain", every=1000), step, 10)]
+    for every, replayed_op in ((1000, ""), (BAD_STEP, "fwd/tail/log")):
+        run = ss.Run(tmp_path / f"donated{every}", every=every)
+        tracked = run.track(step, scalify=False, donate_argnums=0)
+        w, x = _inputs()
+        tracked.warmup(w, x, jnp.int32(0))
+        assert not w.is_deleted()
+        program = tracked._plain.trace(w, x, jnp.int32(0)).lower().compile()
+        assert program.memory_analysis().alias_size_in_bytes == w.nbytes  # w is reused
+        losses = []
+        for i in range(10):
+            given = w
+            w, loss = tracked(given, x, jnp.int32(i))
+            assert given.is_deleted() and not x.is_deleted()
+            losses.append(loss)
+        run.close()
+        np.testing.assert_array_equal(np.asarray(losses), np.asarray(plain))
+        (row,) = ss.open_run(tmp_path / f"donated{every}").incidents().to_dict("records")
+        assert row["step"] == BAD_STEP and row["trigger"] == "nonfinite"
+        assert row["name"] == replayed_op and row["replayed"] is False
+        if not replayed_op:
+            assert (
+                row["op"] == -1
+                and "not replayed: the step's inputs were donated" in (row["detail"])
+            )
+
+
+def test_donation_is_refused_where_it_cannot_work(tmp_path):
+    with pytest.raises(ValueError, match="on_nonfinite='skip'.*donation frees"):
+        ss.Run(tmp_path / "a", on_nonfinite="skip").track(step, donate_argnums=(0,))
+    run = ss.Run(tmp_path / "b")
+    with pytest.raises(ValueError, match="step takes 3 argument.*no argument 3"):
+        run.track(step, donate_argnums=(0, 3))
+    for bad in ("0", -1, 1.0, True):
+        with pytest.raises(TypeError, match="donate_argnums"):
+            run.track(step, donate_argnums=bad)
+    run.close()
+
+
 def test_health_counts_scaled_arrays_by_their_values():
     """A dynamic rescale doubles a scale and halves the data: the value, its update and
     the health are unchanged (the scale is no value of its own: before this, a rescale

@@ -7,7 +7,8 @@ optimizer, batch)``). `jax.jit` needs such arguments named in ``static_argnums``
 leaf that is not an array (a `ScaledArray` flattens to arrays) or a Python number is
 passed as a static value (hashed, compared by equality, a new value compiles again), as
 if it had been listed in ``static_argnums``. Python numbers stay traced, as under
-`jax.jit`.
+`jax.jit`. Arguments named by position in ``donate`` are donated, as with ``jax.jit``'s
+``donate_argnums``: their array leaves, and those alone.
 """
 
 from __future__ import annotations
@@ -101,19 +102,32 @@ def program_name(fn: Callable[..., Any], default: str) -> str:
 class StaticLeafJit:
     """``jax.jit(fn)`` with non-array argument leaves made static; call it like ``fn``.
     ``trace(*args, **kwargs)`` traces without compiling (as `jax.jit(...).trace`).
+    ``donate``: the positions of the arguments whose arrays the program may reuse for
+    its outputs (``jax.jit``'s ``donate_argnums``); the caller's arrays are then deleted.
 
     The program is named ``name`` (default: ``fn``'s name), as ``jax.jit(fn)`` would
     name it: profiles and XLA dumps show the user's step, and the persistent
     compilation cache, whose keys begin with that name, serves the same computation
     jitted elsewhere under it."""
 
-    def __init__(self, fn: Callable[..., Any], where: str, name: str | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        where: str,
+        name: str | None = None,
+        donate: tuple[int, ...] = (),
+    ) -> None:
         self.where = where
+        self.donate = tuple(sorted(set(donate)))
         # static part of the arguments -> how to put back the non-array leaves of them
         # that ``fn`` returns (`split_static_outputs`), for the calls that do
         self._outs: dict[Hashable, OutTree] = {}
+        # static part -> which traced leaves are donated (with ``donate`` only)
+        self._donated: dict[Hashable, tuple[bool, ...]] = {}
 
-        def core(static: Hashable, dynamic: list) -> Any:
+        def core(static: Hashable, dynamic: list, given: list = ()) -> Any:
+            if self.donate:  # ``dynamic`` holds the donated leaves, ``given`` the others
+                dynamic = _merge(self._donated[static], dynamic, given)
             args, kwargs = _rebuild(static, dynamic)
             out = fn(*args, **kwargs)
             returned, tree = split_static_outputs(fn, out, [leaf for _, leaf in static[1]])
@@ -122,7 +136,7 @@ class StaticLeafJit:
             return returned
 
         core.__name__ = core.__qualname__ = name or program_name(fn, "core")
-        self._jitted = jax.jit(core, static_argnums=0)
+        self._jitted = jax.jit(core, static_argnums=0, donate_argnums=1 if self.donate else ())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call_parts(partition(args, kwargs, where=self.where))
@@ -130,9 +144,39 @@ class StaticLeafJit:
     def call_parts(self, parts: tuple[Hashable, list]) -> Any:
         """Call on arguments already split by `partition` (a caller that needs the split
         itself does not pay for it twice)."""
-        out = self._jitted(*parts)
+        out = self._jitted(*self._split(parts))
         tree = self._outs.get(parts[0]) if self._outs else None
         return out if tree is None else tree.unflatten(out)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
-        return self._jitted.trace(*partition(args, kwargs, where=self.where))
+        return self._jitted.trace(*self._split(partition(args, kwargs, where=self.where)))
+
+    def _split(self, parts: tuple[Hashable, list]) -> tuple:
+        """``parts``, with the traced leaves of donated arguments apart from the others."""
+        if not self.donate:
+            return parts
+        static, dynamic = parts
+        mask = self._donated.get(static)
+        if mask is None:
+            mask = self._donated[static] = _donated_leaves(static, self.donate)
+        donated = [x for x, d in zip(dynamic, mask, strict=True) if d]
+        return static, donated, [x for x, d in zip(dynamic, mask, strict=True) if not d]
+
+
+def _donated_leaves(static: Hashable, donate: tuple[int, ...]) -> tuple[bool, ...]:
+    """For each traced leaf of the arguments ``static`` describes (`partition`), whether
+    it belongs to a positional argument in ``donate``."""
+    treedef, fixed = static
+    args_tree = treedef.children()[0]
+    owner: list[int] = []
+    for i, child in enumerate(args_tree.children()):
+        owner += [i] * child.num_leaves
+    owner += [-1] * (treedef.num_leaves - len(owner))  # keyword arguments
+    fixed_at = {i for i, _ in fixed}
+    return tuple(owner[i] in donate for i in range(treedef.num_leaves) if i not in fixed_at)
+
+
+def _merge(mask: tuple[bool, ...], donated: list, given: list) -> list:
+    """The traced leaves in order again from `StaticLeafJit._split`'s two lists."""
+    d, g = iter(donated), iter(given)
+    return [next(d) if m else next(g) for m in mask]

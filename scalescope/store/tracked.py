@@ -107,9 +107,19 @@ class Tracked:
     """
 
     def __init__(
-        self, run: Any, fn: Callable[..., Any], *, scalify: bool, every: int, policy: Any = None
+        self,
+        run: Any,
+        fn: Callable[..., Any],
+        *,
+        scalify: bool,
+        every: int,
+        policy: Any = None,
+        donate: tuple[int, ...] = (),
     ) -> None:
         self.run, self.every, self.scalify, self.policy = run, every, scalify, policy
+        # positions of the arguments the step's programs may overwrite (`Run.track`'s
+        # donate_argnums): such a step keeps no inputs to replay (`_incident`)
+        self.donate = donate
         # numbered after every call of the run's earlier trackers: a step tracked again
         # (a notebook cell run twice) continues the run's steps instead of restarting them
         self.step = max([run.start_step, *(t.step for t in run._tracked)])
@@ -123,8 +133,9 @@ class Tracked:
         # the last bits).
         self.separate = run.isolate
         self.detect = run.detect
-        # the check inside the plain program, or after it (`flight.check_in_step`)
-        self.in_step = self.detect and flight.check_in_step()
+        # the check inside the plain program, or after it (`flight.check_in_step`), which
+        # reads the first argument: inside when the step is given that to overwrite
+        self.in_step = self.detect and (0 in donate or flight.check_in_step())
         formats = tuple(run.formats) + tuple(run.recipes)
         unjudged = [] if policy is None else [t for t in policy.targets() if t not in formats]
         if unjudged:
@@ -145,7 +156,8 @@ class Tracked:
             policy=policy,
         )
         self.instrumented, self._plain, self._recording = _PROGRAMS.get(
-            (fn, self.separate, self.detect, self.in_step, self.budgeted, *sorted(options.items())),
+            (fn, self.separate, self.detect, self.in_step, self.budgeted, donate)
+            + tuple(sorted(options.items())),
             lambda: self._programs(stateful.returning_state(fn), options),
         )
         self.detector = flight.Detector(run.triggers) if self.detect else None
@@ -190,7 +202,7 @@ class Tracked:
         else:
             plain = _scalify(fn, fallback=fallback) if scalify else fn
         plain = _with_health(plain) if self.in_step else plain
-        plain_jit = StaticLeafJit(plain, _WHERE, self._program_name())
+        plain_jit = StaticLeafJit(plain, _WHERE, self._program_name(), donate=self.donate)
         return self.instrumented, plain_jit, self._recording_fn(None)
 
     def _scalified(self, table: Any) -> bool:
@@ -229,7 +241,8 @@ class Tracked:
                 return out, replicated(stats, mesh), flight.packed_health(a[lead:], out)
             return out, replicated(stats, mesh)
 
-        return StaticLeafJit(both, _WHERE, self._program_name())
+        donate = tuple(i + lead for i in self.donate)  # this program gives the outputs
+        return StaticLeafJit(both, _WHERE, self._program_name(), donate=donate)
 
     def records(self, step: int) -> bool:
         """Whether call number ``step`` records statistics (every-``every`` mode)."""
@@ -251,6 +264,14 @@ class Tracked:
         self._registered = True
         if self.policy is not None:
             self._measure = self._held_measure(table, args, kwargs, mesh)
+            if self._measure is not None and self.donate:
+                raise ValueError(
+                    f"Run.track: {self._program_name()} is tracked with donate_argnums="
+                    f"{self.donate} under a policy that holds its weights in narrow "
+                    "formats: what each update keeps is measured from the weights before "
+                    "and after the step, and donation frees the ones before. Track it "
+                    "without donate_argnums."
+                )
         self._kinds = _leaf_kinds(args, kwargs)
         if self.budgeted:
             self.controller = _budget.BudgetController(
@@ -262,7 +283,8 @@ class Tracked:
             self.run._writer.on_findings = self.controller.observe_findings
             self.run._writer.on_cost = self.controller.observe_writer
             warm = None
-            if jax.default_backend() == "cpu" and jax.process_count() == 1:  # `_compile_async`
+            one = jax.default_backend() == "cpu" and jax.process_count() == 1
+            if one and not self.donate:  # `_compile_async` (a donated state is not kept)
                 warm = partition((mask, *args), kwargs, where=_WHERE)[1]
             self._compile_async(traced, warm)
         else:
@@ -479,6 +501,21 @@ class Tracked:
         last, prev = kept
         full = stats is not None and stats is last
         replay_equal = True
+        if not full and self.donate and _given_away((args, kwargs)):
+            incident = {
+                "step": step,
+                "trigger": trigger,
+                "value": value,
+                "op": -1,
+                "name": "",
+                "primitive": "",
+                "source": "",
+                "detail": f"{why}; not replayed: {_DONATED_NOTE}",
+                "replayed": False,
+                "replay_equal": None,
+            }
+            self.run._incident(incident)
+            return incident
         if not full:
             again, stats, _ = self._record(self._every_group(), args, kwargs)
             replay_equal = flight.trees_equal(out, again)
@@ -495,7 +532,7 @@ class Tracked:
             self.run.formats + self.run.recipes,
             exact=self.run.sample is None,  # sampled statistics can miss an input's NaN
         )
-        if trigger == "nonfinite" and found["op"] >= 0:
+        if trigger == "nonfinite" and found["op"] >= 0 and not _given_away((args, kwargs)):
             located = self._located(table, found["op"], args, kwargs)
             if located is not None:
                 found["devices"], text = located
@@ -635,6 +672,10 @@ class Tracked:
         measure, under a budget; health None when not detecting)."""
         lead = () if mask is None else (mask,)
         if self.separate:
+            if self.donate:  # the statistics read the arguments the step overwrites
+                stats = self._recording(*lead, *args, **kwargs)
+                out, health = self._plain_call(args, kwargs)
+                return out, stats, health
             out, health = self._plain_call(args, kwargs)
             return out, self._recording(*lead, *args, **kwargs), health
         res = self._recording(*lead, *args, **kwargs)
@@ -651,15 +692,24 @@ class Tracked:
         args, kwargs = _strongly_typed(args, kwargs)
         parts = partition(args, kwargs, where=_WHERE)
         recorded, args, kwargs, _ = self._matched(args, kwargs, parts)
-        jax.block_until_ready(self._plain_call(args, kwargs))
+        jax.block_until_ready(self._plain_call(self._spare(args), kwargs))
         self._warm.add("plain")
         if self._compile_thread is not None:
             self._compile_thread.join()
         if recorded:
-            out = jax.block_until_ready(self._record(self._every_group(), args, kwargs))[0]
+            res = self._record(self._every_group(), self._spare(args), kwargs)
+            out = jax.block_until_ready(res)[0]
             if self._measure is not None:  # compiled now too (nothing is written)
                 jax.block_until_ready(self._measure(args, out))
             self._warm.add("recording")
+
+    def _spare(self, args: tuple) -> tuple:
+        """``args`` with copies of those the step may overwrite (`warmup` leaves the
+        caller's arrays as they are)."""
+        copy = lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x  # noqa: E731
+        return tuple(
+            jax.tree_util.tree_map(copy, a) if i in self.donate else a for i, a in enumerate(args)
+        )
 
     def _timed(self, variant: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         """Run ``fn`` alone on the device and time it; None on its first (compiling) call."""
@@ -729,6 +779,40 @@ class Tracked:
         return out, health, stats
 
 
+def donated_positions(fn: Callable[..., Any], value: Any) -> tuple[int, ...]:
+    """``Run.track``'s ``donate_argnums`` as sorted positions, checked: non-negative
+    ints, each a parameter ``fn`` takes by position (when its signature says)."""
+    items = (value,) if isinstance(value, (int, np.integer)) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(
+            f"Run.track: donate_argnums must be an int or a sequence of ints, got "
+            f"{type(value).__name__}"
+        ) from None
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
+            raise TypeError(
+                f"Run.track: donate_argnums must hold non-negative ints (argument "
+                f"positions), got {i!r}"
+            )
+    positions = tuple(sorted({int(i) for i in items}))
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return positions
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return positions
+    taken = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    beyond = [i for i in positions if i >= len(taken)]
+    if beyond:
+        raise ValueError(
+            f"Run.track: donate_argnums={positions}: {program_name(fn, 'the step')} takes "
+            f"{len(taken)} argument(s) by position, so there is no argument {beyond[0]}"
+        )
+    return positions
+
+
 def _canonical(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` as ``sig`` binds them: a parameter that can be passed by
     position is, whichever way the call gave it (``step(w, x=x)`` is ``step(w, x)``);
@@ -782,6 +866,18 @@ _HEALTH = StaticLeafJit(flight.packed_health, _WHERE, "health")
 
 #: `Tracked._records_signature`: recorded once adapted by `_scaled_like`.
 _ADAPT = object()
+
+#: Why a step tracked with ``donate_argnums`` is not replayed (`Tracked._incident`).
+_DONATED_NOTE = (
+    "the step's inputs were donated (run.track(..., donate_argnums=...)), so there is "
+    "nothing to run it again from; its op is named when a recorded step shows it, or "
+    "track without donate_argnums to replay the first bad step"
+)
+
+
+def _given_away(tree: Any) -> bool:
+    """Whether some array of ``tree`` was deleted (donated to a program)."""
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree))
 
 
 def _leaf_kinds(args: tuple, kwargs: dict) -> tuple[Any, list[bool]]:

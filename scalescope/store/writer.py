@@ -48,7 +48,7 @@ from .processes import (
     is_global,
     start_copy,
 )
-from .tracked import Tracked
+from .tracked import Tracked, donated_positions
 
 try:  # advisory lock so two writers never share a process slot; absent on Windows
     import fcntl
@@ -511,6 +511,7 @@ class Run:
         scalify: bool = True,
         every: int | None = None,
         policy: Any = None,
+        donate_argnums: int | Sequence[int] = (),
     ) -> Tracked:
         """A jitted version of ``fn`` (same signature, same outputs) that records the
         statistics of every op every ``every`` calls (default: the Run's ``every``).
@@ -524,10 +525,23 @@ class Run:
         run plain until it is ready; ``warmup`` compiles both at once). Calls are numbered
         from the run's ``start_step``; a function tracked after another one continues
         after the calls made so far, so no step is recorded twice.
+
+        ``donate_argnums``: the positions of arguments whose arrays the step may overwrite
+        with its outputs, as in ``jax.jit`` (the training state, so that it is not held
+        twice); the caller's arrays are deleted by each call. Nothing is kept to replay
+        a bad step from then: its incident names the step and trigger, not the op, and
+        ``on_nonfinite="skip"`` cannot hand back the state before it.
         """
         self._check_open()
         if not callable(fn):
             raise TypeError(f"Run.track: fn must be callable, got {type(fn).__name__}")
+        donate = donated_positions(fn, donate_argnums)
+        if donate and self.on_nonfinite == "skip":
+            raise ValueError(
+                f"Run.track: donate_argnums={donate} with Run(on_nonfinite='skip'): "
+                "skipping a bad step hands back the state before it, which donation "
+                "frees; use on_nonfinite='record' or 'stop', or no donate_argnums"
+            )
         if every is not None:
             _check_int("every", every, 1)
         if policy is not None:
@@ -535,7 +549,9 @@ class Run:
             self._meta["policy"] = [[r.pattern, r.spec] for r in policy.rules]
             if self.process == 0 and not self._meta_pending:
                 L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
-        tracked = Tracked(self, fn, scalify=scalify, every=every or self.every, policy=policy)
+        tracked = Tracked(
+            self, fn, scalify=scalify, every=every or self.every, policy=policy, donate=donate
+        )
         self._tracked.append(tracked)
         return tracked
 
