@@ -425,6 +425,40 @@ def test_reopening_with_a_different_graph_refuses_and_leaves_the_run_intact(tmp_
     assert list(reader.steps) == [0, 1]
 
 
+def _eval_loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+
+def test_an_eval_step_tracked_beside_the_train_step_runs_unrecorded_and_training_goes_on(
+    tmp_path, data
+):
+    """A second function tracked into the run (an eval step) whose graph is not the
+    run's: a run holds one graph, so its calls run unrecorded, said once, instead of a
+    RunMismatchError in the middle of training; they are not the train step's
+    unrecorded calls."""
+    w, x = data
+    with ss.Run(tmp_path / "r", every=2) as run:
+        train = run.track(mlp_step, scalify=False)
+        evaluate = run.track(_eval_loss, scalify=False)
+        seen = []
+        with pytest.warns(UserWarning) as caught:
+            for i in range(4):
+                w, loss = train(w, x)
+                if i % 2:
+                    seen.append((evaluate(w, x), w))
+    said = [str(c.message) for c in caught if "graph other than" in str(c.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        f"Run.track: _eval_loss traces a graph other than the one {tmp_path / 'r'} records "
+        "(mlp_step's: "
+    )
+    assert "calls of _eval_loss run unrecorded and unchecked" in said[0]
+    for got, at in seen:
+        np.testing.assert_array_equal(got, jax.jit(_eval_loss)(at, x))
+    reader = ss.open_run(tmp_path / "r")
+    assert list(reader.steps) == [0, 2] and reader.unrecorded_calls is None
+
+
 def test_a_second_writer_on_the_same_run_is_refused(tmp_path):
     with ss.Run(tmp_path / "r"):
         with pytest.raises(ss.RunError, match="being recorded by pid"):

@@ -515,4 +515,6 @@ def _norm(v: Any) -> Any:
 
 def _describe(row: pd.Series) -> str:
     shape = "x".join(str(int(s)) for s in _norm(row["shape"])) or "scalar"
-    return f"{row['pass']}/{row['name']} [{shape} {row['dtype']}]"
+    name = str(row["name"])  # an input's name carries its pass already (input/x)
+    label = name if name.startswith(f"{row['pass']}/") else f"{row['pass']}/{name}"
+    return f"{label} [{shape} {row['dtype']}]"

@@ -167,6 +167,9 @@ class Tracked:
         self._last_stats: Any = None  # statistics of the last fully measured step
         self._prev_stats: Any = None  # and of the one before it
         self._registered = False
+        # another function tracked into the run first holds its graph, and this one's
+        # differs (an eval step beside the train step): its calls run unrecorded
+        self._foreign = False
         # call signature -> records (same graph)? or _ADAPT (the same once its constants
         # are scaled like the registered call's leaves, `_kinds`)
         self._signatures: dict[Any, Any] = {}
@@ -248,9 +251,10 @@ class Tracked:
         """Whether call number ``step`` records statistics (every-``every`` mode)."""
         return step % self.every == 0
 
-    def _register(self, args: tuple, kwargs: dict) -> None:
-        # Trace (no compile) and check the graph against the run before anything of this
-        # call reaches the directory, recorded step or not.
+    def _register(self, args: tuple, kwargs: dict) -> bool:
+        """Trace (no compile) and check the graph against the run before anything of
+        this call reaches the directory, recorded step or not; False when another
+        function tracked into the run holds a graph other than this one's."""
         t0 = time.perf_counter()
         mesh = global_mesh((args, kwargs))
         if mesh is not None:
@@ -260,6 +264,8 @@ class Tracked:
         mask = self._every_group()
         traced = self._recording.trace(*(() if mask is None else (mask,)), *args, **kwargs)
         table = self.instrumented.op_table(*args, **kwargs)
+        if self._graph_of_another(table):
+            return False
         self.run._register(table, self._scalified(table))
         self._registered = True
         if self.policy is not None:
@@ -301,6 +307,30 @@ class Tracked:
             time.perf_counter() - t0,
             "in the background while steps run plain" if self.budgeted else "at its first use",
         )
+        return True
+
+    def _graph_of_another(self, table: Any) -> bool:
+        """Whether a function tracked into the run before this one holds a graph other
+        than ``table`` (said once): a run holds one graph, and a second function (an
+        eval step beside the train step) is no reason to stop the training, so its
+        calls run unrecorded. A run appended to from an earlier process still refuses
+        another graph (`Run._register`)."""
+        first = next((t for t in self.run._tracked if t is not self and t._registered), None)
+        if first is None:
+            return False
+        difference = self.run._graph_difference(table)
+        if difference is None:
+            return False
+        self._foreign = True
+        name = getattr(self, "__name__", "the step")
+        warnings.warn(
+            f"Run.track: {name} traces a graph other than the one {self.run.path} records "
+            f"({getattr(first, '__name__', 'the first tracked step')}'s: {difference}); a "
+            f"run holds one graph, so calls of {name} run unrecorded and unchecked. Track "
+            f"it into a Run of its own (ss.Run(other_path).track({name})) to record it.",
+            stacklevel=_outside_package(),
+        )
+        return True
 
     def _compile_async(self, traced: Any, warm: list | None = None) -> None:
         """Compile the statistics program in a thread: under a budget, steps run plain
@@ -380,7 +410,8 @@ class Tracked:
             )
         recorded, args, kwargs, parts = self._matched(args, kwargs, parts)
         if not recorded:
-            self.run._note_unrecorded(self.step)
+            if not self._foreign:  # a call of the run's step with another graph
+                self.run._note_unrecorded(self.step)
             self.step += 1
             out = self._plain.call_parts(parts)  # another graph: neither recorded nor judged
             return out[0] if self.in_step else out
@@ -642,9 +673,10 @@ class Tracked:
         known = self._signatures.get(key)
         if known is not None:
             return known
-        if not self._registered:
-            self._register(args, kwargs)
-            known = True
+        if self._foreign:
+            known = False
+        elif not self._registered:
+            known = self._register(args, kwargs)
         elif (adapted := _scaled_like(args, kwargs, self._kinds)) is not None and (
             self._records_signature(*adapted, partition(*adapted, where=_WHERE)) is True
         ):
