@@ -606,6 +606,32 @@ def test_health_counts_every_nan_and_inf_of_every_output_leaf():
     assert float(out["nonfinite"]) == 1 and float(out["norm"]) == pytest.approx(np.sqrt(7.0))
 
 
+def test_the_loss_watched_is_the_steps_loss_not_a_metric_or_a_state_scalar():
+    """The loss a spike is judged on: in a metrics dict, the leaf named ``loss`` (Flax's
+    examples return ``{"accuracy": ..., "loss": ...}``, which flattens accuracy first) or
+    ending in ``loss``; a scalar inside a state the step returns anew (a scalar
+    parameter, ``optax.inject_hyperparams``' learning rate in the optimizer state) is
+    not one; a bare scalar output is, as before."""
+    from scalescope.store.flight import health
+
+    w = jnp.ones((4, 4))
+    params = {"temperature": jnp.float32(7.0), "w": w}
+    opt = {"hyperparams": {"learning_rate": jnp.float32(1e-3)}, "mu": w}
+    f32 = jnp.float32
+    cases = [
+        # (args, outputs, the loss)
+        ((params, opt), (params, opt, f32(2.5)), 2.5),
+        ((params,), (params, {"accuracy": f32(0.75), "loss": f32(2.5)}), 2.5),
+        ((params,), (params, {"accuracy": f32(0.75), "train_loss": f32(2.5)}), 2.5),
+        ((params,), (params, {"accuracy": f32(0.75), "loss_scale": f32(2.0**15)}), 0.75),
+        ((w,), (w, f32(2.5), f32(0.75)), 2.5),  # mnist's apply_model: grads, loss, accuracy
+        ((w, f32(0.1)), (w, f32(2.5)), 2.5),  # a scalar output beside a scalar argument
+        ((params,), (params,), 7.0),  # no loss output: the first scalar float anywhere
+    ]
+    for args, out, want in cases:
+        assert float(jax.jit(health)(args, out)["loss"]) == want, (args, out)
+
+
 def test_health_of_leaves_of_one_shape_read_together_matches_numpy():
     """Leaves of one shape are reduced together (one kernel per shape): parameters,
     their optimizer moments and updates sharing a shape, with NaN/Inf in some of them.

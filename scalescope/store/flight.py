@@ -118,6 +118,49 @@ def same_layout(a: Any, b: Any) -> bool:
     )
 
 
+def loss_of(args: Sequence[Any], out: Any) -> jax.Array | None:
+    """The step's loss among its outputs: a scalar float leaf, taken from the outputs
+    that are not an argument's new value (the parameters, an optimizer state holding a
+    scalar learning rate), one named ``loss`` (a dict key or attribute) or ending in
+    ``loss`` (``train_loss``) first, else the first; failing that, the first scalar
+    float output anywhere. None when there is none. A metrics dict flattens by key
+    (``accuracy`` before ``loss``): the name decides there, not the order."""
+    tops = list(out) if isinstance(out, tuple | list) else [out]
+    own = [o for o in tops if not _mirrors_an_argument(o, args)]
+    for group in (own, tops):
+        scalars = [
+            (path, x)
+            for path, x in jax.tree_util.tree_flatten_with_path(group)[0]
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.size == 1
+        ]
+        for rank in (0, 1):
+            for path, x in scalars:
+                if _loss_name(path) == rank:
+                    return x
+        if scalars:
+            return scalars[0][1]
+    return None
+
+
+def _mirrors_an_argument(output: Any, args: Sequence[Any]) -> bool:
+    """Whether ``output`` has the layout of an argument holding some non-scalar array
+    (a state the step returns anew; a lone scalar is as likely a loss as a state)."""
+    if not any(getattr(x, "size", 1) > 1 for x in jax.tree_util.tree_leaves(output)):
+        return False
+    return any(same_layout(a, output) for a in args)
+
+
+def _loss_name(path: tuple) -> int | None:
+    """0 when the innermost name on ``path`` is ``loss``, 1 when it ends in ``loss``
+    (``train_loss``, ``total_loss``; case aside), else None."""
+    for key in reversed(path):
+        name = getattr(key, "key", None) if hasattr(key, "key") else getattr(key, "name", None)
+        if isinstance(name, str):
+            name = name.lower()
+            return 0 if name == "loss" else 1 if name.endswith("loss") else None
+    return None
+
+
 def norm_kind(args: Sequence[Any], out: Any) -> str:
     """``"update"`` when the first output is the first argument's new value (its norm is
     that of the update), else ``"output"``. Scaled arrays: pass them through `_values`."""
@@ -175,15 +218,15 @@ def _real(v: jax.Array) -> jax.Array:
 
 def health(args: Sequence[Any], out: Any) -> dict[str, jax.Array]:
     """The step's health, computed on the device (traced): ``nonfinite`` (float
-    elements of the outputs that are NaN/Inf), ``loss`` (the first scalar float output,
-    NaN when there is none) and ``norm`` (see `norm_kind`; non-finite elements left out,
+    elements of the outputs that are NaN/Inf), ``loss`` (`loss_of`, NaN when there is
+    none) and ``norm`` (see `norm_kind`; non-finite elements left out,
     they are counted above). Scaled arrays count by the values they represent. Each
     output leaf (and, for an update, each old parameter) is read once, the leaves of one
     shape by one reduction (`_shape_health`)."""
     args, out = _values(tuple(args)), _values(out)
     leaves = _float_leaves(out)
-    scalars = [x for x in leaves if x.size == 1]
-    loss = scalars[0].reshape(()).astype(jnp.float32) if scalars else jnp.float32(jnp.nan)
+    loss = loss_of(args, out)
+    loss = jnp.float32(jnp.nan) if loss is None else loss.reshape(()).astype(jnp.float32)
     # shape -> (leaves counted for NaN/Inf, leaves whose finite squares are summed)
     groups: dict[tuple[int, ...], tuple[list, list]] = {}
 

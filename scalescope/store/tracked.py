@@ -134,8 +134,9 @@ class Tracked:
         self.separate = run.isolate
         self.detect = run.detect
         # the check inside the plain program, or after it (`flight.check_in_step`), which
-        # reads the first argument: inside when the step is given that to overwrite
-        self.in_step = self.detect and (0 in donate or flight.check_in_step())
+        # reads the first argument (and the others' layout): inside when the step is
+        # given arguments to overwrite
+        self.in_step = self.detect and (bool(donate) or flight.check_in_step())
         formats = tuple(run.formats) + tuple(run.recipes)
         unjudged = [] if policy is None else [t for t in policy.targets() if t not in formats]
         if unjudged:
@@ -475,7 +476,7 @@ class Tracked:
         None when not detecting."""
         if self.in_step:
             return res
-        return res, (_HEALTH(args[:1], res) if self.detect else None)
+        return res, (_HEALTH(args, res) if self.detect else None)
 
     # -- the flight recorder ---------------------------------------------------------------
 
@@ -790,7 +791,7 @@ class Tracked:
                 ctrl.observe_plain(seconds)
             if not self.detect or self.in_step:
                 return (*self._checked(args, res), None)
-            health, check = self._timed("check", lambda *a: _HEALTH(a[:1], res), *args)
+            health, check = self._timed("check", lambda *a: _HEALTH(a, res), *args)
             if check is not None:
                 ctrl.observe_check(check)
                 self._warn_if_starved()
@@ -891,7 +892,8 @@ def _with_health(plain: Callable[..., Any]) -> Callable[..., Any]:
 
 
 #: The flight recorder's check as a program of its own, run right after the step on its
-#: first argument and outputs where it is not inside the step (`flight.check_in_step`:
+#: arguments (it reads the first; jit drops the others, whose layout tells the loss
+#: apart, `flight.loss_of`) and outputs where it is not inside the step (`flight.check_in_step`:
 #: on CPU). Shared by every tracked step (jit traces it once per layout of the arguments).
 _HEALTH = StaticLeafJit(flight.packed_health, _WHERE, "health")
 
