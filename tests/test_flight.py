@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -538,6 +539,24 @@ def test_a_donated_state_is_not_held_twice_and_its_bad_step_is_named_not_replaye
                 row["op"] == -1
                 and "not replayed: the step's inputs were donated" in (row["detail"])
             )
+
+
+def test_a_step_jitted_with_donation_is_told_to_donate_under_track(tmp_path):
+    """A step already wrapped in ``jax.jit(..., donate_argnums=0)``: its donation does
+    nothing inside the tracked program, which is said once with the argument to pass;
+    not with ``donate_argnums`` given, nor for a step that donates nothing."""
+    donating = jax.jit(step, donate_argnums=0)
+    w, x = _inputs()
+    with ss.Run(tmp_path / "a", every=1000) as run:
+        with pytest.warns(
+            UserWarning, match=r"donates its arguments \(0,\) .*donate_argnums=\(0,\)"
+        ):
+            run.track(donating, scalify=False)(w, x, jnp.int32(0))
+    for name, fn, kw in (("b", donating, {"donate_argnums": 0}), ("c", jax.jit(step), {})):
+        with ss.Run(tmp_path / name, every=1000) as run, warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            w, _ = _inputs()
+            run.track(fn, scalify=False, **kw)(w, x, jnp.int32(0))
 
 
 def test_donation_is_refused_where_it_cannot_work(tmp_path):

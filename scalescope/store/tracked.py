@@ -267,6 +267,7 @@ class Tracked:
         table = self.instrumented.op_table(*args, **kwargs)
         if self._graph_of_another(table):
             return False
+        self._warn_if_donation_dropped(args, kwargs)
         self.run._register(table, self._scalified(table))
         self._registered = True
         if self.policy is not None:
@@ -309,6 +310,32 @@ class Tracked:
             "in the background while steps run plain" if self.budgeted else "at its first use",
         )
         return True
+
+    def _warn_if_donation_dropped(self, args: tuple, kwargs: dict) -> None:
+        """Say so when the step is a ``jax.jit`` function that donates arguments and
+        ``donate_argnums`` was not given: under the tracked step's own jit the inner
+        donation does nothing, so the state would be held twice unnoticed."""
+        fn = getattr(self, "__wrapped__", None)
+        if self.donate or not isinstance(fn, jax.stages.Wrapped):
+            return
+        try:
+            info = fn.trace(*args, **kwargs).args_info[0]
+        except Exception:  # noqa: BLE001 - a hint only; the step itself traced already
+            return
+        donated = tuple(
+            i
+            for i, arg in enumerate(info)
+            if any(getattr(a, "donated", False) for a in jax.tree_util.tree_leaves(arg))
+        )
+        if donated:
+            warnings.warn(
+                f"Run.track: {self._program_name()} donates its arguments {donated} under "
+                "its own jax.jit, which does nothing inside the tracked step's program: "
+                "the state it is given would be held beside the state it returns. Pass "
+                f"run.track(..., donate_argnums={donated}) to donate them (a bad step "
+                "then has no inputs left to replay from).",
+                stacklevel=_outside_package(),
+            )
 
     def _graph_of_another(self, table: Any) -> bool:
         """Whether a function tracked into the run before this one holds a graph other
