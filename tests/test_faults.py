@@ -409,7 +409,47 @@ def test_a_step_branching_on_a_traced_argument_is_told_which_and_what_to_do(tmp_
                 run.track(step, scalify=scalify)(params, batch, Config())
             assert "functools.partial(step, config=config)" in str(info.value)
             assert "flat_fn" not in str(info.value)
-    # bound, as the message says, it tracks
+            assert "static_argnums" in str(info.value)
+    # bound, as the message says, it tracks; or named static, by position or keyword
     with ss.Run(tmp_path / "bound") as run:
         out = run.track(functools.partial(step, config=Config()), scalify=False)(params, batch)
     np.testing.assert_allclose(out["w"], 0.8, rtol=1e-6)
+    with ss.Run(tmp_path / "static", every=1) as run:
+        tracked = run.track(step, scalify=False, static_argnums=2)
+        out = tracked(params, batch, Config())
+        out = tracked(out, batch, config=Config())
+    np.testing.assert_allclose(out["w"], 0.6, rtol=1e-6)
+    assert list(ss.open_run(tmp_path / "static").steps) == [0, 1]
+
+
+def test_static_argnums_as_jax_jit_takes_them(tmp_path):
+    """``run.track(step, static_argnums=2)``: a Python int the step loops over (traced,
+    it cannot be), and a step already jitted with that static argument (JAX's error was
+    about hashing a tracer): each new value traces again, and the outputs are those of
+    ``jax.jit(step, static_argnums=2)``. Bad positions and unhashable values are told."""
+
+    def step(w, x, n_micro):
+        for _ in range(n_micro):
+            w = w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        return w, jnp.mean(w)
+
+    jitted = jax.jit(step, static_argnums=2)
+    x = jnp.ones((2, 4)) * 0.5
+    with ss.Run(tmp_path / "bad") as run:
+        with pytest.raises(TypeError, match=r"a jax.jit inside it takes an argument as static"):
+            run.track(jitted, scalify=False)(jnp.ones((4, 4)), x, 2)
+        with pytest.raises(ValueError, match=r"step takes 3 argument.*no argument 3"):
+            run.track(step, static_argnums=3)
+        with pytest.raises(ValueError, match=r"in both donate_argnums and static_argnums"):
+            run.track(step, static_argnums=(0, 2), donate_argnums=0)
+        with pytest.raises(TypeError, match=r"args\[2\] is a list, which is not hashable"):
+            run.track(step, scalify=False, static_argnums=2)(jnp.ones((4, 4)), x, [2])
+    for i, fn in enumerate((step, jitted)):
+        w = want = jnp.ones((4, 4))
+        with ss.Run(tmp_path / f"r{i}", every=1) as run:
+            tracked = run.track(fn, scalify=False, static_argnums=2)
+            for n in (2, 2, 1):
+                w, m = tracked(w, x, n)
+                want, m_want = jitted(want, x, n)
+                np.testing.assert_array_equal(m, m_want)
+        assert list(ss.open_run(tmp_path / f"r{i}").steps) == [0, 1]  # n=1: another graph

@@ -639,6 +639,16 @@ def trace_flat(fn, leaves, treedef, avals):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as err:
         raise _on_traced_value(err, fn, leaves, treedef, dyn_pos) from err
+    except ValueError as err:
+        if "Non-hashable static arguments" not in str(err):
+            raise
+        raise TypeError(
+            f"{describe_function(fn)}: a jax.jit inside it takes an argument as static "
+            "(static_argnums or static_argnames) that reaches it traced. Run.track traces "
+            "Python numbers among the step's arguments as jax.jit does: give it the same "
+            "positions, run.track(step, static_argnums=...), or bind the value first "
+            "(functools.partial)."
+        ) from err
     return closed, kept[-1] if kept else jax.tree_util.tree_structure(out_shape)
 
 
@@ -663,8 +673,9 @@ def _on_traced_value(err: Exception, fn: Any, leaves, treedef, dyn_pos) -> TypeE
     return TypeError(
         f"{describe_function(fn)}: its trace depends on the value of {where}: {first} "
         "Bind a value the step branches on before it is traced, e.g. "
-        "functools.partial(step, config=config): Run.track traces Python numbers among "
-        "the arguments as jax.jit does, and has no static_argnums."
+        "functools.partial(step, config=config), or name its position in "
+        "run.track(step, static_argnums=...): Run.track traces Python numbers among the "
+        "arguments as jax.jit does."
     )
 
 

@@ -8,7 +8,8 @@ leaf that is not an array (a `ScaledArray` flattens to arrays) or a Python numbe
 passed as a static value (hashed, compared by equality, a new value compiles again), as
 if it had been listed in ``static_argnums``. Python numbers stay traced, as under
 `jax.jit`. Arguments named by position in ``donate`` are donated, as with ``jax.jit``'s
-``donate_argnums``: their array leaves, and those alone.
+``donate_argnums``: their array leaves, and those alone. An argument can also be made
+static whole, arrays and numbers included (`Static`, ``Run.track``'s ``static_argnums``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,57 @@ _NUMBERS = (bool, int, float, complex)
 #: Leaf types known to be traced, so the common case skips `is_array_like`'s checks; JAX's
 #: array type joins at its first sight (naming it here would start a backend at import).
 _TRACED_TYPES: set[type] = {*_NUMBERS, np.ndarray}
+
+
+class Static:
+    """An argument passed whole as one static value (``Run.track``'s ``static_argnums``):
+    a pytree leaf that is not an array, hashed and compared by its value, so a Python
+    number or a config of them the step branches on is not traced."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Static and bool(self.value == other.value)
+
+    def __repr__(self) -> str:
+        return f"Static({self.value!r})"
+
+
+def as_statics(args: tuple, positions: tuple[int, ...], where: str) -> tuple:
+    """``args`` with those at ``positions`` wrapped in `Static` (each must hash)."""
+    out = list(args)
+    for i in positions:
+        if i >= len(out) or type(out[i]) is Static:
+            continue
+        try:
+            hash(out[i])
+        except TypeError:
+            raise TypeError(
+                f"{where} args[{i}] is a {type(out[i]).__name__}, which is not hashable: an "
+                "argument named in static_argnums is compared by value from call to call "
+                "and must be hashable (a tuple, a frozen dataclass, a number...)"
+            ) from None
+        out[i] = Static(out[i])
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def with_statics(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` taking `Static` positional arguments: it sees their values (one wrapper per
+    function, so that tracking it again reuses its compiled programs)."""
+
+    @functools.wraps(fn)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return fn(*(a.value if type(a) is Static else a for a in args), **kwargs)
+
+    step.__name__ = program_name(fn, step.__name__)
+    return step
 
 
 def _is_traced(leaf: Any) -> bool:

@@ -38,7 +38,15 @@ from ..scalify import scalify as _scalify
 from ..scalify.interpreter import flatten_args
 from . import budget as _budget
 from . import flight, stateful, updates
-from .jitting import StaticLeafJit, partition, program_name, signature
+from .jitting import (
+    Static,
+    StaticLeafJit,
+    as_statics,
+    partition,
+    program_name,
+    signature,
+    with_statics,
+)
 from .processes import global_mesh, replicated, to_host
 
 log = logging.getLogger("scalescope")
@@ -115,8 +123,12 @@ class Tracked:
         every: int,
         policy: Any = None,
         donate: tuple[int, ...] = (),
+        static: tuple[int, ...] = (),
     ) -> None:
         self.run, self.every, self.scalify, self.policy = run, every, scalify, policy
+        # positions of the arguments passed whole as static values (`jitting.Static`)
+        self.static = static
+        fn = with_statics(fn) if static else fn
         # positions of the arguments the step's programs may overwrite (`Run.track`'s
         # donate_argnums): such a step keeps no inputs to replay (`_incident`)
         self.donate = donate
@@ -316,8 +328,11 @@ class Tracked:
         ``donate_argnums`` was not given: under the tracked step's own jit the inner
         donation does nothing, so the state would be held twice unnoticed."""
         fn = getattr(self, "__wrapped__", None)
+        if self.static:  # the user's function, under `with_statics`
+            fn = getattr(fn, "__wrapped__", None)
         if self.donate or not isinstance(fn, jax.stages.Wrapped):
             return
+        args = tuple(a.value if type(a) is Static else a for a in args)
         try:
             info = fn.trace(*args, **kwargs).args_info[0]
         except Exception:  # noqa: BLE001 - a hint only; the step itself traced already
@@ -414,6 +429,8 @@ class Tracked:
         self.run._check_open()
         if kwargs and self._signature is not None:
             args, kwargs = _canonical(self._signature, args, kwargs)
+        if self.static:
+            args = as_statics(args, self.static, _WHERE)
         objects = stateful.split(args, kwargs)
         if objects is None:
             return self._call(args, kwargs)
@@ -718,7 +735,7 @@ class Tracked:
                     f"traces a graph other than the one {self.run.path} records "
                     f"({difference}); such calls run unrecorded. A run holds one graph: "
                     "track the other variant into a Run of its own.",
-                    stacklevel=3,
+                    stacklevel=_outside_package(),
                 )
         self._signatures[key] = known
         return known
@@ -747,6 +764,8 @@ class Tracked:
         self.run._check_open()
         if kwargs and self._signature is not None:
             args, kwargs = _canonical(self._signature, args, kwargs)
+        if self.static:
+            args = as_statics(args, self.static, _WHERE)
         if (objects := stateful.split(args, kwargs)) is not None:
             args, kwargs = objects.args, objects.kwargs  # nothing is written back
         args, kwargs = _strongly_typed(args, kwargs)
@@ -839,22 +858,23 @@ class Tracked:
         return out, health, stats
 
 
-def donated_positions(fn: Callable[..., Any], value: Any) -> tuple[int, ...]:
-    """``Run.track``'s ``donate_argnums`` as sorted positions, checked: non-negative
-    ints, each a parameter ``fn`` takes by position (when its signature says)."""
+def argument_positions(
+    fn: Callable[..., Any], value: Any, option: str = "donate_argnums"
+) -> tuple[int, ...]:
+    """``Run.track``'s ``donate_argnums`` (or ``static_argnums``, named by ``option``)
+    as sorted positions, checked: non-negative ints, each a parameter ``fn`` takes by
+    position (when its signature says)."""
     items = (value,) if isinstance(value, (int, np.integer)) else value
     try:
         items = tuple(items)
     except TypeError:
         raise TypeError(
-            f"Run.track: donate_argnums must be an int or a sequence of ints, got "
-            f"{type(value).__name__}"
+            f"Run.track: {option} must be an int or a sequence of ints, got {type(value).__name__}"
         ) from None
     for i in items:
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
             raise TypeError(
-                f"Run.track: donate_argnums must hold non-negative ints (argument "
-                f"positions), got {i!r}"
+                f"Run.track: {option} must hold non-negative ints (argument positions), got {i!r}"
             )
     positions = tuple(sorted({int(i) for i in items}))
     try:
@@ -867,7 +887,7 @@ def donated_positions(fn: Callable[..., Any], value: Any) -> tuple[int, ...]:
     beyond = [i for i in positions if i >= len(taken)]
     if beyond:
         raise ValueError(
-            f"Run.track: donate_argnums={positions}: {program_name(fn, 'the step')} takes "
+            f"Run.track: {option}={positions}: {program_name(fn, 'the step')} takes "
             f"{len(taken)} argument(s) by position, so there is no argument {beyond[0]}"
         )
     return positions

@@ -48,7 +48,7 @@ from .processes import (
     is_global,
     start_copy,
 )
-from .tracked import Tracked, donated_positions
+from .tracked import Tracked, argument_positions
 
 try:  # advisory lock so two writers never share a process slot; absent on Windows
     import fcntl
@@ -512,6 +512,7 @@ class Run:
         every: int | None = None,
         policy: Any = None,
         donate_argnums: int | Sequence[int] = (),
+        static_argnums: int | Sequence[int] = (),
     ) -> Tracked:
         """A jitted version of ``fn`` (same signature, same outputs) that records the
         statistics of every op every ``every`` calls (default: the Run's ``every``).
@@ -531,11 +532,23 @@ class Run:
         twice); the caller's arrays are deleted by each call. Nothing is kept to replay
         a bad step from then: its incident names the step and trigger, not the op, and
         ``on_nonfinite="skip"`` cannot hand back the state before it.
+
+        ``static_argnums``: the positions of arguments passed whole as static values, as
+        in ``jax.jit``: a Python number or a config the step branches on (``if
+        config.decode:``), which is otherwise traced as ``jax.jit`` traces numbers. Each
+        must be hashable; a new value traces the step again (recorded if its graph is the
+        run's). Non-array arguments are static without it.
         """
         self._check_open()
         if not callable(fn):
             raise TypeError(f"Run.track: fn must be callable, got {type(fn).__name__}")
-        donate = donated_positions(fn, donate_argnums)
+        donate = argument_positions(fn, donate_argnums, "donate_argnums")
+        static = argument_positions(fn, static_argnums, "static_argnums")
+        if set(donate) & set(static):
+            raise ValueError(
+                f"Run.track: argument(s) {sorted(set(donate) & set(static))} are in both "
+                "donate_argnums and static_argnums: a static value holds no array to donate"
+            )
         if donate and self.on_nonfinite == "skip":
             raise ValueError(
                 f"Run.track: donate_argnums={donate} with Run(on_nonfinite='skip'): "
@@ -550,7 +563,13 @@ class Run:
             if self.process == 0 and not self._meta_pending:
                 L.write_json_atomic(self.path / L.RUN_FILE, self._meta)
         tracked = Tracked(
-            self, fn, scalify=scalify, every=every or self.every, policy=policy, donate=donate
+            self,
+            fn,
+            scalify=scalify,
+            every=every or self.every,
+            policy=policy,
+            donate=donate,
+            static=static,
         )
         self._tracked.append(tracked)
         return tracked
