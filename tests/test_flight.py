@@ -571,6 +571,46 @@ def test_donation_is_refused_where_it_cannot_work(tmp_path):
     run.close()
 
 
+def test_the_steps_own_loss_is_the_runs_loss_when_none_is_logged(tmp_path, nan_run):
+    """Every checked step's health is written (`reader.health`): a run that logs no
+    ``loss`` gets the step's own loss output under that name (the verdict, report and
+    dashboard read it), bit for bit what the step returned; a logged loss is kept as
+    logged; a step without a loss output gives none. The NaN run, which logs nothing,
+    then reads "failing" from the step its loss turned NaN."""
+    run = ss.Run(tmp_path / "own", every=1000)
+    trail = _train(run, spiky, 6)
+    run.close()
+    reader = ss.open_run(tmp_path / "own")
+    health = reader.health()
+    assert health["step"].tolist() == list(range(6)) and (health["nonfinite"] == 0).all()
+    np.testing.assert_array_equal(health["loss"], [np.float32(loss) for _, loss in trail])
+    assert not reader.loss_logged
+    np.testing.assert_array_equal(reader.scalars["loss"], health["loss"])
+    assert (health["norm"] > 0).all()
+
+    with ss.Run(tmp_path / "logged", every=1000) as run:
+        tracked = run.track(spiky, scalify=False)
+        w, x = _inputs()
+        for i in range(3):
+            w, loss = tracked(w, x, jnp.int32(i))
+            run.log(i, loss=2 * loss)
+    reader = ss.open_run(tmp_path / "logged")
+    assert reader.loss_logged and len(reader.health()) == 3
+    np.testing.assert_allclose(reader.scalars["loss"], 2 * reader.health()["loss"], rtol=1e-6)
+
+    with ss.Run(tmp_path / "none", every=1000) as run:
+        tracked = run.track(lambda w, x: jnp.tanh(x @ w), scalify=False)
+        for _ in range(2):
+            tracked(*_inputs())
+    reader = ss.open_run(tmp_path / "none")
+    assert reader.health()["loss"].isna().all() and "loss" not in reader.scalars
+
+    from scalescope.analysis import verdict_run
+
+    v = verdict_run(ss.open_run(nan_run))
+    assert v.headline == f"verdict: failing from step {BAD_STEP}: the loss turned NaN/inf", v
+
+
 def test_health_counts_scaled_arrays_by_their_values():
     """A dynamic rescale doubles a scale and halves the data: the value, its update and
     the health are unchanged (the scale is no value of its own: before this, a rescale

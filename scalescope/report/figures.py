@@ -49,6 +49,11 @@ def _loss_models(data: _RunData, compare: Any) -> list[Any]:
     text = "<h2>Loss</h2>"
     if not has_loss:
         text += '<div class="note">No loss was logged (run.log(step, loss=...)).</div>'
+    elif not getattr(data.reader, "loss_logged", True) and "loss" in data.reader.scalars:
+        text += (
+            '<div class="note">No loss was logged: this is the tracked step\'s own loss '
+            "output, as the flight recorder read it at every step.</div>"
+        )
     models: list[Any] = [
         Div(text=text, name="report-loss-section", width=_WIDTH, stylesheets=[data.css])
     ]

@@ -49,7 +49,7 @@ class Writer:
         # what a failed write lost: steps whose statistics, (step, name) whose scalars
         self.lost_steps: set[int] = set()
         self.lost_scalars: set[tuple[int, str]] = set()
-        self.lost_figures: set[int] = set()  # steps whose held-update figures were lost
+        self.lost_figures: set[int] = set()  # steps whose own figures were lost
         self.thread = threading.Thread(target=self._loop, name="scalescope-writer", daemon=True)
         self.thread.start()
 
@@ -164,7 +164,10 @@ class Writer:
             steps = {step for step, _ in self.lost_scalars}
             lost.append(f"{len(self.lost_scalars)} logged scalars of {_steps_text(steps)}")
         if self.lost_figures:
-            lost.append(f"the held-update figures of {_steps_text(self.lost_figures)}")
+            lost.append(
+                "the run's own figures (step health, held updates) of "
+                f"{_steps_text(self.lost_figures)}"
+            )
         what = " and ".join(lost) if lost else "nothing recorded so far"
         who = f"process {self.process}: " if self.process else ""
         if isinstance(self.error, L.RunWriteError):
@@ -201,7 +204,9 @@ class Writer:
         elif kind == "figures":
             _, step, names, figures = item
             values = np.asarray(to_host(figures), np.float64).reshape(-1)
-            self.scalar_buf.extend((step, n, float(v)) for n, v in zip(names, values, strict=True))
+            self.scalar_buf.extend(  # a name None: a value not kept (a step without a loss)
+                (step, n, float(v)) for n, v in zip(names, values, strict=True) if n is not None
+            )
             if len(self.scalar_buf) >= _SCALAR_FLUSH_ROWS:
                 self._flush()
 

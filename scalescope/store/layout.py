@@ -62,9 +62,16 @@ FIGURE_PREFIX = "scalescope.held_update/"
 FIGURE_FIELDS = ("moved", "lost", "d2", "e2")
 
 
+#: The flight recorder's health of every step (`flight.HEALTH_KEYS`: nonfinite, loss,
+#: norm), written as scalars under this prefix: the step's own loss is the run's loss
+#: curve where none is logged (`RunReader.scalar_rows`).
+HEALTH_PREFIX = "scalescope.health/"
+
+
 def is_figure(name: str) -> bool:
-    """Whether a scalar name is one of the run's own figures (`FIGURE_PREFIX`)."""
-    return str(name).startswith(FIGURE_PREFIX)
+    """Whether a scalar name is one of the run's own figures: held updates
+    (`FIGURE_PREFIX`) or a step's health (`HEALTH_PREFIX`); `Run.log` refuses them."""
+    return str(name).startswith((FIGURE_PREFIX, HEALTH_PREFIX))
 
 
 class RunError(Exception):

@@ -55,6 +55,7 @@ class RunReader:
         self._measured_cache: dict[Any, pd.DataFrame] = {}
         self._scalars_cache: pd.DataFrame | None = None
         self._figure_parts: list[pd.DataFrame] = []  # `updates` figures (reserved names)
+        self._health_parts: list[pd.DataFrame] = []  # the flight recorder's, per step
         self._ops: pd.DataFrame | None = None
         #: Parts that could not be read (path, reason): skipped with a warning, listed by
         #: the report and the dashboard, and a gate failure unless damage is allowed.
@@ -297,10 +298,15 @@ class RunReader:
             self._seen.add(str(part))
             frame = self._read_part(part, list(L.SCALAR_COLUMNS))
             if frame is not None:
-                own = frame["name"].astype(str).str.startswith(L.FIGURE_PREFIX).to_numpy()
+                names = frame["name"].astype(str)
+                own = names.str.startswith(L.FIGURE_PREFIX).to_numpy()
+                health = names.str.startswith(L.HEALTH_PREFIX).to_numpy()
                 if own.any():  # the run's own figures are not logged scalars
                     self._figure_parts.append(frame[own])
-                    frame = frame[~own].reset_index(drop=True)
+                if health.any():
+                    self._health_parts.append(frame[health])
+                if own.any() or health.any():
+                    frame = frame[~(own | health)].reset_index(drop=True)
                 self._scalar_parts.append(frame)
                 self._scalars_cache = None
                 new += 1
@@ -576,11 +582,46 @@ class RunReader:
         wide.columns.name = None
         return wide.astype({"step": np.int64, "op": np.int64})
 
+    def health(self) -> pd.DataFrame:
+        """The flight recorder's check of every tracked step (`scalescope.Run`'s
+        ``detect``), one row per step: ``step``, ``nonfinite`` (NaN/Inf output
+        elements), ``loss`` (the step's loss output, NaN where it has none) and ``norm``
+        (of the update, or of the outputs). Empty for a run without it (``detect=False``,
+        or written before 2026-12-03)."""
+        cols = ["step", "nonfinite", "loss", "norm"]
+        if not self._health_parts:
+            return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else "float64")
+                                 for c in cols})  # fmt: skip
+        long = pd.concat(self._health_parts, ignore_index=True)
+        long = long[long["process"] == long["process"].min()]
+        field = long["name"].astype(str).str.slice(len(L.HEALTH_PREFIX))
+        wide = long.assign(field=field).pivot_table(
+            index="step", columns="field", values="value", aggfunc="last"
+        )
+        wide = wide.reindex(columns=cols[1:]).reset_index()
+        wide.columns.name = None
+        return wide.astype({"step": np.int64})
+
+    @property
+    def loss_logged(self) -> bool:
+        """Whether a scalar ``loss`` was logged (`Run.log`); when not, `scalar_rows` gives
+        the flight recorder's loss of each step under that name."""
+        return any((f["name"] == "loss").any() for f in self._scalar_parts)
+
     def scalar_rows(self, process: int | None = None) -> pd.DataFrame:
         """Logged scalars as written, one row per logged value: ``step, name, value,
         process``, in the order each process logged them. ``process``: that JAX
-        process's rows only (None: all)."""
-        if not self._scalar_parts:
+        process's rows only (None: all). A run that logs no ``loss`` gets the tracked
+        step's own loss output as read by the flight recorder (`health`) under that
+        name, so that the verdict, the report and the dashboard have a loss curve
+        (`loss_logged` tells the two apart)."""
+        parts = list(self._scalar_parts)
+        if self._health_parts and not self.loss_logged:
+            parts += [
+                f[f["name"] == L.HEALTH_PREFIX + "loss"].assign(name="loss")
+                for f in self._health_parts
+            ]
+        if not parts:
             return pd.DataFrame(
                 {
                     "step": pd.Series(dtype="int64"),
@@ -589,7 +630,7 @@ class RunReader:
                     "process": pd.Series(dtype="int32"),
                 }
             )
-        long = pd.concat(self._scalar_parts, ignore_index=True)
+        long = pd.concat(parts, ignore_index=True)
         if process is not None:
             long = long[long["process"] == process]
         return long.reset_index(drop=True)

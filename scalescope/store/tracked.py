@@ -38,6 +38,7 @@ from ..scalify import scalify as _scalify
 from ..scalify.interpreter import flatten_args
 from . import budget as _budget
 from . import flight, stateful, updates
+from . import layout as L
 from .jitting import (
     Static,
     StaticLeafJit,
@@ -180,6 +181,7 @@ class Tracked:
         self._last_stats: Any = None  # statistics of the last fully measured step
         self._prev_stats: Any = None  # and of the one before it
         self._registered = False
+        self._health_names_cache: list[str | None] | None = None  # `_health_names`
         # another function tracked into the run first holds its graph, and this one's
         # differs (an eval step beside the train step): its calls run unrecorded
         self._foreign = False
@@ -472,6 +474,7 @@ class Tracked:
             self._keep_stats(stats)
         if health is None:
             return out
+        self.run._submit_figures(step, self._health_names(args, out), health)
         call = flight.Call(
             step, args, kwargs, out, health, stats, (self._last_stats, self._prev_stats)
         )
@@ -685,6 +688,26 @@ class Tracked:
             return None
         self.run._submit_figures(step, *measured)
         return measured[1]
+
+    def _health_names(self, args: tuple, out: Any) -> list[str | None]:
+        """The scalar names a step's health is written under (`layout.HEALTH_PREFIX`),
+        None for the loss of a step that returns none (its NaN is no loss value);
+        decided once, from the layout of the first call's arguments and outputs."""
+        if self._health_names_cache is None:
+            shape = lambda x: (  # noqa: E731 - a value's layout, nothing computed
+                jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                if isinstance(x, ScaledArray)
+                else jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+                if hasattr(x, "dtype")
+                else x
+            )
+            layout = jax.tree_util.tree_map(shape, (args, out), is_leaf=is_scaled_array)
+            has_loss = flight.loss_of(layout[0], layout[1]) is not None
+            self._health_names_cache = [
+                None if key == "loss" and not has_loss else L.HEALTH_PREFIX + key
+                for key in flight.HEALTH_KEYS
+            ]
+        return self._health_names_cache
 
     def _keep_stats(self, stats: Any) -> None:
         """Remember a fully measured step's statistics (device arrays, a few per op):

@@ -597,7 +597,8 @@ class Run:
             if L.is_figure(name):
                 raise ValueError(
                     f"Run.log: {name!r} at step {step}: names starting with "
-                    f"{L.FIGURE_PREFIX!r} are the run's own figures; choose another name"
+                    f"{L.FIGURE_PREFIX!r} or {L.HEALTH_PREFIX!r} are the run's own figures; "
+                    "choose another name"
                 )
             values[name] = value
         if values:
