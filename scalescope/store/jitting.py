@@ -67,11 +67,17 @@ def as_statics(args: tuple, positions: tuple[int, ...], where: str) -> tuple:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
 def with_statics(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` taking `Static` positional arguments: it sees their values (one wrapper per
     function, so that tracking it again reuses its compiled programs)."""
+    try:
+        return _with_statics(fn)
+    except TypeError:  # an unhashable callable: a wrapper of its own
+        return _with_statics.__wrapped__(fn)
 
+
+@functools.lru_cache(maxsize=64)
+def _with_statics(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def step(*args: Any, **kwargs: Any) -> Any:
         return fn(*(a.value if type(a) is Static else a for a in args), **kwargs)
