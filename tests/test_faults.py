@@ -6,6 +6,7 @@ server (DNS rebinding), a link under the served folder to a run outside it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import http.client
 import json
@@ -444,6 +445,13 @@ def test_static_argnums_as_jax_jit_takes_them(tmp_path):
             run.track(step, static_argnums=(0, 2), donate_argnums=0)
         with pytest.raises(TypeError, match=r"args\[2\] is a list, which is not hashable"):
             run.track(step, scalify=False, static_argnums=2)(jnp.ones((4, 4)), x, [2])
+
+        @dataclasses.dataclass(frozen=True)
+        class Config:
+            n: list
+
+        with pytest.raises(TypeError, match=r"is a Config, which is not hashable \(unhashable"):
+            run.track(step, scalify=False, static_argnums=2)(jnp.ones((4, 4)), x, Config([2]))
     for i, fn in enumerate((step, jitted)):
         w = want = jnp.ones((4, 4))
         with ss.Run(tmp_path / f"r{i}", every=1) as run:

@@ -535,10 +535,35 @@ def test_a_donated_state_is_not_held_twice_and_its_bad_step_is_named_not_replaye
         assert row["step"] == BAD_STEP and row["trigger"] == "nonfinite"
         assert row["name"] == replayed_op and row["replayed"] is False
         if not replayed_op:
-            assert (
-                row["op"] == -1
-                and "not replayed: the step's inputs were donated" in (row["detail"])
-            )
+            assert row["op"] == -1
+            assert "not replayed: the step's inputs were donated" in row["detail"]
+
+
+def test_a_nan_first_seen_in_a_steps_inputs_is_said_to_come_from_an_earlier_step(tmp_path):
+    """Donated, every 4: the bad step (7) is neither recorded nor replayed, and the next
+    recorded step (8) receives NaN weights. The verdict must not send the user to
+    ``jax_debug_nans`` at an input as if it were made there: it says an earlier step
+    made it and how to find it."""
+    from scalescope.analysis import verdict_run
+
+    def spreads(w, x, t):  # a NaN gradient at BAD_STEP only: the weights carry it on
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        return w - 0.1 * g * jnp.where(t == BAD_STEP, jnp.nan, 1.0), loss
+
+    run = ss.Run(tmp_path / "r", every=4)
+    tracked = run.track(spreads, scalify=False, donate_argnums=0)
+    w, x = _inputs()
+    for i in range(10):
+        w, _ = tracked(w, x, jnp.int32(i))
+    run.close()
+    v = verdict_run(ss.open_run(tmp_path / "r"))
+    reason = next(r for r in v.reasons if r.cause == "NaN/inf in 1 input op")
+    assert reason.fix.startswith(
+        "find the step that made it: the NaN/inf is already in the step's inputs (input/w "
+    ), reason
+    assert "jax_debug_nans" not in reason.fix
+    later = next(r for r in v.reasons if r.op.startswith("fwd/"))
+    assert later.fix == "fix the earliest op with NaN/inf first: input/w [16x16]", later
 
 
 def test_a_step_jitted_with_donation_is_told_to_donate_under_track(tmp_path):

@@ -278,13 +278,14 @@ def test_a_constant_state_leaf_that_scalify_returns_plain_keeps_every_step_recor
         tracked(jnp.ones(4))
     # and the views say that those calls ran unrecorded
     reader = ss.open_run(tmp_path / "other")
-    assert list(reader.steps) == [0] and reader.unrecorded_calls == {"count": 2, "first_step": 1}
+    assert list(reader.steps) == [0]
+    assert reader.unrecorded_calls == {"count": 2, "first_step": 1, "functions": {"<lambda>": 2}}
     notes = A.measurement_notes(reader)
-    assert any("2 calls of the tracked step (the first at step 1)" in n for n in notes), notes
+    assert any("2 tracked calls (<lambda>: 2) (the first at step 1)" in n for n in notes), notes
     # and a healthy verdict on the one recorded call says what it did not see
     headline = reader.verdict().headline
     assert headline.startswith("verdict: healthy (") and (
-        "2 calls from step 1 traced another graph and ran unrecorded" in headline
+        "2 calls (<lambda>: 2) from step 1 traced another graph and ran unrecorded" in headline
     ), headline
     assert ss.open_run(tmp_path / "run").unrecorded_calls is None
 
@@ -434,8 +435,7 @@ def test_an_eval_step_tracked_beside_the_train_step_runs_unrecorded_and_training
 ):
     """A second function tracked into the run (an eval step) whose graph is not the
     run's: a run holds one graph, so its calls run unrecorded, said once, instead of a
-    RunMismatchError in the middle of training; they are not the train step's
-    unrecorded calls."""
+    RunMismatchError in the middle of training; the run counts them by function."""
     w, x = data
     with ss.Run(tmp_path / "r", every=2) as run:
         train = run.track(mlp_step, scalify=False)
@@ -450,13 +450,58 @@ def test_an_eval_step_tracked_beside_the_train_step_runs_unrecorded_and_training
     assert len(said) == 1, said
     assert said[0].startswith(
         f"Run.track: _eval_loss traces a graph other than the one {tmp_path / 'r'} records "
-        "(mlp_step's: "
+        "(mlp_step's, tracked and called first: "
     )
-    assert "calls of _eval_loss run unrecorded and unchecked" in said[0]
+    assert "calls of _eval_loss run unrecorded (the flight recorder still checks them" in said[0]
     for got, at in seen:
         np.testing.assert_array_equal(got, jax.jit(_eval_loss)(at, x))
     reader = ss.open_run(tmp_path / "r")
-    assert list(reader.steps) == [0, 2] and reader.unrecorded_calls is None
+    assert list(reader.steps) == [0, 2]
+    # numbered by the eval step itself, from the run's count when it was tracked
+    assert reader.unrecorded_calls == {"count": 2, "first_step": 0, "functions": {"_eval_loss": 2}}
+
+
+def test_a_train_step_called_after_another_functions_graph_is_still_checked(tmp_path, data):
+    """An eval step called once before training makes its graph the run's; the train
+    step's calls then run unrecorded, but the flight recorder still checks each one: a
+    NaN is an incident (named by step, not replayed), the run is not healthy, and the
+    views count the train step's unrecorded calls by name."""
+    w, x = data
+
+    def nan_from_3(w, x, t):
+        w, loss = mlp_step(w, x)
+        return w, loss * jnp.where(t >= 3, jnp.nan, 1.0)
+
+    with ss.Run(tmp_path / "r", every=2) as run:
+        train = run.track(nan_from_3, scalify=False)
+        evaluate = run.track(_eval_loss, scalify=False)
+        evaluate(w, x)
+        with pytest.warns(UserWarning, match="nan_from_3 traces a graph other than"):
+            for i in range(5):
+                w, loss = train(w, x, jnp.int32(i))
+        assert not run.healthy
+    reader = ss.open_run(tmp_path / "r")
+    (row,) = reader.incidents().to_dict("records")
+    assert row["step"] == 3 and row["op"] == -1 and not row["replayed"]
+    assert "not replayed: this call of nan_from_3 traced another graph" in row["detail"]
+    assert reader.unrecorded_calls["functions"] == {"nan_from_3": 5}
+
+
+def test_two_trackers_of_one_step_share_the_runs_step_numbers(tmp_path, data):
+    """The same step tracked twice (with and without donation, say) before either is
+    called, the calls interleaved: each call takes the run's next number, so no two
+    record under one step."""
+    w, x = data
+    with ss.Run(tmp_path / "r", every=1) as run:
+        a = run.track(mlp_step, scalify=False)
+        b = run.track(mlp_step, scalify=False, donate_argnums=0)
+        for _ in range(3):
+            w, _ = a(w, x)
+            w, _ = b(w, x)
+    reader = ss.open_run(tmp_path / "r")
+    assert list(reader.steps) == list(range(6)) and reader.unrecorded_calls is None
+    rows = reader.stats("rms")
+    assert not rows.duplicated(["step", "op", "iteration"]).any()
 
 
 def test_a_second_writer_on_the_same_run_is_refused(tmp_path):

@@ -32,11 +32,20 @@ def budget_note(budget: float | None, period: float | None = None) -> str:
     return head + how
 
 
-def _unrecorded(unrecorded: dict[str, int] | None) -> tuple[int, int] | None:
+def _unrecorded(unrecorded: dict[str, Any] | None) -> tuple[int, int] | None:
     """(calls, first step) of a run's `RunReader.unrecorded_calls`, None when none."""
     if not unrecorded or not unrecorded.get("count"):
         return None
     return int(unrecorded["count"]), int(unrecorded.get("first_step", 0))
+
+
+def _of_functions(unrecorded: dict[str, Any]) -> str:
+    """`` (train_step: 29, eval_step: 3)`` when the run knows which tracked functions
+    made its unrecorded calls ("" for runs written before it did)."""
+    functions = unrecorded.get("functions") or {}
+    if not functions:
+        return ""
+    return " (" + ", ".join(f"{name}: {int(n):,}" for name, n in functions.items()) + ")"
 
 
 def unrecorded_note(unrecorded: dict[str, int] | None) -> str:
@@ -46,9 +55,9 @@ def unrecorded_note(unrecorded: dict[str, int] | None) -> str:
         return ""
     n, first = said
     return (
-        f"{n:,} call{'s' if n != 1 else ''} of the tracked step (the first at step "
-        f"{first:,}) traced another graph than the run's "
-        "and ran unrecorded and unchecked: figures and verdict cover the other steps only"
+        f"{n:,} tracked call{'s' if n != 1 else ''}{_of_functions(unrecorded)} (the first "
+        f"at step {first:,}) traced another graph than the run's and ran unrecorded: "
+        "figures and verdict cover the other steps only (the flight recorder checked them)"
     )
 
 
@@ -59,7 +68,7 @@ def unrecorded_text(unrecorded: dict[str, int] | None) -> str:
     if (said := _unrecorded(unrecorded)) is None:
         return ""
     n, first = said
-    calls = f"{n:,} call{'s' if n != 1 else ''}"
+    calls = f"{n:,} call{'s' if n != 1 else ''}{_of_functions(unrecorded)}"
     return f"{calls} from step {first:,} traced another graph and ran unrecorded"
 
 

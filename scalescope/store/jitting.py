@@ -57,11 +57,12 @@ def as_statics(args: tuple, positions: tuple[int, ...], where: str) -> tuple:
             continue
         try:
             hash(out[i])
-        except TypeError:
+        except TypeError as err:
             raise TypeError(
-                f"{where} args[{i}] is a {type(out[i]).__name__}, which is not hashable: an "
-                "argument named in static_argnums is compared by value from call to call "
-                "and must be hashable (a tuple, a frozen dataclass, a number...)"
+                f"{where} args[{i}] is a {type(out[i]).__name__}, which is not hashable "
+                f"({err}): an argument named in static_argnums is compared by value from "
+                "call to call and must be hashable, all its fields included (a tuple, a "
+                "frozen dataclass of hashable fields, a number...)"
             ) from None
         out[i] = Static(out[i])
     return tuple(out)

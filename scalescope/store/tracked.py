@@ -133,9 +133,11 @@ class Tracked:
         # positions of the arguments the step's programs may overwrite (`Run.track`'s
         # donate_argnums): such a step keeps no inputs to replay (`_incident`)
         self.donate = donate
-        # numbered after every call of the run's earlier trackers: a step tracked again
-        # (a notebook cell run twice) continues the run's steps instead of restarting them
-        self.step = max([run.start_step, *(t.step for t in run._tracked)])
+        # Calls of functions whose graph is the run's take the run's next number (`step`):
+        # a step tracked again (a notebook cell run twice, or once with donation and
+        # once without) continues the run's steps instead of recording over them. A
+        # function of another graph (`_foreign`) numbers its own calls, from here.
+        self._own_step = run._next_step
         self.budgeted = run.budget is not None
         # The recorded values come from a program of their own (the step evaluated again,
         # with statistics): a recorded step runs the plain program for its outputs, so
@@ -370,8 +372,9 @@ class Tracked:
         name = getattr(self, "__name__", "the step")
         warnings.warn(
             f"Run.track: {name} traces a graph other than the one {self.run.path} records "
-            f"({getattr(first, '__name__', 'the first tracked step')}'s: {difference}); a "
-            f"run holds one graph, so calls of {name} run unrecorded and unchecked. Track "
+            f"({getattr(first, '__name__', 'the first tracked step')}'s, tracked and called "
+            f"first: {difference}); a run holds one graph, so calls of {name} run "
+            "unrecorded (the flight recorder still checks them, without a replay). Track "
             f"it into a Run of its own (ss.Run(other_path).track({name})) to record it.",
             stacklevel=_outside_package(),
         )
@@ -443,6 +446,18 @@ class Tracked:
         objects.update(state)
         return out
 
+    @property
+    def step(self) -> int:
+        """The number the next call gets (see `__init__`)."""
+        return self._own_step if self._foreign else self.run._next_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if self._foreign:
+            self._own_step = value
+        else:
+            self.run._next_step = value
+
     def _call(self, args: tuple, kwargs: dict) -> Any:
         parts = partition(args, kwargs, where=_WHERE)  # once per call: the hot path
         if any(type(leaf) is int or getattr(leaf, "weak_type", False) for leaf in parts[1]):
@@ -456,13 +471,13 @@ class Tracked:
                 "run.track (or use ss.instrument, which returns the statistics)"
             )
         recorded, args, kwargs, parts = self._matched(args, kwargs, parts)
-        if not recorded:
-            if not self._foreign:  # a call of the run's step with another graph
-                self.run._note_unrecorded(self.step)
-            self.step += 1
-            out = self._plain.call_parts(parts)  # another graph: neither recorded nor judged
-            return out[0] if self.in_step else out
         step, self.step = self.step, self.step + 1
+        if not recorded:  # another graph: not recorded, but checked (not replayed)
+            self.run._note_unrecorded(step, self._program_name())
+            out, health = self._plain_parts(parts, args)
+            if health is None:
+                return out
+            return self._judged(flight.Call(step, args, kwargs, out, health, None, None))
         if self.budgeted:
             out, health, stats = self._budgeted_call(step, args, kwargs, parts)
         elif not self.records(step):
@@ -475,9 +490,13 @@ class Tracked:
         if health is None:
             return out
         self.run._submit_figures(step, self._health_names(args, out), health)
-        call = flight.Call(
-            step, args, kwargs, out, health, stats, (self._last_stats, self._prev_stats)
-        )
+        kept = (self._last_stats, self._prev_stats)
+        return self._judged(flight.Call(step, args, kwargs, out, health, stats, kept))
+
+    def _judged(self, call: flight.Call) -> Any:
+        """Hand a call to the flight recorder; returns the outputs the call gives back.
+        ``call.kept`` None: a call of another graph than the run's (not replayed)."""
+        step, out = call.step, call.out
         if self.run.on_nonfinite != "record":
             return self._judge(call)  # stop or skip act on this step: read it now
         # Judged once the step has run, by a thread (`flight.Watcher`): reading a step's
@@ -577,24 +596,14 @@ class Tracked:
     ) -> dict[str, Any]:
         """Replay the step with every op measured (unless it was, just now), keep its
         statistics as a recorded step, and hand the run the incident."""
+        if kept is None:  # a call of another graph: the run's program cannot replay it
+            what = f"this call of {self._program_name()} traced another graph than the run's"
+            return self._unreplayed(step, trigger, value, f"{why}; not replayed: {what}")
         last, prev = kept
         full = stats is not None and stats is last
         replay_equal = True
         if not full and self.donate and _given_away((args, kwargs)):
-            incident = {
-                "step": step,
-                "trigger": trigger,
-                "value": value,
-                "op": -1,
-                "name": "",
-                "primitive": "",
-                "source": "",
-                "detail": f"{why}; not replayed: {_DONATED_NOTE}",
-                "replayed": False,
-                "replay_equal": None,
-            }
-            self.run._incident(incident)
-            return incident
+            return self._unreplayed(step, trigger, value, f"{why}; not replayed: {_DONATED_NOTE}")
         if not full:
             again, stats, _ = self._record(self._every_group(), args, kwargs)
             replay_equal = flight.trees_equal(out, again)
@@ -624,6 +633,23 @@ class Tracked:
             "detail": f"{why}; {found['detail']}",
             "replayed": not full,
             "replay_equal": replay_equal,
+        }
+        self.run._incident(incident)
+        return incident
+
+    def _unreplayed(self, step: int, trigger: str, value: float, detail: str) -> dict[str, Any]:
+        """Hand the run an incident that names no op (the step could not be replayed)."""
+        incident = {
+            "step": step,
+            "trigger": trigger,
+            "value": value,
+            "op": -1,
+            "name": "",
+            "primitive": "",
+            "source": "",
+            "detail": detail,
+            "replayed": False,
+            "replay_equal": None,
         }
         self.run._incident(incident)
         return incident

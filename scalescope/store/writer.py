@@ -208,6 +208,7 @@ class Run:
         # calls that traced another graph than the run's and ran unrecorded, and the
         # first of them (the views say so beside the verdict)
         self._unrecorded: dict[str, int] = {}
+        self._unrecorded_by: dict[str, int] = {}  # function name -> its unrecorded calls
         self._ended_by = ""  # the exception that ended a `with Run(...)` block, if one did
         _check_int("flush_steps", flush_steps, 1)
         if not flush_seconds > 0:
@@ -271,6 +272,9 @@ class Run:
             self._meta = self._open_dir()
             last = self._last_step()
             self.start_step = start_step if start_step is not None else last + 1
+        # the number the run's next tracked call gets, shared by every function tracked
+        # into it whose graph is the run's (so no two calls record under one step)
+        self._next_step = self.start_step
         seq = self._next_seq()
         self._writer = Writer(self.path, self.process, seq, flush_steps, float(flush_seconds))
         self.flush_steps, self.flush_seconds = flush_steps, float(flush_seconds)
@@ -728,9 +732,13 @@ class Run:
                     self._meta.setdefault("damage", []).append(damage)
                 if self._unrecorded:
                     before = self._meta.get("unrecorded_calls") or {}
+                    functions = dict(before.get("functions") or {})
+                    for name, n in self._unrecorded_by.items():
+                        functions[name] = int(functions.get(name, 0)) + n
                     self._meta["unrecorded_calls"] = {
                         "count": before.get("count", 0) + self._unrecorded["count"],
                         "first_step": before.get("first_step", self._unrecorded["first_step"]),
+                        **({"functions": functions} if functions else {}),
                     }
                 if self._ended_by and self._meta.get("sessions"):
                     self._meta["sessions"][-1]["ended_by"] = self._ended_by
@@ -753,10 +761,12 @@ class Run:
         if unsettled is not None:
             raise unsettled
 
-    def _note_unrecorded(self, step: int) -> None:
-        """A tracked call at ``step`` traced another graph and ran unrecorded."""
+    def _note_unrecorded(self, step: int, function: str) -> None:
+        """A call of the tracked ``function`` at ``step`` traced another graph than the
+        run's and ran unrecorded."""
         self._unrecorded.setdefault("first_step", step)
         self._unrecorded["count"] = self._unrecorded.get("count", 0) + 1
+        self._unrecorded_by[function] = self._unrecorded_by.get(function, 0) + 1
 
     def _check_open(self) -> None:
         if self._closed:

@@ -192,10 +192,20 @@ def fix_line(
     where = _where(op)
     if rule == "nonfinite":
         if origin is not None and origin["label"] != op["label"]:
-            return f"fix the earliest op with NaN/inf first: {origin['label']} at {_where(origin)}"
+            at = _where(origin)
+            at = "" if at == origin["label"] else f" at {at}"  # an input has no line
+            return f"fix the earliest op with NaN/inf first: {origin['label']}{at}"
         dtype = str(op.get("dtype", ""))
         if op.get("pass") == "opt" and dtype in _LOW_PRECISION:
             return _optimizer_in_fp32(where, dtype)
+        if op.get("pass") == "input":
+            return (
+                f"find the step that made it: the NaN/inf is already in the step's inputs "
+                f"({op['label']}), made by an earlier step that was not recorded (or it is in "
+                "the data); record every step before it (Run(every=1) from a checkpoint), or "
+                "let the flight recorder replay the first bad step (it cannot with "
+                "donate_argnums)"
+            )
         return f'jax.config.update("jax_debug_nans", True)  # stops at the first NaN: {where}'
     if rule == "stall":
         held = fmt or "its format"
