@@ -461,3 +461,26 @@ def test_static_argnums_as_jax_jit_takes_them(tmp_path):
                 want, m_want = jitted(want, x, n)
                 np.testing.assert_array_equal(m, m_want)
         assert list(ss.open_run(tmp_path / f"r{i}").steps) == [0, 1]  # n=1: another graph
+
+    # by name, or counted from the last positional parameter, as jax.jit takes them
+    def step_kw(w, x, *, n_micro):
+        return step(w, x, n_micro)
+
+    for name, fn, kw in (
+        ("names", step, {"static_argnames": "n_micro"}),
+        ("kwonly", step_kw, {"static_argnames": ("n_micro",)}),
+        ("negative", step, {"static_argnums": -1}),
+    ):
+        w = want = jnp.ones((4, 4))
+        with ss.Run(tmp_path / name, every=1) as run:
+            tracked = run.track(fn, scalify=False, **kw)
+            for n in (2, 2):
+                w, m = tracked(w, x, n_micro=n)
+                want, m_want = jitted(want, x, n)
+                np.testing.assert_array_equal(m, m_want)
+        assert list(ss.open_run(tmp_path / name).steps) == [0, 1], name
+    with ss.Run(tmp_path / "bad2") as run:
+        with pytest.raises(ValueError, match=r"static_argnames names 'steps', which step has no"):
+            run.track(step, static_argnames="steps")
+        with pytest.raises(ValueError, match=r"takes 3 argument.*no argument -4"):
+            run.track(step, static_argnums=-4)

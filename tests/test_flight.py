@@ -590,9 +590,10 @@ def test_donation_is_refused_where_it_cannot_work(tmp_path):
     run = ss.Run(tmp_path / "b")
     with pytest.raises(ValueError, match="step takes 3 argument.*no argument 3"):
         run.track(step, donate_argnums=(0, 3))
-    for bad in ("0", -1, 1.0, True):
+    for bad in ("0", 1.0, True):
         with pytest.raises(TypeError, match="donate_argnums"):
             run.track(step, donate_argnums=bad)
+    assert run.track(step, donate_argnums=-3).donate == (0,)  # from the last, as jax.jit
     run.close()
 
 

@@ -49,27 +49,36 @@ class Static:
         return f"Static({self.value!r})"
 
 
-def as_statics(args: tuple, positions: tuple[int, ...], where: str) -> tuple:
-    """``args`` with those at ``positions`` wrapped in `Static` (each must hash)."""
-    out = list(args)
+def as_statics(
+    args: tuple, kwargs: dict, positions: tuple[int, ...], names: tuple[str, ...], where: str
+) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the arguments at ``positions`` and the keyword arguments
+    ``names`` wrapped in `Static` (each must hash)."""
+    out, given = list(args), dict(kwargs)
     for i in positions:
-        if i >= len(out) or type(out[i]) is Static:
-            continue
-        try:
-            hash(out[i])
-        except TypeError as err:
-            raise TypeError(
-                f"{where} args[{i}] is a {type(out[i]).__name__}, which is not hashable "
-                f"({err}): an argument named in static_argnums is compared by value from "
-                "call to call and must be hashable, all its fields included (a tuple, a "
-                "frozen dataclass of hashable fields, a number...)"
-            ) from None
-        out[i] = Static(out[i])
-    return tuple(out)
+        if i < len(out) and type(out[i]) is not Static:
+            out[i] = _static(out[i], f"{where} args[{i}]")
+    for name in names:
+        if name in given and type(given[name]) is not Static:
+            given[name] = _static(given[name], f"{where} kwargs[{name!r}]")
+    return tuple(out), given
+
+
+def _static(value: Any, what: str) -> Static:
+    try:
+        hash(value)
+    except TypeError as err:
+        raise TypeError(
+            f"{what} is a {type(value).__name__}, which is not hashable ({err}): an argument "
+            "named in static_argnums or static_argnames is compared by value from call to "
+            "call and must be hashable, all its fields included (a tuple, a frozen "
+            "dataclass of hashable fields, a number...)"
+        ) from None
+    return Static(value)
 
 
 def with_statics(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` taking `Static` positional arguments: it sees their values (one wrapper per
+    """``fn`` taking `Static` arguments: it sees their values (one wrapper per
     function, so that tracking it again reuses its compiled programs)."""
     try:
         return _with_statics(fn)
@@ -81,7 +90,8 @@ def with_statics(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _with_statics(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def step(*args: Any, **kwargs: Any) -> Any:
-        return fn(*(a.value if type(a) is Static else a for a in args), **kwargs)
+        args = tuple(a.value if type(a) is Static else a for a in args)
+        return fn(*args, **{k: v.value if type(v) is Static else v for k, v in kwargs.items()})
 
     step.__name__ = program_name(fn, step.__name__)
     return step

@@ -125,11 +125,13 @@ class Tracked:
         policy: Any = None,
         donate: tuple[int, ...] = (),
         static: tuple[int, ...] = (),
+        static_names: tuple[str, ...] = (),
     ) -> None:
         self.run, self.every, self.scalify, self.policy = run, every, scalify, policy
-        # positions of the arguments passed whole as static values (`jitting.Static`)
-        self.static = static
-        fn = with_statics(fn) if static else fn
+        # positions (and keyword-only names) of the arguments passed whole as static
+        # values (`jitting.Static`)
+        self.static, self.static_names = static, static_names
+        fn = with_statics(fn) if static or static_names else fn
         # positions of the arguments the step's programs may overwrite (`Run.track`'s
         # donate_argnums): such a step keeps no inputs to replay (`_incident`)
         self.donate = donate
@@ -332,11 +334,12 @@ class Tracked:
         ``donate_argnums`` was not given: under the tracked step's own jit the inner
         donation does nothing, so the state would be held twice unnoticed."""
         fn = getattr(self, "__wrapped__", None)
-        if self.static:  # the user's function, under `with_statics`
+        if self.static or self.static_names:  # the user's function, under `with_statics`
             fn = getattr(fn, "__wrapped__", None)
         if self.donate or not isinstance(fn, jax.stages.Wrapped):
             return
         args = tuple(a.value if type(a) is Static else a for a in args)
+        kwargs = {k: v.value if type(v) is Static else v for k, v in kwargs.items()}
         try:
             info = fn.trace(*args, **kwargs).args_info[0]
         except Exception:  # noqa: BLE001 - a hint only; the step itself traced already
@@ -434,8 +437,8 @@ class Tracked:
         self.run._check_open()
         if kwargs and self._signature is not None:
             args, kwargs = _canonical(self._signature, args, kwargs)
-        if self.static:
-            args = as_statics(args, self.static, _WHERE)
+        if self.static or self.static_names:
+            args, kwargs = as_statics(args, kwargs, self.static, self.static_names, _WHERE)
         objects = stateful.split(args, kwargs)
         if objects is None:
             return self._call(args, kwargs)
@@ -813,8 +816,8 @@ class Tracked:
         self.run._check_open()
         if kwargs and self._signature is not None:
             args, kwargs = _canonical(self._signature, args, kwargs)
-        if self.static:
-            args = as_statics(args, self.static, _WHERE)
+        if self.static or self.static_names:
+            args, kwargs = as_statics(args, kwargs, self.static, self.static_names, _WHERE)
         if (objects := stateful.split(args, kwargs)) is not None:
             args, kwargs = objects.args, objects.kwargs  # nothing is written back
         args, kwargs = _strongly_typed(args, kwargs)
@@ -907,12 +910,21 @@ class Tracked:
         return out, health, stats
 
 
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters, None when its signature is unknown."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def argument_positions(
     fn: Callable[..., Any], value: Any, option: str = "donate_argnums"
 ) -> tuple[int, ...]:
     """``Run.track``'s ``donate_argnums`` (or ``static_argnums``, named by ``option``)
-    as sorted positions, checked: non-negative ints, each a parameter ``fn`` takes by
-    position (when its signature says)."""
+    as sorted positions, checked: ints, each a parameter ``fn`` takes by position (when
+    its signature says); a negative one counts from the last of those, as in
+    ``jax.jit``."""
     items = (value,) if isinstance(value, (int, np.integer)) else value
     try:
         items = tuple(items)
@@ -921,25 +933,54 @@ def argument_positions(
             f"Run.track: {option} must be an int or a sequence of ints, got {type(value).__name__}"
         ) from None
     for i in items:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
-            raise TypeError(
-                f"Run.track: {option} must hold non-negative ints (argument positions), got {i!r}"
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"Run.track: {option} must hold ints (argument positions), got {i!r}")
+    params = _parameters(fn)
+    if params is None or any(p.kind is p.VAR_POSITIONAL for p in params):
+        if any(i < 0 for i in items):
+            raise ValueError(
+                f"Run.track: {option}={tuple(items)}: a negative position needs to know how "
+                f"many arguments {program_name(fn, 'the step')} takes by position, and its "
+                "signature does not say"
             )
-    positions = tuple(sorted({int(i) for i in items}))
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return positions
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return positions
-    taken = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    beyond = [i for i in positions if i >= len(taken)]
+        return tuple(sorted({int(i) for i in items}))
+    taken = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    beyond = [i for i in items if not -taken <= i < taken]
     if beyond:
         raise ValueError(
-            f"Run.track: {option}={positions}: {program_name(fn, 'the step')} takes "
-            f"{len(taken)} argument(s) by position, so there is no argument {beyond[0]}"
+            f"Run.track: {option}={tuple(items)}: {program_name(fn, 'the step')} takes "
+            f"{taken} argument(s) by position, so there is no argument {beyond[0]}"
         )
-    return positions
+    return tuple(sorted({int(i) % taken for i in items}))
+
+
+def static_names(fn: Callable[..., Any], names: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``Run.track``'s ``static_argnames``: ``(positions, keyword-only names)``, the
+    names of parameters that can be passed by position given as those positions
+    (arguments are bound by position where they can be, `_canonical`)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"Run.track: static_argnames must hold parameter names, got {names!r}")
+    params = _parameters(fn)
+    if params is None:
+        return (), names
+    by_name = {p.name: (i, p) for i, p in enumerate(params)}
+    positions, keywords = [], []
+    for name in names:
+        if name not in by_name:
+            if any(p.kind is p.VAR_KEYWORD for p in params):
+                keywords.append(name)
+                continue
+            raise ValueError(
+                f"Run.track: static_argnames names {name!r}, which "
+                f"{program_name(fn, 'the step')} has no parameter of"
+            )
+        i, p = by_name[name]
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positions.append(i)
+        else:
+            keywords.append(name)
+    return tuple(sorted(set(positions))), tuple(keywords)
 
 
 def _canonical(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -49,6 +49,7 @@ from .processes import (
     start_copy,
 )
 from .tracked import Tracked, argument_positions
+from .tracked import static_names as tracked_static_names
 
 try:  # advisory lock so two writers never share a process slot; absent on Windows
     import fcntl
@@ -517,6 +518,7 @@ class Run:
         policy: Any = None,
         donate_argnums: int | Sequence[int] = (),
         static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
     ) -> Tracked:
         """A jitted version of ``fn`` (same signature, same outputs) that records the
         statistics of every op every ``every`` calls (default: the Run's ``every``).
@@ -541,13 +543,15 @@ class Run:
         in ``jax.jit``: a Python number or a config the step branches on (``if
         config.decode:``), which is otherwise traced as ``jax.jit`` traces numbers. Each
         must be hashable; a new value traces the step again (recorded if its graph is the
-        run's). Non-array arguments are static without it.
+        run's). Non-array arguments are static without it. ``static_argnames``: the same
+        by parameter name (a keyword-only config).
         """
         self._check_open()
         if not callable(fn):
             raise TypeError(f"Run.track: fn must be callable, got {type(fn).__name__}")
         donate = argument_positions(fn, donate_argnums, "donate_argnums")
-        static = argument_positions(fn, static_argnums, "static_argnums")
+        named, static_names = tracked_static_names(fn, static_argnames)
+        static = tuple(sorted({*argument_positions(fn, static_argnums, "static_argnums"), *named}))
         if set(donate) & set(static):
             raise ValueError(
                 f"Run.track: argument(s) {sorted(set(donate) & set(static))} are in both "
@@ -574,6 +578,7 @@ class Run:
             policy=policy,
             donate=donate,
             static=static,
+            static_names=static_names,
         )
         self._tracked.append(tracked)
         return tracked
