@@ -438,3 +438,23 @@ def test_timeseries_of_a_sparse_op_marks_each_measurement_and_breaks_long_gaps()
     line = next(r for r in fig.renderers if r.name == "timeseries-line-rms")
     assert line.glyph.line_dash == []
     assert not [t for t in fig.below if "measured" in getattr(t, "text", "")]
+
+
+def test_unrecorded_calls_are_said_by_function():
+    """The note beside a verdict names the tracked functions whose calls ran unrecorded:
+    one by name, several with their counts, none (a run written before it kept them) by
+    the count alone."""
+    from scalescope.analysis.measured import unrecorded_note, unrecorded_text
+
+    one = {"count": 3, "first_step": 0, "functions": {"eval_step": 3}}
+    two = {"count": 5, "first_step": 2, "functions": {"train_step": 3, "eval_step": 2}}
+    old = {"count": 2, "first_step": 1}
+    assert unrecorded_text(one) == (
+        "3 calls of eval_step from step 0 traced another graph and ran unrecorded"
+    )
+    assert unrecorded_text(two).startswith("5 calls (train_step: 3, eval_step: 2) from step 2")
+    assert unrecorded_text(old) == "2 calls from step 1 traced another graph and ran unrecorded"
+    assert unrecorded_note(one).startswith(
+        "3 calls of eval_step (the first at step 0) traced another graph than the run's"
+    )
+    assert unrecorded_text(None) == unrecorded_note({"count": 0}) == ""

@@ -281,11 +281,11 @@ def test_a_constant_state_leaf_that_scalify_returns_plain_keeps_every_step_recor
     assert list(reader.steps) == [0]
     assert reader.unrecorded_calls == {"count": 2, "first_step": 1, "functions": {"<lambda>": 2}}
     notes = A.measurement_notes(reader)
-    assert any("2 tracked calls (<lambda>: 2) (the first at step 1)" in n for n in notes), notes
+    assert any("2 calls of <lambda> (the first at step 1) traced" in n for n in notes), notes
     # and a healthy verdict on the one recorded call says what it did not see
     headline = reader.verdict().headline
     assert headline.startswith("verdict: healthy (") and (
-        "2 calls (<lambda>: 2) from step 1 traced another graph and ran unrecorded" in headline
+        "2 calls of <lambda> from step 1 traced another graph and ran unrecorded" in headline
     ), headline
     assert ss.open_run(tmp_path / "run").unrecorded_calls is None
 

@@ -39,13 +39,17 @@ def _unrecorded(unrecorded: dict[str, Any] | None) -> tuple[int, int] | None:
     return int(unrecorded["count"]), int(unrecorded.get("first_step", 0))
 
 
-def _of_functions(unrecorded: dict[str, Any]) -> str:
-    """`` (train_step: 29, eval_step: 3)`` when the run knows which tracked functions
-    made its unrecorded calls ("" for runs written before it did)."""
+def _calls(unrecorded: dict[str, Any], n: int) -> str:
+    """``"3 calls of eval_step"``, or ``"5 calls (train_step: 3, eval_step: 2)"`` when
+    several tracked functions made them, or ``"3 calls"`` for runs written before the
+    run kept which."""
+    calls = f"{n:,} call{'s' if n != 1 else ''}"
     functions = unrecorded.get("functions") or {}
-    if not functions:
-        return ""
-    return " (" + ", ".join(f"{name}: {int(n):,}" for name, n in functions.items()) + ")"
+    if len(functions) == 1:
+        return f"{calls} of {next(iter(functions))}"
+    if functions:
+        return f"{calls} (" + ", ".join(f"{k}: {int(v):,}" for k, v in functions.items()) + ")"
+    return calls
 
 
 def unrecorded_note(unrecorded: dict[str, int] | None) -> str:
@@ -55,8 +59,8 @@ def unrecorded_note(unrecorded: dict[str, int] | None) -> str:
         return ""
     n, first = said
     return (
-        f"{n:,} tracked call{'s' if n != 1 else ''}{_of_functions(unrecorded)} (the first "
-        f"at step {first:,}) traced another graph than the run's and ran unrecorded: "
+        f"{_calls(unrecorded, n)} (the first at step {first:,}) traced another graph "
+        "than the run's and ran unrecorded: "
         "figures and verdict cover the other steps only (the flight recorder checked them)"
     )
 
@@ -68,8 +72,7 @@ def unrecorded_text(unrecorded: dict[str, int] | None) -> str:
     if (said := _unrecorded(unrecorded)) is None:
         return ""
     n, first = said
-    calls = f"{n:,} call{'s' if n != 1 else ''}{_of_functions(unrecorded)}"
-    return f"{calls} from step {first:,} traced another graph and ran unrecorded"
+    return f"{_calls(unrecorded, n)} from step {first:,} traced another graph and ran unrecorded"
 
 
 def ended_note(ended_by: str) -> str:
