@@ -172,9 +172,11 @@ class RunReader:
 
     @property
     def unrecorded_calls(self) -> dict[str, int] | None:
-        """``{"count", "first_step"}`` of the tracked calls that traced another graph than
-        the run's and ran unrecorded (and unchecked), or None when every call was the
-        run's graph (written when the run closes)."""
+        """``{"count", "first_step", "functions"}`` of the tracked calls that traced
+        another graph than the run's and ran unrecorded (the flight recorder still checked
+        them), ``functions`` counting them by tracked function (absent in runs written
+        before 2026-12-03), or None when every call was the run's graph (written when the
+        run closes)."""
         value = self.meta.get("unrecorded_calls")
         return dict(value) if value else None
 
