@@ -433,12 +433,18 @@ class Tracked:
         self.run._compiling.append(thread)
         thread.start()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.run._check_open()
+    def _bound(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A call's arguments as the programs take them: bound by position where they
+        can be (`_canonical`), those named static wrapped (`jitting.as_statics`)."""
         if kwargs and self._signature is not None:
             args, kwargs = _canonical(self._signature, args, kwargs)
         if self.static or self.static_names:
             args, kwargs = as_statics(args, kwargs, self.static, self.static_names, _WHERE)
+        return args, kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.run._check_open()
+        args, kwargs = self._bound(args, kwargs)
         objects = stateful.split(args, kwargs)
         if objects is None:
             return self._call(args, kwargs)
@@ -605,7 +611,8 @@ class Tracked:
         last, prev = kept
         full = stats is not None and stats is last
         replay_equal = True
-        if not full and self.donate and _given_away((args, kwargs)):
+        gone = bool(self.donate) and _given_away((args, kwargs))  # donated to the step
+        if not full and gone:
             return self._unreplayed(step, trigger, value, f"{why}; not replayed: {_DONATED_NOTE}")
         if not full:
             again, stats, _ = self._record(self._every_group(), args, kwargs)
@@ -623,7 +630,7 @@ class Tracked:
             self.run.formats + self.run.recipes,
             exact=self.run.sample is None,  # sampled statistics can miss an input's NaN
         )
-        if trigger == "nonfinite" and found["op"] >= 0 and not _given_away((args, kwargs)):
+        if trigger == "nonfinite" and found["op"] >= 0 and not gone:
             located = self._located(table, found["op"], args, kwargs)
             if located is not None:
                 found["devices"], text = located
@@ -814,10 +821,7 @@ class Tracked:
         """Compile both variants now (each runs once on these arguments; nothing is
         recorded and the step counter does not move), so no training step pays for it."""
         self.run._check_open()
-        if kwargs and self._signature is not None:
-            args, kwargs = _canonical(self._signature, args, kwargs)
-        if self.static or self.static_names:
-            args, kwargs = as_statics(args, kwargs, self.static, self.static_names, _WHERE)
+        args, kwargs = self._bound(args, kwargs)
         if (objects := stateful.split(args, kwargs)) is not None:
             args, kwargs = objects.args, objects.kwargs  # nothing is written back
         args, kwargs = _strongly_typed(args, kwargs)
