@@ -10,6 +10,7 @@ at that step, and spreads to the loss and the update.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import logging
@@ -488,16 +489,25 @@ def test_the_recorder_keeps_no_copy_of_the_training_state(tmp_path):
     the caller's own arrays) equals the run without it, up to those statistics."""
 
     def live(detect: bool, mode: str, name: str) -> int:
+        # Only arrays made during this run count: the worker's other tests leave
+        # arrays that the garbage collector frees at times of its own (held here, so
+        # that no id is reused).
+        gc.collect()
+        held = jax.live_arrays()
+        before = {id(a) for a in held}
         run = ss.Run(tmp_path / name, every=5, detect=detect, on_nonfinite=mode)
         tracked = run.track(spiky, scalify=False)
         w, x = _inputs()
         for i in range(12):
             w, loss = tracked(w, x, jnp.int32(i))
         assert run.healthy  # every step judged (by the watcher thread, as each one ran)
+        run.flush()  # the writer's queue holds each step's health (3 floats) until written
         stats_bytes = sum(
             a.nbytes for a in jax.tree_util.tree_leaves(tracked._last_stats or {})
         ) + sum(a.nbytes for a in jax.tree_util.tree_leaves(tracked._prev_stats or {}))
-        total = sum(a.nbytes for a in jax.live_arrays())
+        gc.collect()
+        total = sum(a.nbytes for a in jax.live_arrays() if id(a) not in before)
+        del held
         run.close()
         del tracked, w, loss
         return total - stats_bytes
