@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,18 @@ XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
 #: E2M1 wrongly just above a tie (5.0002 to 4), which is why the probe rounds E2M1 in
 #: arithmetic (`recipe_kernel._cast`), and abort on FP6, which scalescope does not use.
 OPTIONAL_XLA_TEST_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+
+
+#: JAX's warning that a persistent-cache entry could not be read or written (another
+#: process was writing it at that moment: the cache takes no lock); it compiles instead.
+JAX_CACHE_WARNING = r"Error (reading|writing) persistent compilation cache"
+
+
+def fail_on_warnings() -> None:
+    """Inside ``warnings.catch_warnings()``: every warning an error, except
+    `JAX_CACHE_WARNING`, which says nothing about the code under test."""
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", message=JAX_CACHE_WARNING)
 
 
 def known_xla_flags(flags: tuple[str, ...]) -> list[str]:

@@ -39,7 +39,9 @@ def main() -> None:
     parser.add_argument("--fsize", type=int)
     parser.add_argument("--after", type=int, default=0)
     args = parser.parse_args()
-    run = ss.Run(args.run, every=1, flush_steps=args.flush_steps, histograms=False)
+    run = ss.Run(
+        args.run, every=1, flush_steps=args.flush_steps, histograms=False, flush_seconds=60.0
+    )
     tracked = run.track(step, scalify=False)
     w, x = jnp.full((16, 16), 0.1, jnp.float32), jnp.ones((8, 16), jnp.float32)
     tracked.warmup(w, x)

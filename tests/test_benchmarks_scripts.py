@@ -297,7 +297,7 @@ def test_bench_scalify_runs_a_tiny_config():
     for label in ("trace+compile (s)", "step time (ms)"):
         plain, scalified, ratio = rows[label][:3]
         assert plain > 0 and scalified > 0, rows[label]
-        assert math.isclose(ratio, scalified / plain, rel_tol=0.02, abs_tol=0.01), rows[label]
+        assert math.isclose(ratio, scalified / plain, rel_tol=0.05, abs_tol=0.01), rows[label]
 
 
 @pytest.mark.slow

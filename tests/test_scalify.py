@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import fail_on_warnings
 from jax import lax
 
 import scalescope as ss
@@ -636,7 +637,7 @@ def test_nnx_state_assigned_and_not_returned_is_warned_about():
         return loss, nnx.state((m, opt))
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        fail_on_warnings()
         loss, new = jax.jit(ss.scalify(step))(ss.as_scaled_array(state), batch)
     plain_loss, plain_new = jax.jit(step)(state, batch)
     assert float(ss.asarray(loss)) == pytest.approx(float(plain_loss), rel=1e-6)

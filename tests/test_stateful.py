@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import fail_on_warnings
 
 import scalescope as ss
 
@@ -73,7 +74,7 @@ def test_a_stateful_nnx_step_trains_as_under_nnx_jit(tmp_path):
     ref_model, ref_opt = _objects()
     reference = nnx.jit(train_step)
     with ss.Run(tmp_path / "r", every=2) as run, warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "not written back" warning
+        fail_on_warnings()  # no "not written back" warning
         step = run.track(train_step, scalify=False)  # plain arguments: recorded as written
         for x, y in batches:
             loss = step(model, optimizer, x, y)
